@@ -1,0 +1,268 @@
+"""YAML (+ command-line overrides) -> Config, reporting every problem at once.
+
+Each problem names its dotted path, where it was set (YAML line or override), the rule or expected
+type, the value given, and a fix. Cross-field rules are only checked on fields that parsed, so one
+typo does not turn into a cascade of follow-on complaints.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from femtotron.config.config import SKIP_RULES, Config, Problem, raise_problems, rule_problems
+
+# Stand-ins for required fields that are missing or invalid, so the other rules can still be checked.
+# Rules that read them are suppressed anyway, because those paths are already reported.
+_PLACEHOLDERS = {"tokens.train_steps": 1, "data.dataset_folder": "placeholder"}
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML config, apply `dotted.path=value` overrides and validate; ConfigError lists every problem."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        _fail(path, f"file not found (relative paths start from {Path.cwd()}); check the path, "
+                    "e.g. `femtotron train examples/debug.yaml`")
+    except (OSError, UnicodeDecodeError) as e:
+        _fail(path, f"cannot read the file: {e}")
+    # safe_load, done in two steps so the node tree (with line numbers) is kept.
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.YAMLError as e:
+        _fail(path, _yaml_error(e))
+    finally:
+        loader.dispose()
+    lines: dict[str, int] = {}
+    duplicates = _map_lines(node, "", lines) if node is not None else []
+    return _build(data, str(path), overrides, lines, duplicates)
+
+
+def load_config_dict(mapping: Mapping[str, Any], source: str = "<dict>", overrides: Sequence[str] = ()) -> Config:
+    """Validate an in-memory config (tests, `Config.to_dict()` output) exactly like a YAML file."""
+    return _build(mapping, source, overrides, {}, [])
+
+
+def _fail(path: Path, message: str) -> NoReturn:
+    raise_problems(f"Cannot load config {path}", [Problem((), message)])
+
+
+def _yaml_error(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    detail = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    if context and getattr(e, "context_mark", None):
+        detail += f" ({context} at line {e.context_mark.line + 1})"
+    hint = "; YAML indents with spaces, never tabs" if "\\t" in detail else ""
+    return f"YAML syntax error{where}: {detail}{hint}"
+
+
+def _map_lines(node: yaml.Node, prefix: str, lines: dict[str, int]) -> list[Problem]:
+    """Record the line of every key by dotted path; report duplicate keys, which safe_load silently drops."""
+    duplicates: list[Problem] = []
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            path, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
+            if path in lines:
+                duplicates.append(Problem((path,), f"duplicate key (also set at line {lines[path]}); YAML keeps "
+                                          "only the last one. Delete one of them.", (f"line {line}",)))
+                for stale in [p for p in lines if p.startswith(path + ".")]:  # the first block is discarded
+                    del lines[stale]
+            lines[path] = line
+            duplicates += _map_lines(value_node, path + ".", lines)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines[f"{prefix}{i}"] = item.start_mark.line + 1
+            duplicates += _map_lines(item, f"{prefix}{i}.", lines)
+    return duplicates
+
+
+class _Locator:
+    """Says where a dotted path got its value: a command line override, a YAML line, or the default."""
+
+    def __init__(self, lines: dict[str, int], overrides: dict[str, str]) -> None:
+        self.lines, self.overrides = lines, overrides
+
+    def __call__(self, path: str) -> str:
+        for target, text in self.overrides.items():
+            if path == target or path.startswith(target + "."):
+                return f"command line override '{text}'"
+        if path in self.lines:
+            return f"line {self.lines[path]}"
+        for target, text in self.overrides.items():
+            if target.startswith(path + "."):
+                return f"command line override '{text}'"
+        return "default" if self.lines else ""
+
+
+def _build(
+    data: Any, source: str, overrides: Sequence[str], lines: dict[str, int], found: list[Problem]
+) -> Config:
+    if not isinstance(data, Mapping):
+        got = "an empty file" if data is None else f"a {type(data).__name__}"
+        raise_problems(f"Invalid config {source}", [Problem((), (
+            f"the top level must be a mapping of sections (general, model, parallelism, tokens, optimizer, "
+            f"data, ...); got {got}. A config needs at least tokens.train_steps and data.dataset_folder."))])
+    data = copy.deepcopy(dict(data))
+    applied, override_problems = _apply_overrides(data, overrides)
+    locate = _Locator(lines, applied)
+    problems: list[Problem] = list(found)
+    bad: set[str] = set()  # paths already reported: cross-field rules that read them are skipped
+    try:
+        config: Config | None = Config.model_validate(data, context={SKIP_RULES: True})
+    except ValidationError as e:
+        for err in e.errors():
+            problem, paths = _from_pydantic(err, locate)
+            problems.append(problem)
+            bad.update(paths)
+        config = _lenient(data, bad)
+    problems += override_problems
+    if config is not None:
+        for p in rule_problems(config):
+            if not any(_related(f, b) for f in p.fields for b in bad):
+                problems.append(Problem(p.fields, p.message, tuple(locate(f) for f in p.fields)))
+    if problems or config is None:
+        n = len(problems)
+        raise_problems(f"Invalid config {source}: {n} problem{'s' if n != 1 else ''}", problems)
+    return config
+
+
+def _apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str, str], list[Problem]]:
+    """Apply `dotted.path=value` (value parsed as YAML) in place; return {path: text} applied and the problems."""
+    applied: dict[str, str] = {}
+    problems: list[Problem] = []
+    for text in overrides:
+        key, eq, raw = (part.strip() for part in text.partition("="))
+        where = (f"command line override '{text}'",)
+        if not eq or "" in key.split("."):
+            problems.append(Problem((key or text,), "an override must look like section.key=value, "
+                                    "e.g. parallelism.tp=2 or tokens.train_steps=50", where))
+            continue
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            problems.append(Problem((key,), f"the value {raw!r} is not valid YAML ({getattr(e, 'problem', e)}); "
+                                    "quote it if it is a string", where))
+            continue
+        *parents, leaf = key.split(".")
+        node = data
+        for i, part in enumerate(parents):
+            if node.get(part) is None:
+                node[part] = {}  # create missing sections; unknown ones are reported by validation
+            node = node[part]
+            if not isinstance(node, dict):
+                problems.append(Problem((key,), f"cannot set '{leaf}': {'.'.join(parents[:i + 1])} is "
+                                        f"{node!r}, not a section", where))
+                break
+        else:
+            node[leaf] = value
+            applied[key] = text
+    return applied, problems
+
+
+def _from_pydantic(err: Any, locate: _Locator) -> tuple[Problem, set[str]]:
+    """One pydantic error -> a Problem, plus the paths it makes unreliable for cross-field rules."""
+    loc = [str(part) for part in err["loc"]]
+    path, parent, key = ".".join(loc), loc[:-1], loc[-1] if loc else ""
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        message, intended = _unknown_key(parent, key)
+        return Problem((path,), message, (locate(path),)), {path, *intended}
+    if kind == "missing":
+        info = _field(loc)
+        expected = f" ({info.description})" if info is not None and info.description else ""
+        section = ".".join(parent)
+        where = f"add it under '{section}:'" + (f" ({locate(section)})" if section in locate.lines else "")
+        if not section:
+            where = f"add a '{key}:' section"
+        return Problem((path,), f"required field is missing{expected}; {where}", ("not set",)), {path}
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        message = "must be a section (a mapping of keys)"
+    else:
+        message = err["msg"].removeprefix("Value error, ").replace("Input should be", "must be", 1)
+    value = err["input"]
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    return Problem((path,), f"{message}; got {shown} ({type(value).__name__})", (locate(path),)), {path}
+
+
+def _field(loc: list[str]) -> Any:
+    """The pydantic FieldInfo at a YAML path (by YAML key names), or None if there is no such field."""
+    model: Any = Config
+    info = None
+    for key in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+        info = next((f for name, f in model.model_fields.items() if (f.alias or name) == key), None)
+        if info is None:
+            return None
+        model = info.annotation
+    return info
+
+
+def _keys(model: type[BaseModel]) -> list[str]:
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
+def _all_paths(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    paths = []
+    for name, info in model.model_fields.items():
+        key, sub = info.alias or name, info.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            paths += _all_paths(sub, f"{prefix}{key}.")
+        else:
+            paths.append(prefix + key)
+    return paths
+
+
+def _unknown_key(parent: list[str], key: str) -> tuple[str, list[str]]:
+    """Message for an unknown key: the likely intended key, or the section it belongs in, or the valid keys."""
+    section = ".".join(parent)
+    info = _field(parent) if parent else None
+    model = info.annotation if info is not None else Config
+    valid = _keys(model)
+    prefix = f"{section}." if section else ""
+    what = f"unknown key '{key}' in {section}" if section else f"unknown section '{key}'"
+    scores = {v: difflib.SequenceMatcher(None, key, v).ratio() for v in valid}
+    best = max(scores.values(), default=0.0)
+    close = [v for v in valid if scores[v] >= max(0.6, best - 0.05)]  # the best match, and any as good
+    if close:
+        return f"{what}; did you mean {' or '.join(repr(c) for c in close)}?", [prefix + c for c in close]
+    elsewhere = [p for p in _all_paths() if p.rsplit(".", 1)[-1] == key]
+    if elsewhere:
+        return f"{what}; '{key}' belongs at {' or '.join(elsewhere)}. Move it there.", elsewhere
+    return f"{what}; valid keys here: {', '.join(valid)}", []
+
+
+def _related(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _lenient(data: dict[str, Any], bad: set[str]) -> Config | None:
+    """The config with its bad values dropped (defaults apply), so rules on the good fields can still run."""
+    repaired = copy.deepcopy(data)
+    for path in bad:
+        *parents, leaf = path.split(".")
+        node: Any = repaired
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    for path, value in _PLACEHOLDERS.items():
+        section, leaf = path.split(".")
+        if not isinstance(repaired.get(section), dict):
+            repaired[section] = {}
+        repaired[section].setdefault(leaf, value)
+    try:
+        return Config.model_validate(repaired, context={SKIP_RULES: True})
+    except ValidationError:
+        return None

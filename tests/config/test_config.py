@@ -1,0 +1,270 @@
+"""Schema, defaults, cross-field rules, world-size check (L1), warnings (N1, N2) and parameter_count."""
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from femtotron.config import (
+    Config,
+    check_world_size,
+    config_warnings,
+    load_config,
+    load_config_dict,
+    parameter_count,
+)
+from femtotron.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY = {
+    "model": {
+        "model_config": {
+            "vocab_size": 128,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+        }
+    },
+    "tokens": {"sequence_length": 32, "micro_batch_size": 2, "train_steps": 10},
+    "data": {"dataset_folder": "data/tiny"},
+}
+
+
+def tiny(**changes: object) -> dict:
+    """TINY with dotted-path changes applied, e.g. tiny(**{"parallelism.tp": 4})."""
+    data = copy.deepcopy(TINY)
+    for path, value in changes.items():
+        *parents, leaf = path.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return data
+
+
+def problems_of(data: dict) -> list:
+    with pytest.raises(ConfigError) as info:
+        load_config_dict(data)
+    return info.value.problems
+
+
+def only_problem(data: dict):
+    problems = problems_of(data)
+    assert len(problems) == 1, [str(p) for p in problems]
+    return problems[0]
+
+
+M = "model.model_config."
+
+
+def test_defaults_and_resolved_fields():
+    cfg = load_config_dict({"tokens": {"train_steps": 100}, "data": {"dataset_folder": "d"}})
+    m = cfg.model.model_config_
+    assert m.num_key_value_heads == m.num_attention_heads == 32
+    assert (cfg.parallelism.dp, cfg.parallelism.tp, cfg.parallelism.pp) == (1, 1, 1)
+    assert cfg.model.dtype == "bfloat16" and cfg.model.init_method.std == 0.02
+    assert cfg.optimizer.clip_grad == 1.0 and cfg.optimizer.accumulate_grad_in_fp32
+    sched = cfg.optimizer.learning_rate_scheduler
+    assert (sched.lr_decay_starting_step, sched.lr_decay_steps) == (0, 100)
+    cfg = load_config_dict(tiny(**{"optimizer.learning_rate_scheduler.lr_warmup_steps": 3}))
+    sched = cfg.optimizer.learning_rate_scheduler
+    assert (sched.lr_decay_starting_step, sched.lr_decay_steps) == (3, 7)
+
+
+def test_convenience_properties():
+    cfg = load_config_dict(tiny(**{"tokens.batch_accumulation_per_replica": 3, "parallelism.dp": 2,
+                                   "general.run": "r1", "logging.output_dir": "out"}))
+    assert cfg.global_batch_size == 2 * 3 * 2
+    assert cfg.tokens_per_step == 12 * 32
+    assert cfg.run_dir == Path("out") / "r1"
+    assert cfg.head_dim == 16
+
+
+def test_parameter_count_matches_hand_count():
+    m = load_config_dict(TINY).model.model_config_
+    # vocab 128, hidden 64, intermediate 96, 2 layers, 4 heads of 16 dims, 2 kv heads
+    embed = 128 * 64
+    attn = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64  # q, k, v (2 heads x 16), o
+    mlp = 3 * 64 * 96
+    layer = attn + mlp + 2 * 64
+    assert parameter_count(m) == embed + 2 * layer + 64 + 128 * 64
+    tied = m.model_copy(update={"tie_word_embeddings": True})
+    assert parameter_count(tied) == parameter_count(m) - 128 * 64
+
+
+def test_to_dict_round_trips_through_yaml(tmp_path):
+    cfg = load_config_dict(tiny(**{"data.dataset_folder": {"a": 0.3, "b": 0.7}, "optimizer.clip_grad": None}))
+    path = tmp_path / "dumped.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    again = load_config(path)
+    assert again == cfg
+    assert "model_config" in cfg.to_dict()["model"]
+
+
+def test_python_construction_checks_rules_too():
+    with pytest.raises(ValueError, match="parallelism.tp"):
+        Config.model_validate(tiny(**{"parallelism.tp": 3}))
+
+
+# --- cross-field rules: each names every field involved and a concrete fix ---
+
+
+def test_hidden_size_divisible_by_heads():
+    p = only_problem(tiny(**{M + "hidden_size": 250}))
+    assert p.fields == (M + "hidden_size", M + "num_attention_heads")
+    assert "hidden_size=250 must be divisible by num_attention_heads=4" in p.message
+    assert "one of 1, 5, 25" in p.message and "hidden_size to 248 or 256" in p.message
+
+
+def test_head_dim_must_be_even():
+    p = only_problem(tiny(**{M + "hidden_size": 132, M + "num_attention_heads": 4}))
+    assert "head_dim" in p.message and "33 is odd" in p.message and "RoPE" in p.message
+    assert M + "num_attention_heads" in p.fields
+
+
+def test_heads_divisible_by_kv_heads():
+    p = only_problem(tiny(**{M + "num_key_value_heads": 3}))
+    assert p.fields == (M + "num_attention_heads", M + "num_key_value_heads")
+    assert "num_key_value_heads one of 1, 2, 4" in p.message
+
+
+def test_t2_heads_divisible_by_tp_lists_working_tp():
+    p = only_problem(tiny(**{M + "num_key_value_heads": 4, M + "intermediate_size": 128, "parallelism.tp": 8}))
+    assert p.fields == (M + "num_attention_heads", M + "num_key_value_heads", "parallelism.tp")
+    assert "num_attention_heads=4 and num_key_value_heads=4 must both be divisible by tp=8" in p.message
+    assert "tp values that would work: 1, 2, 4" in p.message
+
+
+def test_t2_kv_heads_limit_tp():
+    p = only_problem(tiny(**{"parallelism.tp": 4}))  # 4 heads but only 2 kv heads
+    assert "num_key_value_heads=2" in p.message and "tp values that would work: 1, 2." in p.message
+
+
+def test_intermediate_size_divisible_by_tp():
+    p = only_problem(tiny(**{M + "intermediate_size": 90, "parallelism.tp": 4, M + "num_key_value_heads": 4}))
+    assert p.fields == (M + "intermediate_size", "parallelism.tp")
+    assert "intermediate_size=88 or 92" in p.message
+
+
+def test_vocab_size_divisible_by_tp_suggests_padding():
+    p = only_problem(tiny(**{M + "vocab_size": 129, "parallelism.tp": 2}))
+    assert p.fields == (M + "vocab_size", "parallelism.tp")
+    assert "pad vocab_size to 130" in p.message
+
+
+def test_layers_at_least_pp():
+    p = only_problem(tiny(**{"parallelism.pp": 4}))
+    assert p.fields == (M + "num_hidden_layers", "parallelism.pp")
+    assert "num_hidden_layers=2 must be >= pp=4" in p.message and "pp=2 or less" in p.message
+
+
+def test_sequence_length_within_max_positions():
+    p = only_problem(tiny(**{"tokens.sequence_length": 128}))
+    assert p.fields == ("tokens.sequence_length", M + "max_position_embeddings")
+    assert "sequence_length=64" in p.message and "max_position_embeddings=128" in p.message
+
+
+def test_reduce_scatter_needs_sequence_divisible_by_tp():
+    p = only_problem(tiny(**{"parallelism.tp_mode": "REDUCE_SCATTER", "parallelism.tp": 2,
+                             "tokens.sequence_length": 31}))
+    assert p.fields == ("parallelism.tp_mode", "tokens.sequence_length", "parallelism.tp")
+    assert "sequence_length=30 or 32" in p.message and "tp_mode=ALL_REDUCE" in p.message
+
+
+def test_warmup_within_train_steps():
+    p = only_problem(tiny(**{"optimizer.learning_rate_scheduler.lr_warmup_steps": 20}))
+    assert p.fields == ("optimizer.learning_rate_scheduler.lr_warmup_steps", "tokens.train_steps")
+    assert "lr_warmup_steps=20 must be <= train_steps=10" in p.message and "lr_warmup_steps=1" in p.message
+
+
+def test_min_decay_lr_at_most_learning_rate():
+    p = only_problem(tiny(**{"optimizer.learning_rate_scheduler.min_decay_lr": 1e-2}))
+    assert set(p.fields) == {"optimizer.learning_rate_scheduler.min_decay_lr",
+                             "optimizer.learning_rate_scheduler.learning_rate"}
+    assert "min_decay_lr=3e-05" in p.message
+
+
+def test_val_check_interval_not_negative():
+    p = only_problem(tiny(**{"tokens.val_check_interval": -1}))
+    assert p.path == "tokens.val_check_interval" and "greater than or equal to 0" in p.message
+
+
+def test_blend_weights_must_be_positive():
+    p = only_problem(tiny(**{"data.dataset_folder": {"a": 1.0, "b": 0}}))
+    assert p.path == "data.dataset_folder" and "weight must be > 0" in p.message
+
+
+def test_all_rule_violations_reported_together():
+    problems = problems_of(tiny(**{"parallelism.pp": 4, "tokens.sequence_length": 128, M + "vocab_size": 129,
+                                   "parallelism.tp": 2}))
+    assert len(problems) == 3
+
+
+# --- L1: world size ---
+
+
+def test_world_size_mismatch_lists_valid_layouts():
+    cfg = load_config_dict(tiny(**{"parallelism.tp": 2}))  # 4 heads, 2 kv heads, 2 layers
+    with pytest.raises(ConfigError) as info:
+        check_world_size(cfg, 4)
+    message = str(info.value)
+    for name in ("dp=1", "tp=2", "pp=1", "= 2", "WORLD_SIZE=4"):
+        assert name in message
+    layouts = message.split("choose a layout for 4: ")[1].split(".")[0]
+    assert layouts == "dp=4 tp=1 pp=1; dp=2 tp=1 pp=2; dp=2 tp=2 pp=1; dp=1 tp=2 pp=2"  # not tp=4, not pp=4
+    assert "parallelism.dp=2 parallelism.tp=2 parallelism.pp=1" in message  # keeps the user's tp and pp
+    assert info.value.problems[0].fields == ("parallelism.dp", "parallelism.tp", "parallelism.pp")
+
+
+def test_world_size_match_passes():
+    check_world_size(load_config_dict(tiny(**{"parallelism.dp": 2, "parallelism.tp": 2})), 4)
+
+
+# --- N1, N2 warnings ---
+
+
+def test_default_config_has_no_warnings():
+    assert config_warnings(load_config_dict(TINY)) == []
+
+
+def test_warns_when_clipping_off():
+    (w,) = config_warnings(load_config_dict(tiny(**{"optimizer.clip_grad": None})))
+    assert "optimizer.clip_grad" in w and "clip_grad: 1.0" in w
+
+
+def test_warns_on_huge_and_tiny_learning_rate():
+    (w,) = config_warnings(load_config_dict(tiny(**{"optimizer.learning_rate_scheduler.learning_rate": 0.5})))
+    assert "learning_rate=0.5" in w and "0.003" in w
+    (w,) = config_warnings(load_config_dict(tiny(**{"optimizer.learning_rate_scheduler.learning_rate": 1e-8})))
+    assert "barely" in w
+
+
+def test_warns_on_fp16_and_large_init():
+    warnings = config_warnings(load_config_dict(tiny(**{"model.dtype": "float16", "model.init_method.std": 0.5})))
+    assert any("float16" in w and "bfloat16" in w for w in warnings)
+    assert any("init_method.std=0.5" in w and "0.02" in w for w in warnings)
+
+
+def test_debug_example_loads_without_warnings():
+    cfg = load_config(REPO / "examples" / "debug.yaml")
+    assert cfg.general.run == "debug" and cfg.model.model_config_.num_hidden_layers == 2
+    assert config_warnings(cfg) == []
+
+
+def test_loading_a_config_does_not_import_torch():
+    code = (
+        "import sys; from femtotron.config import load_config, check_world_size, config_warnings; "
+        f"c = load_config({str(REPO / 'examples' / 'debug.yaml')!r}); config_warnings(c); check_world_size(c, 1); "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,97 @@
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from femtotron.models.llama import Llama
+
+
+def tiny_config(**overrides):
+    cfg = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-5,
+               tie_word_embeddings=False)
+    cfg.update(overrides)
+    return SimpleNamespace(**cfg)
+
+
+def build(cfg, seed=7, dtype=torch.float32):
+    return Llama(cfg, std=0.02, seed=seed, dtype=dtype, device=torch.device("cpu"))
+
+
+def hf_twin(model, cfg):
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
+        attention_bias=False, mlp_bias=False,
+    )).float().eval()
+    ours = dict(model.named_parameters())
+    hf_state = {}
+    for name in hf.state_dict():
+        key = name.removeprefix("model.")
+        hf_state[name] = ours["embed_tokens.weight"] if key == "lm_head.weight" and key not in ours else ours[key]
+    hf.load_state_dict(hf_state, strict=True)
+    return hf
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_match_hf_transformers(tied):
+    cfg = tiny_config(tie_word_embeddings=tied)
+    model = build(cfg)
+    hf = hf_twin(model, cfg)
+    ids = torch.randint(0, cfg.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.logits(ids)
+        theirs = hf(input_ids=ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_loss_is_summed_cross_entropy_over_valid_tokens():
+    cfg = tiny_config()
+    model = build(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    targets = ids[:, 1:].clone()
+    targets[0, :3] = -100
+    loss_sum, count = model(ids[:, :-1], targets)
+    logits = model.logits(ids[:, :-1])
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="mean")
+    assert count.item() == 2 * 8 - 3
+    torch.testing.assert_close(loss_sum / count, expected)
+
+
+def test_init_is_a_function_of_seed_and_name_only():
+    cfg = tiny_config()
+    a, b, c = build(cfg, seed=1), build(cfg, seed=1), build(cfg, seed=2)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if pa.dim() == 2:
+            assert not torch.equal(pa, pc), name
+    # A deeper model shares the first layers' weights exactly: init does not depend on call order.
+    deeper = build(tiny_config(num_hidden_layers=3), seed=1)
+    assert torch.equal(deeper.layers[1].mlp.up_proj.weight, a.layers[1].mlp.up_proj.weight)
+
+
+def test_parameters_carry_sharding_metadata_and_scaled_output_init():
+    cfg = tiny_config(num_hidden_layers=8, hidden_size=256, num_attention_heads=4, intermediate_size=512)
+    model = build(cfg)
+    for name, p in model.named_parameters():
+        assert p.shard.name == name
+        assert p.shard.global_shape == tuple(p.shape)
+    q_std = model.layers[0].self_attn.q_proj.weight.std().item()
+    o_std = model.layers[0].self_attn.o_proj.weight.std().item()
+    assert q_std == pytest.approx(0.02, rel=0.05)
+    assert o_std == pytest.approx(0.02 / 4, rel=0.05)  # 0.02 / sqrt(2 * 8 layers)
+    tied = build(tiny_config(tie_word_embeddings=True))
+    assert tied.embed_tokens.weight.shard.tie_group == "embed_tokens.weight"
+    assert not hasattr(tied, "lm_head")
+
+
+def test_bf16_model_tracks_fp32_model():
+    cfg = tiny_config()
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = build(cfg).logits(ids)
+        half = build(cfg, dtype=torch.bfloat16).logits(ids).float()
+    assert (full - half).abs().max() < 0.05 * full.abs().max() + 1e-2
