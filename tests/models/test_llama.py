@@ -64,7 +64,7 @@ def test_loss_is_summed_cross_entropy_over_valid_tokens():
 def test_init_is_a_function_of_seed_and_name_only():
     cfg = tiny_config()
     a, b, c = build(cfg, seed=1), build(cfg, seed=1), build(cfg, seed=2)
-    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
         assert torch.equal(pa, pb), name
         if pa.dim() == 2:
             assert not torch.equal(pa, pc), name

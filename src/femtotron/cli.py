@@ -1,0 +1,109 @@
+"""`femtotron <verb>`: train, generate, preprocess, train-tokenizer.
+
+Every problem a user can fix arrives as a FemtotronError and is printed as plain text with its
+exit code (2 for config errors); a traceback means a bug in femtotron.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from femtotron.errors import ConfigError, FemtotronError
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from femtotron.config import check_world_size, load_config
+
+    config = load_config(args.config, args.overrides)
+    # L1: checked on every rank, from the environment alone, before any process group exists.
+    check_world_size(config, int(os.environ.get("WORLD_SIZE", "1")))
+    if args.debug:
+        # Must be set before the process group is created to take effect.
+        os.environ.setdefault("NCCL_DEBUG", "INFO")
+        os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    from femtotron.parallel.context import ParallelContext
+    from femtotron.trainer import Trainer
+
+    par = config.parallelism
+    ctx = ParallelContext(par.dp, par.tp, par.pp, init_timeout_seconds=par.init_timeout_seconds,
+                          collective_timeout_seconds=par.collective_timeout_seconds)
+    try:
+        Trainer(config, ctx).train()
+    finally:
+        ctx.close()
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from femtotron.generate import generate_text
+
+    print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+
+
+def cmd_preprocess(args: argparse.Namespace) -> None:
+    from femtotron.data.preprocess import preprocess
+
+    summary = preprocess(args.input, args.tokenizer, args.output_prefix, workers=args.workers, text_key=args.text_key)
+    print(f"wrote {args.output_prefix}.bin/.idx: {summary.documents:,} documents, {summary.tokens:,} tokens ({summary.dtype})")
+
+
+def cmd_train_tokenizer(args: argparse.Namespace) -> None:
+    from femtotron.data.tokenizer import train_tokenizer
+
+    train_tokenizer(args.input, args.vocab_size, args.output)
+    print(f"wrote {args.output} (byte-level BPE, vocab {args.vocab_size})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="femtotron", description=__doc__.split("\n")[0])
+    verbs = parser.add_subparsers(dest="verb", required=True)
+
+    train = verbs.add_parser("train", help="train a model from a YAML config (under torchrun for several processes)")
+    train.add_argument("config", help="YAML config, e.g. examples/debug.yaml")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. tokens.train_steps=50 parallelism.dp=2")
+    train.add_argument("--debug", action="store_true",
+                       help="set NCCL_DEBUG=INFO and TORCH_DISTRIBUTED_DEBUG=DETAIL before init")
+    train.set_defaults(run=cmd_train)
+
+    gen = verbs.add_parser("generate", help="sample text from a finished run")
+    gen.add_argument("run_dir", help="the run directory (logging.output_dir/general.run), e.g. runs/debug")
+    gen.add_argument("--prompt", default="", help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=50)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(run=cmd_generate)
+
+    pre = verbs.add_parser("preprocess", help="tokenize .jsonl[.gz] / .txt into Megatron .bin/.idx files")
+    pre.add_argument("--input", required=True, help=".jsonl, .jsonl.gz (one document per line) or .txt (one document)")
+    pre.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json")
+    pre.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    pre.add_argument("--workers", type=int, default=1)
+    pre.add_argument("--text-key", default="text", help="JSON field holding the text")
+    pre.set_defaults(run=cmd_preprocess)
+
+    tok = verbs.add_parser("train-tokenizer", help="fit a byte-level BPE tokenizer on a corpus")
+    tok.add_argument("--input", required=True, nargs="+", help=".jsonl, .jsonl.gz or .txt files")
+    tok.add_argument("--vocab-size", type=int, required=True)
+    tok.add_argument("--output", required=True, help="where to write tokenizer.json")
+    tok.set_defaults(run=cmd_train_tokenizer)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except FemtotronError as e:
+        # Every rank checks the config and fails alike; one copy of the message is enough.
+        if not isinstance(e, ConfigError) or os.environ.get("RANK", "0") == "0":
+            print(f"femtotron: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

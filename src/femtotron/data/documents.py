@@ -1,0 +1,61 @@
+"""Reading raw text documents: the one reader shared by tokenizer training and preprocessing.
+
+`.jsonl` / `.jsonl.gz`: one JSON object per line, the text under `text_key` (blank lines are skipped).
+`.txt`: the whole file is one document.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from collections.abc import Iterator
+from typing import IO
+
+from femtotron.errors import DataError
+
+SUFFIXES = (".jsonl", ".jsonl.gz", ".txt")
+
+
+def _open(path: str) -> IO[str]:
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def iter_documents(path: str | os.PathLike, text_key: str = "text") -> Iterator[str]:
+    """Yield the text of each document in `path`, in file order."""
+    path = os.fspath(path)
+    if not path.endswith(SUFFIXES):
+        raise DataError(f"{path}: unsupported input; expected a file ending in {', '.join(SUFFIXES)}")
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: input file does not exist")
+    try:
+        with _open(path) as f:
+            if path.endswith(".txt"):
+                yield f.read()
+                return
+            for line_number, line in enumerate(f, start=1):
+                if line.strip():
+                    yield _text_of(line, path, line_number, text_key)
+    except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as e:
+        raise DataError(
+            f"{path}: cannot be read as UTF-8 text{' (gzip)' if path.endswith('.gz') else ''}: {e}"
+        ) from e
+
+
+def _text_of(line: str, path: str, line_number: int, text_key: str) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{path}, line {line_number}: not valid JSON ({e.msg} at column {e.colno}). "
+            'Each line must be one JSON object, e.g. {"text": "..."}.'
+        ) from e
+    if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise DataError(
+            f"{path}, line {line_number}: no string field {text_key!r} (found {keys}). "
+            "Pass --text-key with the field that holds the text."
+        )
+    return record[text_key]

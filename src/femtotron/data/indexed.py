@@ -1,0 +1,289 @@
+"""Megatron-Core's indexed dataset: a `.bin` of raw tokens and an `.idx` that says where each sequence is.
+
+`.idx` layout (all little-endian): magic `MMIDIDX\\x00\\x00`, u64 version 1, u8 dtype code, u64 sequence
+count S, u64 document-index length D, int32[S] sequence lengths, int64[S] byte offsets into `.bin`,
+int64[D] document boundaries (0 ... S). Files written here load in Megatron-Core and the other way round.
+Every way a pair can be missing or corrupt is reported as a `DataError` naming the file (failure mode L3).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+from collections.abc import Sequence
+
+import numpy as np
+
+from femtotron.errors import DataError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D: 34 bytes, no padding
+# Position + 1 is the dtype code stored in the header.
+_DTYPE_NAMES = ("uint8", "int8", "int16", "int32", "int64", "float64", "float32", "uint16")
+DTYPE_CODES: dict[int, np.dtype] = {i + 1: np.dtype(name) for i, name in enumerate(_DTYPE_NAMES)}
+
+
+def token_dtype_for(vocab_size: int) -> np.dtype:
+    """uint16 when every token id (0 ... vocab_size - 1) fits in it, else int32 (half the disk otherwise)."""
+    return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.int32)
+
+
+def _le(dtype: np.dtype) -> np.dtype:
+    """The format is little-endian whatever the host is."""
+    return np.dtype(dtype).newbyteorder("<")
+
+
+def _fix(prefix: str) -> str:
+    return (
+        "To produce the files: femtotron preprocess --input corpus.jsonl --tokenizer tokenizer.json "
+        f"--output-prefix {prefix}"
+    )
+
+
+def _corrupt(path: str, prefix: str, problem: str) -> DataError:
+    return DataError(f"{path}: {problem}. The dataset is corrupt or was not fully written.\n{_fix(prefix)}")
+
+
+def _scan(directory: str) -> tuple[list[str], list[str]]:
+    """(prefixes with both `.bin` and `.idx`, file names of `.bin`/`.idx` without their partner), sorted."""
+    names = set(os.listdir(directory))
+    stems = {n[:-4] for n in names if n.endswith((".bin", ".idx"))}
+    pairs = sorted(s for s in stems if f"{s}.bin" in names and f"{s}.idx" in names)
+    lone = sorted(n for n in names if n.endswith((".bin", ".idx")) and n[:-4] not in pairs)
+    return [os.path.join(directory, s) for s in pairs], lone
+
+
+def _describe(directory: str) -> str:
+    """What a person looking for a dataset in `directory` would want to know is there."""
+    if not os.path.isdir(directory):
+        return f"directory {directory!r} does not exist"
+    pairs, lone = _scan(directory)
+    parts = [
+        f"pairs in {directory!r}: {', '.join(pairs)}"
+        if pairs
+        else f"{directory!r} holds zero .bin/.idx pairs"
+    ]
+    if lone:
+        parts.append(f"files without their partner: {', '.join(lone)}")
+    return "; ".join(parts)
+
+
+def _missing(prefix: str) -> DataError:
+    bin_path, idx_path = f"{prefix}.bin", f"{prefix}.idx"
+    if os.path.exists(bin_path):
+        what = f"{bin_path} exists but {idx_path} does not"
+    elif os.path.exists(idx_path):
+        what = f"{idx_path} exists but {bin_path} does not"
+    else:
+        what = f"neither {bin_path} nor {idx_path} exists"
+    where = _describe(os.path.dirname(prefix) or ".")
+    return DataError(f"dataset {prefix!r} not found: {what} ({where}).\n{_fix(prefix)}")
+
+
+class IndexedDataset:
+    """Read-only, memory-mapped view of one `.bin`/`.idx` pair; checks the pair fully on open."""
+
+    def __init__(self, path_prefix: str | os.PathLike) -> None:
+        self.path_prefix = os.fspath(path_prefix)
+        bin_path, idx_path = f"{self.path_prefix}.bin", f"{self.path_prefix}.idx"
+        if not (os.path.isfile(bin_path) and os.path.isfile(idx_path)):
+            raise _missing(self.path_prefix)
+        idx = (
+            np.memmap(idx_path, dtype=np.uint8, mode="r")
+            if os.path.getsize(idx_path)
+            else np.empty(0, np.uint8)
+        )
+        if idx.size < _HEADER.size:
+            raise _corrupt(
+                idx_path, self.path_prefix, f"truncated: {idx.size} bytes, shorter than the header"
+            )
+        magic, version, code, count, doc_count = _HEADER.unpack(idx[: _HEADER.size].tobytes())
+        if magic != MAGIC:
+            raise _corrupt(idx_path, self.path_prefix, f"bad magic {magic!r}, expected {MAGIC!r}")
+        if version != VERSION:
+            raise _corrupt(idx_path, self.path_prefix, f"unsupported version {version}, expected {VERSION}")
+        if code not in DTYPE_CODES:
+            raise _corrupt(idx_path, self.path_prefix, f"unknown dtype code {code}, expected one of 1-8")
+        expected = _HEADER.size + 12 * count + 8 * doc_count
+        # Megatron's multimodal variant appends one int8 mode per sequence; the tokens are still readable.
+        if idx.size not in (expected, expected + count):
+            raise _corrupt(
+                idx_path,
+                self.path_prefix,
+                f"size {idx.size} bytes does not match its header ({count} sequences, {doc_count} document "
+                f"boundaries need {expected} bytes){' - truncated' if idx.size < expected else ''}",
+            )
+        self.dtype = DTYPE_CODES[code]
+        offset = _HEADER.size
+        self.sequence_lengths = np.frombuffer(idx, dtype="<i4", count=count, offset=offset)
+        self.sequence_pointers = np.frombuffer(idx, dtype="<i8", count=count, offset=offset + 4 * count)
+        self.document_indices = np.frombuffer(idx, dtype="<i8", count=doc_count, offset=offset + 12 * count)
+        self.num_tokens = int(self.sequence_lengths.sum(dtype=np.int64))
+        self._check_index(idx_path, count)
+
+        itemsize = self.dtype.itemsize
+        bin_size = os.path.getsize(bin_path)
+        if bin_size != self.num_tokens * itemsize:
+            raise _corrupt(
+                bin_path,
+                self.path_prefix,
+                f"size {bin_size} bytes, but {idx_path} lists {self.num_tokens} tokens of {self.dtype} "
+                f"= {self.num_tokens * itemsize} bytes",
+            )
+        # Offsets are checked to be contiguous, so the .bin file *is* the concatenation of all sequences.
+        self._tokens = (
+            np.memmap(bin_path, dtype=_le(self.dtype), mode="r") if bin_size else np.empty(0, self.dtype)
+        )
+
+    def _check_index(self, idx_path: str, count: int) -> None:
+        lengths, pointers, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
+        if count and lengths.min() < 0:
+            raise _corrupt(idx_path, self.path_prefix, "a sequence length is negative")
+        expected = np.zeros(count, dtype=np.int64)
+        np.cumsum(lengths[:-1], dtype=np.int64, out=expected[1:])
+        bad = np.flatnonzero(pointers != expected * self.dtype.itemsize)
+        if bad.size:
+            i = int(bad[0])
+            raise _corrupt(
+                idx_path,
+                self.path_prefix,
+                f"byte offsets inconsistent with sequence lengths: sequence {i} starts at byte "
+                f"{int(pointers[i])}, expected {int(expected[i]) * self.dtype.itemsize}",
+            )
+        if docs.size == 0 or docs[0] != 0 or docs[-1] != count:
+            first, last = (int(docs[0]), int(docs[-1])) if docs.size else (None, None)
+            raise _corrupt(
+                idx_path,
+                self.path_prefix,
+                f"document index must run from 0 to the sequence count {count}, found first={first}, last={last}",
+            )
+        if np.any(np.diff(docs) < 0):
+            raise _corrupt(idx_path, self.path_prefix, "document index is not sorted")
+
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sequence {i} out of range for {self.path_prefix} ({n} sequences)")
+        i %= n
+        return int(self.sequence_pointers[i]) // self.dtype.itemsize, int(self.sequence_lengths[i])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens `offset ... offset + length` of sequence `i`, as a view of the memory map (no copy)."""
+        start, size = self._locate(i)
+        length = size - offset if length is None else length
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"slice [{offset}, {offset + length}) outside sequence {i} of length {size}")
+        return self.tokens(start + offset, start + offset + length)
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens `start ... stop` of all sequences concatenated in order (crossing document boundaries)."""
+        return np.asarray(self._tokens[start:stop])
+
+
+class IndexedDatasetWriter:
+    """Builds a `.bin`/`.idx` pair; both appear (atomically, by rename) only when `finalize()` runs.
+
+    One `add_document(tokens)` is one document of one sequence. Megatron's shape also works:
+    `add_item(tokens)` any number of times, then `end_document()`.
+    """
+
+    def __init__(self, path_prefix: str | os.PathLike, dtype: np.dtype | type) -> None:
+        self.path_prefix = os.fspath(path_prefix)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in DTYPE_CODES.values():
+            raise ValueError(
+                f"dtype {self.dtype} has no code in the indexed format; use one of {DTYPE_CODES}"
+            )
+        directory = os.path.dirname(self.path_prefix) or "."
+        os.makedirs(directory, exist_ok=True)
+        fd, self._tmp_bin = tempfile.mkstemp(
+            dir=directory, prefix=os.path.basename(self.path_prefix), suffix=".bin.tmp"
+        )
+        self._bin = os.fdopen(fd, "wb")
+        self._lengths: list[int] = []
+        self._documents: list[int] = [0]
+
+    def add_item(self, tokens: Sequence[int] | np.ndarray) -> None:
+        array = np.asarray(tokens)
+        if array.ndim != 1:
+            raise ValueError(f"a sequence must be 1-D, got shape {array.shape}")
+        if array.size and array.dtype.kind in "iu" and self.dtype.kind in "iu":
+            info = np.iinfo(self.dtype)
+            if array.min() < info.min or array.max() > info.max:
+                raise ValueError(f"token ids {array.min()}...{array.max()} do not fit in {self.dtype}")
+        self._bin.write(array.astype(_le(self.dtype), copy=False).tobytes())
+        self._lengths.append(int(array.size))
+
+    def end_document(self) -> None:
+        self._documents.append(len(self._lengths))
+
+    def add_document(self, tokens: Sequence[int] | np.ndarray) -> None:
+        self.add_item(tokens)
+        self.end_document()
+
+    def finalize(self) -> None:
+        """Write the index, then move both files into place (`.bin` first: a stale `.idx` never pairs up)."""
+        self._bin.close()
+        lengths = np.asarray(self._lengths, dtype=np.int64)
+        if lengths.size and lengths.max() > np.iinfo(np.int32).max:
+            raise ValueError("a sequence longer than 2**31 - 1 tokens cannot be indexed")
+        pointers = np.zeros(lengths.size, dtype="<i8")
+        np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
+        header = _HEADER.pack(MAGIC, VERSION, _code(self.dtype), lengths.size, len(self._documents))
+        tmp_idx = f"{self._tmp_bin[: -len('.bin.tmp')]}.idx.tmp"
+        with open(tmp_idx, "wb") as f:
+            f.write(header)
+            f.write(lengths.astype("<i4").tobytes())
+            f.write(pointers.tobytes())
+            f.write(np.asarray(self._documents, dtype="<i8").tobytes())
+        os.replace(self._tmp_bin, f"{self.path_prefix}.bin")
+        os.replace(tmp_idx, f"{self.path_prefix}.idx")
+
+    def abort(self) -> None:
+        """Drop what was written; nothing appears at the prefix."""
+        self._bin.close()
+        if os.path.exists(self._tmp_bin):
+            os.remove(self._tmp_bin)
+
+    def __enter__(self) -> IndexedDatasetWriter:
+        return self
+
+    def __exit__(self, exc_type: type | None, *_: object) -> None:
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+
+
+def _code(dtype: np.dtype) -> int:
+    return next(code for code, d in DTYPE_CODES.items() if d == dtype)
+
+
+def resolve_dataset_prefixes(path: str | os.PathLike) -> list[str]:
+    """Turn a configured dataset entry into checked path prefixes.
+
+    The entry is a prefix (`data/corpus` for `data/corpus.bin` + `data/corpus.idx`; a trailing `.bin` or
+    `.idx` is tolerated) or a directory, which stands for all the pairs in it, sorted. Every pair is opened
+    and checked, so a missing or corrupt dataset stops the run before the model is built.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        prefixes, _ = _scan(path)
+        if not prefixes:
+            raise DataError(
+                f"dataset directory {path!r} holds no usable dataset: {_describe(path)}.\n"
+                f"{_fix(os.path.join(path, 'corpus'))}"
+            )
+    else:
+        prefixes = [path[:-4] if path.endswith((".bin", ".idx")) else path]
+    for prefix in prefixes:
+        IndexedDataset(prefix)
+    return prefixes

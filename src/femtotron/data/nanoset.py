@@ -1,0 +1,199 @@
+"""Fixed-length training samples over tokenized datasets: shuffled per epoch, blended by weight, resumable.
+
+Every sample is a pure function of (global sample index g, seed), so resuming a run only needs the number
+of samples consumed, and any data-parallel layout sees the same samples in the same global order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from femtotron.data.indexed import IndexedDataset
+from femtotron.errors import DataError
+
+_BLOCK = 1 << 16  # global samples per lazily built blending block
+
+
+class _Blender:
+    """Decides which dataset global sample g comes from, and which of that dataset's samples it is.
+
+    Greedy rule: the next sample goes to the dataset that lags its weight the most, the one whose next
+    sample is due first at `(served + 0.5) / weight` (float64; ties to the lower dataset index). This is the
+    highest-averages (Sainte-Laguë) apportionment, so after g samples each dataset's count stays within
+    about one sample of `weight * g`. Because dataset d's k-th sample is due at `(k + 0.5) / weight_d`
+    whatever the others do, a block of the blend is one vectorised merge of due times, built from the
+    per-dataset counters at its start: O(1) amortised per sample, and a resume replays only counters.
+    """
+
+    def __init__(self, weights: np.ndarray) -> None:
+        self.weights = weights
+        self._starts = [np.zeros(len(weights), dtype=np.int64)]  # counters at the start of each block
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def locate(self, g: int) -> tuple[int, int]:
+        block, offset = divmod(g, _BLOCK)
+        datasets, indices = self._block(block)
+        return int(datasets[offset]), int(indices[offset])
+
+    def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        if block not in self._cache:
+            while len(self._starts) <= block:  # a block's counters need every block before it
+                self._build(len(self._starts) - 1)
+            self._build(block)
+        return self._cache[block]
+
+    def _build(self, block: int) -> None:
+        counts = self._starts[block]
+        k = counts[:, None] + np.arange(_BLOCK)  # each dataset's next _BLOCK samples are the candidates
+        due = (k + 0.5) / self.weights[:, None]
+        # A stable sort of the dataset-major rows keeps equal due times in dataset order: ties to the lower.
+        chosen = np.argsort(due.ravel(), kind="stable")[:_BLOCK]
+        datasets, indices = chosen // _BLOCK, k.ravel()[chosen]
+        if block + 1 == len(self._starts):
+            self._starts.append(counts + np.bincount(datasets, minlength=len(counts)))
+        if len(self._cache) >= 2:  # training walks forward: keep the current and previous block only
+            self._cache.pop(next(iter(self._cache)))
+        self._cache[block] = (datasets, indices)
+
+
+class Nanoset:
+    """Samples of `sequence_length + 1` tokens (inputs and targets overlap by one) from blended datasets.
+
+    Within a dataset the documents form one token stream; its sample i is tokens `[i*L, i*L + L + 1)`.
+    The dataset's n samples are visited in a fresh permutation each epoch, drawn from
+    `np.random.default_rng((seed, dataset_index, epoch))`, so `nanoset[g]` exists for every g >= 0.
+    `weights` (normalised) set each dataset's share of the blend; None means proportional to size.
+    """
+
+    def __init__(
+        self,
+        prefixes: Sequence[str | os.PathLike],
+        weights: Sequence[float] | None,
+        sequence_length: int,
+        seed: int,
+    ) -> None:
+        if sequence_length < 1:
+            raise ValueError(f"sequence_length must be >= 1, got {sequence_length}")
+        self.prefixes = [os.fspath(p) for p in prefixes]
+        if not self.prefixes:
+            raise DataError("no dataset given: the data section lists no dataset path")
+        self.datasets = [IndexedDataset(p) for p in self.prefixes]
+        self.sequence_length = sequence_length
+        self.seed = seed
+        self.samples_per_dataset = [max(ds.num_tokens - 1, 0) // sequence_length for ds in self.datasets]
+        for ds, n in zip(self.datasets, self.samples_per_dataset, strict=True):
+            if ds.dtype.kind not in "iu":
+                raise DataError(f"{ds.path_prefix}.bin holds {ds.dtype} values, not token ids")
+            if n == 0:
+                raise DataError(
+                    f"{ds.path_prefix}: {ds.num_tokens} tokens is too few for one sample of sequence_length + 1 "
+                    f"= {sequence_length + 1} tokens; use more data or a shorter tokens.sequence_length"
+                )
+        self.weights = self._normalise(weights)
+        self._blender = _Blender(self.weights) if len(self.datasets) > 1 else None
+        self._permutations: dict[tuple[int, int], np.ndarray] = {}
+
+    def _normalise(self, weights: Sequence[float] | None) -> np.ndarray:
+        raw = np.asarray(self.samples_per_dataset if weights is None else weights, dtype=np.float64)
+        if raw.shape != (len(self.datasets),) or not np.all(np.isfinite(raw)) or np.any(raw <= 0):
+            raise DataError(
+                f"dataset weights {raw.tolist()} must be one positive number per dataset "
+                f"({len(self.datasets)}: {', '.join(self.prefixes)})"
+            )
+        return raw / raw.sum()
+
+    @property
+    def num_documents(self) -> int:
+        return sum(len(ds.document_indices) - 1 for ds in self.datasets)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(ds.num_tokens for ds in self.datasets)
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return sum(self.samples_per_dataset)
+
+    def epochs_for(self, num_samples: int) -> float:
+        """Passes over the most-repeated dataset in a run drawing `num_samples` samples."""
+        shares = zip(self.weights, self.samples_per_dataset, strict=True)
+        return float(max(w * num_samples / n for w, n in shares))
+
+    def locate(self, g: int) -> tuple[int, int]:
+        """(dataset index, sample index within that dataset) of global sample g."""
+        if g < 0:
+            raise IndexError(f"global sample index must be >= 0, got {g}")
+        dataset, k = self._blender.locate(g) if self._blender else (0, g)
+        epoch, position = divmod(k, self.samples_per_dataset[dataset])
+        return dataset, int(self._permutation(dataset, epoch)[position])
+
+    def _permutation(self, dataset: int, epoch: int) -> np.ndarray:
+        key = (dataset, epoch)
+        if key not in self._permutations:
+            if len(self._permutations) >= 2 * len(self.datasets):  # epochs are walked forward: keep recent
+                self._permutations.pop(next(iter(self._permutations)))
+            rng = np.random.default_rng((self.seed, dataset, epoch))
+            self._permutations[key] = rng.permutation(self.samples_per_dataset[dataset])
+        return self._permutations[key]
+
+    def __getitem__(self, g: int) -> np.ndarray:
+        dataset, sample = self.locate(g)
+        start = sample * self.sequence_length
+        return self.datasets[dataset].tokens(start, start + self.sequence_length + 1).astype(np.int64)
+
+
+class MicroBatchIterator:
+    """One data-parallel rank's micro-batches, step by step.
+
+    A step consumes the next `micro_batch_size * batch_accumulation * dp_size` global samples; rank r takes
+    the r-th contiguous chunk and cuts it into `batch_accumulation` micro-batches. The samples a step sees
+    therefore do not depend on dp_size, and resuming is constructing with the saved `consumed_samples`.
+    """
+
+    def __init__(
+        self,
+        nanoset: Nanoset,
+        micro_batch_size: int,
+        batch_accumulation: int,
+        dp_rank: int,
+        dp_size: int,
+        consumed_samples: int = 0,
+    ) -> None:
+        if min(micro_batch_size, batch_accumulation, dp_size) < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(
+                f"need micro_batch_size, batch_accumulation, dp_size >= 1 and 0 <= dp_rank < dp_size; got "
+                f"{micro_batch_size}, {batch_accumulation}, {dp_size}, dp_rank={dp_rank}"
+            )
+        if consumed_samples < 0:
+            raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
+        self.nanoset = nanoset
+        self.micro_batch_size = micro_batch_size
+        self.batch_accumulation = batch_accumulation
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.consumed_samples = consumed_samples
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.batch_accumulation * self.dp_size
+
+    def next_step(self) -> list[torch.Tensor]:
+        """`batch_accumulation` LongTensors of shape (micro_batch_size, sequence_length + 1)."""
+        per_rank = self.micro_batch_size * self.batch_accumulation
+        first = self.consumed_samples + self.dp_rank * per_rank
+        micro_batches = [
+            torch.from_numpy(np.stack([self.nanoset[g] for g in range(start, start + self.micro_batch_size)]))
+            for start in range(first, first + per_rank, self.micro_batch_size)
+        ]
+        self.consumed_samples += self.global_batch_size
+        return micro_batches
+
+    def __iter__(self) -> MicroBatchIterator:
+        return self
+
+    def __next__(self) -> list[torch.Tensor]:
+        return self.next_step()

@@ -1,0 +1,86 @@
+"""Byte-level BPE tokenizers with HF `tokenizers`: train one, load one, find its end-of-document token."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from femtotron.data.documents import iter_documents
+from femtotron.errors import DataError
+
+EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>")
+_TRAIN_HINT = (
+    "train one with: femtotron train-tokenizer --input corpus.jsonl --vocab-size 8192 --output tokenizer.json"
+)
+
+
+def train_tokenizer(
+    input_paths: Sequence[str | os.PathLike],
+    vocab_size: int,
+    output_path: str | os.PathLike,
+    min_frequency: int = 2,
+    text_key: str = "text",
+    show_progress: bool = False,
+) -> Tokenizer:
+    """Train byte-level BPE on the documents in `input_paths` and save it (atomically) as tokenizer.json.
+
+    Byte-level means every string is encodable and `decode(encode(s)) == s`; `<|endoftext|>` is id 0.
+    """
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 1:
+        raise DataError(
+            f"vocab_size {vocab_size} is too small: byte-level BPE needs at least {len(alphabet) + 1} "
+            f"({len(alphabet)} bytes + {EOS_TOKENS[0]})"
+        )
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOS_TOKENS[0]],
+        initial_alphabet=alphabet,
+        show_progress=show_progress,
+    )
+
+    def texts() -> Iterator[str]:
+        for path in input_paths:
+            yield from iter_documents(path, text_key)
+
+    tokenizer.train_from_iterator(texts(), trainer=trainer)
+    output_path = os.fspath(output_path)
+    os.makedirs(os.path.dirname(output_path) or ".", exist_ok=True)
+    tmp = f"{output_path}.tmp{os.getpid()}"
+    tokenizer.save(tmp)
+    os.replace(tmp, output_path)
+    return tokenizer
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load a tokenizer.json (or a directory holding one, as HF model folders do)."""
+    path = os.fspath(path)
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise DataError(f"tokenizer file {path} does not exist; {_TRAIN_HINT}")
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the Rust side raises a plain Exception for any parse problem
+        raise DataError(
+            f"tokenizer file {path} cannot be read as a HF tokenizers JSON file ({e}); {_TRAIN_HINT}"
+        ) from e
+
+
+def eos_token_id(tokenizer: Tokenizer) -> int:
+    """The id of the end-of-document token, looked up among the tokenizer's special tokens."""
+    special = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    for token in EOS_TOKENS:
+        if token in special:
+            return special[token]
+    raise DataError(
+        f"the tokenizer has no end-of-document token: looked for {', '.join(EOS_TOKENS)} among its special "
+        f"tokens {sorted(special) or '(none)'}. Documents need one to be separated; add one as a special "
+        f"token, or {_TRAIN_HINT}"
+    )

@@ -1,0 +1,66 @@
+"""Sample text from a trained run: the run's saved config, weights and tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from femtotron.config import Config, load_config
+from femtotron.data.tokenizer import load_tokenizer
+from femtotron.errors import FemtotronError
+from femtotron.models.llama import Llama
+
+
+def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Config, Llama]:
+    """The model of `run_dir` (written by `femtotron train`) with its trained weights, in fp32."""
+    run_dir = Path(run_dir)
+    config_path, weights_path = run_dir / "config.yaml", run_dir / "model.safetensors"
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise FemtotronError(
+                f"{path} does not exist: {run_dir} is not a finished training run. Train first "
+                "(`femtotron train CONFIG`); the run directory is logging.output_dir/general.run."
+            )
+    config = load_config(config_path)
+    mcfg = config.model.model_config_
+    model = Llama(mcfg, std=config.model.init_method.std, seed=config.general.seed, dtype=torch.float32,
+                  device=torch.device(device))
+    model.load_state_dict(load_file(str(weights_path), device=device), strict=True)
+    return config, model.eval()
+
+
+@torch.no_grad()
+def sample(model: Llama, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8,
+           top_k: int | None = 50, seed: int = 0, stop_id: int | None = None) -> list[int]:
+    """Autoregressive sampling; the context is cropped to the model's max_position_embeddings."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = list(prompt_ids)
+    window = model.cfg.max_position_embeddings
+    device = model.embed_tokens.weight.device
+    for _ in range(max_new_tokens):
+        logits = model.logits(torch.tensor([ids[-window:]], device=device))[0, -1].float().cpu()
+        if temperature <= 0:
+            next_id = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k is not None and top_k < logits.numel():
+                cutoff = logits.topk(top_k).values[-1]
+                logits = logits.masked_fill(logits < cutoff, float("-inf"))
+            next_id = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+        ids.append(next_id)
+        if next_id == stop_id:
+            break
+    return ids[len(prompt_ids):]
+
+
+def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
+                  top_k: int | None = 50, seed: int = 0) -> str:
+    config, model = load_run(run_dir)
+    if config.tokenizer.tokenizer_name_or_path is None:
+        raise FemtotronError(f"{run_dir}/config.yaml has no tokenizer.tokenizer_name_or_path: set it to the "
+                             "tokenizer.json the data was preprocessed with.")
+    tokenizer = load_tokenizer(config.tokenizer.tokenizer_name_or_path)
+    new_ids = sample(model, tokenizer.encode(prompt).ids or [0], max_new_tokens, temperature, top_k, seed)
+    return prompt + tokenizer.decode(new_ids)

@@ -1,0 +1,24 @@
+"""Global gradient-norm clipping over every parallel rank that holds a piece of the model."""
+
+from __future__ import annotations
+
+import torch
+
+from femtotron.parallel.context import ParallelContext
+
+
+def global_grad_norm(grads: list[torch.Tensor], ctx: ParallelContext) -> torch.Tensor:
+    """L2 norm of all gradients of one model replica, summed over its tp and pp ranks (fp32)."""
+    local_sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+    ctx.comm.all_reduce(local_sq, ctx.mp_group)
+    return local_sq.sqrt()
+
+
+def clip_grads_(grads: list[torch.Tensor], max_norm: float | None, ctx: ParallelContext) -> torch.Tensor:
+    """Scale gradients in place so their global norm is at most `max_norm`; return the norm before."""
+    norm = global_grad_norm(grads, ctx)
+    if max_norm is not None and grads:
+        # The same epsilon as torch.nn.utils.clip_grad_norm_; clamp keeps small norms untouched.
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, scale)
+    return norm

@@ -1,0 +1,28 @@
+"""Learning rate at a given step: warmup, then cosine / linear / 1-sqrt decay to `min_decay_lr`.
+
+A pure function of the step, so resuming needs nothing but the step number.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def lr_at(step: int, sched: Any, train_steps: int) -> float:
+    """LR for optimizer step `step` (0-based) under `optimizer.learning_rate_scheduler`."""
+    peak, floor = sched.learning_rate, sched.min_decay_lr
+    warmup = sched.lr_warmup_steps
+    if step < warmup:
+        return peak * (step + 1) / warmup if sched.lr_warmup_style == "linear" else peak
+    start = warmup if sched.lr_decay_starting_step is None else sched.lr_decay_starting_step
+    length = (train_steps - start) if sched.lr_decay_steps is None else sched.lr_decay_steps
+    if step < start or sched.lr_decay_style == "constant":
+        return peak
+    progress = min(1.0, (step - start) / max(1, length))
+    shape = {
+        "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
+        "linear": 1.0 - progress,
+        "1-sqrt": 1.0 - math.sqrt(progress),
+    }[sched.lr_decay_style]
+    return floor + (peak - floor) * shape

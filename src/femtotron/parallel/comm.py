@@ -1,0 +1,199 @@
+"""The one module that calls torch.distributed collectives and point-to-point ops.
+
+Every op goes through `Comm`, which remembers the op in flight (so a hang can be reported as
+"rank 3 waits in all_reduce on tp[2,3] for a (4, 256) bfloat16 tensor") and counts the bytes this
+rank sends per op kind (so benchmarks can report exact communication volume).
+
+Byte counts are the volume a ring algorithm sends from this rank: all_reduce 2(n-1)/n of the
+tensor, all_gather and reduce_scatter (n-1)/n of the full tensor, send the tensor itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from femtotron.errors import DistributedError
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group together with its global ranks and a readable name such as `tp[2,3]`."""
+
+    kind: str
+    ranks: tuple[int, ...]
+    handle: dist.ProcessGroup | None = field(default=None, compare=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}[{','.join(map(str, self.ranks))}]"
+
+
+@dataclass
+class OpInFlight:
+    kind: str
+    group: str
+    peer: int | None
+    shape: tuple[int, ...]
+    dtype: str
+    started: float
+
+
+class Comm:
+    """Collectives over `Group`s. A group of one rank is a no-op, so a world of 1 needs no init."""
+
+    def __init__(self) -> None:
+        self.in_flight: OpInFlight | None = None
+        self.bytes_sent: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+
+    @contextmanager
+    def _record(self, kind: str, group: Group, tensor: torch.Tensor, peer: int | None, sent: float) -> Iterator[None]:
+        self.in_flight = OpInFlight(kind, group.name, peer, tuple(tensor.shape), str(tensor.dtype), time.monotonic())
+        yield
+        self.in_flight = None
+        self.calls[kind] += 1
+        self.bytes_sent[kind] += int(sent)
+
+    def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+        """In-place reduction across `group`; `op` is "sum", "max" or "avg"."""
+        if group.size == 1:
+            return tensor
+        n = group.size
+        with self._record("all_reduce", group, tensor, None, 2 * (n - 1) / n * _nbytes(tensor)):
+            if op == "avg":
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group.handle)
+                tensor.div_(n)
+            else:
+                dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group.handle)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+        """Concatenate every rank's `tensor` along `dim`, in group-rank order."""
+        if group.size == 1:
+            return tensor
+        n = group.size
+        parts = [torch.empty_like(tensor) for _ in range(n)]
+        with self._record("all_gather", group, tensor, None, (n - 1) * _nbytes(tensor)):
+            dist.all_gather(parts, tensor.contiguous(), group=group.handle)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+        """Sum `tensor` across the group and return this rank's chunk along `dim`."""
+        if group.size == 1:
+            return tensor
+        n = group.size
+        chunks = [c.contiguous() for c in tensor.chunk(n, dim=dim)]
+        out = torch.empty_like(chunks[0])
+        with self._record("reduce_scatter", group, tensor, None, (n - 1) / n * _nbytes(tensor)):
+            dist.reduce_scatter(out, chunks, group=group.handle)
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, group: Group, src: int) -> torch.Tensor:
+        """Copy global rank `src`'s tensor to every rank of the group, in place."""
+        if group.size == 1:
+            return tensor
+        with self._record("broadcast", group, tensor, src, _nbytes(tensor) if dist.get_rank() == src else 0):
+            dist.broadcast(tensor, src=src, group=group.handle)
+        return tensor
+
+    def send(self, tensor: torch.Tensor, group: Group, dst: int) -> None:
+        with self._record("send", group, tensor, dst, _nbytes(tensor)):
+            dist.send(tensor.contiguous(), dst=dst, group=group.handle)
+
+    def recv(self, tensor: torch.Tensor, group: Group, src: int) -> torch.Tensor:
+        with self._record("recv", group, tensor, src, 0):
+            dist.recv(tensor, src=src, group=group.handle)
+        return tensor
+
+    def barrier(self, group: Group) -> None:
+        if group.size == 1:
+            return
+        with self._record("barrier", group, torch.empty(0), None, 0):
+            dist.barrier(group=group.handle)
+
+
+def rendezvous(
+    rank: int, world_size: int, host: str, port: int, backend: str, init_timeout: float, collective_timeout: float
+) -> list[str]:
+    """Join the job and create the default process group; return each rank's hostname.
+
+    Every rank first checks in under its own key in the rendezvous store, so when somebody never
+    arrives the timeout can say exactly which ranks joined and which did not, instead of hanging.
+    """
+    # Under torchrun the agent already serves the store on MASTER_PORT; every worker is a client.
+    is_server = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    where = f"{host}:{port} (backend {backend}, rank {rank} of {world_size})"
+    try:
+        store = dist.TCPStore(host, port, world_size, is_master=is_server,
+                              timeout=timedelta(seconds=init_timeout), wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        raise DistributedError(
+            f"Could not reach the rendezvous store at {where} within {init_timeout:g} s: {e}.\n"
+            f"{_NETWORK_ADVICE}"
+        ) from None
+    keys = [f"femtotron/joined/{r}" for r in range(world_size)]
+    store.set(keys[rank], socket.gethostname())
+    try:
+        store.wait(keys, timedelta(seconds=init_timeout))
+    except (RuntimeError, OSError):
+        joined = [r for r in range(world_size) if store.check([keys[r]])]
+        missing = sorted(set(range(world_size)) - set(joined))
+        raise DistributedError(
+            f"Process-group init timed out after {init_timeout:g} s at {where}: "
+            f"ranks {_ranges(joined)} joined, ranks {_ranges(missing)} never did.\n"
+            f"Check that those ranks were launched, that WORLD_SIZE={world_size} matches the launcher, "
+            f"and that they can reach {host}:{port}. {_NETWORK_ADVICE}\n"
+            "Raise parallelism.init_timeout_seconds if nodes start slowly."
+        ) from None
+    hosts = [store.get(k).decode() for k in keys]
+    dist.init_process_group(backend, store=dist.PrefixStore("femtotron/pg", store), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=collective_timeout))
+    return hosts
+
+
+def new_group(kind: str, ranks: list[int]) -> Group:
+    """Every rank must call this for every group, in the same order (torch.distributed's rule)."""
+    return Group(kind, tuple(ranks), dist.new_group(ranks))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_NETWORK_ADVICE = (
+    "On several nodes, the usual cause is the wrong network interface: set NCCL_SOCKET_IFNAME and "
+    "GLOO_SOCKET_IFNAME (e.g. =eth0; `ip -br addr` lists them) on every node, and check MASTER_ADDR/MASTER_PORT."
+)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans) or "none"
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

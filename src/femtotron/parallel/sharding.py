@@ -1,0 +1,63 @@
+"""Parameters that know their own sharding.
+
+Every parameter is created at its full, unsharded shape from a seed derived from (global seed,
+parameter name), then sliced for this rank. So any (dp, tp, pp) layout starts from exactly the
+single-device weights, and checkpoints, clipping and conversion read the metadata below instead of
+re-deriving layouts from names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str  # the parameter's name in the full model, e.g. "layers.0.self_attn.q_proj.weight"
+    global_shape: tuple[int, ...]
+    local_slice: tuple[slice, ...]  # the part of the global tensor this rank holds
+    tie_group: str | None = None  # parameters sharing one value (tied embeddings) share a group
+
+
+def param_seed(seed: int, name: str) -> int:
+    """A stable 63-bit seed per (seed, name); Python's hash() is salted per process, so not that."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def full_init(name: str, shape: tuple[int, ...], std: float | None, seed: int) -> torch.Tensor:
+    """The full fp32 tensor every layout slices from: normal(0, std), or ones when std is None."""
+    if std is None:
+        return torch.ones(shape)
+    generator = torch.Generator().manual_seed(param_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
+def make_param(
+    name: str,
+    shape: tuple[int, ...],
+    *,
+    std: float | None,
+    seed: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard_dim: int | None = None,
+    rank: int = 0,
+    world: int = 1,
+    tie_group: str | None = None,
+) -> nn.Parameter:
+    """Initialise `name` at full shape and keep this rank's chunk of `shard_dim` (if any)."""
+    full = full_init(name, shape, std, seed)
+    local_slice = [slice(0, n) for n in shape]
+    if shard_dim is not None and world > 1:
+        size = shape[shard_dim] // world
+        local_slice[shard_dim] = slice(rank * size, (rank + 1) * size)
+    local = full[tuple(local_slice)]
+    param = nn.Parameter(local.to(device=device, dtype=dtype).contiguous())
+    param.shard = ShardInfo(name, tuple(shape), tuple(local_slice), tie_group)
+    return param
+

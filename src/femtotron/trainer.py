@@ -1,0 +1,240 @@
+"""Build everything from a config, then train: batch -> forward/backward -> reduce -> clip -> step -> log.
+
+Read `Trainer.train_step` top to bottom to follow one optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from femtotron.config import Config, config_warnings, parameter_count
+from femtotron.data.indexed import resolve_dataset_prefixes
+from femtotron.data.nanoset import MicroBatchIterator, Nanoset
+from femtotron.errors import ConfigError, FemtotronError
+from femtotron.metrics import RunLog, memory_gib, model_flops_per_token, peak_flops
+from femtotron.models.llama import IGNORE_INDEX, Llama
+from femtotron.optim.clip import clip_grads_
+from femtotron.optim.lr_schedule import lr_at
+from femtotron.optim.optimizer import MixedPrecisionAdamW
+from femtotron.parallel.context import ParallelContext
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+class TrainingDiverged(FemtotronError):
+    exit_code = 5
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    seconds: float
+
+
+def open_nanoset(folders: str | list[str] | dict[str, float], sequence_length: int, seed: int) -> Nanoset:
+    """A Nanoset over `data.dataset_folder`: a prefix or directory, a list, or {prefix: weight}."""
+    if isinstance(folders, dict):
+        prefixes, weights = [], []
+        for folder, weight in folders.items():
+            found = resolve_dataset_prefixes(folder)
+            prefixes += found
+            weights += [weight / len(found)] * len(found)  # a directory's pairs share its weight
+        return Nanoset(prefixes, weights, sequence_length, seed)
+    folders = [folders] if isinstance(folders, str) else folders
+    return Nanoset([p for f in folders for p in resolve_dataset_prefixes(f)], None, sequence_length, seed)
+
+
+def check_supported(config: Config) -> None:
+    par = config.parallelism
+    problems = []
+    if par.tp > 1 or par.pp > 1:
+        problems.append(f"parallelism.tp={par.tp}, parallelism.pp={par.pp}: this version trains with data "
+                        "parallelism only; set parallelism.tp=1 parallelism.pp=1 and use dp for more processes.")
+    if config.model.dtype == "float16":
+        problems.append("model.dtype=float16: fp16 needs dynamic loss scaling, which femtotron does not do; "
+                        "use model.dtype=bfloat16 (same memory, fp32's range, no overflow).")
+    if config.optimizer.zero_stage != 0:
+        problems.append("optimizer.zero_stage=1 is not available in this version; set optimizer.zero_stage=0.")
+    ckpt = config.checkpoints
+    if ckpt.checkpoint_interval or ckpt.resume_checkpoint_path or ckpt.save_initial_state:
+        problems.append("checkpoints.checkpoint_interval / resume_checkpoint_path / save_initial_state: "
+                        "resumable checkpoints are not available in this version; the final weights are "
+                        "saved to <run dir>/model.safetensors. Remove those keys.")
+    if problems:
+        raise ConfigError("This configuration asks for features this version lacks:\n  - " + "\n  - ".join(problems))
+
+
+class Trainer:
+    def __init__(self, config: Config, ctx: ParallelContext, log_to_console: bool = True) -> None:
+        self.config, self.ctx = config, ctx
+        check_supported(config)
+        tokens = config.tokens
+        mcfg = config.model.model_config_
+        self.run_dir = Path(config.logging.output_dir) / config.general.run
+        self.log = RunLog(ctx.log_prefix, self.run_dir, is_main=ctx.rank == 0, console=log_to_console)
+        # Data first: a wrong dataset path must fail before minutes go into building the model.
+        self.train_data = open_nanoset(config.data.dataset_folder, tokens.sequence_length, config.data.seed)
+        self.val_data = (open_nanoset(config.data.validation_folder, tokens.sequence_length, config.data.seed)
+                         if config.data.validation_folder is not None else None)
+        self.batches = MicroBatchIterator(self.train_data, tokens.micro_batch_size,
+                                          tokens.batch_accumulation_per_replica, ctx.dp_rank, ctx.dp)
+        self.dtype = DTYPES[config.model.dtype]
+        torch.manual_seed(config.general.seed)
+        self.model = Llama(mcfg, std=config.model.init_method.std, seed=config.general.seed, dtype=self.dtype,
+                           device=ctx.device)
+        self.optimizer = MixedPrecisionAdamW(list(self.model.parameters()), config.optimizer)
+        self.step = 0
+        self.flops_per_token = model_flops_per_token(mcfg, tokens.sequence_length)
+        largest = max(mcfg.intermediate_size, mcfg.vocab_size)
+        self.peak_flops, self.peak_source = peak_flops(
+            ctx.device, self.dtype, (tokens.micro_batch_size * tokens.sequence_length, largest, mcfg.hidden_size))
+        self.history: deque[tuple[int, float, float]] = deque(maxlen=10)
+
+    def summary(self) -> str:
+        cfg, mcfg, tokens = self.config, self.config.model.model_config_, self.config.tokens
+        total_samples = cfg.global_batch_size * tokens.train_steps
+        data = self.train_data
+        lines = [
+            f"model: Llama {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, "
+            f"{mcfg.num_attention_heads} heads ({mcfg.num_key_value_heads} kv), vocab {mcfg.vocab_size}: "
+            f"{parameter_count(mcfg) / 1e6:.2f}M parameters, {cfg.model.dtype} with fp32 master weights",
+            f"layout: dp={self.ctx.dp} tp={self.ctx.tp} pp={self.ctx.pp} on {self.ctx.world_size} "
+            f"process(es), device {self.ctx.device}",
+            f"batch: {tokens.micro_batch_size} x {tokens.sequence_length} tokens x "
+            f"{tokens.batch_accumulation_per_replica} micro-batches x dp {self.ctx.dp} = "
+            f"{cfg.tokens_per_step:,} tokens per step, {tokens.train_steps} steps",
+            f"data: {data.num_documents:,} documents, {data.num_tokens:,} tokens, "
+            f"{data.samples_per_epoch:,} samples per epoch; this run sees {data.epochs_for(total_samples):.2f} epochs",
+            f"MFU is measured against {self.peak_flops / 1e12:.2f} TFLOP/s ({self.peak_source})",
+            f"run directory: {self.run_dir}",
+        ]
+        return "\n".join(lines)
+
+    def train(self) -> list[StepResult]:
+        self.log.info(self.summary())
+        for warning in config_warnings(self.config):
+            self.log.info(f"WARNING: {warning}")
+        if self.ctx.rank == 0:
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False))
+        results = []
+        train_steps = self.config.tokens.train_steps
+        bar = tqdm(total=train_steps, initial=self.step, unit="step", disable=None if self.ctx.rank == 0 else True,
+                   dynamic_ncols=True, leave=False)
+        while self.step < train_steps:
+            result = self.train_step()
+            results.append(result)
+            self.step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{result.loss:.3f}")
+            self.log_step(result)
+            interval = self.config.tokens.val_check_interval
+            if self.val_data is not None and interval and self.step % interval == 0:
+                self.log_validation()
+        bar.close()
+        if self.config.checkpoints.save_final_state:
+            self.save_weights()
+        return results
+
+    def train_step(self) -> StepResult:
+        start = time.perf_counter()
+        loss, tokens, grads = self.compute_gradients()
+        grad_norm = clip_grads_(grads, self.config.optimizer.clip_grad, self.ctx).item()
+        lr = lr_at(self.step, self.config.optimizer.learning_rate_scheduler, self.config.tokens.train_steps)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise self.diverged(loss, grad_norm)
+        self.optimizer.step(lr)
+        self.optimizer.zero_grad()
+        self.history.append((self.step, lr, grad_norm))
+        return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start)
+
+    def compute_gradients(self) -> tuple[float, int, list[torch.Tensor]]:
+        """Forward and backward over this step's micro-batches; returns loss, tokens and fp32 grads."""
+        micro_batches = [mb.to(self.ctx.device) for mb in self.batches.next_step()]
+        # Token-weighted loss: divide by the valid-token count of the whole global batch, so any
+        # split into micro-batches and dp ranks gives the same loss and gradients.
+        global_tokens = torch.tensor(float(sum((mb[:, 1:] != IGNORE_INDEX).sum().item() for mb in micro_batches)))
+        self.ctx.comm.all_reduce(global_tokens, self.ctx.dp_group)
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        for batch in micro_batches:
+            micro_loss, _ = self.model(batch[:, :-1], batch[:, 1:])
+            (micro_loss / global_tokens).backward()
+            loss_sum += micro_loss.detach()
+        grads = self.optimizer.grads()
+        self.reduce_gradients(grads)
+        loss = self.ctx.comm.all_reduce(loss_sum, self.ctx.dp_group).item() / global_tokens.item()
+        return loss, int(global_tokens.item()), grads
+
+    def reduce_gradients(self, grads: list[torch.Tensor]) -> None:
+        """Sum gradients over dp replicas (the loss is already divided by the global token count)."""
+        if self.ctx.dp == 1 or not grads:
+            return
+        flat = torch.cat([g.flatten() for g in grads])
+        self.ctx.comm.all_reduce(flat, self.ctx.dp_group)
+        torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)])
+
+    def diverged(self, loss: float, grad_norm: float) -> TrainingDiverged:
+        recent = ", ".join(f"step {s}: lr {lr:.2e} grad_norm {g:.3g}" for s, lr, g in self.history) or "none"
+        return TrainingDiverged(
+            f"{self.ctx.log_prefix} step {self.step}: loss {loss} / grad norm {grad_norm} is not finite; the "
+            f"optimizer step was skipped and training stopped.\nRecent steps: {recent}\n"
+            "Fixes: lower optimizer.learning_rate_scheduler.learning_rate (e.g. by 3x), keep "
+            "optimizer.clip_grad at 1.0, keep model.dtype=bfloat16, model.init_method.std=0.02."
+        )
+
+    def log_step(self, result: StepResult) -> None:
+        if self.step % self.config.logging.iteration_step_info_interval and self.step != self.config.tokens.train_steps:
+            return
+        tokens_per_sec = result.tokens / result.seconds
+        achieved = tokens_per_sec * self.flops_per_token / self.ctx.world_size
+        record = {
+            "step": self.step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+            "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": tokens_per_sec / self.ctx.world_size,
+            "model_tflops_per_device": achieved / 1e12, "mfu": achieved / self.peak_flops,
+            "step_seconds": result.seconds, **memory_gib(self.ctx.device),
+        }
+        self.log.record(record)
+        memory = " ".join(f"{k.removeprefix('mem_').removesuffix('_gib')} {v:.2f}GiB" for k, v in record.items()
+                          if k.startswith("mem_"))
+        self.log.info(f"step {self.step}/{self.config.tokens.train_steps} | loss {result.loss:.4f} | lr {result.lr:.3e} | "
+                 f"grad_norm {result.grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s | "
+                 f"{achieved / 1e12:.2f} TFLOP/s | MFU {record['mfu']:.1%} | mem {memory}")
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        tokens = self.config.tokens
+        batches = MicroBatchIterator(self.val_data, tokens.micro_batch_size, tokens.limit_val_batches,
+                                     self.ctx.dp_rank, self.ctx.dp)
+        totals = torch.zeros(2)
+        for batch in batches.next_step():
+            batch = batch.to(self.ctx.device)
+            loss_sum, count = self.model(batch[:, :-1], batch[:, 1:])
+            totals += torch.stack([loss_sum.float().cpu(), count.float().cpu()])
+        self.ctx.comm.all_reduce(totals, self.ctx.dp_group)
+        return (totals[0] / totals[1]).item()
+
+    def log_validation(self) -> None:
+        val_loss = self.evaluate()
+        self.log.record({"step": self.step, "val_loss": val_loss})
+        self.log.info(f"step {self.step} | validation loss {val_loss:.4f}")
+
+    def save_weights(self) -> Path:
+        """Full weights as safetensors (every dp rank holds them all; rank 0 writes atomically)."""
+        path = self.run_dir / "model.safetensors"
+        if self.ctx.rank == 0:
+            tmp = path.with_suffix(".tmp")
+            save_file({n: p.detach().cpu().contiguous() for n, p in self.model.named_parameters()}, str(tmp))
+            tmp.replace(path)
+            self.log.info(f"saved weights to {path}")
+        return path

@@ -1,0 +1,110 @@
+import json
+import math
+
+import pytest
+import torch
+from distributed import run_ranks
+
+from femtotron.errors import ConfigError, DataError
+from femtotron.parallel.context import ParallelContext
+from femtotron.trainer import Trainer, TrainingDiverged
+
+
+def train(config, steps=None):
+    trainer = Trainer(config, ParallelContext(), log_to_console=False)
+    return trainer, trainer.train()
+
+
+def test_loss_decreases_and_metrics_are_written(tiny_config):
+    trainer, results = train(tiny_config("tokens.train_steps=40", "logging.iteration_step_info_interval=5"))
+    losses = [r.loss for r in results]
+    assert losses[0] == pytest.approx(math.log(256), rel=0.05)  # an untrained model is uniform over the vocab
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0
+    records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30, 35, 40]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per_device", "mfu", "mem_rss_gib"):
+        assert key in records[0]
+    assert records[-1]["loss"] == pytest.approx(losses[-1])
+    assert (trainer.run_dir / "model.safetensors").is_file() and (trainer.run_dir / "config.yaml").is_file()
+
+
+def loss_and_grads(config, ctx=None):
+    """One step's loss and fp32 gradients, by parameter name (after the dp reduction)."""
+    trainer = Trainer(config, ctx or ParallelContext(), log_to_console=False)
+    loss, _, grads = trainer.compute_gradients()
+    names = [n for n, _ in trainer.model.named_parameters()]
+    return loss, dict(zip(names, [g.clone() for g in grads], strict=True)), trainer
+
+
+def test_micro_batch_split_gives_the_same_loss_and_gradients(tiny_config):
+    whole_loss, whole, _ = loss_and_grads(tiny_config("tokens.micro_batch_size=8"))
+    split_loss, split, _ = loss_and_grads(
+        tiny_config("tokens.micro_batch_size=2", "tokens.batch_accumulation_per_replica=4"))
+    assert split_loss == pytest.approx(whole_loss, rel=1e-6)
+    for name, grad in whole.items():
+        torch.testing.assert_close(split[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _dp_run(rank, config):
+    ctx = ParallelContext(dp=2, init_timeout_seconds=30, collective_timeout_seconds=60)
+    loss, grads, trainer = loss_and_grads(config, ctx)
+    trainer.optimizer.zero_grad()
+    later_losses = [trainer.train_step().loss for _ in range(3)]
+    ctx.close()
+    return loss, grads, later_losses
+
+
+def test_data_parallel_matches_single_process(tiny_config):
+    single_loss, single_grads, single = loss_and_grads(tiny_config("tokens.micro_batch_size=4"))
+    single.optimizer.zero_grad()
+    single_later = [single.train_step().loss for _ in range(3)]
+    results = run_ranks(_dp_run, 2, tiny_config("tokens.micro_batch_size=2", "parallelism.dp=2"))
+    for loss, grads, later in results:
+        assert loss == pytest.approx(single_loss, rel=1e-6)
+        for name, grad in single_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+        assert later == pytest.approx(single_later, rel=1e-4)
+
+
+def test_bf16_parameters_train_with_fp32_master_weights(tiny_config):
+    trainer, results = train(tiny_config("model.dtype=bfloat16", "tokens.train_steps=4"))
+    assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+    assert all(m.dtype == torch.float32 for m in trainer.optimizer.masters)
+    for p, m in zip(trainer.model.parameters(), trainer.optimizer.masters, strict=True):
+        assert torch.equal(p, m.to(torch.bfloat16))
+    assert results[-1].loss < results[0].loss
+
+
+def test_non_finite_loss_stops_with_history_and_advice(tiny_config):
+    trainer = Trainer(tiny_config("tokens.train_steps=5"), ParallelContext(), log_to_console=False)
+    trainer.train_step()
+    trainer.step = 1
+    with torch.no_grad():
+        trainer.model.norm.weight.fill_(float("nan"))
+    with pytest.raises(TrainingDiverged) as info:
+        trainer.train_step()
+    message = str(info.value)
+    assert "step 1" in message and "not finite" in message and "step 0: lr" in message
+    assert "learning_rate" in message and "clip_grad" in message
+
+
+def test_missing_dataset_is_reported_before_the_model_is_built(tiny_config, tmp_path):
+    config = tiny_config(f"data.dataset_folder={tmp_path / 'nowhere'}")
+    with pytest.raises(DataError, match="nowhere") as info:
+        Trainer(config, ParallelContext(), log_to_console=False)
+    assert "femtotron preprocess" in str(info.value)
+
+
+def test_validation_loss_is_logged(tiny_config, tiny_dataset):
+    trainer, _ = train(tiny_config("tokens.train_steps=4", "tokens.val_check_interval=2",
+                                   "tokens.limit_val_batches=2", f"data.validation_folder={tiny_dataset}"))
+    records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in val] == [2, 4] and all(math.isfinite(r["val_loss"]) for r in val)
+
+
+def test_features_of_later_versions_are_refused_clearly(tiny_config):
+    with pytest.raises(ConfigError, match="parallelism.tp=2"):
+        Trainer(tiny_config("parallelism.tp=2"), ParallelContext(), log_to_console=False)
+    with pytest.raises(ConfigError, match="zero_stage"):
+        Trainer(tiny_config("optimizer.zero_stage=1"), ParallelContext(), log_to_console=False)
