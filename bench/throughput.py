@@ -5,11 +5,15 @@ weights under bf16 autocast, fused fp32 AdamW, gradient clipping at 1.0. Both tr
 model shape on the same batch and thread count. The machine is noisy, so trials alternate
 (femtotron, HF, femtotron, HF, ...) and the ratio is reported per pair: median and min-max.
 
-It also reports, for each model, achieved model FLOP/s divided by the bf16 rate of the model's
-own largest matmul measured here (tokens x intermediate x hidden), i.e. how close training gets
-to the machine's matmul speed.
+It also reports achieved model FLOP/s divided by the rate of the model's own largest matmul
+(tokens x hidden -> intermediate) measured here, in the precision the matmuls really run in: bf16
+where the CPU has bf16 matrix units, else fp32 (femtotron upcasts bf16 matmuls on such CPUs, see
+models/llama.py), i.e. how close training gets to the machine's matmul speed.
 
-    python bench/throughput.py [--pairs 5] [--steps 6] [--threads 2] [--only small|wide]
+A case is SHAPE:PRECISION. bf16 is the comparison above; fp32 compares both in plain fp32 (HF
+without autocast), the fair engine-to-engine figure on CPUs that emulate bf16.
+
+    python bench/throughput.py [--cases small:bf16,wide:fp32] [--pairs 5] [--steps 3] [--threads 2]
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from femtotron.config import load_config_dict
 from femtotron.data.indexed import IndexedDatasetWriter
-from femtotron.metrics import matmul_flops_rate, model_flops_per_token
+from femtotron.metrics import cpu_has_bf16_matmul, matmul_flops_rate, model_flops_per_token
 from femtotron.parallel.context import ParallelContext
 from femtotron.trainer import Trainer
 
@@ -48,13 +52,14 @@ def write_random_tokens(prefix: Path, vocab: int, tokens: int) -> None:
     writer.finalize()
 
 
-def femtotron_trainer(shape: dict, data_prefix: Path, run_dir: Path) -> Trainer:
+def femtotron_trainer(shape: dict, dtype: str, data_prefix: Path, run_dir: Path) -> Trainer:
     model_keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "vocab_size")
     config = load_config_dict({
         "general": {"run": "bench"},
         "model": {"model_config": {**{k: shape[k] for k in model_keys},
-                                   "max_position_embeddings": shape["sequence_length"]}},
+                                   "max_position_embeddings": shape["sequence_length"]},
+                  "dtype": dtype},
         "tokens": {"sequence_length": shape["sequence_length"], "micro_batch_size": shape["micro_batch_size"],
                    "train_steps": 10**6},
         "data": {"dataset_folder": str(data_prefix)},
@@ -65,8 +70,8 @@ def femtotron_trainer(shape: dict, data_prefix: Path, run_dir: Path) -> Trainer:
 
 
 class HFRun:
-    def __init__(self, shape: dict) -> None:
-        self.shape = shape
+    def __init__(self, shape: dict, autocast_bf16: bool) -> None:
+        self.shape, self.autocast_bf16 = shape, autocast_bf16
         self.model = LlamaForCausalLM(LlamaConfig(
             hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
             num_hidden_layers=shape["num_hidden_layers"], num_attention_heads=shape["num_attention_heads"],
@@ -79,7 +84,7 @@ class HFRun:
     def train_step(self) -> None:
         s = self.shape
         ids = torch.randint(1, s["vocab_size"], (s["micro_batch_size"], s["sequence_length"]), generator=self.generator)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast_bf16):
             loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -96,45 +101,53 @@ def timed(step, steps: int, tokens_per_step: int) -> float:
     return steps * tokens_per_step / (time.perf_counter() - start)
 
 
-def bench_shape(name: str, shape: dict, pairs: int, steps: int) -> None:
+def bench_case(name: str, precision: str, pairs: int, steps: int) -> None:
+    shape = SHAPES[name]
     tokens_per_step = shape["micro_batch_size"] * shape["sequence_length"]
+    print(f"\n[{name}:{precision}] hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, vocab "
+          f"{shape['vocab_size']}, batch {shape['micro_batch_size']} x {shape['sequence_length']}, "
+          f"{torch.get_num_threads()} threads, {pairs} pairs of {steps} steps", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         prefix = Path(tmp) / "random"
         write_random_tokens(prefix, shape["vocab_size"], 64 * tokens_per_step)
-        ours, theirs = femtotron_trainer(shape, prefix, Path(tmp) / "runs"), HFRun(shape)
+        dtype = {"bf16": "bfloat16", "fp32": "float32"}[precision]
+        ours = femtotron_trainer(shape, dtype, prefix, Path(tmp) / "runs")
+        theirs = HFRun(shape, autocast_bf16=precision == "bf16")
         rates = []
-        for _ in range(pairs):
+        for pair in range(pairs):
             rates.append((timed(ours.train_step, steps, tokens_per_step),
                           timed(theirs.train_step, steps, tokens_per_step)))
+            print(f"  pair {pair + 1}: femtotron {rates[-1][0]:,.0f} tok/s, HF {rates[-1][1]:,.0f} tok/s", flush=True)
     ratios = [a / b for a, b in rates]
     flops_per_token = model_flops_per_token(ours.config.model.model_config_, shape["sequence_length"])
-    gemm = matmul_flops_rate(tokens_per_step, shape["intermediate_size"], shape["hidden_size"], torch.bfloat16,
-                             torch.device("cpu"), seconds=1.0)
+    gemm_dtype = torch.bfloat16 if precision == "bf16" and cpu_has_bf16_matmul() else torch.float32
+    gemm = matmul_flops_rate(tokens_per_step, shape["intermediate_size"], shape["hidden_size"], gemm_dtype,
+                             torch.device("cpu"), seconds=0.5)
     ours_tps = statistics.median(a for a, _ in rates)
     theirs_tps = statistics.median(b for _, b in rates)
-    print(f"\n[{name}] hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, vocab "
-          f"{shape['vocab_size']}, batch {shape['micro_batch_size']} x {shape['sequence_length']}, "
-          f"{torch.get_num_threads()} threads, {pairs} pairs of {steps} steps")
     print(f"  femtotron       {ours_tps:10,.0f} tok/s (median)")
     print(f"  HF transformers {theirs_tps:10,.0f} tok/s (median)")
     print(f"  ratio femtotron/HF: median {statistics.median(ratios):.2f}x  (min {min(ratios):.2f}x, "
-          f"max {max(ratios):.2f}x; pairs: {', '.join(f'{r:.2f}' for r in ratios)})")
-    print(f"  bf16 GEMM {tokens_per_step}x{shape['hidden_size']}x{shape['intermediate_size']}: {gemm / 1e12:.3f} TFLOP/s")
+          f"max {max(ratios):.2f}x)")
+    print(f"  {gemm_dtype} GEMM {tokens_per_step}x{shape['hidden_size']}->{shape['intermediate_size']}: "
+          f"{gemm / 1e9:.1f} GFLOP/s")
     print(f"  achieved model FLOP/s / GEMM rate: femtotron {ours_tps * flops_per_token / gemm:.2f}, "
-          f"HF {theirs_tps * flops_per_token / gemm:.2f}")
+          f"HF {theirs_tps * flops_per_token / gemm:.2f}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    default_cases = "small:bf16,wide:bf16" if cpu_has_bf16_matmul() else "small:bf16,small:fp32,wide:fp32"
+    parser.add_argument("--cases", default=default_cases, help=f"SHAPE:PRECISION list (default {default_cases})")
     parser.add_argument("--pairs", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--only", choices=sorted(SHAPES))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    for name, shape in SHAPES.items():
-        if args.only in (None, name):
-            bench_shape(name, shape, args.pairs, args.steps)
+    print(f"CPU bf16 matrix units: {'yes' if cpu_has_bf16_matmul() else 'no (bf16 is emulated)'}")
+    for case in args.cases.split(","):
+        name, precision = case.split(":")
+        bench_case(name, precision, args.pairs, args.steps)
 
 
 if __name__ == "__main__":

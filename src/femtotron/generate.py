@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from femtotron.config import Config, load_config
-from femtotron.data.tokenizer import load_tokenizer
+from femtotron.data.tokenizer import eos_token_id, load_tokenizer
 from femtotron.errors import FemtotronError
 from femtotron.models.llama import Llama
 
@@ -52,7 +52,7 @@ def sample(model: Llama, prompt_ids: list[int], max_new_tokens: int, temperature
         ids.append(next_id)
         if next_id == stop_id:
             break
-    return ids[len(prompt_ids):]
+    return [i for i in ids[len(prompt_ids):] if i != stop_id]
 
 
 def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
@@ -62,5 +62,8 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, t
         raise FemtotronError(f"{run_dir}/config.yaml has no tokenizer.tokenizer_name_or_path: set it to the "
                              "tokenizer.json the data was preprocessed with.")
     tokenizer = load_tokenizer(config.tokenizer.tokenizer_name_or_path)
-    new_ids = sample(model, tokenizer.encode(prompt).ids or [0], max_new_tokens, temperature, top_k, seed)
+    eos = eos_token_id(tokenizer)
+    # Documents were separated by EOS in training, so EOS is also how a fresh document begins.
+    prompt_ids = [eos] + tokenizer.encode(prompt, add_special_tokens=False).ids
+    new_ids = sample(model, prompt_ids, max_new_tokens, temperature, top_k, seed, stop_id=eos)
     return prompt + tokenizer.decode(new_ids)

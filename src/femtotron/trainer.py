@@ -20,7 +20,7 @@ from femtotron.config import Config, config_warnings, parameter_count
 from femtotron.data.indexed import resolve_dataset_prefixes
 from femtotron.data.nanoset import MicroBatchIterator, Nanoset
 from femtotron.errors import ConfigError, FemtotronError
-from femtotron.metrics import RunLog, memory_gib, model_flops_per_token, peak_flops
+from femtotron.metrics import RunLog, cpu_has_bf16_matmul, memory_gib, model_flops_per_token, peak_flops
 from femtotron.models.llama import IGNORE_INDEX, Llama
 from femtotron.optim.clip import clip_grads_
 from femtotron.optim.lr_schedule import lr_at
@@ -83,7 +83,8 @@ class Trainer:
         tokens = config.tokens
         mcfg = config.model.model_config_
         self.run_dir = Path(config.logging.output_dir) / config.general.run
-        self.log = RunLog(ctx.log_prefix, self.run_dir, is_main=ctx.rank == 0, console=log_to_console)
+        self.log = RunLog(ctx.log_prefix, self.run_dir, is_main=ctx.rank == 0, console=log_to_console,
+                          level=config.logging.log_level)
         # Data first: a wrong dataset path must fail before minutes go into building the model.
         self.train_data = open_nanoset(config.data.dataset_folder, tokens.sequence_length, config.data.seed)
         self.val_data = (open_nanoset(config.data.validation_folder, tokens.sequence_length, config.data.seed)
@@ -122,10 +123,19 @@ class Trainer:
         ]
         return "\n".join(lines)
 
+    def start_warnings(self) -> list[str]:
+        warnings = config_warnings(self.config)
+        if self.ctx.device.type == "cpu" and self.dtype != torch.float32 and not cpu_has_bf16_matmul():
+            warnings.append(
+                f"model.dtype={self.config.model.dtype} on a CPU without bf16 matrix units (no avx512_bf16 or "
+                "amx_bf16): matmuls and attention run in fp32 on upcast copies, since emulated bf16 is far "
+                "slower; model.dtype=float32 avoids the casts and is faster still on this CPU.")
+        return warnings
+
     def train(self) -> list[StepResult]:
         self.log.info(self.summary())
-        for warning in config_warnings(self.config):
-            self.log.info(f"WARNING: {warning}")
+        for warning in self.start_warnings():
+            self.log.warn(warning)
         if self.ctx.rank == 0:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False))
         results = []

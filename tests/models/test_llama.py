@@ -95,3 +95,24 @@ def test_bf16_model_tracks_fp32_model():
         full = build(cfg).logits(ids)
         half = build(cfg, dtype=torch.bfloat16).logits(ids).float()
     assert (full - half).abs().max() < 0.05 * full.abs().max() + 1e-2
+
+
+def test_upcast_path_for_cpus_without_bf16_units_matches_native_bf16(monkeypatch):
+    from femtotron.models import llama
+
+    cfg = tiny_config()
+    model = build(cfg, dtype=torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    results = {}
+    for native in (True, False):
+        monkeypatch.setattr(llama, "CPU_MULTIPLIES_BF16", native)
+        model.zero_grad()
+        loss_sum, count = model(ids[:, :-1], ids[:, 1:])
+        (loss_sum / count).backward()
+        grad = model.layers[0].self_attn.q_proj.weight.grad
+        assert grad.dtype == torch.bfloat16
+        results[native] = (model.logits(ids).float(), grad.float())
+    (native_logits, native_grad), (upcast_logits, upcast_grad) = results[True], results[False]
+    # Same maths, different accumulation: within a few bf16 ulps (2^-8 relative).
+    torch.testing.assert_close(upcast_logits, native_logits, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(upcast_grad, native_grad, rtol=5e-2, atol=1e-4)

@@ -143,7 +143,7 @@ class AdamWArgs(_Section):
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.95, ge=0, lt=1)
     adam_eps: PositiveFloat = 1e-8
-    torch_adam_is_fused: bool = False
+    torch_adam_is_fused: bool = True
 
 
 class OptimizerArgs(_Section):

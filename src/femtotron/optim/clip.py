@@ -9,7 +9,7 @@ from femtotron.parallel.context import ParallelContext
 
 def global_grad_norm(grads: list[torch.Tensor], ctx: ParallelContext) -> torch.Tensor:
     """L2 norm of all gradients of one model replica, summed over its tp and pp ranks (fp32)."""
-    local_sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+    local_sq = torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).pow(2).sum() if grads else torch.zeros(())
     ctx.comm.all_reduce(local_sq, ctx.mp_group)
     return local_sq.sqrt()
 

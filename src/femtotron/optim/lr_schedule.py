@@ -19,7 +19,8 @@ def lr_at(step: int, sched: Any, train_steps: int) -> float:
     length = (train_steps - start) if sched.lr_decay_steps is None else sched.lr_decay_steps
     if step < start or sched.lr_decay_style == "constant":
         return peak
-    progress = min(1.0, (step - start) / max(1, length))
+    # The decay covers steps start .. start + length - 1: the first at the peak, the last at the floor.
+    progress = min(1.0, (step - start) / max(1, length - 1))
     shape = {
         "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
         "linear": 1.0 - progress,

@@ -53,7 +53,10 @@ class MixedPrecisionAdamW:
             for param, master in zip(self.params, self.masters, strict=True):
                 if master is not param and param.grad is not None:
                     master.grad, param.grad = param.grad.float(), None
-        return [m.grad for m in self.masters if m.grad is not None]
+        for master in self.masters:
+            if master.grad is None:  # unused this step: a zero keeps every rank's list the same shape
+                master.grad = torch.zeros_like(master)
+        return [m.grad for m in self.masters]
 
     def step(self, lr: float) -> None:
         for group in self.adam.param_groups:

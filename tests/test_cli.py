@@ -1,0 +1,118 @@
+"""The command line end to end, as a user runs it: separate processes, exit codes, printed text."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from distributed import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def femtotron(*args: str, env: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "femtotron.cli", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+
+
+def write_config(path: Path, dataset: str, tokenizer: str | None, output_dir: Path, **tokens) -> Path:
+    config = {
+        "general": {"run": "cli"},
+        "model": {"model_config": {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+                                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                   "max_position_embeddings": 64},
+                  "dtype": "float32"},
+        "tokenizer": {"tokenizer_name_or_path": tokenizer},
+        "tokens": {"sequence_length": 32, "micro_batch_size": 4, "train_steps": 6, **tokens},
+        "optimizer": {"learning_rate_scheduler": {"learning_rate": 3e-3}},
+        "data": {"dataset_folder": dataset},
+        "logging": {"output_dir": str(output_dir), "iteration_step_info_interval": 2},
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus_and_tokenizer(tmp_path_factory):
+    """The first 60k characters of two bundled plays, a tokenizer fitted to them, and their .bin/.idx."""
+    root = tmp_path_factory.mktemp("cli")
+    with gzip.open(REPO / "examples/data/shakespeare.jsonl.gz", "rt") as f:
+        docs = [json.loads(next(f)) for _ in range(2)]
+    corpus = root / "plays.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d["text"][:30000]}) + "\n" for d in docs))
+    tokenizer = root / "tokenizer.json"
+    result = femtotron("train-tokenizer", "--input", str(corpus), "--vocab-size", "320", "--output", str(tokenizer))
+    assert result.returncode == 0, result.stderr
+    prefix = root / "plays"
+    result = femtotron("preprocess", "--input", str(corpus), "--tokenizer", str(tokenizer),
+                       "--output-prefix", str(prefix))
+    assert result.returncode == 0, result.stderr
+    assert "2 documents" in result.stdout
+    return root, str(prefix), str(tokenizer)
+
+
+def test_train_then_generate(corpus_and_tokenizer, tmp_path):
+    root, prefix, tokenizer = corpus_and_tokenizer
+    config = write_config(tmp_path / "cfg.yaml", prefix, tokenizer, tmp_path / "runs")
+    result = femtotron("train", str(config), "tokens.train_steps=4")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "[rank 0 dp0 tp0 pp0] model: Llama 2 layers" in out
+    assert "tokens per step" in out and "documents" in out and "epochs" in out
+    assert "step 4/4 | loss" in out and "tok/s" in out and "MFU" in out
+    run_dir = tmp_path / "runs" / "cli"
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 4]
+    sample = femtotron("generate", str(run_dir), "--prompt", "KING:", "--max-new-tokens", "20")
+    assert sample.returncode == 0, sample.stderr
+    assert sample.stdout.startswith("KING:") and len(sample.stdout.strip()) > len("KING:")
+
+
+def test_config_errors_exit_2_without_traceback(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("model:\n  model_config:\n    hiden_size: 256\nparallelism:\n  tp: two\n"
+                      "tokens:\n  train_steps: 5\ndata:\n  dataset_folder: x\n")
+    result = femtotron("train", str(config), "tokens.micro_batch_size=0")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    for expected in ("hidden_size", "line 3", "parallelism.tp", "line 5", "'two'", "tokens.micro_batch_size"):
+        assert expected in result.stderr
+
+
+def test_world_size_mismatch_is_caught_before_any_process_group(tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", "x", None, tmp_path / "runs")
+    result = femtotron("train", str(config), env={"WORLD_SIZE": "4", "RANK": "0", "MASTER_PORT": "1"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "WORLD_SIZE=4" in result.stderr and "dp=4 tp=1 pp=1" in result.stderr and "dp=2 tp=2 pp=1" in result.stderr
+
+
+def test_missing_dataset_names_the_path_and_the_command(tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", str(tmp_path / "missing"), None, tmp_path / "runs")
+    result = femtotron("train", str(config))
+    assert result.returncode == 3 and "Traceback" not in result.stderr
+    assert str(tmp_path / "missing") in result.stderr and "femtotron preprocess" in result.stderr
+
+
+def test_generate_without_a_finished_run_explains(tmp_path):
+    result = femtotron("generate", str(tmp_path / "runs" / "nothing"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "model.safetensors" in result.stderr or "config.yaml" in result.stderr
+
+
+def test_torchrun_data_parallel(corpus_and_tokenizer, tmp_path):
+    _, prefix, tokenizer = corpus_and_tokenizer
+    config = write_config(tmp_path / "cfg.yaml", prefix, tokenizer, tmp_path / "runs", micro_batch_size=2)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "-m", "femtotron.cli", "train", str(config), "parallelism.dp=2", "tokens.train_steps=2"],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[rank 0 dp0 tp0 pp0] layout: dp=2 tp=1 pp=1 on 2 process(es)" in result.stdout
+    assert "step 2/2 | loss" in result.stdout
+    assert (tmp_path / "runs" / "cli" / "model.safetensors").is_file()
