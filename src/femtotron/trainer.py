@@ -16,6 +16,7 @@ import yaml
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from femtotron.atomic import atomic_path
 from femtotron.config import Config, config_warnings, parameter_count
 from femtotron.data.indexed import resolve_dataset_prefixes
 from femtotron.data.nanoset import MicroBatchIterator, Nanoset
@@ -92,7 +93,6 @@ class Trainer:
         self.batches = MicroBatchIterator(self.train_data, tokens.micro_batch_size,
                                           tokens.batch_accumulation_per_replica, ctx.dp_rank, ctx.dp)
         self.dtype = DTYPES[config.model.dtype]
-        torch.manual_seed(config.general.seed)
         self.model = Llama(mcfg, std=config.model.init_method.std, seed=config.general.seed, dtype=self.dtype,
                            device=ctx.device)
         self.optimizer = MixedPrecisionAdamW(list(self.model.parameters()), config.optimizer)
@@ -137,7 +137,8 @@ class Trainer:
         for warning in self.start_warnings():
             self.log.warn(warning)
         if self.ctx.rank == 0:
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False))
+            with atomic_path(self.run_dir / "config.yaml") as tmp:
+                Path(tmp).write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False))
         results = []
         train_steps = self.config.tokens.train_steps
         bar = tqdm(total=train_steps, initial=self.step, unit="step", disable=None if self.ctx.rank == 0 else True,
@@ -171,13 +172,15 @@ class Trainer:
 
     def compute_gradients(self) -> tuple[float, int, list[torch.Tensor]]:
         """Forward and backward over this step's micro-batches; returns loss, tokens and fp32 grads."""
-        micro_batches = [mb.to(self.ctx.device) for mb in self.batches.next_step()]
+        micro_batches = self.batches.next_step()
         # Token-weighted loss: divide by the valid-token count of the whole global batch, so any
         # split into micro-batches and dp ranks gives the same loss and gradients.
-        global_tokens = torch.tensor(float(sum((mb[:, 1:] != IGNORE_INDEX).sum().item() for mb in micro_batches)))
+        local_tokens = sum(int((mb[:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
+        global_tokens = torch.tensor(float(local_tokens), device=self.ctx.device)
         self.ctx.comm.all_reduce(global_tokens, self.ctx.dp_group)
         loss_sum = torch.zeros((), device=self.ctx.device)
         for batch in micro_batches:
+            batch = batch.to(self.ctx.device, non_blocking=True)
             micro_loss, _ = self.model(batch[:, :-1], batch[:, 1:])
             (micro_loss / global_tokens).backward()
             loss_sum += micro_loss.detach()
@@ -192,7 +195,8 @@ class Trainer:
             return
         flat = torch.cat([g.flatten() for g in grads])
         self.ctx.comm.all_reduce(flat, self.ctx.dp_group)
-        torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)])
+        chunks = flat.split([g.numel() for g in grads])
+        torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(chunks, grads, strict=True)])
 
     def diverged(self, loss: float, grad_norm: float) -> TrainingDiverged:
         recent = ", ".join(f"step {s}: lr {lr:.2e} grad_norm {g:.3g}" for s, lr, g in self.history) or "none"
@@ -204,7 +208,9 @@ class Trainer:
         )
 
     def log_step(self, result: StepResult) -> None:
-        if self.step % self.config.logging.iteration_step_info_interval and self.step != self.config.tokens.train_steps:
+        # The first step too: its loss should be near ln(vocab_size), a quick check the data is sane.
+        edge = self.step in (1, self.config.tokens.train_steps)
+        if self.step % self.config.logging.iteration_step_info_interval and not edge:
             return
         tokens_per_sec = result.tokens / result.seconds
         achieved = tokens_per_sec * self.flops_per_token / self.ctx.world_size
@@ -217,20 +223,20 @@ class Trainer:
         self.log.record(record)
         memory = " ".join(f"{k.removeprefix('mem_').removesuffix('_gib')} {v:.2f}GiB" for k, v in record.items()
                           if k.startswith("mem_"))
-        self.log.info(f"step {self.step}/{self.config.tokens.train_steps} | loss {result.loss:.4f} | lr {result.lr:.3e} | "
-                 f"grad_norm {result.grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s | "
-                 f"{achieved / 1e12:.2f} TFLOP/s | MFU {record['mfu']:.1%} | mem {memory}")
+        self.log.info(f"step {self.step}/{self.config.tokens.train_steps} | loss {result.loss:.4f} | "
+                      f"lr {result.lr:.3e} | grad_norm {result.grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s | "
+                      f"{achieved / 1e12:.2f} TFLOP/s | MFU {record['mfu']:.1%} | mem {memory}")
 
     @torch.no_grad()
     def evaluate(self) -> float:
         tokens = self.config.tokens
         batches = MicroBatchIterator(self.val_data, tokens.micro_batch_size, tokens.limit_val_batches,
                                      self.ctx.dp_rank, self.ctx.dp)
-        totals = torch.zeros(2)
+        totals = torch.zeros(2, device=self.ctx.device)
         for batch in batches.next_step():
             batch = batch.to(self.ctx.device)
             loss_sum, count = self.model(batch[:, :-1], batch[:, 1:])
-            totals += torch.stack([loss_sum.float().cpu(), count.float().cpu()])
+            totals += torch.stack([loss_sum, count.float()])
         self.ctx.comm.all_reduce(totals, self.ctx.dp_group)
         return (totals[0] / totals[1]).item()
 
@@ -243,8 +249,7 @@ class Trainer:
         """Full weights as safetensors (every dp rank holds them all; rank 0 writes atomically)."""
         path = self.run_dir / "model.safetensors"
         if self.ctx.rank == 0:
-            tmp = path.with_suffix(".tmp")
-            save_file({n: p.detach().cpu().contiguous() for n, p in self.model.named_parameters()}, str(tmp))
-            tmp.replace(path)
+            with atomic_path(path) as tmp:
+                save_file({n: p.detach().cpu().contiguous() for n, p in self.model.named_parameters()}, tmp)
             self.log.info(f"saved weights to {path}")
         return path

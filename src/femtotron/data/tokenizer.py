@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from femtotron.data.documents import iter_documents
+from femtotron.atomic import atomic_path
 from femtotron.errors import DataError
 
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>")
@@ -50,11 +51,8 @@ def train_tokenizer(
             yield from iter_documents(path, text_key)
 
     tokenizer.train_from_iterator(texts(), trainer=trainer)
-    output_path = os.fspath(output_path)
-    os.makedirs(os.path.dirname(output_path) or ".", exist_ok=True)
-    tmp = f"{output_path}.tmp{os.getpid()}"
-    tokenizer.save(tmp)
-    os.replace(tmp, output_path)
+    with atomic_path(output_path) as tmp:
+        tokenizer.save(tmp)
     return tokenizer
 
 

@@ -9,7 +9,9 @@ from femtotron.parallel.context import ParallelContext
 
 def global_grad_norm(grads: list[torch.Tensor], ctx: ParallelContext) -> torch.Tensor:
     """L2 norm of all gradients of one model replica, summed over its tp and pp ranks (fp32)."""
-    local_sq = torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).pow(2).sum() if grads else torch.zeros(())
+    norms = torch._foreach_norm(grads, dtype=torch.float32) if grads else [torch.zeros((), device=ctx.device)]
+    # Every rank joins the all-reduce, even one holding no gradients, or the others would wait forever.
+    local_sq = torch.stack(norms).pow(2).sum()
     ctx.comm.all_reduce(local_sq, ctx.mp_group)
     return local_sq.sqrt()
 
