@@ -7,8 +7,8 @@ from collections.abc import Iterator, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from femtotron.data.documents import iter_documents
 from femtotron.atomic import atomic_path
+from femtotron.data.documents import iter_documents
 from femtotron.errors import DataError
 
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>")
