@@ -59,8 +59,9 @@ def corpus_and_tokenizer(tmp_path_factory):
 def test_train_then_generate(corpus_and_tokenizer, tmp_path):
     root, prefix, tokenizer = corpus_and_tokenizer
     config = write_config(tmp_path / "cfg.yaml", prefix, tokenizer, tmp_path / "runs")
-    result = femtotron("train", str(config), "tokens.train_steps=4")
+    result = femtotron("train", str(config), "tokens.train_steps=4", "--debug")
     assert result.returncode == 0, result.stderr
+    assert "--debug: NCCL_DEBUG=INFO TORCH_DISTRIBUTED_DEBUG=DETAIL" in result.stderr
     out = result.stdout
     assert "[rank 0 dp0 tp0 pp0] model: Llama 2 layers" in out
     assert "tokens per step" in out and "documents" in out and "epochs" in out
@@ -113,6 +114,6 @@ def test_torchrun_data_parallel(corpus_and_tokenizer, tmp_path):
         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "[rank 0 dp0 tp0 pp0] layout: dp=2 tp=1 pp=1 on 2 process(es)" in result.stdout
+    assert "[rank 0 dp0 tp0 pp0] layout: dp=2 tp=1 pp=1 on 2 process(es) on 1 host(s)" in result.stdout
     assert "step 2/2 | loss" in result.stdout
     assert (tmp_path / "runs" / "cli" / "model.safetensors").is_file()

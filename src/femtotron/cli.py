@@ -23,6 +23,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         # Must be set before the process group is created to take effect.
         os.environ.setdefault("NCCL_DEBUG", "INFO")
         os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+        print(f"[rank {os.environ.get('RANK', '0')}] --debug: NCCL_DEBUG={os.environ['NCCL_DEBUG']} "
+              f"TORCH_DISTRIBUTED_DEBUG={os.environ['TORCH_DISTRIBUTED_DEBUG']}", file=sys.stderr)
     from femtotron.parallel.context import ParallelContext
     from femtotron.trainer import Trainer
 

@@ -112,7 +112,7 @@ class Trainer:
             f"{mcfg.num_attention_heads} heads ({mcfg.num_key_value_heads} kv), vocab {mcfg.vocab_size}: "
             f"{parameter_count(mcfg) / 1e6:.2f}M parameters, {cfg.model.dtype} with fp32 master weights",
             f"layout: dp={self.ctx.dp} tp={self.ctx.tp} pp={self.ctx.pp} on {self.ctx.world_size} "
-            f"process(es), device {self.ctx.device}",
+            f"process(es) on {len(set(self.ctx.hosts))} host(s), device {self.ctx.device}",
             f"batch: {tokens.micro_batch_size} x {tokens.sequence_length} tokens x "
             f"{tokens.batch_accumulation_per_replica} micro-batches x dp {self.ctx.dp} = "
             f"{cfg.tokens_per_step:,} tokens per step, {tokens.train_steps} steps",

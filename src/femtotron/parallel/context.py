@@ -7,6 +7,7 @@ innermost so a TP group is consecutive ranks (the same host, the fastest links);
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,7 @@ class ParallelContext:
         self.device = self._pick_device()
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.comm = Comm()
-        self.hosts = [os.uname().nodename]
+        self.hosts = [socket.gethostname()]
         if self.world_size > 1:
             host = os.environ.get("MASTER_ADDR", "127.0.0.1")
             port = int(os.environ.get("MASTER_PORT", "29500"))
@@ -100,28 +101,8 @@ class ParallelContext:
         return mine
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
-    @property
     def log_prefix(self) -> str:
         return f"[rank {self.rank} dp{self.dp_rank} tp{self.tp_rank} pp{self.pp_rank}]"
-
-    def tp_groups_across_hosts(self) -> list[Group]:
-        """TP groups whose ranks are not all on one host (their all-reduces cross the network)."""
-        hosts = self.hosts
-        if len(hosts) == 1:
-            return []
-        spans = []
-        for start in range(0, self.world_size, self.tp):
-            ranks = tuple(range(start, start + self.tp))
-            if len({hosts[r] for r in ranks}) > 1:
-                spans.append(Group("tp", ranks))
-        return spans
 
     def close(self) -> None:
         comm.shutdown()
