@@ -117,3 +117,11 @@ def test_torchrun_data_parallel(corpus_and_tokenizer, tmp_path):
     assert "[rank 0 dp0 tp0 pp0] layout: dp=2 tp=1 pp=1 on 2 process(es) on 1 host(s)" in result.stdout
     assert "step 2/2 | loss" in result.stdout
     assert (tmp_path / "runs" / "cli" / "model.safetensors").is_file()
+
+
+def test_tokenizer_larger_than_the_model_vocabulary_is_refused(corpus_and_tokenizer, tmp_path):
+    _, prefix, tokenizer = corpus_and_tokenizer
+    config = write_config(tmp_path / "cfg.yaml", prefix, tokenizer, tmp_path / "runs")
+    result = femtotron("train", str(config), "model.model_config.vocab_size=256")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "has 320 tokens but model.model_config.vocab_size=256" in result.stderr

@@ -108,3 +108,11 @@ def test_features_of_later_versions_are_refused_clearly(tiny_config):
         Trainer(tiny_config("parallelism.tp=2"), ParallelContext(), log_to_console=False)
     with pytest.raises(ConfigError, match="zero_stage"):
         Trainer(tiny_config("optimizer.zero_stage=1"), ParallelContext(), log_to_console=False)
+
+
+def test_token_ids_beyond_the_vocabulary_are_reported_not_crashed_on(tiny_config):
+    config = tiny_config("model.model_config.vocab_size=128")  # the data uses ids up to 255
+    trainer = Trainer(config, ParallelContext(), log_to_console=False)
+    with pytest.raises(DataError, match=r"token id 2\d\d, but model.model_config.vocab_size=128") as info:
+        trainer.train_step()
+    assert "vocab_size >= 2" in str(info.value) and "femtotron preprocess" in str(info.value)

@@ -20,7 +20,8 @@ from femtotron.atomic import atomic_path
 from femtotron.config import Config, config_warnings, parameter_count
 from femtotron.data.indexed import resolve_dataset_prefixes
 from femtotron.data.nanoset import MicroBatchIterator, Nanoset
-from femtotron.errors import ConfigError, FemtotronError
+from femtotron.data.tokenizer import load_tokenizer
+from femtotron.errors import ConfigError, DataError, FemtotronError
 from femtotron.metrics import RunLog, cpu_has_bf16_matmul, memory_gib, model_flops_per_token, peak_flops
 from femtotron.models.llama import IGNORE_INDEX, Llama
 from femtotron.optim.clip import clip_grads_
@@ -90,6 +91,7 @@ class Trainer:
         self.train_data = open_nanoset(config.data.dataset_folder, tokens.sequence_length, config.data.seed)
         self.val_data = (open_nanoset(config.data.validation_folder, tokens.sequence_length, config.data.seed)
                          if config.data.validation_folder is not None else None)
+        self.check_tokenizer()
         self.batches = MicroBatchIterator(self.train_data, tokens.micro_batch_size,
                                           tokens.batch_accumulation_per_replica, ctx.dp_rank, ctx.dp)
         self.dtype = DTYPES[config.model.dtype]
@@ -173,6 +175,7 @@ class Trainer:
     def compute_gradients(self) -> tuple[float, int, list[torch.Tensor]]:
         """Forward and backward over this step's micro-batches; returns loss, tokens and fp32 grads."""
         micro_batches = self.batches.next_step()
+        self.check_token_ids(micro_batches)
         # Token-weighted loss: divide by the valid-token count of the whole global batch, so any
         # split into micro-batches and dp ranks gives the same loss and gradients.
         local_tokens = sum(int((mb[:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
@@ -188,6 +191,33 @@ class Trainer:
         self.reduce_gradients(grads)
         loss = self.ctx.comm.all_reduce(loss_sum, self.ctx.dp_group).item() / global_tokens.item()
         return loss, int(global_tokens.item()), grads
+
+    def check_tokenizer(self) -> None:
+        """The tokenizer the run names must fit the model's vocabulary (checked before the model is built)."""
+        path = self.config.tokenizer.tokenizer_name_or_path
+        if path is None:
+            return
+        size = load_tokenizer(path).get_vocab_size()
+        vocab = self.config.model.model_config_.vocab_size
+        if size > vocab:
+            raise ConfigError(
+                f"tokenizer.tokenizer_name_or_path={path} has {size} tokens but model.model_config.vocab_size="
+                f"{vocab}: ids {vocab}..{size - 1} would have no embedding. Set model.model_config.vocab_size "
+                f">= {size}, or use the tokenizer the data was preprocessed with."
+            )
+
+    def check_token_ids(self, micro_batches: list[torch.Tensor]) -> None:
+        """An id >= vocab_size would crash the embedding (on GPU as an opaque device assert)."""
+        vocab = self.config.model.model_config_.vocab_size
+        largest = max(int(mb.max()) for mb in micro_batches)
+        if largest >= vocab:
+            raise DataError(
+                f"step {self.step + 1}: the training data holds token id {largest}, but "
+                f"model.model_config.vocab_size={vocab} allows ids 0..{vocab - 1}. The data was tokenized "
+                f"with a larger vocabulary than the model's: set model.model_config.vocab_size >= {largest + 1} "
+                "(a multiple of 64 or 128 is fastest), or re-run `femtotron preprocess` with the tokenizer this "
+                "model is meant for."
+            )
 
     def reduce_gradients(self, grads: list[torch.Tensor]) -> None:
         """Sum gradients over dp replicas (the loss is already divided by the global token count)."""
