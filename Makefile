@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# torch first and pinned: pip then takes the local CPU build instead of resolving a CUDA one.
+# torch first and pinned, so no other requirement makes pip resolve a different torch build.
+# Override for another build, e.g. TORCH_SPEC="torch==2.13.0 --index-url URL" (PyTorch's CPU or CUDA index).
 TORCH_SPEC ?= torch==2.13.0
 DATA := examples/data/shakespeare
 
@@ -11,7 +12,7 @@ DATA := examples/data/shakespeare
 $(BIN)/femtotron: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet $(TORCH_SPEC)
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 

@@ -69,7 +69,10 @@ def test_train_then_generate(corpus_and_tokenizer, tmp_path):
     run_dir = tmp_path / "runs" / "cli"
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 4]
-    sample = femtotron("generate", str(run_dir), "--prompt", "KING:", "--max-new-tokens", "20")
+    assert (run_dir / "tokenizer.json").is_file()  # the run directory is self-contained
+    moved = tmp_path / "elsewhere"
+    run_dir.rename(moved)
+    sample = femtotron("generate", str(moved), "--prompt", "KING:", "--max-new-tokens", "20", "--top-k", "0")
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("KING:") and len(sample.stdout.strip()) > len("KING:")
 
@@ -125,3 +128,14 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused(corpus_and_tokeni
     result = femtotron("train", str(config), "model.model_config.vocab_size=256")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "has 320 tokens but model.model_config.vocab_size=256" in result.stderr
+
+
+def test_unwritable_paths_and_unreadable_yaml_are_errors_not_tracebacks(corpus_and_tokenizer, tmp_path):
+    root, _, _ = corpus_and_tokenizer
+    result = femtotron("train-tokenizer", "--input", str(root / "plays.jsonl"), "--vocab-size", "300",
+                       "--output", str(tmp_path))  # a directory, not a file
+    assert result.returncode == 1 and "Traceback" not in result.stderr and str(tmp_path) in result.stderr
+    config = tmp_path / "bell.yaml"
+    config.write_text("tokens:\n  train_steps: 5\x07\n")
+    result = femtotron("train", str(config))
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "bell.yaml" in result.stderr

@@ -10,7 +10,7 @@ from femtotron.parallel.context import ParallelContext
 from femtotron.trainer import Trainer, TrainingDiverged
 
 
-def train(config, steps=None):
+def train(config):
     trainer = Trainer(config, ParallelContext(), log_to_console=False)
     return trainer, trainer.train()
 
@@ -84,7 +84,7 @@ def test_non_finite_loss_stops_with_history_and_advice(tiny_config):
     with pytest.raises(TrainingDiverged) as info:
         trainer.train_step()
     message = str(info.value)
-    assert "step 1" in message and "not finite" in message and "step 0: lr" in message
+    assert "step 2:" in message and "not finite" in message and "step 1: lr" in message
     assert "learning_rate" in message and "clip_grad" in message
 
 

@@ -26,7 +26,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(f"[rank {os.environ.get('RANK', '0')}] --debug: NCCL_DEBUG={os.environ['NCCL_DEBUG']} "
               f"TORCH_DISTRIBUTED_DEBUG={os.environ['TORCH_DISTRIBUTED_DEBUG']}", file=sys.stderr)
     from femtotron.parallel.context import ParallelContext
-    from femtotron.trainer import Trainer
+    from femtotron.trainer import Trainer, check_supported
+
+    check_supported(config)  # before any process group exists, like every other config check
 
     par = config.parallelism
     ctx = ParallelContext(par.dp, par.tp, par.pp, init_timeout_seconds=par.init_timeout_seconds,
@@ -53,8 +55,8 @@ def cmd_preprocess(args: argparse.Namespace) -> None:
 def cmd_train_tokenizer(args: argparse.Namespace) -> None:
     from femtotron.data.tokenizer import train_tokenizer
 
-    train_tokenizer(args.input, args.vocab_size, args.output)
-    print(f"wrote {args.output} (byte-level BPE, vocab {args.vocab_size})")
+    tokenizer = train_tokenizer(args.input, args.vocab_size, args.output, text_key=args.text_key)
+    print(f"wrote {args.output} (byte-level BPE, vocab {tokenizer.get_vocab_size()})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--input", required=True, nargs="+", help=".jsonl, .jsonl.gz or .txt files")
     tok.add_argument("--vocab-size", type=int, required=True)
     tok.add_argument("--output", required=True, help="where to write tokenizer.json")
+    tok.add_argument("--text-key", default="text", help="JSON field holding the text")
     tok.set_defaults(run=cmd_train_tokenizer)
     return parser
 
@@ -102,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(e, ConfigError) or os.environ.get("RANK", "0") == "0":
             print(f"femtotron: error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # a path the user gave that cannot be read or written
+        where = f": {e.filename}" if e.filename else ""
+        print(f"femtotron: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

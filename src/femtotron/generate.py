@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from femtotron.config import Config, load_config
@@ -27,7 +28,12 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Config, Llama]:
     mcfg = config.model.model_config_
     model = Llama(mcfg, std=config.model.init_method.std, seed=config.general.seed, dtype=torch.float32,
                   device=torch.device(device))
-    model.load_state_dict(load_file(str(weights_path), device=device), strict=True)
+    try:
+        weights = load_file(str(weights_path), device=device)
+        model.load_state_dict(weights, strict=True)
+    except (SafetensorError, RuntimeError) as e:
+        raise FemtotronError(f"{weights_path} does not hold this run's model ({config_path}): "
+                             f"{str(e).splitlines()[0]}. Re-run the training that wrote it.") from None
     return config, model.eval()
 
 
@@ -45,7 +51,7 @@ def sample(model: Llama, prompt_ids: list[int], max_new_tokens: int, temperature
             next_id = int(logits.argmax())
         else:
             logits = logits / temperature
-            if top_k is not None and top_k < logits.numel():
+            if top_k is not None and 0 < top_k < logits.numel():
                 cutoff = logits.topk(top_k).values[-1]
                 logits = logits.masked_fill(logits < cutoff, float("-inf"))
             next_id = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
@@ -58,10 +64,15 @@ def sample(model: Llama, prompt_ids: list[int], max_new_tokens: int, temperature
 def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
                   top_k: int | None = 50, seed: int = 0) -> str:
     config, model = load_run(run_dir)
-    if config.tokenizer.tokenizer_name_or_path is None:
-        raise FemtotronError(f"{run_dir}/config.yaml has no tokenizer.tokenizer_name_or_path: set it to the "
-                             "tokenizer.json the data was preprocessed with.")
-    tokenizer = load_tokenizer(config.tokenizer.tokenizer_name_or_path)
+    # Training copies the tokenizer into the run directory, so a run can be sampled from anywhere.
+    tokenizer_path = Path(run_dir) / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        if config.tokenizer.tokenizer_name_or_path is None:
+            raise FemtotronError(f"{run_dir} has no tokenizer.json and its config.yaml no "
+                                 "tokenizer.tokenizer_name_or_path: set it to the tokenizer.json the data was "
+                                 "preprocessed with, and train again.")
+        tokenizer_path = Path(config.tokenizer.tokenizer_name_or_path)
+    tokenizer = load_tokenizer(tokenizer_path)
     eos = eos_token_id(tokenizer)
     # Documents were separated by EOS in training, so EOS is also how a fresh document begins.
     prompt_ids = [eos] + tokenizer.encode(prompt, add_special_tokens=False).ids

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import resource
 import sys
 import time
 from pathlib import Path
@@ -62,7 +64,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, gemm_shape: tuple[int, 
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, flops in PEAK_BF16_FLOPS.items():
-            if key in name:
+            if re.search(rf"\b{re.escape(key)}\b", name):  # whole words: "L4" is not "L40S"
                 return flops, f"{name} data-sheet bf16 peak"
     rate = matmul_flops_rate(*gemm_shape, dtype=dtype, device=device)
     return rate, f"measured {dtype} matmul {gemm_shape[0]}x{gemm_shape[2]}x{gemm_shape[1]} on {device.type}"
@@ -83,9 +85,13 @@ def memory_gib(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         return {"mem_allocated_gib": torch.cuda.memory_allocated(device) / 2**30,
                 "mem_reserved_gib": torch.cuda.memory_reserved(device) / 2**30}
-    with open("/proc/self/statm") as f:
-        resident_pages = int(f.read().split()[1])
-    return {"mem_rss_gib": resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**30}
+    try:
+        with open("/proc/self/statm") as f:
+            resident_pages = int(f.read().split()[1])
+        return {"mem_rss_gib": resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**30}
+    except OSError:  # not Linux: the peak is what the OS reports (bytes on macOS)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return {"mem_peak_rss_gib": peak / (2**30 if sys.platform == "darwin" else 2**20)}
 
 
 class RunLog:
@@ -103,8 +109,8 @@ class RunLog:
         if self.console and self.level in ("debug", "info") and (self.is_main or every_rank):
             self._write(message)
 
-    def warn(self, message: str, every_rank: bool = False) -> None:
-        if self.console and self.level != "error" and (self.is_main or every_rank):
+    def warn(self, message: str) -> None:
+        if self.console and self.level != "error" and self.is_main:
             self._write(f"WARNING: {message}")
 
     def _write(self, message: str) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import yaml
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from femtotron.atomic import atomic_path
@@ -22,14 +23,14 @@ from femtotron.data.indexed import resolve_dataset_prefixes
 from femtotron.data.nanoset import MicroBatchIterator, Nanoset
 from femtotron.data.tokenizer import load_tokenizer
 from femtotron.errors import ConfigError, DataError, FemtotronError
-from femtotron.metrics import RunLog, cpu_has_bf16_matmul, memory_gib, model_flops_per_token, peak_flops
-from femtotron.models.llama import IGNORE_INDEX, Llama
+from femtotron.metrics import RunLog, memory_gib, model_flops_per_token, peak_flops
+from femtotron.models.llama import IGNORE_INDEX, Llama, emulated_low_precision
 from femtotron.optim.clip import clip_grads_
 from femtotron.optim.lr_schedule import lr_at
 from femtotron.optim.optimizer import MixedPrecisionAdamW
 from femtotron.parallel.context import ParallelContext
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class TrainingDiverged(FemtotronError):
@@ -84,14 +85,14 @@ class Trainer:
         check_supported(config)
         tokens = config.tokens
         mcfg = config.model.model_config_
-        self.run_dir = Path(config.logging.output_dir) / config.general.run
+        self.run_dir = config.run_dir
         self.log = RunLog(ctx.log_prefix, self.run_dir, is_main=ctx.rank == 0, console=log_to_console,
                           level=config.logging.log_level)
         # Data first: a wrong dataset path must fail before minutes go into building the model.
         self.train_data = open_nanoset(config.data.dataset_folder, tokens.sequence_length, config.data.seed)
         self.val_data = (open_nanoset(config.data.validation_folder, tokens.sequence_length, config.data.seed)
                          if config.data.validation_folder is not None else None)
-        self.check_tokenizer()
+        self.tokenizer = self.check_tokenizer()
         self.batches = MicroBatchIterator(self.train_data, tokens.micro_batch_size,
                                           tokens.batch_accumulation_per_replica, ctx.dp_rank, ctx.dp)
         self.dtype = DTYPES[config.model.dtype]
@@ -101,8 +102,11 @@ class Trainer:
         self.step = 0
         self.flops_per_token = model_flops_per_token(mcfg, tokens.sequence_length)
         largest = max(mcfg.intermediate_size, mcfg.vocab_size)
+        # Measure the matmul the model really runs: fp32 where low precision is upcast (models/llama.py).
+        self.upcasts = emulated_low_precision(torch.empty(0, dtype=self.dtype, device=ctx.device))
+        gemm_dtype = torch.float32 if self.upcasts else self.dtype
         self.peak_flops, self.peak_source = peak_flops(
-            ctx.device, self.dtype, (tokens.micro_batch_size * tokens.sequence_length, largest, mcfg.hidden_size))
+            ctx.device, gemm_dtype, (tokens.micro_batch_size * tokens.sequence_length, largest, mcfg.hidden_size))
         self.history: deque[tuple[int, float, float]] = deque(maxlen=10)
 
     def summary(self) -> str:
@@ -110,6 +114,7 @@ class Trainer:
         total_samples = cfg.global_batch_size * tokens.train_steps
         data = self.train_data
         lines = [
+            f"run: {cfg.general.project}/{cfg.general.run}, directory {self.run_dir}",
             f"model: Llama {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, "
             f"{mcfg.num_attention_heads} heads ({mcfg.num_key_value_heads} kv), vocab {mcfg.vocab_size}: "
             f"{parameter_count(mcfg) / 1e6:.2f}M parameters, {cfg.model.dtype} with fp32 master weights",
@@ -121,13 +126,16 @@ class Trainer:
             f"data: {data.num_documents:,} documents, {data.num_tokens:,} tokens, "
             f"{data.samples_per_epoch:,} samples per epoch; this run sees {data.epochs_for(total_samples):.2f} epochs",
             f"MFU is measured against {self.peak_flops / 1e12:.2f} TFLOP/s ({self.peak_source})",
-            f"run directory: {self.run_dir}",
         ]
         return "\n".join(lines)
 
     def start_warnings(self) -> list[str]:
         warnings = config_warnings(self.config)
-        if self.ctx.device.type == "cpu" and self.dtype != torch.float32 and not cpu_has_bf16_matmul():
+        if self.config.tokens.val_check_interval and self.val_data is None:
+            warnings.append(f"tokens.val_check_interval={self.config.tokens.val_check_interval} but "
+                            "data.validation_folder is not set: no validation will run. Set it, or set "
+                            "tokens.val_check_interval=0.")
+        if self.upcasts:
             warnings.append(
                 f"model.dtype={self.config.model.dtype} on a CPU without bf16 matrix units (no avx512_bf16 or "
                 "amx_bf16): matmuls and attention run in fp32 on upcast copies, since emulated bf16 is far "
@@ -158,6 +166,9 @@ class Trainer:
         bar.close()
         if self.config.checkpoints.save_final_state:
             self.save_weights()
+            if self.tokenizer is not None and self.ctx.rank == 0:
+                with atomic_path(self.run_dir / "tokenizer.json") as tmp:
+                    self.tokenizer.save(tmp)
         return results
 
     def train_step(self) -> StepResult:
@@ -169,7 +180,7 @@ class Trainer:
             raise self.diverged(loss, grad_norm)
         self.optimizer.step(lr)
         self.optimizer.zero_grad()
-        self.history.append((self.step, lr, grad_norm))
+        self.history.append((self.step + 1, lr, grad_norm))
         return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start)
 
     def compute_gradients(self) -> tuple[float, int, list[torch.Tensor]]:
@@ -192,12 +203,13 @@ class Trainer:
         loss = self.ctx.comm.all_reduce(loss_sum, self.ctx.dp_group).item() / global_tokens.item()
         return loss, int(global_tokens.item()), grads
 
-    def check_tokenizer(self) -> None:
+    def check_tokenizer(self) -> Tokenizer | None:
         """The tokenizer the run names must fit the model's vocabulary (checked before the model is built)."""
         path = self.config.tokenizer.tokenizer_name_or_path
         if path is None:
-            return
-        size = load_tokenizer(path).get_vocab_size()
+            return None
+        tokenizer = load_tokenizer(path)
+        size = tokenizer.get_vocab_size()
         vocab = self.config.model.model_config_.vocab_size
         if size > vocab:
             raise ConfigError(
@@ -205,11 +217,14 @@ class Trainer:
                 f"{vocab}: ids {vocab}..{size - 1} would have no embedding. Set model.model_config.vocab_size "
                 f">= {size}, or use the tokenizer the data was preprocessed with."
             )
+        return tokenizer
 
     def check_token_ids(self, micro_batches: list[torch.Tensor]) -> None:
         """An id >= vocab_size would crash the embedding (on GPU as an opaque device assert)."""
         vocab = self.config.model.model_config_.vocab_size
-        largest = max(int(mb.max()) for mb in micro_batches)
+        # Agreed over dp, so every rank stops here together instead of one leaving the others waiting.
+        largest_id = torch.tensor(float(max(int(mb.max()) for mb in micro_batches)), device=self.ctx.device)
+        largest = int(self.ctx.comm.all_reduce(largest_id, self.ctx.dp_group, op="max").item())
         if largest >= vocab:
             raise DataError(
                 f"step {self.step + 1}: the training data holds token id {largest}, but "
@@ -231,7 +246,7 @@ class Trainer:
     def diverged(self, loss: float, grad_norm: float) -> TrainingDiverged:
         recent = ", ".join(f"step {s}: lr {lr:.2e} grad_norm {g:.3g}" for s, lr, g in self.history) or "none"
         return TrainingDiverged(
-            f"{self.ctx.log_prefix} step {self.step}: loss {loss} / grad norm {grad_norm} is not finite; the "
+            f"{self.ctx.log_prefix} step {self.step + 1}: loss {loss} / grad norm {grad_norm} is not finite; the "
             f"optimizer step was skipped and training stopped.\nRecent steps: {recent}\n"
             "Fixes: lower optimizer.learning_rate_scheduler.learning_rate (e.g. by 3x), keep "
             "optimizer.clip_grad at 1.0, keep model.dtype=bfloat16, model.init_method.std=0.02."

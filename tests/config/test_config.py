@@ -197,9 +197,10 @@ def test_val_check_interval_not_negative():
     assert p.path == "tokens.val_check_interval" and "greater than or equal to 0" in p.message
 
 
-def test_blend_weights_must_be_positive():
-    p = only_problem(tiny(**{"data.dataset_folder": {"a": 1.0, "b": 0}}))
-    assert p.path == "data.dataset_folder" and "weight must be > 0" in p.message
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf")])
+def test_blend_weights_must_be_finite_and_positive(bad):
+    p = only_problem(tiny(**{"data.dataset_folder": {"a": 1.0, "b": bad}}))
+    assert p.path == "data.dataset_folder" and "weight must be a finite number > 0" in p.message
 
 
 def test_all_rule_violations_reported_together():

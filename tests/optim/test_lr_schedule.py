@@ -79,7 +79,6 @@ def test_schedule_is_a_pure_function_of_the_step():
     forward = [lr_at(step, sched, 50) for step in range(50)]
     backward = [lr_at(step, sched, 50) for step in reversed(range(50))]
     assert forward == backward[::-1]  # a resumed run asks for steps out of order and gets the same values
-    assert lr_at(17, sched, 50) == lr_at(17, sched, 50) == forward[17]
     assert len(set(forward[5:])) == 45  # and it really changes with the step
 
 

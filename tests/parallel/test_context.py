@@ -110,3 +110,19 @@ def test_mismatched_world_size_is_refused_before_init(monkeypatch):
     with pytest.raises(DistributedError, match=r"dp\*tp\*pp = 1\*2\*1 = 2 but WORLD_SIZE = 4"):
         ParallelContext(tp=2)
     assert os.environ["WORLD_SIZE"] == "4"
+
+
+def _rank_one_skips_the_collective(rank):
+    ctx = ParallelContext(dp=2, init_timeout_seconds=30, collective_timeout_seconds=3)
+    if rank == 1:
+        return None  # never joins the all-reduce below: the classic "one rank took another branch"
+    with pytest.raises(DistributedError) as info:
+        ctx.comm.all_reduce(torch.ones(4, 8), ctx.dp_group)
+    return str(info.value), ctx.comm.in_flight
+
+
+def test_a_collective_that_times_out_names_the_op_group_and_shape():
+    message, in_flight = run_ranks(_rank_one_skips_the_collective, 2, timeout=90)[0]
+    assert "rank 0: all_reduce on dp[0,1] for a (4, 8) torch.float32 tensor failed after" in message
+    assert "collective_timeout_seconds" in message and "same collective" in message
+    assert in_flight is not None and in_flight.kind == "all_reduce"

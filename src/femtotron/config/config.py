@@ -181,8 +181,9 @@ class DataArgs(_Section):
             raise ValueError(shape) from None
         if not spec:
             raise ValueError(shape + ", and not empty")
-        if isinstance(spec, dict) and min(spec.values()) <= 0:
-            raise ValueError("every blend weight must be > 0 (drop a dataset instead of giving it weight 0)")
+        if isinstance(spec, dict) and not all(math.isfinite(w) and w > 0 for w in spec.values()):
+            raise ValueError("every blend weight must be a finite number > 0 (drop a dataset instead of "
+                             "giving it weight 0)")
         return spec
 
 

@@ -34,14 +34,16 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     except (OSError, UnicodeDecodeError) as e:
         _fail(path, f"cannot read the file: {e}")
     # safe_load, done in two steps so the node tree (with line numbers) is kept.
-    loader = yaml.SafeLoader(text)
+    loader = None
     try:
+        loader = yaml.SafeLoader(text)  # its reader rejects control characters at once
         node = loader.get_single_node()
         data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as e:
         _fail(path, _yaml_error(e))
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     lines: dict[str, int] = {}
     duplicates = _map_lines(node, "", lines) if node is not None else []
     return _build(data, str(path), overrides, lines, duplicates)

@@ -207,6 +207,10 @@ class IndexedDatasetWriter:
         fd, self._tmp_bin = tempfile.mkstemp(
             dir=directory, prefix=os.path.basename(self.path_prefix), suffix=".bin.tmp"
         )
+        # mkstemp makes the file private (0600); a dataset should get the usual permissions, like the .idx.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self._tmp_bin, 0o666 & ~umask)
         self._bin = os.fdopen(fd, "wb")
         self._lengths: list[int] = []
         self._documents: list[int] = [0]

@@ -62,8 +62,12 @@ class Comm:
 
     @contextmanager
     def _record(self, kind: str, group: Group, tensor: torch.Tensor, peer: int | None, sent: float) -> Iterator[None]:
-        self.in_flight = OpInFlight(kind, group.name, peer, tuple(tensor.shape), str(tensor.dtype), time.monotonic())
-        yield
+        op = OpInFlight(kind, group.name, peer, tuple(tensor.shape), str(tensor.dtype), time.monotonic())
+        self.in_flight = op
+        try:
+            yield
+        except RuntimeError as e:  # torch's DistBackendError and gloo's transport errors are RuntimeErrors
+            raise collective_failed(op, e) from None
         self.in_flight = None
         self.calls[kind] += 1
         self.bytes_sent[kind] += int(sent)
@@ -126,6 +130,20 @@ class Comm:
             dist.barrier(group=group.handle)
 
 
+def collective_failed(op: OpInFlight, error: Exception) -> DistributedError:
+    """Turn a failed or timed-out collective into a message that names what this rank was doing."""
+    seconds = time.monotonic() - op.started
+    peer = f", peer rank {op.peer}" if op.peer is not None else ""
+    cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return DistributedError(
+        f"rank {dist.get_rank()}: {op.kind} on {op.group}{peer} for a {op.shape} {op.dtype} tensor failed "
+        f"after {seconds:.1f} s: {cause}\n"
+        "If another rank stopped first, its own error (above) says why. If this is a timeout, some rank "
+        "never reached the same collective: check that every rank runs the same steps and code path; "
+        "raise parallelism.collective_timeout_seconds only if a step is genuinely that slow."
+    )
+
+
 def rendezvous(
     rank: int, world_size: int, host: str, port: int, backend: str, init_timeout: float, collective_timeout: float
 ) -> list[str]:
@@ -165,9 +183,12 @@ def rendezvous(
     return hosts
 
 
-def new_group(kind: str, ranks: list[int]) -> Group:
-    """Every rank must call this for every group, in the same order (torch.distributed's rule)."""
-    return Group(kind, tuple(ranks), dist.new_group(ranks))
+def new_group(kind: str, ranks: list[int], timeout_seconds: float) -> Group:
+    """Every rank must call this for every group, in the same order (torch.distributed's rule).
+
+    The timeout is passed again: subgroups do not inherit the one given to init_process_group.
+    """
+    return Group(kind, tuple(ranks), dist.new_group(ranks, timeout=timedelta(seconds=timeout_seconds)))
 
 
 def shutdown() -> None:

@@ -58,6 +58,7 @@ class ParallelContext:
                 f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} but WORLD_SIZE = {self.world_size}: "
                 "set parallelism.dp/tp/pp so their product equals the number of processes launched."
             )
+        self.collective_timeout_seconds = collective_timeout_seconds
         self.device = self._pick_device()
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.comm = Comm()
@@ -88,13 +89,15 @@ class ParallelContext:
         self.dp_group = self._mine("dp", dp_groups)
         self.pp_group = self._mine("pp", pp_groups)
         self.mp_group = self._mine("mp", mp_groups)
-        self.world_group = self._mine("world", [list(range(self.world_size))])
 
     def _mine(self, kind: str, all_groups: list[list[int]]) -> Group:
         """Create every group of this kind (all ranks must) and keep the one holding this rank."""
         mine = None
         for ranks in all_groups:
-            group = comm.new_group(kind, ranks) if self.world_size > 1 else Group(kind, tuple(ranks))
+            if self.world_size > 1:
+                group = comm.new_group(kind, ranks, self.collective_timeout_seconds)
+            else:
+                group = Group(kind, tuple(ranks))
             if self.rank in ranks:
                 mine = group
         assert mine is not None, "every rank lies in exactly one group of each kind"
