@@ -71,14 +71,15 @@ def _collectives(rank):
         received = None
     ctx.comm.barrier(g)
     out = (summed[0, 0].item(), gathered.tolist(), scattered.tolist(), received, dict(ctx.comm.bytes_sent),
-           ctx.comm.in_flight)
+           ctx.comm.in_flight, dict(ctx.comm.calls))
     ctx.close()
     return out
 
 
 def test_collectives_and_byte_accounting():
     results = run_ranks(_collectives, 4)
-    for rank, (summed, gathered, scattered, _received, sent, in_flight) in enumerate(results):
+    for rank, (summed, gathered, scattered, _received, sent, in_flight, calls) in enumerate(results):
+        assert calls["all_reduce"] == calls["all_gather"] == calls["reduce_scatter"] == calls["barrier"] == 1
         assert summed == 1 + 2 + 3 + 4
         assert gathered == [0.0, 1.0, 2.0, 3.0]
         assert scattered == [4 * (2 * rank), 4 * (2 * rank + 1)]
