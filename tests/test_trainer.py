@@ -104,8 +104,8 @@ def test_validation_loss_is_logged(tiny_config, tiny_dataset):
 
 
 def test_features_of_later_versions_are_refused_clearly(tiny_config):
-    with pytest.raises(ConfigError, match="parallelism.tp=2"):
-        Trainer(tiny_config("parallelism.tp=2"), ParallelContext(), log_to_console=False)
+    with pytest.raises(ConfigError, match="parallelism.pp=2"):
+        Trainer(tiny_config("parallelism.pp=2"), ParallelContext(), log_to_console=False)
     with pytest.raises(ConfigError, match="zero_stage"):
         Trainer(tiny_config("optimizer.zero_stage=1"), ParallelContext(), log_to_console=False)
 

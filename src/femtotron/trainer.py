@@ -24,11 +24,15 @@ from femtotron.data.nanoset import MicroBatchIterator, Nanoset
 from femtotron.data.tokenizer import load_tokenizer
 from femtotron.errors import ConfigError, DataError, FemtotronError
 from femtotron.metrics import RunLog, memory_gib, model_flops_per_token, peak_flops
-from femtotron.models.llama import IGNORE_INDEX, Llama, emulated_low_precision
+from femtotron.models.llama import IGNORE_INDEX, Llama
 from femtotron.optim.clip import clip_grads_
 from femtotron.optim.lr_schedule import lr_at
 from femtotron.optim.optimizer import MixedPrecisionAdamW
+from femtotron.parallel.comm import Group
 from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.sharding import split_dim
+from femtotron.parallel.tensor_parallel import TensorParallel, full_tensor
+from femtotron.precision import emulated_low_precision
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -44,6 +48,7 @@ class StepResult:
     lr: float
     tokens: int
     seconds: float
+    comm_seconds: dict[str, float]  # group kind ("tp", "dp", ...) -> seconds in its collectives
 
 
 def open_nanoset(folders: str | list[str] | dict[str, float], sequence_length: int, seed: int) -> Nanoset:
@@ -62,9 +67,9 @@ def open_nanoset(folders: str | list[str] | dict[str, float], sequence_length: i
 def check_supported(config: Config) -> None:
     par = config.parallelism
     problems = []
-    if par.tp > 1 or par.pp > 1:
-        problems.append(f"parallelism.tp={par.tp}, parallelism.pp={par.pp}: this version trains with data "
-                        "parallelism only; set parallelism.tp=1 parallelism.pp=1 and use dp for more processes.")
+    if par.pp > 1:
+        problems.append(f"parallelism.pp={par.pp}: this version has no pipeline parallelism; set "
+                        "parallelism.pp=1 and use tp or dp for more processes.")
     if config.model.dtype == "float16":
         problems.append("model.dtype=float16: fp16 needs dynamic loss scaling, which femtotron does not do; "
                         "use model.dtype=bfloat16 (same memory, fp32's range, no overflow).")
@@ -96,9 +101,17 @@ class Trainer:
         self.batches = MicroBatchIterator(self.train_data, tokens.micro_batch_size,
                                           tokens.batch_accumulation_per_replica, ctx.dp_rank, ctx.dp)
         self.dtype = DTYPES[config.model.dtype]
+        self.tp = TensorParallel(ctx.comm, ctx.tp_group, ctx.tp_rank,
+                                 sequence_parallel=config.parallelism.tp_mode == "REDUCE_SCATTER")
         self.model = Llama(mcfg, std=config.model.init_method.std, seed=config.general.seed, dtype=self.dtype,
-                           device=ctx.device)
-        self.optimizer = MixedPrecisionAdamW(list(self.model.parameters()), config.optimizer)
+                           device=ctx.device, tp=self.tp)
+        params = list(self.model.parameters())
+        self.optimizer = MixedPrecisionAdamW(params, config.optimizer)
+        # Parameters every tp rank holds whole (the norms): counted once in the grad norm, and under
+        # sequence parallelism each rank saw only its part of the sequence, so their grads are summed.
+        replicated = [split_dim(p.shard) is None for p in params]
+        self.counted_in_norm = [ctx.tp_rank == 0 or not r for r in replicated]
+        self.summed_over_tp = [i for i, r in enumerate(replicated) if r] if self.tp.sequence_parallel else []
         self.step = 0
         self.flops_per_token = model_flops_per_token(mcfg, tokens.sequence_length)
         largest = max(mcfg.intermediate_size, mcfg.vocab_size)
@@ -127,6 +140,11 @@ class Trainer:
             f"{data.samples_per_epoch:,} samples per epoch; this run sees {data.epochs_for(total_samples):.2f} epochs",
             f"MFU is measured against {self.peak_flops / 1e12:.2f} TFLOP/s ({self.peak_source})",
         ]
+        if self.ctx.tp > 1:
+            lines.append(f"tensor parallel: tp={self.ctx.tp}, tp_mode={self.config.parallelism.tp_mode}")
+        if self.model.padded_vocab_size != mcfg.vocab_size:
+            lines.append(f"vocabulary padded from {mcfg.vocab_size} to {self.model.padded_vocab_size} rows to split "
+                         f"evenly over tp={self.ctx.tp}; the padded logits are masked out of the loss")
         return "\n".join(lines)
 
     def start_warnings(self) -> list[str]:
@@ -135,6 +153,12 @@ class Trainer:
             warnings.append(f"tokens.val_check_interval={self.config.tokens.val_check_interval} but "
                             "data.validation_folder is not set: no validation will run. Set it, or set "
                             "tokens.val_check_interval=0.")
+        tp_hosts = sorted({self.ctx.hosts[r] for r in self.ctx.tp_group.ranks})
+        if len(tp_hosts) > 1:  # T3
+            warnings.append(
+                f"tensor-parallel group {self.ctx.tp_group.name} spans hosts {', '.join(tp_hosts)}: every layer "
+                "all-reduces activations over the (slow) network between them. Set parallelism.tp to at most "
+                "the number of GPUs per node and use dp or pp across nodes.")
         if self.upcasts:
             warnings.append(
                 f"model.dtype={self.config.model.dtype} on a CPU without bf16 matrix units (no avx512_bf16 or "
@@ -174,14 +198,14 @@ class Trainer:
     def train_step(self) -> StepResult:
         start = time.perf_counter()
         loss, tokens, grads = self.compute_gradients()
-        grad_norm = clip_grads_(grads, self.config.optimizer.clip_grad, self.ctx).item()
+        grad_norm = clip_grads_(grads, self.config.optimizer.clip_grad, self.ctx, self.counted_in_norm).item()
         lr = lr_at(self.step, self.config.optimizer.learning_rate_scheduler, self.config.tokens.train_steps)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise self.diverged(loss, grad_norm)
         self.optimizer.step(lr)
         self.optimizer.zero_grad()
         self.history.append((self.step + 1, lr, grad_norm))
-        return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start)
+        return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start, self.ctx.comm.take_seconds())
 
     def compute_gradients(self) -> tuple[float, int, list[torch.Tensor]]:
         """Forward and backward over this step's micro-batches; returns loss, tokens and fp32 grads."""
@@ -235,11 +259,16 @@ class Trainer:
             )
 
     def reduce_gradients(self, grads: list[torch.Tensor]) -> None:
-        """Sum gradients over dp replicas (the loss is already divided by the global token count)."""
-        if self.ctx.dp == 1 or not grads:
-            return
+        """Sum gradients over dp replicas (the loss is already divided by the global token count),
+        and, under sequence parallelism, the tp-replicated ones over tp."""
+        if self.ctx.dp > 1 and grads:
+            self.all_reduce_flat(grads, self.ctx.dp_group)
+        if self.summed_over_tp:
+            self.all_reduce_flat([grads[i] for i in self.summed_over_tp], self.ctx.tp_group)
+
+    def all_reduce_flat(self, grads: list[torch.Tensor], group: Group) -> None:
         flat = torch.cat([g.flatten() for g in grads])
-        self.ctx.comm.all_reduce(flat, self.ctx.dp_group)
+        self.ctx.comm.all_reduce(flat, group)
         chunks = flat.split([g.numel() for g in grads])
         torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(chunks, grads, strict=True)])
 
@@ -264,13 +293,16 @@ class Trainer:
             "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": tokens_per_sec / self.ctx.world_size,
             "model_tflops_per_device": achieved / 1e12, "mfu": achieved / self.peak_flops,
             "step_seconds": result.seconds, **memory_gib(self.ctx.device),
+            **{f"{kind}_comm_share": seconds / result.seconds for kind, seconds in result.comm_seconds.items()},
         }
         self.log.record(record)
         memory = " ".join(f"{k.removeprefix('mem_').removesuffix('_gib')} {v:.2f}GiB" for k, v in record.items()
                           if k.startswith("mem_"))
+        comm = "".join(f" | {k.removesuffix('_comm_share')} comm {v:.0%}" for k, v in record.items()
+                       if k.endswith("_comm_share") and k[:2] in ("tp", "dp"))
         self.log.info(f"step {self.step}/{self.config.tokens.train_steps} | loss {result.loss:.4f} | "
                       f"lr {result.lr:.3e} | grad_norm {result.grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s | "
-                      f"{achieved / 1e12:.2f} TFLOP/s | MFU {record['mfu']:.1%} | mem {memory}")
+                      f"{achieved / 1e12:.2f} TFLOP/s | MFU {record['mfu']:.1%} | mem {memory}{comm}")
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -289,12 +321,14 @@ class Trainer:
         val_loss = self.evaluate()
         self.log.record({"step": self.step, "val_loss": val_loss})
         self.log.info(f"step {self.step} | validation loss {val_loss:.4f}")
+        self.ctx.comm.take_seconds()  # validation's collectives are not part of any training step
 
     def save_weights(self) -> Path:
-        """Full weights as safetensors (every dp rank holds them all; rank 0 writes atomically)."""
+        """Full-shape weights as safetensors: gathered over tp on every rank, written by rank 0 atomically."""
         path = self.run_dir / "model.safetensors"
+        weights = {n: full_tensor(p, p.shard, self.tp).cpu().contiguous() for n, p in self.model.named_parameters()}
         if self.ctx.rank == 0:
             with atomic_path(path) as tmp:
-                save_file({n: p.detach().cpu().contiguous() for n, p in self.model.named_parameters()}, tmp)
+                save_file(weights, tmp)
             self.log.info(f"saved weights to {path}")
         return path

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from femtotron.models.hf_conversion import from_hf, to_hf
 from femtotron.models.llama import Llama
 
 
@@ -27,11 +28,9 @@ def hf_twin(model, cfg):
         rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
         attention_bias=False, mlp_bias=False,
     )).float().eval()
-    ours = dict(model.named_parameters())
-    hf_state = {}
-    for name in hf.state_dict():
-        key = name.removeprefix("model.")
-        hf_state[name] = ours["embed_tokens.weight"] if key == "lm_head.weight" and key not in ours else ours[key]
+    hf_state = to_hf(dict(model.named_parameters()), cfg)
+    if cfg.tie_word_embeddings:
+        hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"]
     hf.load_state_dict(hf_state, strict=True)
     return hf
 
@@ -46,6 +45,18 @@ def test_logits_match_hf_transformers(tied):
         ours = model.logits(ids)
         theirs = hf(input_ids=ids).logits
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_conversion_round_trips(tied):
+    cfg = tiny_config(tie_word_embeddings=tied, num_attention_heads=8, num_key_value_heads=2, hidden_size=64)
+    model = build(cfg)
+    ours = {name: p.detach() for name, p in model.named_parameters()}
+    hf = hf_twin(model, cfg)
+    back = from_hf(hf.state_dict(), cfg)
+    assert back.keys() == ours.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(back[name], tensor), name
 
 
 def test_loss_is_summed_cross_entropy_over_valid_tokens():
@@ -70,7 +81,7 @@ def test_init_is_a_function_of_seed_and_name_only():
             assert not torch.equal(pa, pc), name
     # A deeper model shares the first layers' weights exactly: init does not depend on call order.
     deeper = build(tiny_config(num_hidden_layers=3), seed=1)
-    assert torch.equal(deeper.layers[1].mlp.up_proj.weight, a.layers[1].mlp.up_proj.weight)
+    assert torch.equal(deeper.layers[1].mlp.gate_up_proj.weight, a.layers[1].mlp.gate_up_proj.weight)
 
 
 def test_parameters_carry_sharding_metadata_and_scaled_output_init():
@@ -79,7 +90,7 @@ def test_parameters_carry_sharding_metadata_and_scaled_output_init():
     for name, p in model.named_parameters():
         assert p.shard.name == name
         assert p.shard.global_shape == tuple(p.shape)
-    q_std = model.layers[0].self_attn.q_proj.weight.std().item()
+    q_std = model.layers[0].self_attn.qkv_proj.weight.std().item()
     o_std = model.layers[0].self_attn.o_proj.weight.std().item()
     assert q_std == pytest.approx(0.02, rel=0.05)
     assert o_std == pytest.approx(0.02 / 4, rel=0.05)  # 0.02 / sqrt(2 * 8 layers)
@@ -98,21 +109,21 @@ def test_bf16_model_tracks_fp32_model():
 
 
 def test_upcast_path_for_cpus_without_bf16_units_matches_native_bf16(monkeypatch):
-    from femtotron.models import llama
+    from femtotron import precision
 
     cfg = tiny_config()
     model = build(cfg, dtype=torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
     results = {}
     for native in (True, False):
-        monkeypatch.setattr(llama, "CPU_MULTIPLIES_BF16", native)
+        monkeypatch.setattr(precision, "CPU_MULTIPLIES_BF16", native)
         model.zero_grad()
         loss_sum, count = model(ids[:, :-1], ids[:, 1:])
         (loss_sum / count).backward()
-        grad = model.layers[0].self_attn.q_proj.weight.grad
+        grad = model.layers[0].self_attn.qkv_proj.weight.grad
         assert grad.dtype == torch.bfloat16
         results[native] = (model.logits(ids).float(), grad.float())
     (native_logits, native_grad), (upcast_logits, upcast_grad) = results[True], results[False]
     # Same maths, different accumulation: within a few bf16 ulps (2^-8 relative).
     torch.testing.assert_close(upcast_logits, native_logits, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(upcast_grad, native_grad, rtol=5e-2, atol=1e-4)
+    assert (upcast_grad - native_grad).norm() <= 2e-2 * native_grad.norm()

@@ -79,15 +79,16 @@ def _collectives(rank):
 def test_collectives_and_byte_accounting():
     results = run_ranks(_collectives, 4)
     for rank, (summed, gathered, scattered, _received, sent, in_flight, calls) in enumerate(results):
-        assert calls["all_reduce"] == calls["all_gather"] == calls["reduce_scatter"] == calls["barrier"] == 1
+        assert calls["dp", "all_reduce"] == calls["dp", "all_gather"] == calls["dp", "reduce_scatter"] == 1
+        assert calls["dp", "barrier"] == 1
         assert summed == 1 + 2 + 3 + 4
         assert gathered == [0.0, 1.0, 2.0, 3.0]
         assert scattered == [4 * (2 * rank), 4 * (2 * rank + 1)]
         assert in_flight is None
-        assert sent["all_reduce"] == 2 * 3 / 4 * 8 * 4  # ring: 2(n-1)/n of 8 fp32 values
-        assert sent["all_gather"] == 3 * 4
-        assert sent["reduce_scatter"] == 3 / 4 * 8 * 4
-    assert results[0][4]["send"] == 4 and results[1][3] == 42.0
+        assert sent["dp", "all_reduce"] == 2 * 3 / 4 * 8 * 4  # ring: 2(n-1)/n of 8 fp32 values
+        assert sent["dp", "all_gather"] == 3 * 4
+        assert sent["dp", "reduce_scatter"] == 3 / 4 * 8 * 4
+    assert results[0][4]["dp", "send"] == 4 and results[1][3] == 42.0
 
 
 def _only_rank_zero_arrives(rank):

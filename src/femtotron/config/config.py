@@ -329,12 +329,6 @@ def rule_problems(cfg: Config) -> list[Problem]:
             f"intermediate_size={m.intermediate_size} must be divisible by tp={par.tp} (the MLP is split over tp "
             f"ranks). Fix: intermediate_size={_nearest_multiples(m.intermediate_size, par.tp)}, "
             f"or tp one of {_join(_working_tp(cfg))}.")
-    if m.vocab_size % par.tp:
-        padded = -(-m.vocab_size // par.tp) * par.tp
-        add((M + "vocab_size", "parallelism.tp"),
-            f"vocab_size={m.vocab_size} must be divisible by tp={par.tp} (embedding and lm_head rows are split "
-            f"over tp ranks). Fix: pad vocab_size to {padded}, the next multiple of {par.tp}; "
-            "the extra rows are simply never used by the tokenizer.")
     if m.num_hidden_layers < par.pp:
         add((M + "num_hidden_layers", "parallelism.pp"),
             f"num_hidden_layers={m.num_hidden_layers} must be >= pp={par.pp} (every pipeline stage needs at "

@@ -1,7 +1,12 @@
-"""LLaMA: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP.
+"""LLaMA: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, on tensor-parallel layers.
 
-Parameter names follow Hugging Face's `LlamaForCausalLM` without its `model.` prefix, so weights
-convert by name. Every parameter is made by `make_param` and carries its `ShardInfo`.
+Parameter names follow Hugging Face's `LlamaForCausalLM` without its `model.` prefix, except two
+fused weights (one matmul instead of two or three, and a layout any tp splits into contiguous
+per-rank blocks; `models/hf_conversion.py` maps them):
+- `self_attn.qkv_proj`: per key/value head, its group's query heads, then its key, then its value
+  (Megatron's layout), so a tp rank's contiguous rows are whole GQA groups;
+- `mlp.gate_up_proj`: gate and up rows interleaved (gate 0, up 0, gate 1, ...).
+Every parameter is made by `make_param` and carries its `ShardInfo`.
 """
 
 from __future__ import annotations
@@ -13,37 +18,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from femtotron.metrics import cpu_has_bf16_matmul
+from femtotron.errors import ConfigError
 from femtotron.parallel.sharding import make_param
+from femtotron.parallel.tensor_parallel import (
+    SEQUENCE_DIM,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    enter_column_parallel,
+    gather_full,
+    shard_size,
+    vocab_parallel_cross_entropy,
+)
+from femtotron.precision import causal_attention, linear
 
 IGNORE_INDEX = -100
-# Read once: /proc/cpuinfo does not change while we run.
-CPU_MULTIPLIES_BF16 = cpu_has_bf16_matmul()
-
-
-def emulated_low_precision(x: torch.Tensor) -> bool:
-    """True for bf16/fp16 tensors on a CPU without bf16 matrix units.
-
-    There PyTorch emulates low-precision matmuls: ~70x slower than fp32 for a linear layer and 2-4x
-    for attention (forward + backward, measured on an AVX2 CPU). Computing those in fp32 instead
-    gives what a GPU tensor core computes anyway (low-precision inputs, fp32 accumulation, output
-    rounded back) at fp32 speed.
-    """
-    return x.dtype != torch.float32 and x.device.type == "cpu" and not CPU_MULTIPLIES_BF16
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if emulated_low_precision(x):
-        return F.linear(x.float(), weight.float()).to(x.dtype)
-    return F.linear(x, weight)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    gqa = k.shape[1] != q.shape[1]
-    if emulated_low_precision(q):
-        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
-                                              enable_gqa=gqa).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 class ParamFactory:
@@ -56,29 +46,12 @@ class ParamFactory:
         return make_param(name, shape, std=std, seed=self.seed, dtype=self.dtype, device=self.device, **kw)
 
 
-class Linear(nn.Module):
-    def __init__(self, make: ParamFactory, name: str, d_in: int, d_out: int, std: float) -> None:
-        super().__init__()
-        self.weight = make(f"{name}.weight", (d_out, d_in), std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
-
-
-class Embedding(nn.Module):
-    def __init__(self, make: ParamFactory, name: str, vocab: int, dim: int, tie_group: str | None) -> None:
-        super().__init__()
-        self.weight = make(f"{name}.weight", (vocab, dim), make.std, tie_group=tie_group)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
-
-
 class RMSNorm(nn.Module):
-    def __init__(self, make: ParamFactory, name: str, dim: int, eps: float) -> None:
+    def __init__(self, make: ParamFactory, name: str, dim: int, eps: float, tp: TensorParallel) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = make(f"{name}.weight", (dim,), None)
+        self.weight = make(f"{name}.weight", (dim,), None)  # replicated over tp
+        self.output_split_dim = SEQUENCE_DIM if tp.sequence_parallel else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 (bf16 loses the small variances), scale in the model's dtype.
@@ -105,51 +78,61 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, make: ParamFactory, name: str, cfg: Any, out_std: float, rotary: Rotary) -> None:
+    def __init__(self, make: ParamFactory, name: str, cfg: Any, out_std: float, rotary: Rotary,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        h, kv = cfg.hidden_size, self.n_kv_heads * self.head_dim
-        self.q_proj = Linear(make, f"{name}.q_proj", h, h, make.std)
-        self.k_proj = Linear(make, f"{name}.k_proj", h, kv, make.std)
-        self.v_proj = Linear(make, f"{name}.v_proj", h, kv, make.std)
-        self.o_proj = Linear(make, f"{name}.o_proj", h, h, out_std)
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        if heads % kv_heads or kv_heads % tp.size:
+            raise ConfigError(
+                f"model.model_config.num_attention_heads={heads}, num_key_value_heads={kv_heads}, parallelism.tp="
+                f"{tp.size}: every tp rank must hold whole groups of query heads with their key/value head, so "
+                "num_key_value_heads must divide num_attention_heads and be divisible by tp. Choose tp dividing "
+                f"{kv_heads}.")
+        self.head_dim = cfg.hidden_size // heads
+        self.group_size = heads // kv_heads
+        self.local_kv_heads = kv_heads // tp.size
+        qkv_rows = (heads + 2 * kv_heads) * self.head_dim
+        self.qkv_proj = ColumnParallelLinear(make, f"{name}.qkv_proj", cfg.hidden_size, qkv_rows, make.std, tp)
+        self.o_proj = RowParallelLinear(make, f"{name}.o_proj", heads * self.head_dim, cfg.hidden_size, out_std, tp)
         self.rotary = rotary
+        self.output_split_dim = self.o_proj.output_split_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = self.rotary(q), self.rotary(k)
-        out = causal_attention(q, k, v)
+        qkv = self.qkv_proj(x)
+        b, s, _ = qkv.shape  # the whole sequence, also when x is a sequence shard
+        qkv = qkv.view(b, s, self.local_kv_heads, self.group_size + 2, self.head_dim)
+        q = qkv[:, :, :, :-2].reshape(b, s, -1, self.head_dim).transpose(1, 2)
+        k, v = qkv[:, :, :, -2].transpose(1, 2), qkv[:, :, :, -1].transpose(1, 2)
+        out = causal_attention(self.rotary(q), self.rotary(k), v)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLP(nn.Module):
-    def __init__(self, make: ParamFactory, name: str, hidden: int, inner: int, out_std: float) -> None:
+    def __init__(self, make: ParamFactory, name: str, hidden: int, inner: int, out_std: float,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_proj = Linear(make, f"{name}.gate_proj", hidden, inner, make.std)
-        self.up_proj = Linear(make, f"{name}.up_proj", hidden, inner, make.std)
-        self.down_proj = Linear(make, f"{name}.down_proj", inner, hidden, out_std)
+        self.gate_up_proj = ColumnParallelLinear(make, f"{name}.gate_up_proj", hidden, 2 * inner, make.std, tp)
+        self.down_proj = RowParallelLinear(make, f"{name}.down_proj", inner, hidden, out_std, tp)
+        self.output_split_dim = self.down_proj.output_split_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).unflatten(-1, (-1, 2)).unbind(-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, make: ParamFactory, index: int, cfg: Any, rotary: Rotary) -> None:
+    def __init__(self, make: ParamFactory, index: int, cfg: Any, rotary: Rotary, tp: TensorParallel) -> None:
         super().__init__()
         name = f"layers.{index}"
         # Residual-output projections are scaled down by depth so the residual stream's variance
         # does not grow with the number of layers (GPT-2 / Megatron init).
         out_std = make.std / math.sqrt(2 * cfg.num_hidden_layers)
-        self.input_layernorm = RMSNorm(make, f"{name}.input_layernorm", cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(make, f"{name}.self_attn", cfg, out_std, rotary)
-        self.post_attention_layernorm = RMSNorm(
-            make, f"{name}.post_attention_layernorm", cfg.hidden_size, cfg.rms_norm_eps
-        )
-        self.mlp = MLP(make, f"{name}.mlp", cfg.hidden_size, cfg.intermediate_size, out_std)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(make, f"{name}.input_layernorm", cfg.hidden_size, eps, tp)
+        self.self_attn = Attention(make, f"{name}.self_attn", cfg, out_std, rotary, tp)
+        self.post_attention_layernorm = RMSNorm(make, f"{name}.post_attention_layernorm", cfg.hidden_size, eps, tp)
+        self.mlp = MLP(make, f"{name}.mlp", cfg.hidden_size, cfg.intermediate_size, out_std, tp)
+        self.output_split_dim = self.mlp.output_split_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
@@ -157,29 +140,43 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
-    """The whole model on one device. `forward` returns the summed loss and the token count."""
+    """The model, whole (tp = 1) or this rank's tensor-parallel part. `forward` returns the summed
+    loss and the token count; every tp rank gets the same numbers."""
 
-    def __init__(self, cfg: Any, *, std: float, seed: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: Any, *, std: float, seed: int, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp = tp or TensorParallel.single()
         make = ParamFactory(std, seed, dtype, device)
         rotary = Rotary(cfg.hidden_size // cfg.num_attention_heads, cfg.max_position_embeddings, cfg.rope_theta)
         self.rotary = rotary.to(device)
         tie_group = "embed_tokens.weight" if cfg.tie_word_embeddings else None
-        self.embed_tokens = Embedding(make, "embed_tokens", cfg.vocab_size, cfg.hidden_size, tie_group)
-        self.layers = nn.ModuleList(DecoderLayer(make, i, cfg, self.rotary) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(make, "norm", cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = VocabParallelEmbedding(make, "embed_tokens", cfg.vocab_size, cfg.hidden_size, std, tp,
+                                                   tie_group)
+        self.layers = nn.ModuleList(DecoderLayer(make, i, cfg, self.rotary, tp) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(make, "norm", cfg.hidden_size, cfg.rms_norm_eps, tp)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(make, "lm_head", cfg.hidden_size, cfg.vocab_size, std)
+            self.lm_head = ColumnParallelLinear(make, "lm_head", cfg.hidden_size, cfg.vocab_size, std, tp, pad=True)
+        self.vocab_start = tp.rank * shard_size(cfg.vocab_size, tp.size)
 
-    def output_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+    @property
+    def padded_vocab_size(self) -> int:
+        return shard_size(self.cfg.vocab_size, self.tp.size) * self.tp.size
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def local_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits for this rank's vocabulary shard [vocab_start, vocab_start + padded_vocab / tp)."""
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x)
-        return linear(self.norm(x), self.output_weight())
+        x = self.norm(x)
+        if self.cfg.tie_word_embeddings:
+            return linear(enter_column_parallel(x, self.tp), self.embed_tokens.weight)
+        return self.lm_head(x)
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits (gathered over tp; for evaluation and generation, not training)."""
+        return gather_full(self.local_logits(input_ids), -1, self.tp)[..., : self.cfg.vocab_size]
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum of cross-entropy over valid targets (fp32) and how many there were.
@@ -187,7 +184,6 @@ class Llama(nn.Module):
         Returning the sum, not the mean, lets the trainer divide by the token count of the whole
         global batch, so every micro-batch / dp / pp split gives the same loss.
         """
-        logits = self.logits(input_ids)
-        loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum",
-                                   ignore_index=IGNORE_INDEX)
+        loss_sum = vocab_parallel_cross_entropy(self.local_logits(input_ids), targets, self.vocab_start,
+                                                self.cfg.vocab_size, IGNORE_INDEX, self.tp)
         return loss_sum, (targets != IGNORE_INDEX).sum()

@@ -1,8 +1,10 @@
 """The one module that calls torch.distributed collectives and point-to-point ops.
 
 Every op goes through `Comm`, which remembers the op in flight (so a hang can be reported as
-"rank 3 waits in all_reduce on tp[2,3] for a (4, 256) bfloat16 tensor") and counts the bytes this
-rank sends per op kind (so benchmarks can report exact communication volume).
+"rank 3 waits in all_reduce on tp[2,3] for a (4, 256) bfloat16 tensor"), counts the calls and the
+bytes this rank sends per (group kind, op kind) (so tests and benchmarks know the exact
+communication volume), and the time spent per group kind (so the trainer can log the share of a
+step spent in, say, tensor-parallel communication).
 
 Byte counts are the volume a ring algorithm sends from this rank: all_reduce 2(n-1)/n of the
 tensor, all_gather and reduce_scatter (n-1)/n of the full tensor, send the tensor itself.
@@ -57,20 +59,41 @@ class Comm:
 
     def __init__(self) -> None:
         self.in_flight: OpInFlight | None = None
-        self.bytes_sent: Counter[str] = Counter()
-        self.calls: Counter[str] = Counter()
+        self.bytes_sent: Counter[tuple[str, str]] = Counter()  # (group kind, op kind) -> bytes
+        self.calls: Counter[tuple[str, str]] = Counter()
+        self._seconds: Counter[str] = Counter()  # group kind -> seconds in collectives
+        self._pending_events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextmanager
     def _record(self, kind: str, group: Group, tensor: torch.Tensor, peer: int | None, sent: float) -> Iterator[None]:
         op = OpInFlight(kind, group.name, peer, tuple(tensor.shape), str(tensor.dtype), time.monotonic())
         self.in_flight = op
+        # On CUDA the call returns before the transfer ends: time it with events on the stream.
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if tensor.is_cuda else None
+        if events:
+            events[0].record()
+        start = time.perf_counter()
         try:
             yield
         except RuntimeError as e:  # torch's DistBackendError and gloo's transport errors are RuntimeErrors
             raise collective_failed(op, e) from None
+        if events:
+            events[1].record()
+            self._pending_events.append((group.kind, *events))
+        else:
+            self._seconds[group.kind] += time.perf_counter() - start
         self.in_flight = None
-        self.calls[kind] += 1
-        self.bytes_sent[kind] += int(sent)
+        self.calls[group.kind, kind] += 1
+        self.bytes_sent[group.kind, kind] += int(sent)
+
+    def take_seconds(self) -> dict[str, float]:
+        """Seconds spent in collectives per group kind since the last call (waits for CUDA ones)."""
+        for kind, begin, end in self._pending_events:
+            end.synchronize()
+            self._seconds[kind] += begin.elapsed_time(end) / 1000
+        self._pending_events.clear()
+        seconds, self._seconds = dict(self._seconds), Counter()
+        return seconds
 
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
         """In-place reduction across `group`; `op` is "sum", "max" or "avg"."""

@@ -19,7 +19,10 @@ from torch import nn
 class ShardInfo:
     name: str  # the parameter's name in the full model, e.g. "layers.0.self_attn.q_proj.weight"
     global_shape: tuple[int, ...]
-    local_slice: tuple[slice, ...]  # the part of the global tensor this rank holds
+    # The part of the global tensor this rank holds. The local tensor starts with exactly that
+    # part; along a split dimension it may be longer, zero-padded (the vocabulary is padded to a
+    # multiple of tp), and the padding is never part of the model.
+    local_slice: tuple[slice, ...]
     tie_group: str | None = None  # parameters sharing one value (tied embeddings) share a group
 
 
@@ -50,14 +53,35 @@ def make_param(
     world: int = 1,
     tie_group: str | None = None,
 ) -> nn.Parameter:
-    """Initialise `name` at full shape and keep this rank's chunk of `shard_dim` (if any)."""
+    """Initialise `name` at full shape and keep this rank's chunk of `shard_dim` (if any).
+
+    Chunks are ceil(n / world) long; where that overshoots n, the last chunks are zero-padded.
+    """
     full = full_init(name, shape, std, seed)
     local_slice = [slice(0, n) for n in shape]
+    local_shape = list(shape)
     if shard_dim is not None and world > 1:
-        size = shape[shard_dim] // world
-        local_slice[shard_dim] = slice(rank * size, (rank + 1) * size)
-    local = full[tuple(local_slice)]
-    param = nn.Parameter(local.to(device=device, dtype=dtype).contiguous())
+        size = -(-shape[shard_dim] // world)
+        n = shape[shard_dim]
+        local_slice[shard_dim] = slice(min(rank * size, n), min((rank + 1) * size, n))
+        local_shape[shard_dim] = size
+    local = torch.zeros(local_shape)
+    piece = full[tuple(local_slice)]
+    local[tuple(slice(0, k) for k in piece.shape)] = piece
+    param = nn.Parameter(local.to(device=device, dtype=dtype))
     param.shard = ShardInfo(name, tuple(shape), tuple(local_slice), tie_group)
     return param
+
+
+def split_dim(shard: ShardInfo) -> int | None:
+    """The dimension this parameter is split along, or None when every rank holds all of it."""
+    for dim, (piece, n) in enumerate(zip(shard.local_slice, shard.global_shape, strict=True)):
+        if piece.stop - piece.start != n:
+            return dim
+    return None
+
+
+def unpadded(tensor: torch.Tensor, shard: ShardInfo) -> torch.Tensor:
+    """The part of a local tensor (parameter or gradient) that is real model, without padding."""
+    return tensor[tuple(slice(0, piece.stop - piece.start) for piece in shard.local_slice)]
 

@@ -1,0 +1,251 @@
+"""Tensor parallelism: Megatron-style column/row-parallel layers and the collectives between them.
+
+A column-parallel linear splits its output features over the tp ranks, a row-parallel linear its
+input features; put back to back (attention: qkv -> o, MLP: gate/up -> down) they need one
+collective each way per block. Where that collective happens depends on `tp_mode`:
+
+- ALL_REDUCE: activations are whole on every rank. Before a column-parallel layer `copy_to_tp`
+  (identity forward, all-reduce of the input gradient backward); after a row-parallel layer
+  `reduce_from_tp` (all-reduce forward, identity backward).
+- REDUCE_SCATTER (sequence parallel): between blocks, every rank holds 1/tp of the sequence, so
+  norms and residual adds do 1/tp of the work and memory. `gather_sequence` (all-gather forward,
+  reduce-scatter backward) before column-parallel layers, `scatter_sequence` (reduce-scatter
+  forward, all-gather backward) after row-parallel ones. The same bytes as ALL_REDUCE, since an
+  all-reduce is a reduce-scatter followed by an all-gather.
+
+The vocabulary is split like a column-parallel layer (padded to a multiple of tp), and the
+cross-entropy is computed on the vocab shards without ever gathering the logits.
+With tp = 1 every op below returns its input: the plain model, no extra cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from femtotron.errors import ConfigError
+from femtotron.parallel.comm import Comm, Group
+from femtotron.parallel.sharding import ShardInfo, split_dim
+from femtotron.precision import linear
+
+SEQUENCE_DIM = 1  # activations are (batch, sequence, hidden)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """What a tensor-parallel layer needs to know: the tp group, this rank in it, and the mode."""
+
+    comm: Comm
+    group: Group
+    rank: int
+    sequence_parallel: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    @staticmethod
+    def single() -> TensorParallel:
+        return TensorParallel(Comm(), Group("tp", (0,)), 0)
+
+
+def shard_size(full: int, tp: int) -> int:
+    """Rows per rank along a split dimension, rounding up (the vocabulary is padded, not required even)."""
+    return -(-full // tp)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # Each rank's column shard contributed part of the input's gradient: sum them.
+        return ctx.tp.comm.all_reduce(grad.contiguous().clone(), ctx.tp.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        ctx.mark_dirty(x)  # summed in place: the partial sums are not needed afterwards
+        return tp.comm.all_reduce(x, tp.group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.comm.all_gather(x, tp.group, dim=SEQUENCE_DIM)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.tp.comm.reduce_scatter(grad, ctx.tp.group, dim=SEQUENCE_DIM), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.comm.reduce_scatter(x, tp.group, dim=SEQUENCE_DIM)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.tp.comm.all_gather(grad, ctx.tp.group, dim=SEQUENCE_DIM), None
+
+
+def enter_column_parallel(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Make the input a column-parallel layer needs: the whole sequence, gradient summed over tp."""
+    if tp.size == 1:
+        return x
+    return _GatherSequence.apply(x, tp) if tp.sequence_parallel else _CopyToTP.apply(x, tp)
+
+
+def leave_row_parallel(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Sum a row-parallel layer's partial outputs: whole (ALL_REDUCE) or this rank's sequence shard."""
+    if tp.size == 1:
+        return x
+    return _ScatterSequence.apply(x, tp) if tp.sequence_parallel else _ReduceFromTP.apply(x, tp)
+
+
+def vocab_embedding(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, tp: TensorParallel) -> torch.Tensor:
+    """Look up ids in this rank's rows [vocab_start, vocab_start + rows) and sum over tp."""
+    if tp.size == 1:
+        return torch.nn.functional.embedding(ids, weight)
+    local = ids - vocab_start
+    outside = (local < 0) | (local >= weight.shape[0])
+    out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    return leave_row_parallel(out, tp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy from logits split over the vocabulary: three all-reduces of one number
+    per token (max, sum of exponentials, target logit) instead of gathering (tokens x vocab) logits."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, ignore_index: int,
+                tp: TensorParallel) -> torch.Tensor:
+        logits_dtype = logits.dtype
+        logits = logits.float()
+        row_max = logits.max(dim=-1).values
+        tp.comm.all_reduce(row_max, tp.group, op="max")
+        shifted = logits - row_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        tp.comm.all_reduce(sum_exp, tp.group)
+        local_targets = targets - vocab_start
+        valid = targets != ignore_index
+        mine = valid & (local_targets >= 0) & (local_targets < logits.shape[-1])
+        local_targets = local_targets.masked_fill(~mine, 0)
+        target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        tp.comm.all_reduce(target_logit, tp.group)
+        losses = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
+        ctx.save_for_backward(exp, sum_exp, local_targets, mine, valid)
+        ctx.logits_dtype = logits_dtype
+        return losses.sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        exp, sum_exp, local_targets, mine, valid = ctx.saved_tensors
+        # d(loss)/d(logit) = softmax - one_hot(target), zero for ignored tokens.
+        grad_logits = exp.div_(sum_exp.unsqueeze(-1))
+        grad_logits.scatter_add_(-1, local_targets.unsqueeze(-1), -mine.unsqueeze(-1).to(grad_logits.dtype))
+        grad_logits.mul_((valid.to(grad_logits.dtype) * grad).unsqueeze(-1))
+        return grad_logits.to(ctx.logits_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab_size: int,
+                                 ignore_index: int, tp: TensorParallel) -> torch.Tensor:
+    """Sum of cross-entropy over valid targets, from this rank's logits for [vocab_start, ...).
+
+    Columns past `vocab_size` (the padding that makes the vocabulary divisible by tp) are masked
+    to -inf, so they get probability 0 and no gradient.
+    """
+    padding = vocab_start + logits.shape[-1] - vocab_size
+    if padding > 0:
+        mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        mask[logits.shape[-1] - padding:] = True
+        logits = logits.masked_fill(mask, float("-inf"))
+    if tp.size == 1:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum",
+                                                 ignore_index=ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, ignore_index, tp)
+
+
+def gather_full(tensor: torch.Tensor, dim: int | None, tp: TensorParallel) -> torch.Tensor:
+    """This rank's piece of a tensor split along `dim` over tp, gathered back (no gradient)."""
+    if dim is None or tp.size == 1:
+        return tensor
+    return tp.comm.all_gather(tensor.detach().contiguous(), tp.group, dim=dim)
+
+
+def _split(name: str, what: str, n: int, tp: TensorParallel) -> None:
+    # The config rules (T2) catch this first; a model built by hand must not pad weights silently.
+    if n % tp.size:
+        raise ConfigError(f"{name}: {what}={n} is not divisible by tp={tp.size}, so it cannot be split over "
+                          f"parallelism.tp ranks. Choose parallelism.tp dividing {n}.")
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's rows (output features) split over tp; the output stays split."""
+
+    def __init__(self, make: Callable[..., nn.Parameter], name: str, d_in: int, d_out: int, std: float | None,
+                 tp: TensorParallel, pad: bool = False) -> None:
+        super().__init__()
+        if not pad:
+            _split(f"{name}.weight", "output features", d_out, tp)
+        self.tp = tp
+        self.weight = make(f"{name}.weight", (d_out, d_in), std, shard_dim=0, rank=tp.rank, world=tp.size)
+        self.output_split_dim = -1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(enter_column_parallel(x, self.tp), self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's columns (input features) split over tp; partial outputs are summed."""
+
+    def __init__(self, make: Callable[..., nn.Parameter], name: str, d_in: int, d_out: int, std: float | None,
+                 tp: TensorParallel) -> None:
+        super().__init__()
+        _split(f"{name}.weight", "input features", d_in, tp)
+        self.tp = tp
+        self.weight = make(f"{name}.weight", (d_out, d_in), std, shard_dim=1, rank=tp.rank, world=tp.size)
+        self.output_split_dim = SEQUENCE_DIM if tp.sequence_parallel else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return leave_row_parallel(linear(x, self.weight), self.tp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split over tp, the vocabulary padded up to a multiple of tp."""
+
+    def __init__(self, make: Callable[..., nn.Parameter], name: str, vocab: int, dim: int, std: float,
+                 tp: TensorParallel, tie_group: str | None) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_start = tp.rank * shard_size(vocab, tp.size)
+        self.weight = make(f"{name}.weight", (vocab, dim), std, shard_dim=0, rank=tp.rank, world=tp.size,
+                           tie_group=tie_group)
+        self.output_split_dim = SEQUENCE_DIM if tp.sequence_parallel else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return vocab_embedding(ids, self.weight, self.vocab_start, self.tp)
+
+
+def full_tensor(tensor: torch.Tensor, shard: ShardInfo, tp: TensorParallel) -> torch.Tensor:
+    """A parameter's (or its gradient's) full global tensor, gathered over tp, padding removed."""
+    dim = split_dim(shard)
+    if dim is None:
+        return tensor.detach()
+    full = gather_full(tensor, dim, tp)
+    return full[tuple(slice(0, n) for n in shard.global_shape)]
