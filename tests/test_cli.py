@@ -113,10 +113,11 @@ def test_torchrun_data_parallel(corpus_and_tokenizer, tmp_path):
     config = write_config(tmp_path / "cfg.yaml", prefix, tokenizer, tmp_path / "runs", micro_batch_size=2)
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         "-m", "femtotron.cli", "train", str(config), "parallelism.dp=2", "tokens.train_steps=2"],
+         "-m", "femtotron", "train", str(config), "parallelism.dp=2", "tokens.train_steps=2"],
         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "starting them on this machine" not in result.stderr  # each rank trains; none launches more
     assert "[rank 0 dp0 tp0 pp0] layout: dp=2 tp=1 pp=1 on 2 process(es) on 1 host(s)" in result.stdout
     assert "step 2/2 | loss" in result.stdout
     assert (tmp_path / "runs" / "cli" / "model.safetensors").is_file()

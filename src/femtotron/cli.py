@@ -9,14 +9,22 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from femtotron.errors import ConfigError, FemtotronError
 
+if TYPE_CHECKING:
+    from femtotron.config import Config
 
-def cmd_train(args: argparse.Namespace) -> None:
+
+def cmd_train(args: argparse.Namespace) -> int | None:
     from femtotron.config import check_world_size, load_config
+    from femtotron.launch import launched_by_torchrun
 
     config = load_config(args.config, args.overrides)
+    par = config.parallelism
+    if par.dp * par.tp * par.pp > 1 and not launched_by_torchrun():
+        return launch_train(args, config)
     # L1: checked on every rank, from the environment alone, before any process group exists.
     check_world_size(config, int(os.environ.get("WORLD_SIZE", "1")))
     if args.debug:
@@ -30,13 +38,29 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     check_supported(config)  # before any process group exists, like every other config check
 
-    par = config.parallelism
     ctx = ParallelContext(par.dp, par.tp, par.pp, init_timeout_seconds=par.init_timeout_seconds,
                           collective_timeout_seconds=par.collective_timeout_seconds)
     try:
         Trainer(config, ctx).train()
     finally:
         ctx.close()
+    return None
+
+
+def launch_train(args: argparse.Namespace, config: Config) -> int:
+    """Without a launcher, start the processes the layout needs here, each running this same command.
+
+    The whole config is checked first so that a mistake is reported once, here, rather than by every
+    rank after processes have started.
+    """
+    from femtotron.launch import check_local_devices, launch_local
+    from femtotron.trainer import check_supported
+
+    par = config.parallelism
+    check_supported(config)
+    check_local_devices(par.dp, par.tp, par.pp)
+    argv = ["train", args.config, *args.overrides, *(["--debug"] if args.debug else [])]
+    return launch_local(par.dp * par.tp * par.pp, argv, what=f"dp={par.dp} tp={par.tp} pp={par.pp}")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -63,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="femtotron", description=__doc__.split("\n")[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
 
-    train = verbs.add_parser("train", help="train a model from a YAML config (under torchrun for several processes)")
+    train = verbs.add_parser("train", help="train a model from a YAML config; starts the dp*tp*pp processes "
+                                           "itself, or runs as one rank under torchrun")
     train.add_argument("config", help="YAML config, e.g. examples/debug.yaml")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. tokens.train_steps=50 parallelism.dp=2")
     train.add_argument("--debug", action="store_true",
@@ -99,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.run(args)
+        # A verb returns an exit code only when it has one to pass on (the local launcher's).
+        return args.run(args) or 0
     except FemtotronError as e:
         # Every rank checks the config and fails alike; one copy of the message is enough.
         if not isinstance(e, ConfigError) or os.environ.get("RANK", "0") == "0":
@@ -111,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    return 0
 
 
 if __name__ == "__main__":

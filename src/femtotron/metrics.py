@@ -66,6 +66,9 @@ def peak_flops(device: torch.device, dtype: torch.dtype, gemm_shape: tuple[int, 
         for key, flops in PEAK_BF16_FLOPS.items():
             if re.search(rf"\b{re.escape(key)}\b", name):  # whole words: "L4" is not "L40S"
                 return flops, f"{name} data-sheet bf16 peak"
+    # Tiny debug models' matmuls are dominated by call overhead and would give a "peak" below what
+    # the model itself achieves (MFU > 100%): measure at least 1024 in every dimension.
+    gemm_shape = tuple(max(n, 1024) for n in gemm_shape)
     rate = matmul_flops_rate(*gemm_shape, dtype=dtype, device=device)
     return rate, f"measured {dtype} matmul {gemm_shape[0]}x{gemm_shape[2]}x{gemm_shape[1]} on {device.type}"
 

@@ -1,0 +1,97 @@
+"""Start a multi-process run's local processes when `femtotron train` is run without a launcher.
+
+`femtotron train CONFIG parallelism.dp=2` should work on one machine as plainly as a dp=1 run, without
+the user having to learn torchrun first. Rather than manage processes itself, femtotron runs
+torch.distributed.run (the code behind `torchrun`) inside this process: it picks a free port, starts one
+`python -m femtotron <same arguments>` per rank with RANK/WORLD_SIZE/MASTER_ADDR/... set, and stops the
+others when one fails. The children therefore take exactly the path they take under torchrun.
+Several machines still need torchrun or srun on each of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+# torch logs every child failure at ERROR level under this name, timestamped like a crash of the
+# launcher itself; the failing child has already printed its own message, so the line is only noise.
+_FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+def launched_by_torchrun() -> bool:
+    """True inside a process started by torchrun (or any launcher that sets WORLD_SIZE).
+
+    WORLD_SIZE is what ParallelContext reads, so keying on it keeps the two from ever disagreeing.
+    """
+    return "WORLD_SIZE" in os.environ
+
+
+def check_local_devices(dp: int, tp: int, pp: int) -> None:
+    """On a GPU machine every local process needs its own GPU; refuse a layout that needs more."""
+    import torch
+
+    from femtotron.errors import ConfigError
+
+    processes, gpus = dp * tp * pp, torch.cuda.device_count()
+    if torch.cuda.is_available() and processes > gpus:
+        raise ConfigError(
+            f"parallelism.dp={dp} * parallelism.tp={tp} * parallelism.pp={pp} = {processes} processes, but "
+            f"this machine has {gpus} GPU(s) and each process needs its own. Fix: lower parallelism.dp/tp/pp "
+            f"so their product is at most {gpus}, or run across several nodes with torchrun or srun (e.g. "
+            f"`torchrun --nnodes N --nproc-per-node {gpus} ... -m femtotron train CONFIG` on each node)."
+        )
+
+
+def launch_local(nprocs: int, argv: list[str], what: str = "this run") -> int:
+    """Run `python -m femtotron *argv` as `nprocs` ranks on this machine.
+
+    Returns 0, or the exit code of the rank that failed first. `what` names the layout for the message.
+    """
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    print(f"femtotron: {what} needs {nprocs} processes; starting them on this machine with "
+          "torch.distributed.run (use torchrun or srun for several nodes)", file=sys.stderr, flush=True)
+    # torchrun sets the same default (N ranks each threading over every core would oversubscribe the
+    # CPU), but announces it with a four-line warning.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args = torchrun.parse_args(["--standalone", "--nproc-per-node", str(nprocs), "-m", "femtotron", *argv])
+    failure_log = logging.getLogger(_FAILURE_LOGGER)
+    level = failure_log.level
+    failure_log.setLevel(logging.CRITICAL)
+    try:
+        # run(), not main(): main's @record handler prints a page-long banner for any child failure.
+        torchrun.run(args)
+    except ChildFailedError as e:
+        return _first_failure_code(e)
+    except SignalException as e:  # Ctrl-C or a kill reached the launcher; torch has stopped the ranks
+        return 128 + int(e.sigval)
+    finally:
+        failure_log.setLevel(level)
+    return 0
+
+
+def _first_failure_code(error: ChildFailedError) -> int:
+    """The exit code of the rank that failed first: the others were stopped because of it.
+
+    Failure times have one-second resolution, so among ties prefer a rank that exited on its own
+    over one the launcher then killed with a signal.
+    """
+    rank, failure = min(error.failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode < 0, kv[0]))
+    if failure.exitcode >= 0:
+        return failure.exitcode  # the rank printed its own message (a femtotron error or a traceback)
+    sig = -failure.exitcode
+    try:
+        name = signal.Signals(sig).name
+    except ValueError:
+        name = f"signal {sig}"
+    print(f"femtotron: error: rank {rank} was killed by {name} without a message (SIGKILL usually means the "
+          "machine ran out of memory: lower tokens.micro_batch_size or use fewer processes)", file=sys.stderr)
+    return 128 + sig

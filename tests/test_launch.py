@@ -1,0 +1,94 @@
+"""`femtotron train` without a launcher starts dp*tp*pp local processes itself, through torch.distributed.run."""
+
+import json
+import signal
+
+import pytest
+import torch
+from test_cli import femtotron, write_config
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from femtotron.errors import ConfigError
+from femtotron.launch import _first_failure_code, check_local_devices
+
+LAUNCH_LINE = ("femtotron: dp=2 tp=1 pp=1 needs 2 processes; starting them on this machine with "
+               "torch.distributed.run (use torchrun or srun for several nodes)")
+
+
+@pytest.fixture(autouse=True)
+def no_launcher(monkeypatch):
+    """These tests are about running *without* a launcher, even if pytest itself was started by one."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def config(tmp_path, tiny_dataset):
+    # vocab 320 > the tiny dataset's 256 ids; micro-batches of 2 so dp=2 matches dp=1 with accumulation 2.
+    return str(write_config(tmp_path / "cfg.yaml", tiny_dataset, None, tmp_path / "runs", micro_batch_size=2))
+
+
+def losses(run_dir) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_data_parallel_run_starts_its_processes_and_matches_one_process(config, tmp_path):
+    result = femtotron("train", config, "parallelism.dp=2", "tokens.train_steps=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert LAUNCH_LINE in result.stderr and "Traceback" not in result.stderr
+    assert "[rank 0 dp0 tp0 pp0] layout: dp=2 tp=1 pp=1 on 2 process(es) on 1 host(s)" in result.stdout
+    assert "step 2/2 | loss" in result.stdout
+    single = femtotron("train", config, "tokens.train_steps=2", "tokens.batch_accumulation_per_replica=2",
+                       "general.run=single")
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert "starting them on this machine" not in single.stderr  # one process needs no launcher
+    # The same global batch split over two ranks instead of two micro-batches: the same training.
+    assert losses(tmp_path / "runs" / "cli") == pytest.approx(losses(tmp_path / "runs" / "single"), rel=1e-5)
+
+
+def test_a_failing_rank_exit_code_reaches_the_caller_without_launcher_noise(config):
+    # Only the ranks see this: the token ids are checked against the vocabulary while training.
+    result = femtotron("train", config, "parallelism.dp=2", "tokens.train_steps=2",
+                       "model.model_config.vocab_size=128")
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert LAUNCH_LINE in result.stderr
+    assert "femtotron: error: step 1: the training data holds token id" in result.stderr
+    for noise in ("Traceback", "ChildFailedError", "failed (exitcode"):
+        assert noise not in result.stderr
+
+
+# A typo is caught by load_config; fp16 only by the trainer's check_supported, which the parent runs too.
+@pytest.mark.parametrize("override, field", [("tokens.train_stepz=2", "train_stepz"),
+                                              ("model.dtype=float16", "model.dtype=float16")])
+def test_config_errors_are_reported_once_before_any_process_starts(config, override, field):
+    result = femtotron("train", config, "parallelism.dp=2", override)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.count("femtotron: error:") == 1 and field in result.stderr
+    assert "starting them on this machine" not in result.stderr
+
+
+def test_more_processes_than_gpus_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_local_devices(2, 1, 1)
+    with pytest.raises(ConfigError) as raised:
+        check_local_devices(4, 1, 1)
+    message = str(raised.value)
+    for expected in ("parallelism.dp=4", "2 GPU(s)", "at most 2", "torchrun or srun"):
+        assert expected in message
+
+
+def failure(rank: int, exitcode: int, timestamp: int) -> tuple[int, ProcessFailure]:
+    f = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="<N/A>")
+    f.timestamp = timestamp
+    return rank, f
+
+
+def test_the_first_rank_to_fail_on_its_own_sets_the_exit_code(capsys):
+    # Rank 0 was stopped by the launcher in the same second as rank 1 failed: rank 1 is the cause.
+    assert _first_failure_code(ChildFailedError("femtotron", dict([failure(0, -15, 7), failure(1, 3, 7)]))) == 3
+    assert _first_failure_code(ChildFailedError("femtotron", dict([failure(0, 4, 9), failure(1, 3, 8)]))) == 3
+    assert capsys.readouterr().err == ""  # the rank printed its own message
+    killed = ChildFailedError("femtotron", dict([failure(1, -signal.SIGKILL, 5)]))
+    assert _first_failure_code(killed) == 128 + signal.SIGKILL
+    assert "rank 1 was killed by SIGKILL" in capsys.readouterr().err
