@@ -1,10 +1,15 @@
 """`femtotron train` without a launcher starts dp*tp*pp local processes itself, through torch.distributed.run."""
 
 import json
+import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
+from distributed import free_port
+from safetensors.torch import load_file
 from test_cli import femtotron, write_config
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
@@ -44,6 +49,32 @@ def test_data_parallel_run_starts_its_processes_and_matches_one_process(config, 
     assert "starting them on this machine" not in single.stderr  # one process needs no launcher
     # The same global batch split over two ranks instead of two micro-batches: the same training.
     assert losses(tmp_path / "runs" / "cli") == pytest.approx(losses(tmp_path / "runs" / "single"), rel=1e-5)
+
+
+def test_tensor_parallel_run_matches_one_process_under_both_launches(config, tmp_path):
+    """tp=2 started by femtotron itself (sequence parallel) and by torchrun (all-reduce mode): the same
+    losses as one process, and the saved full-shape weights equal to its weights."""
+    single = femtotron("train", config, "tokens.train_steps=3", "general.run=single")
+    assert single.returncode == 0, single.stderr[-3000:]
+    auto = femtotron("train", config, "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER",
+                     "tokens.train_steps=3", "general.run=auto")
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    assert "dp=1 tp=2 pp=1 needs 2 processes" in auto.stderr
+    assert "tensor parallel: tp=2, tp_mode=REDUCE_SCATTER" in auto.stdout
+    torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "-m", "femtotron", "train", config, "parallelism.tp=2", "tokens.train_steps=3", "general.run=torchrun"],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    runs = tmp_path / "runs"
+    reference = load_file(runs / "single" / "model.safetensors")
+    for run in ("auto", "torchrun"):
+        assert losses(runs / run) == pytest.approx(losses(runs / "single"), rel=1e-5), run
+        weights = load_file(runs / run / "model.safetensors")
+        assert weights.keys() == reference.keys()
+        for name, tensor in reference.items():
+            torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=f"{run}: {name}")
 
 
 def test_a_failing_rank_exit_code_reaches_the_caller_without_launcher_noise(config):
