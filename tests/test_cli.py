@@ -140,3 +140,14 @@ def test_unwritable_paths_and_unreadable_yaml_are_errors_not_tracebacks(corpus_a
     config.write_text("tokens:\n  train_steps: 5\x07\n")
     result = femtotron("train", str(config))
     assert result.returncode == 2 and "Traceback" not in result.stderr and "bell.yaml" in result.stderr
+
+
+def test_overrides_may_follow_options():
+    from femtotron.cli import parse_args
+
+    args = parse_args(["check-tp", "cfg.yaml", "a.b=1", "--tp", "2", "c.d=2"])
+    assert (args.config, args.overrides, args.tp) == ("cfg.yaml", ["a.b=1", "c.d=2"], 2)
+    args = parse_args(["train", "cfg.yaml", "--debug", "tokens.train_steps=3"])
+    assert args.debug and args.overrides == ["tokens.train_steps=3"]
+    with pytest.raises(SystemExit):
+        parse_args(["train", "cfg.yaml", "--no-such-flag"])

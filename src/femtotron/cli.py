@@ -1,4 +1,4 @@
-"""`femtotron <verb>`: train, generate, preprocess, train-tokenizer.
+"""`femtotron <verb>`: train, check-tp, generate, preprocess, train-tokenizer.
 
 Every problem a user can fix arrives as a FemtotronError and is printed as plain text with its
 exit code (2 for config errors); a traceback means a bug in femtotron.
@@ -63,6 +63,13 @@ def launch_train(args: argparse.Namespace, config: Config) -> int:
     return launch_local(par.dp * par.tp * par.pp, argv, what=f"dp={par.dp} tp={par.tp} pp={par.pp}")
 
 
+def cmd_check_tp(args: argparse.Namespace) -> int:
+    from femtotron.diagnostics.check_tp import run_check_tp
+
+    # 0: tp=N matches tp=1; 1: a module diverges (the report names the first); config/data errors: 2/3.
+    return run_check_tp(args.config, args.overrides, tp=args.tp, tolerance=args.tolerance)
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from femtotron.generate import generate_text
 
@@ -95,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="set NCCL_DEBUG=INFO and TORCH_DISTRIBUTED_DEBUG=DETAIL before init")
     train.set_defaults(run=cmd_train)
 
+    check = verbs.add_parser("check-tp", help="run one batch at tp=1 and at tp=N from the same weights and name "
+                                              "the first module whose output or gradient differs; starts the "
+                                              "tp processes itself, or runs as one rank under torchrun")
+    check.add_argument("config", help="YAML config, e.g. examples/debug.yaml")
+    check.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallelism.tp_mode=REDUCE_SCATTER")
+    check.add_argument("--tp", type=int, default=None, help="the tp to check (default: the config's parallelism.tp)")
+    check.add_argument("--tolerance", type=float, default=None,
+                       help="largest allowed max|tp - ref| / max|ref| (default 1e-4 for float32, 3e-2 for bfloat16)")
+    check.set_defaults(run=cmd_check_tp)
+
     gen = verbs.add_parser("generate", help="sample text from a finished run")
     gen.add_argument("run_dir", help="the run directory (logging.output_dir/general.run), e.g. runs/debug")
     gen.add_argument("--prompt", default="", help="text to continue")
@@ -121,8 +138,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse stops filling `overrides` at the first option, so `train CONFIG --debug a=1` would leave
+    # a=1 over; overrides are accepted anywhere after the verb.
+    if extra and hasattr(args, "overrides") and not any(arg.startswith("-") for arg in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         # A verb returns an exit code only when it has one to pass on (the local launcher's).
         return args.run(args) or 0

@@ -1,0 +1,539 @@
+"""`femtotron check-tp`: does the tensor-parallel model compute what one device computes? (T1)
+
+One micro-batch of the run's training data goes through two models built from the same seed: the
+whole model (tp=1; every rank builds and runs its own copy, without communication) and this rank's
+tensor-parallel part. Hooks record, for every module that declares how its output is laid out over
+tp (`output_split_dim`), its input, its output and the gradients of both. After forward and backward
+everything is gathered to full shape and compared with the reference, and the first place where the
+two part ways is named, in the order the computation happens:
+
+1. forward: the first module, in the order outputs are produced (a layer before the block holding
+   it), whose output differs. If its input differed already, the code between the previous module
+   and it is the suspect, else the module itself.
+2. backward, when every output matched: the first module, in the order backward reaches them, that
+   receives a different output gradient (the backward of whatever consumes its output is wrong) or
+   hands back a different input gradient (its own backward is wrong: typically a missing all-reduce).
+3. parameter gradients, when every activation gradient matched.
+
+Exit code of the command: 0 when tp=N matches tp=1 within the tolerance, 1 (`DIVERGES_EXIT_CODE`)
+when something diverges; a config, data or launch problem exits with its own code (2, 3, 4).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from femtotron.config import Config
+from femtotron.errors import ConfigError, DataError, FemtotronError
+from femtotron.models.llama import Llama
+from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.sharding import split_dim
+from femtotron.parallel.tensor_parallel import TensorParallel, full_tensor, gather_full
+
+# Relative to the largest reference value. fp32 differs only by summation order (about 1e-6); bf16
+# keeps 8 significant bits and tp moves where the roundings happen.
+DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
+DIVERGES_EXIT_CODE = 1  # like diff: 0 same, 1 different, 2 and up could not compare
+
+
+@dataclass
+class ModuleDiff:
+    """One module's differences from tp=1, each relative to the reference's largest magnitude.
+
+    None: nothing to compare (no float input, no parameters of its own, no gradient in either model).
+    """
+
+    name: str
+    kind: str  # the tensor-parallel module's class, e.g. RowParallelLinear
+    output_abs: float
+    output_rel: float
+    input_rel: float | None = None
+    grad_output_rel: float | None = None
+    grad_input_rel: float | None = None
+    weight_grad_rel: float | None = None
+
+    def worst(self) -> float:
+        values = (self.output_rel, self.input_rel, self.grad_output_rel, self.grad_input_rel,
+                  self.weight_grad_rel)
+        return max(v for v in values if v is not None)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    module: str
+    kind: str
+    where: str  # "output", "input", "output gradient", "input gradient" or "weight gradient"
+    relative: float
+    explanation: str  # what differs and what that usually means
+
+
+@dataclass
+class TPReport:
+    tp: int
+    tp_mode: str
+    dtype: str
+    tolerance: float
+    batch_shape: tuple[int, ...]
+    reference_loss: float
+    loss: float
+    rows: list[ModuleDiff]  # in forward order; the loss last
+    first: Divergence | None
+
+    @property
+    def ok(self) -> bool:
+        return self.first is None
+
+
+class _Recorder:
+    """Every tp-aware module's first input, output and their gradients, in the order they happen."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modules = {name: m for name, m in model.named_modules() if hasattr(m, "output_split_dim")}
+        self.forward_order: list[str] = []
+        self.backward_order: list[str] = []
+        self.inputs: dict[str, torch.Tensor | None] = {}
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.grad_inputs: dict[str, torch.Tensor | None] = {}
+        self.grad_outputs: dict[str, torch.Tensor | None] = {}
+        self.running: list[str] = []  # modules whose forward has started and not finished, innermost last
+        self.handles = []
+        for name, module in self.modules.items():
+            self.handles.append(module.register_forward_pre_hook(partial(self._start, name)))
+            self.handles.append(module.register_forward_hook(partial(self._forward, name)))
+            self.handles.append(module.register_full_backward_hook(partial(self._backward, name)))
+
+    def _start(self, name: str, module: nn.Module, args: tuple) -> None:
+        self.running.append(name)
+
+    def _forward(self, name: str, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self.running.pop()
+        self.forward_order.append(name)
+        first = args[0] if args else None
+        self.inputs[name] = _copy(first) if first is not None and first.is_floating_point() else None
+        self.outputs[name] = _copy(output)
+
+    def _backward(self, name: str, module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+        self.backward_order.append(name)
+        self.grad_outputs[name] = _copy(grad_output[0])
+        self.grad_inputs[name] = _copy(grad_input[0]) if grad_input else None
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    # A copy: later in-place ops (the row-parallel all-reduce sums in place) must not change what we saw.
+    return None if tensor is None else tensor.detach().clone()
+
+
+@dataclass
+class _Run:
+    recorder: _Recorder
+    loss: torch.Tensor
+    param_grads: dict[str, torch.Tensor | None]  # full shape, in named_parameters order
+
+
+class TPCheckFailed(FemtotronError):
+    """The tensor-parallel model did not even run: the first module with a wrong local shape is named."""
+
+    exit_code = DIVERGES_EXIT_CODE  # the strongest form of diverging
+
+
+def _forward_backward(model: Llama, ids: torch.Tensor, targets: torch.Tensor,
+                      reference: _Run | None = None) -> _Run:
+    """Loss, recorded activations and full-shape parameter gradients; `reference` explains a crash."""
+    tp = model.tp
+    recorder = _Recorder(model)
+    model.zero_grad(set_to_none=True)
+    try:
+        loss_sum, count = model(ids, targets)
+        loss = loss_sum / count
+        with warnings.catch_warnings():
+            # The embedding's input is token ids: its hook sees only the output gradient, as intended.
+            warnings.filterwarnings("ignore", "Full backward hook is firing when gradients are computed with "
+                                    "respect to module outputs")
+            loss.backward()
+    except RuntimeError as e:
+        if reference is None:
+            raise
+        raise TPCheckFailed(_crash_message(e, recorder, reference.recorder, tp)) from e
+    finally:
+        recorder.remove()
+    grads: dict[str, torch.Tensor | None] = {}
+    for name, p in model.named_parameters():
+        grad = p.grad
+        if grad is not None and tp.sequence_parallel and split_dim(p.shard) is None:
+            # Each rank saw its part of the sequence; the trainer sums these over tp (reduce_gradients).
+            grad = tp.comm.all_reduce(grad.clone(), tp.group)
+        grads[name] = None if grad is None else full_tensor(grad, p.shard, tp)
+    return _Run(recorder, loss.detach(), grads)
+
+
+def _gather(tensor: torch.Tensor | None, dim: int | None, like: torch.Tensor | None,
+            tp: TensorParallel) -> torch.Tensor | None:
+    """This rank's piece, split along `dim`, gathered to full shape; the padded vocabulary is cut to `like`'s.
+
+    Every rank calls this in the same order with the same shapes, so the gathers pair up.
+    """
+    if tensor is None:
+        return None
+    full = gather_full(tensor, dim, tp)
+    if dim is None or like is None or full.dim() != like.dim() or full.shape[dim] <= like.shape[dim]:
+        return full
+    return full.narrow(dim, 0, like.shape[dim])
+
+
+def _inferred_split(local: torch.Tensor | None, like: torch.Tensor | None) -> int | None:
+    """The dimension a module input is split along: inputs declare no layout, so read it off the shapes."""
+    if local is None or like is None or local.dim() != like.dim():
+        return None
+    dims = [d for d in range(like.dim()) if local.shape[d] != like.shape[d]]
+    return dims[0] if len(dims) == 1 else None
+
+
+def _difference(ours: torch.Tensor | None, ref: torch.Tensor | None) -> tuple[float, float]:
+    """Max |ours - ref| and that over max |ref|; inf if one side is missing, shapes differ or NaN appears."""
+    if ours is None and ref is None:
+        return 0.0, 0.0
+    if ours is None or ref is None or ours.shape != ref.shape:
+        return math.inf, math.inf
+    if ref.numel() == 0:
+        return 0.0, 0.0
+    ours, ref = ours.float(), ref.float()
+    delta = (ours - ref).abs().max().item()
+    if math.isnan(delta):  # NaN compares false with any tolerance: count it as the worst difference
+        delta = math.inf
+    scale = ref.abs().max().item()
+    return delta, delta / scale if scale > 0 else (0.0 if delta == 0 else math.inf)
+
+
+def _dtype(config: Config) -> torch.dtype:
+    if config.model.dtype not in DEFAULT_TOLERANCE:
+        raise ConfigError(f"model.dtype={config.model.dtype}: check-tp compares float32 or bfloat16 models; "
+                          "set model.dtype=bfloat16 (or float32 for the tightest comparison).")
+    return torch.float32 if config.model.dtype == "float32" else torch.bfloat16
+
+
+def _first_micro_batch(config: Config, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's first training micro-batch (dp rank 0's), read as the trainer reads it."""
+    from femtotron.data.nanoset import MicroBatchIterator
+    from femtotron.trainer import open_nanoset
+
+    tokens = config.tokens
+    data = open_nanoset(config.data.dataset_folder, tokens.sequence_length, config.data.seed)
+    batch = MicroBatchIterator(data, tokens.micro_batch_size, 1, 0, 1).next_step()[0]
+    vocab, largest = config.model.model_config_.vocab_size, int(batch.max())
+    if largest >= vocab:
+        raise DataError(f"the training data holds token id {largest}, but model.model_config.vocab_size="
+                        f"{vocab} allows ids 0..{vocab - 1}. Set model.model_config.vocab_size >= "
+                        f"{largest + 1}, or point data.dataset_folder at data made with this model's "
+                        "tokenizer.")
+    batch = batch.to(device)
+    return batch[:, :-1], batch[:, 1:]
+
+
+def compare_tp(config: Config, ctx: ParallelContext, model: Llama | None = None,
+               tolerance: float | None = None) -> TPReport:
+    """Run one micro-batch at tp=1 and at ctx.tp from the same weights; every tp rank calls this.
+
+    `model`: the tensor-parallel model to check (default: built from the config like the trainer's).
+    Every rank returns the same report.
+    """
+    dtype = _dtype(config)
+    tolerance = DEFAULT_TOLERANCE[config.model.dtype] if tolerance is None else tolerance
+    mcfg = config.model.model_config_
+    ids, targets = _first_micro_batch(config, ctx.device)
+    build = partial(Llama, mcfg, std=config.model.init_method.std, seed=config.general.seed, dtype=dtype,
+                    device=ctx.device)
+    if model is None:
+        model = build(tp=TensorParallel(ctx.comm, ctx.tp_group, ctx.tp_rank,
+                                        sequence_parallel=config.parallelism.tp_mode == "REDUCE_SCATTER"))
+    tp = model.tp
+    ref = _forward_backward(build(), ids, targets)
+    ours = _forward_backward(model, ids, targets, reference=ref)
+    mine, theirs = ours.recorder, ref.recorder
+
+    # Every rank walks the same names in the same order, so the gathers inside pair up.
+    rows = {name: _module_diff(name, mine, theirs, tp) for name in mine.forward_order}
+    param_rel = {}
+    for pname, grad in ours.param_grads.items():
+        param_rel[pname] = _difference(grad, ref.param_grads.get(pname))[1]
+        owner = rows.get(pname.rpartition(".")[0])
+        if owner is not None:
+            owner.weight_grad_rel = max(owner.weight_grad_rel or 0.0, param_rel[pname])
+    rows["loss"] = ModuleDiff("loss", "loss", *_difference(ours.loss, ref.loss))
+
+    mode = "REDUCE_SCATTER" if tp.sequence_parallel else "ALL_REDUCE"
+    rounding = DEFAULT_TOLERANCE[config.model.dtype]
+    first = _first_divergence(list(rows.values()), mine, param_rel, tolerance, rounding, mode)
+    return TPReport(tp.size, mode, config.model.dtype, tolerance, tuple(ids.shape), ref.loss.item(),
+                    ours.loss.item(), list(rows.values()), first)
+
+
+def _module_diff(name: str, mine: _Recorder, theirs: _Recorder, tp: TensorParallel) -> ModuleDiff:
+    """One module's output, input and gradient differences; outputs are gathered along output_split_dim."""
+    module = mine.modules[name]
+    dim = module.output_split_dim
+    ref_out = theirs.outputs.get(name)
+    tp_out = _gather(mine.outputs[name], dim, ref_out, tp)
+    row = ModuleDiff(name, type(module).__name__, *_difference(tp_out, ref_out))
+    ref_in, tp_in = theirs.inputs.get(name), mine.inputs[name]
+    if ref_in is not None or tp_in is not None:
+        row.input_rel = _difference(_gather(tp_in, _inferred_split(tp_in, ref_in), ref_in, tp), ref_in)[1]
+    if name not in mine.grad_outputs and name not in theirs.grad_outputs:
+        return row  # no gradient reached it in either model
+    ref_grad = theirs.grad_outputs.get(name)
+    row.grad_output_rel = _difference(_gather(mine.grad_outputs.get(name), dim, ref_grad, tp), ref_grad)[1]
+    ref_grad, tp_grad = theirs.grad_inputs.get(name), mine.grad_inputs.get(name)
+    if ref_grad is not None or tp_grad is not None:
+        tp_grad = _gather(tp_grad, _inferred_split(tp_grad, ref_grad), ref_grad, tp)
+        row.grad_input_rel = _difference(tp_grad, ref_grad)[1]
+    return row
+
+
+def _first_divergence(rows: list[ModuleDiff], recorder: _Recorder, param_rel: dict[str, float], tol: float,
+                      rounding: float, mode: str) -> Divergence | None:
+    by_name = {row.name: row for row in rows}
+
+    def found(name: str, where: str, rel: float, parameter: str | None = None) -> Divergence:
+        kind = by_name[name].kind if name in by_name else "parameter"
+        explanation = _explain(name, kind, where, rel, tol, recorder, mode, parameter)
+        if rel <= rounding:  # a tolerance tighter than the dtype's rounding flags summation order
+            explanation += (f"\nA difference of {rel:.1e} is within this dtype's usual rounding "
+                            f"({rounding:.0e}): tp sums in a different order, so this alone is not a bug; "
+                            "the default --tolerance allows for it.")
+        return Divergence(name, kind, where, rel, explanation)
+
+    for row in rows:
+        if row.output_rel > tol:
+            input_differs = row.input_rel is not None and row.input_rel > tol
+            return found(row.name, "input" if input_differs else "output", row.output_rel)
+    for name in recorder.backward_order:
+        row = by_name[name]
+        if row.grad_output_rel is not None and row.grad_output_rel > tol:
+            return found(name, "output gradient", row.grad_output_rel)
+        if row.grad_input_rel is not None and row.grad_input_rel > tol:
+            return found(name, "input gradient", row.grad_input_rel)
+    for pname in reversed(list(param_rel)):  # roughly the order backward produces them
+        if param_rel[pname] > tol:
+            return found(pname.rpartition(".")[0], "weight gradient", param_rel[pname], pname)
+    return None
+
+
+# What a difference first seen at a module of this kind usually means.
+_OUTPUT_ADVICE = {
+    "ColumnParallelLinear": "this rank's weight rows are not the rows the reference computes with (a "
+                            "wrong shard of a fused qkv / gate-up weight), or under REDUCE_SCATTER the "
+                            "all-gather of the sequence before the layer",
+    "RowParallelLinear": "the partial sums are not combined over tp: the all-reduce (ALL_REDUCE) or "
+                         "reduce-scatter (REDUCE_SCATTER) after the layer is missing, or its weight columns "
+                         "do not line up with the preceding column-parallel layer's rows",
+    "VocabParallelEmbedding": "this rank's vocabulary range or out-of-range mask, or the all-reduce "
+                              "(ALL_REDUCE) / reduce-scatter (REDUCE_SCATTER) of the partial lookups",
+    "RMSNorm": "a replicated layer: its weight must be identical on every tp rank, and under REDUCE_SCATTER "
+               "it normalises this rank's sequence shard",
+    "loss": "the vocab-parallel cross-entropy: its max / sum-of-exponentials / target-logit all-reduces over "
+            "tp, or the padded vocabulary columns not masked out",
+}
+_BETWEEN_ADVICE = {
+    "Attention": "the attention core between qkv_proj and o_proj: how each rank's rows of the fused qkv are "
+                 "viewed as query/key/value heads (every rank must hold whole GQA groups: "
+                 "num_attention_heads and num_key_value_heads divisible by tp, T2), or the rotary embedding",
+    "MLP": "the gate/up split between gate_up_proj and down_proj (gate and up rows are interleaved so that "
+           "each rank's shard holds matching pairs)",
+}
+_INPUT_GRADIENT_ADVICE = {
+    "ColumnParallelLinear": "the gradient of its input is not summed over tp in backward: the all-reduce of "
+                            "copy_to_tp (ALL_REDUCE) or the reduce-scatter that undoes the sequence "
+                            "all-gather (REDUCE_SCATTER) is missing before this layer",
+    "RowParallelLinear": "the backward of the reduction after it: identity under ALL_REDUCE (another "
+                         "all-reduce there counts the gradient tp times), an all-gather of the sequence "
+                         "under REDUCE_SCATTER",
+}
+
+
+def _local_shape(full: torch.Size, dim: int | None, tp: int) -> tuple[int, ...]:
+    """What one rank holds of a tensor of shape `full` split along `dim` (rounded up, like the vocabulary)."""
+    shape = list(full)
+    if dim is not None:
+        shape[dim] = -(-shape[dim] // tp)
+    return tuple(shape)
+
+
+def _crash_message(error: RuntimeError, mine: _Recorder, theirs: _Recorder, tp: TensorParallel) -> str:
+    """Where the tp model failed, and the first module whose output breaks the layout it declares."""
+    mode = "REDUCE_SCATTER" if tp.sequence_parallel else "ALL_REDUCE"
+    if mine.running:
+        stage = f"in forward, inside {mine.running[-1]}"
+    elif mine.backward_order:
+        stage = f"in backward, after the backward of {mine.backward_order[-1]}"
+    else:
+        stage = "after its last module's forward (in the loss or the start of backward)"
+    message = f"the tp={tp.size} model (tp_mode={mode}) failed {stage}: {error}"
+    for name in mine.forward_order:
+        module, ref_out = mine.modules[name], theirs.outputs.get(name)
+        if ref_out is None:
+            continue
+        expected = _local_shape(ref_out.shape, module.output_split_dim, tp.size)
+        got = tuple(mine.outputs[name].shape)
+        if got != expected:
+            kind = type(module).__name__
+            usual = _OUTPUT_ADVICE.get(kind, f"the code of {name} after its last submodule")
+            return (f"{message}\nFirst wrong shape: {name} ({kind}) returned {got}, but with "
+                    f"output_split_dim={module.output_split_dim} at tp={tp.size} it must return {expected} "
+                    f"(tp=1: {tuple(ref_out.shape)}).\nUsually: {usual}.")
+    return f"{message}\nEvery module that finished returned the shape its output_split_dim promises."
+
+
+def _parent(name: str, recorder: _Recorder) -> tuple[str, str]:
+    """The innermost recorded module holding `name`, and its class; the model itself when none does."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        candidate = ".".join(parts[:i])
+        if candidate in recorder.modules:
+            return candidate, type(recorder.modules[candidate]).__name__
+    return "the model", "Llama"
+
+
+def _explain(name: str, kind: str, where: str, rel: float, tol: float, recorder: _Recorder, mode: str,
+             parameter: str | None) -> str:
+    size = f"{rel:.1e} relative (tolerance {tol:.0e})"
+    parent, parent_kind = _parent(name, recorder)
+    if where == "output":
+        what = f"its output differs from tp=1 by {size}, while its input and every module before it matched"
+        usual = _OUTPUT_ADVICE.get(kind, f"the code of {name} after its last submodule")
+    elif where == "input":
+        what = (f"its output differs by {size}, and so does its input, although every module before it "
+                f"matched: the code in {parent} that computes this input is wrong")
+        usual = _BETWEEN_ADVICE.get(parent_kind, f"the code of {parent} before {name} (a residual add, or a "
+                                                 "sequence layout that does not match the tp_mode)")
+    elif where == "output gradient":
+        what = (f"every output matched, but the gradient arriving at its output differs by {size} while "
+                "every module after it matched: the backward of the code that consumes its output is wrong")
+        usual = ("the model's own code after it (Llama.local_logits / forward): the tied output head, or the "
+                 "backward of the vocab-parallel cross-entropy" if parent == "the model"
+                 else f"the code of {parent} after {name}")
+    elif where == "input gradient":
+        what = (f"every output matched and the gradient arriving at its output too, but the gradient it "
+                f"hands back for its input differs by {size}: its own backward is wrong")
+        usual = _INPUT_GRADIENT_ADVICE.get(kind, "a collective in its backward that does not mirror its "
+                                                 "forward")
+    else:
+        what = (f"every output and activation gradient matched, but the gradient of {parameter} differs by "
+                f"{size}")
+        usual = ("its backward's weight gradient, or a hook or scaling applied to this parameter's gradient; "
+                 "for a replicated weight under REDUCE_SCATTER the sum over tp")
+    other = "REDUCE_SCATTER" if mode == "ALL_REDUCE" else "ALL_REDUCE"
+    return (f"{what}.\nUsually: {usual}.\nThis ran with parallelism.tp_mode={mode} (the two modes lay "
+            f"activations out differently); add parallelism.tp_mode={other} to see whether the other mode is "
+            "affected too.")
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
+def format_report(report: TPReport) -> str:
+    """A table of per-module differences and a verdict naming the first divergence and its usual cause."""
+    b, s = report.batch_shape
+    header = (f"check-tp: tp={report.tp} (tp_mode={report.tp_mode}) against tp=1, {report.dtype}, one "
+              f"micro-batch of {b} x {s} tokens\ndifferences are max |tp - ref| (abs) and that over "
+              f"max |ref| (rel); tolerance {report.tolerance:.0e} rel")
+    columns = ("output abs", "output rel", "grad out rel", "grad in rel", "weight grad rel")
+    width = max(len(row.name) for row in report.rows)
+
+    def line(name: str, cells: Sequence[str], status: str) -> str:
+        aligned = [cell.rjust(len(heading)) for cell, heading in zip(cells, columns, strict=True)]
+        return "  ".join([name.ljust(width), *aligned, status])
+
+    lines = [header, "", line("module", columns, "status")]
+    for row in report.rows:
+        values = (row.output_abs, row.output_rel, row.grad_output_rel, row.grad_input_rel,
+                  row.weight_grad_rel)
+        if row.output_rel > report.tolerance:
+            status = "DIVERGES (output)"
+        else:  # before the first divergence too: a wrong forward later sends wrong gradients back
+            status = "ok" if row.worst() <= report.tolerance else "DIVERGES (gradient)"
+        if report.first is not None and row.name == report.first.module:
+            status += "  <- first"
+        lines.append(line(row.name, [_number(v) for v in values], status))
+    lines.append("")
+    lines.append(f"loss: tp=1 {report.reference_loss:.6f}, tp={report.tp} {report.loss:.6f}")
+    first = report.first
+    if first is None:
+        lines.append(f"tp={report.tp} matches tp=1 within tolerance {report.tolerance:.0e} "
+                     f"(tp_mode={report.tp_mode}, {report.dtype}).")
+    else:
+        lines.append(f"FIRST DIVERGENCE: {first.module} ({first.kind}), {first.where}: {first.explanation}")
+    return "\n".join(lines)
+
+
+def _working_tps(config: Config) -> list[int]:
+    from femtotron.config.config import rule_problems
+
+    fits = []
+    for tp in (2, 4, 8):
+        par = config.parallelism.model_copy(update={"tp": tp, "dp": 1, "pp": 1})
+        if not rule_problems(config.model_copy(update={"parallelism": par})):
+            fits.append(tp)
+    return fits
+
+
+def run_check_tp(config_path: str, overrides: Sequence[str] = (), tp: int | None = None,
+                 tolerance: float | None = None) -> int:
+    """`femtotron check-tp CONFIG [--tp N] [overrides]`; returns the exit code.
+
+    Without a launcher it starts tp local processes running the same command; in a rank it compares
+    (dp and pp pinned to 1: one model replica) and rank 0 prints the report. Returns 0 when tp=N
+    matches tp=1, DIVERGES_EXIT_CODE when it does not; config, data and launch problems raise.
+    """
+    from femtotron.config import load_config
+    from femtotron.launch import check_local_devices, launch_local, launched_by_torchrun
+
+    overrides = list(overrides)
+    if tp is None:
+        tp = load_config(config_path, overrides).parallelism.tp
+    if tp < 2:
+        config = load_config(config_path, overrides)
+        fits = ", ".join(map(str, _working_tps(config))) or "none up to 8 for this model"
+        raise ConfigError(f"check-tp compares a tensor-parallel run against tp=1, but parallelism.tp={tp} "
+                          f"and no --tp greater than 1 was given. Fix: pass --tp N, e.g. one of: {fits}.")
+    if tolerance is not None and not tolerance > 0:
+        raise ConfigError(f"--tolerance {tolerance}: must be a positive relative difference, e.g. 1e-4 for "
+                          "float32 or 3e-2 for bfloat16 (the defaults).")
+    # Later overrides win, so these pin the layout whatever the config or the user's overrides say.
+    layout = [f"parallelism.tp={tp}", "parallelism.dp=1", "parallelism.pp=1"]
+    config = load_config(config_path, [*overrides, *layout])
+    _dtype(config)
+    if not launched_by_torchrun():
+        # Data problems too are reported once, here, rather than by every rank.
+        _first_micro_batch(config, torch.device("cpu"))
+        check_local_devices(1, tp, 1)
+        argv = ["check-tp", str(config_path), *overrides, "--tp", str(tp)]
+        if tolerance is not None:
+            argv += ["--tolerance", repr(tolerance)]
+        return launch_local(tp, argv, what=f"check-tp at tp={tp}")
+    world = int(os.environ["WORLD_SIZE"])
+    if world != tp:
+        raise ConfigError(f"check-tp --tp {tp} runs as {tp} processes (dp=pp=1), but WORLD_SIZE={world} were "
+                          f"launched. Fix: launch {tp} processes (torchrun --nproc-per-node {tp}), run it "
+                          f"without a launcher (it starts them itself), or pass --tp {world}.")
+    par = config.parallelism
+    ctx = ParallelContext(1, tp, 1, init_timeout_seconds=par.init_timeout_seconds,
+                          collective_timeout_seconds=par.collective_timeout_seconds)
+    try:
+        report = compare_tp(config, ctx, tolerance=tolerance)
+    finally:
+        ctx.close()
+    if ctx.rank == 0:
+        print(format_report(report), flush=True)
+    return 0 if report.ok else DIVERGES_EXIT_CODE
