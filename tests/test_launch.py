@@ -71,6 +71,8 @@ def test_tensor_parallel_run_matches_one_process_under_both_launches(config, tmp
     reference = load_file(runs / "single" / "model.safetensors")
     for run in ("auto", "torchrun"):
         assert losses(runs / run) == pytest.approx(losses(runs / "single"), rel=1e-5), run
+        records = [json.loads(line) for line in (runs / run / "metrics.jsonl").read_text().splitlines()]
+        assert all(0 < r["tp_comm_share"] < 1 for r in records), run
         weights = load_file(runs / run / "model.safetensors")
         assert weights.keys() == reference.keys()
         for name, tensor in reference.items():

@@ -175,3 +175,30 @@ def test_tp_bytes_per_step_equal_the_analytic_count(tiny_config, mode, dtype):
                          "all_reduce": accum * 3 + 1}
         assert sent == {"reduce_scatter": activation_bytes, "all_gather": activation_bytes,
                         "all_reduce": cross_entropy_bytes + norm_bytes}
+
+
+def test_head_split_is_checked_when_the_model_is_built():
+    """T2 at run time: a model built by hand (not through a validated config) is refused too."""
+    from femtotron.errors import ConfigError
+    from femtotron.parallel.comm import Comm, Group
+
+    four_ranks = TensorParallel(Comm(), Group("tp", (0, 1, 2, 3)), 0)  # construction only, no collective
+    with pytest.raises(ConfigError, match="num_key_value_heads=2, parallelism.tp=4"):
+        Llama(model_config(kv_heads=2, tied=False), std=0.02, seed=0, dtype=torch.float32,
+              device=torch.device("cpu"), tp=four_ranks)
+
+
+def _start_report(rank, config):
+    ctx = ParallelContext(tp=2, collective_timeout_seconds=60)
+    ctx.hosts = ["node-a", "node-b"]  # as if each rank had checked in from another machine
+    trainer = Trainer(config, ctx, log_to_console=False)
+    out = trainer.summary(), trainer.start_warnings()
+    ctx.close()
+    return out
+
+
+def test_start_reports_padding_and_warns_when_a_tp_group_spans_hosts(tiny_config):
+    summary, warnings = run_ranks(_start_report, 2, tiny_config("parallelism.tp=2",
+                                                                "model.model_config.vocab_size=257"))[0]
+    assert "vocabulary padded from 257 to 258 rows to split evenly over tp=2" in summary
+    assert any("tensor-parallel group tp[0,1] spans hosts node-a, node-b" in w for w in warnings)
