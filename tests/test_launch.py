@@ -14,7 +14,7 @@ from test_cli import femtotron, write_config
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from femtotron.errors import ConfigError
-from femtotron.launch import _first_failure_code, check_local_devices
+from femtotron.launch import _first_failure_code, adopt_slurm_environment, check_local_devices, first_host
 
 LAUNCH_LINE = ("femtotron: dp=2 tp=1 pp=1 needs 2 processes; starting them on this machine with "
                "torch.distributed.run (use torchrun or srun for several nodes)")
@@ -23,7 +23,8 @@ LAUNCH_LINE = ("femtotron: dp=2 tp=1 pp=1 needs 2 processes; starting them on th
 @pytest.fixture(autouse=True)
 def no_launcher(monkeypatch):
     """These tests are about running *without* a launcher, even if pytest itself was started by one."""
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                 "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -125,3 +126,36 @@ def test_the_first_rank_to_fail_on_its_own_sets_the_exit_code(capsys):
     killed = ChildFailedError("femtotron", dict([failure(1, -signal.SIGKILL, 5)]))
     assert _first_failure_code(killed) == 128 + signal.SIGKILL
     assert "rank 1 was killed by SIGKILL" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nodelist, host", [("gpu[07-09,12],cpu1", "gpu07"), ("node3,node4", "node3"),
+                                            ("login-a", "login-a"), ("n[1-2]", "n1")])
+def test_first_host_of_a_slurm_node_list(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def test_slurm_variables_become_torchrun_variables():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "123456",
+           "SLURM_STEP_NODELIST": "gpu[07-10]"}
+    assert adopt_slurm_environment(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("5", "8", "1")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("gpu07", str(20000 + 123456 % 20000))
+    # torchrun inside an allocation, or a single task: left alone.
+    assert not adopt_slurm_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "WORLD_SIZE": "16"})
+    assert not adopt_slurm_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
+
+
+def test_srun_style_tasks_train_together(config, tmp_path):
+    """Two processes started the way `srun --ntasks 2` starts them (only SLURM_* set) form one dp=2 run."""
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": str(free_port()),
+            "SLURM_STEP_NODELIST": "127.0.0.1"}
+    tasks = [subprocess.Popen([sys.executable, "-m", "femtotron", "train", config, "parallelism.dp=2",
+                               "tokens.train_steps=2", "general.run=srun"],
+                              env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outputs = [task.communicate(timeout=240) for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], outputs[0][1][-3000:]
+    assert "Slurm task 0 of 2; rendezvous at 127.0.0.1:" in outputs[0][1]
+    assert "starting them on this machine" not in outputs[0][1] + outputs[1][1]
+    assert "layout: dp=2 tp=1 pp=1 on 2 process(es)" in outputs[0][0]
+    assert len(losses(tmp_path / "runs" / "srun")) == 2

@@ -152,6 +152,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from femtotron.launch import adopt_slurm_environment
+
+    if adopt_slurm_environment(os.environ) and os.environ["RANK"] == "0":
+        print(f"femtotron: Slurm task 0 of {os.environ['WORLD_SIZE']}; rendezvous at "
+              f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", file=sys.stderr)
     try:
         # A verb returns an exit code only when it has one to pass on (the local launcher's).
         return args.run(args) or 0

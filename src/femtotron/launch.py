@@ -5,15 +5,17 @@ the user having to learn torchrun first. Rather than manage processes itself, fe
 torch.distributed.run (the code behind `torchrun`) inside this process: it picks a free port, starts one
 `python -m femtotron <same arguments>` per rank with RANK/WORLD_SIZE/MASTER_ADDR/... set, and stops the
 others when one fails. The children therefore take exactly the path they take under torchrun.
-Several machines still need torchrun or srun on each of them.
+Several machines need torchrun on each node, or srun with one task per process (adopt_slurm_environment).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -22,6 +24,30 @@ if TYPE_CHECKING:
 # torch logs every child failure at ERROR level under this name, timestamped like a crash of the
 # launcher itself; the failing child has already printed its own message, so the line is only noise.
 _FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+def adopt_slurm_environment(env: MutableMapping[str, str]) -> bool:
+    """Under `srun` with one task per process, set what torchrun would have set, from Slurm's variables.
+
+    Without this every task of `srun python -m femtotron train ...` would see no launcher and start
+    its own local processes. Task 0 runs on the first node of the step, so that node hosts the
+    rendezvous store; the port is derived from the job id so two jobs sharing a node do not collide.
+    Returns whether it did anything.
+    """
+    if "WORLD_SIZE" in env or "SLURM_PROCID" not in env or int(env.get("SLURM_NTASKS", "1")) <= 1:
+        return False
+    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+    env.setdefault("MASTER_ADDR", first_host(nodelist))
+    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    return True
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: "gpu[07-09,12],cpu1" -> "gpu07"."""
+    prefix, index = re.match(r"([^,\[]+)(?:\[([^\],-]+))?", nodelist).groups()
+    return prefix + (index or "")
 
 
 def launched_by_torchrun() -> bool:

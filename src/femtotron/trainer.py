@@ -153,18 +153,26 @@ class Trainer:
             warnings.append(f"tokens.val_check_interval={self.config.tokens.val_check_interval} but "
                             "data.validation_folder is not set: no validation will run. Set it, or set "
                             "tokens.val_check_interval=0.")
-        tp_hosts = sorted({self.ctx.hosts[r] for r in self.ctx.tp_group.ranks})
-        if len(tp_hosts) > 1:  # T3
-            warnings.append(
-                f"tensor-parallel group {self.ctx.tp_group.name} spans hosts {', '.join(tp_hosts)}: every layer "
-                "all-reduces activations over the (slow) network between them. Set parallelism.tp to at most "
-                "the number of GPUs per node and use dp or pp across nodes.")
+        warnings += self.tp_host_warnings()
         if self.upcasts:
             warnings.append(
                 f"model.dtype={self.config.model.dtype} on a CPU without bf16 matrix units (no avx512_bf16 or "
                 "amx_bf16): matmuls and attention run in fp32 on upcast copies, since emulated bf16 is far "
                 "slower; model.dtype=float32 avoids the casts and is faster still on this CPU.")
         return warnings
+
+    def tp_host_warnings(self) -> list[str]:
+        """T3: a tp group must sit on one host; every layer all-reduces activations within it."""
+        tp, hosts = self.ctx.tp, self.ctx.hosts
+        spanning = [list(range(first, first + tp)) for first in range(0, len(hosts), tp)
+                    if len({hosts[r] for r in range(first, first + tp)}) > 1]  # tp groups are consecutive ranks
+        if not spanning:
+            return []
+        ranks = spanning[0]
+        return [f"{len(spanning)} tensor-parallel group(s) span several hosts, e.g. ranks {ranks[0]}-{ranks[-1]} on "
+                f"{', '.join(sorted({hosts[r] for r in ranks}))}: every layer all-reduces activations over the (slow) "
+                "network between them. Set parallelism.tp to at most the number of GPUs per node (and launch the "
+                "same number of processes on every node); use dp or pp across nodes."]
 
     def train(self) -> list[StepResult]:
         self.log.info(self.summary())

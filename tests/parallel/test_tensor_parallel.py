@@ -190,7 +190,7 @@ def test_head_split_is_checked_when_the_model_is_built():
 
 def _start_report(rank, config):
     ctx = ParallelContext(tp=2, collective_timeout_seconds=60)
-    ctx.hosts = ["node-a", "node-b"]  # as if each rank had checked in from another machine
+    ctx.hosts = ["node-a", "node-b"]  # as if the ranks had checked in from two machines
     trainer = Trainer(config, ctx, log_to_console=False)
     out = trainer.summary(), trainer.start_warnings()
     ctx.close()
@@ -201,4 +201,24 @@ def test_start_reports_padding_and_warns_when_a_tp_group_spans_hosts(tiny_config
     summary, warnings = run_ranks(_start_report, 2, tiny_config("parallelism.tp=2",
                                                                 "model.model_config.vocab_size=257"))[0]
     assert "vocabulary padded from 257 to 258 rows to split evenly over tp=2" in summary
-    assert any("tensor-parallel group tp[0,1] spans hosts node-a, node-b" in w for w in warnings)
+    assert any("1 tensor-parallel group(s) span several hosts, e.g. ranks 0-1 on node-a, node-b" in w
+               for w in warnings)
+
+
+def _dp_tp(rank, config):
+    ctx = ParallelContext(dp=2, tp=2, collective_timeout_seconds=60)
+    out = train_three_steps(config, ctx)
+    ctx.close()
+    return out
+
+
+def test_data_and_tensor_parallel_together_equal_one_process(tiny_config):
+    """dp=2 x tp=2 on 4 ranks, sequence parallel: the same 3 steps as one process with accumulation."""
+    ref_losses, ref_norms, ref_updates = train_three_steps(
+        tiny_config("tokens.batch_accumulation_per_replica=2"), ParallelContext())
+    config = tiny_config("parallelism.dp=2", "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER")
+    for losses, norms, updates in run_ranks(_dp_tp, 4, config, timeout=240):
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert norms == pytest.approx(ref_norms, rel=1e-4)
+        for name, ref in ref_updates.items():
+            assert (updates[name] - ref).norm() <= 1e-4 * ref.norm(), name
