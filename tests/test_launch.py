@@ -77,7 +77,9 @@ def test_tensor_parallel_run_matches_one_process_under_both_launches(config, tmp
         weights = load_file(runs / run / "model.safetensors")
         assert weights.keys() == reference.keys()
         for name, tensor in reference.items():
-            torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=f"{run}: {name}")
+            # One step moves a weight by up to lr = 3e-3. Summation order differs with tp, and Adam's
+            # normalisation magnifies that where a gradient is near zero (measured: up to 3e-5).
+            torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-4, msg=f"{run}: {name}")
 
 
 def test_a_failing_rank_exit_code_reaches_the_caller_without_launcher_noise(config):

@@ -94,9 +94,10 @@ def _broken(rank, config, breakage):
     elif breakage == "column input gradient":
         gate_up = layer.mlp.gate_up_proj
         if model.tp.sequence_parallel:
-            gate_up.forward = lambda x: linear(_GatherWithoutReduceScatter.apply(x, model.tp), gate_up.weight)
+            gate_up.forward = lambda x: linear(_GatherWithoutReduceScatter.apply(x, model.tp),
+                                             gate_up.weight.flatten(0, 1))
         else:  # no copy_to_tp: the same forward, but the input gradient is never all-reduced
-            gate_up.forward = lambda x: linear(x, gate_up.weight)
+            gate_up.forward = lambda x: linear(x, gate_up.weight.flatten(0, 1))
     elif breakage == "weight gradient":
         layer.self_attn.o_proj.weight.register_hook(lambda grad: 2 * grad)
     report = compare_tp(config, ctx, model=model)

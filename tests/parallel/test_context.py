@@ -70,6 +70,8 @@ def _collectives(rank):
     else:
         received = None
     ctx.comm.barrier(g)
+    seconds = ctx.comm.take_seconds()
+    assert seconds.keys() == {"dp"} and seconds["dp"] > 0 and ctx.comm.take_seconds() == {}
     out = (summed[0, 0].item(), gathered.tolist(), scattered.tolist(), received, dict(ctx.comm.bytes_sent),
            ctx.comm.in_flight, dict(ctx.comm.calls))
     ctx.close()

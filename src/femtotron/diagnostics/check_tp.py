@@ -179,14 +179,14 @@ def _forward_backward(model: Llama, ids: torch.Tensor, targets: torch.Tensor,
 
 
 def _gather(tensor: torch.Tensor | None, dim: int | None, like: torch.Tensor | None,
-            tp: TensorParallel) -> torch.Tensor | None:
+            tp: TensorParallel, parts: int = 1) -> torch.Tensor | None:
     """This rank's piece, split along `dim`, gathered to full shape; the padded vocabulary is cut to `like`'s.
 
     Every rank calls this in the same order with the same shapes, so the gathers pair up.
     """
     if tensor is None:
         return None
-    full = gather_full(tensor, dim, tp)
+    full = gather_full(tensor, dim, tp, parts)
     if dim is None or like is None or full.dim() != like.dim() or full.shape[dim] <= like.shape[dim]:
         return full
     return full.narrow(dim, 0, like.shape[dim])
@@ -282,9 +282,9 @@ def compare_tp(config: Config, ctx: ParallelContext, model: Llama | None = None,
 def _module_diff(name: str, mine: _Recorder, theirs: _Recorder, tp: TensorParallel) -> ModuleDiff:
     """One module's output, input and gradient differences; outputs are gathered along output_split_dim."""
     module = mine.modules[name]
-    dim = module.output_split_dim
+    dim, parts = module.output_split_dim, getattr(module, "output_parts", 1)
     ref_out = theirs.outputs.get(name)
-    tp_out = _gather(mine.outputs[name], dim, ref_out, tp)
+    tp_out = _gather(mine.outputs[name], dim, ref_out, tp, parts)
     row = ModuleDiff(name, type(module).__name__, *_difference(tp_out, ref_out))
     ref_in, tp_in = theirs.inputs.get(name), mine.inputs[name]
     if ref_in is not None or tp_in is not None:
@@ -292,7 +292,7 @@ def _module_diff(name: str, mine: _Recorder, theirs: _Recorder, tp: TensorParall
     if name not in mine.grad_outputs and name not in theirs.grad_outputs:
         return row  # no gradient reached it in either model
     ref_grad = theirs.grad_outputs.get(name)
-    row.grad_output_rel = _difference(_gather(mine.grad_outputs.get(name), dim, ref_grad, tp), ref_grad)[1]
+    row.grad_output_rel = _difference(_gather(mine.grad_outputs.get(name), dim, ref_grad, tp, parts), ref_grad)[1]
     ref_grad, tp_grad = theirs.grad_inputs.get(name), mine.grad_inputs.get(name)
     if ref_grad is not None or tp_grad is not None:
         tp_grad = _gather(tp_grad, _inferred_split(tp_grad, ref_grad), ref_grad, tp)
@@ -348,8 +348,8 @@ _BETWEEN_ADVICE = {
     "Attention": "the attention core between qkv_proj and o_proj: how each rank's rows of the fused qkv are "
                  "viewed as query/key/value heads (every rank must hold whole GQA groups: "
                  "num_attention_heads and num_key_value_heads divisible by tp, T2), or the rotary embedding",
-    "MLP": "the gate/up split between gate_up_proj and down_proj (gate and up rows are interleaved so that "
-           "each rank's shard holds matching pairs)",
+    "MLP": "the gate/up split between gate_up_proj and down_proj (each rank's gate_up_proj output is [its gate "
+           "features | its up features], matching the columns of down_proj it holds)",
 }
 _INPUT_GRADIENT_ADVICE = {
     "ColumnParallelLinear": "the gradient of its input is not summed over tp in backward: the all-reduce of "

@@ -1,8 +1,8 @@
 """Full-shape femtotron weights <-> Hugging Face `LlamaForCausalLM` state dicts.
 
 Only the two fused weights need work (see models/llama.py): `qkv_proj` holds, per key/value head,
-that group's query rows, then the key rows, then the value rows; `gate_up_proj` interleaves gate and
-up rows. Everything else maps by name (HF adds a `model.` prefix to all but `lm_head`).
+that group's query rows, then the key rows, then the value rows; `gate_up_proj` stacks gate and up
+as (2, intermediate_size, hidden_size). Everything else maps by name (HF adds a `model.` prefix to all but `lm_head`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def to_hf(state: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
             out[prefix + "v_proj.weight"] = grouped[:, group + 1].reshape(kv_heads * head_dim, -1)
         elif name.endswith("mlp.gate_up_proj.weight"):
             prefix = "model." + name.removesuffix("gate_up_proj.weight")
-            gate, up = tensor.unflatten(0, (-1, 2)).unbind(1)
+            gate, up = tensor.unbind(0)
             out[prefix + "gate_proj.weight"], out[prefix + "up_proj.weight"] = gate, up
         else:
             out[name if name == "lm_head.weight" else "model." + name] = tensor
@@ -49,7 +49,7 @@ def from_hf(hf_state: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tens
             out[prefix + "qkv_proj.weight"] = torch.cat([q, k, v], dim=1).flatten(0, 2)
         elif name.endswith("mlp.gate_proj.weight"):
             prefix = name.removesuffix("gate_proj.weight")
-            out[prefix + "gate_up_proj.weight"] = torch.stack([tensor, state[prefix + "up_proj.weight"]], 1).flatten(0, 1)
+            out[prefix + "gate_up_proj.weight"] = torch.stack([tensor, state[prefix + "up_proj.weight"]])
         elif not name.endswith(("k_proj.weight", "v_proj.weight", "up_proj.weight")):
             out[name] = tensor
     if cfg.tie_word_embeddings:

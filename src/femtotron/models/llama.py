@@ -5,7 +5,8 @@ fused weights (one matmul instead of two or three, and a layout any tp splits in
 per-rank blocks; `models/hf_conversion.py` maps them):
 - `self_attn.qkv_proj`: per key/value head, its group's query heads, then its key, then its value
   (Megatron's layout), so a tp rank's contiguous rows are whole GQA groups;
-- `mlp.gate_up_proj`: gate and up rows interleaved (gate 0, up 0, gate 1, ...).
+- `mlp.gate_up_proj`: gate and up stacked as one (2, intermediate_size, hidden_size) weight, split
+  over tp along intermediate_size.
 Every parameter is made by `make_param` and carries its `ShardInfo`.
 """
 
@@ -111,12 +112,12 @@ class MLP(nn.Module):
     def __init__(self, make: ParamFactory, name: str, hidden: int, inner: int, out_std: float,
                  tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(make, f"{name}.gate_up_proj", hidden, 2 * inner, make.std, tp)
+        self.gate_up_proj = ColumnParallelLinear(make, f"{name}.gate_up_proj", hidden, inner, make.std, tp, parts=2)
         self.down_proj = RowParallelLinear(make, f"{name}.down_proj", inner, hidden, out_std, tp)
         self.output_split_dim = self.down_proj.output_split_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).unflatten(-1, (-1, 2)).unbind(-1)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -181,11 +181,16 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, ignore_index, tp)
 
 
-def gather_full(tensor: torch.Tensor, dim: int | None, tp: TensorParallel) -> torch.Tensor:
-    """This rank's piece of a tensor split along `dim` over tp, gathered back (no gradient)."""
+def gather_full(tensor: torch.Tensor, dim: int | None, tp: TensorParallel, parts: int = 1) -> torch.Tensor:
+    """This rank's piece of a tensor split along `dim` over tp, gathered back (no gradient).
+
+    With `parts` > 1 the piece is [part 0 | part 1 | ...] along `dim` (see ColumnParallelLinear), and
+    each part is gathered on its own.
+    """
     if dim is None or tp.size == 1:
         return tensor
-    return tp.comm.all_gather(tensor.detach().contiguous(), tp.group, dim=dim)
+    pieces = tensor.detach().chunk(parts, dim=dim)
+    return torch.cat([tp.comm.all_gather(piece.contiguous(), tp.group, dim=dim) for piece in pieces], dim=dim)
 
 
 def _split(name: str, what: str, n: int, tp: TensorParallel) -> None:
@@ -196,19 +201,25 @@ def _split(name: str, what: str, n: int, tp: TensorParallel) -> None:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's rows (output features) split over tp; the output stays split."""
+    """y = x W^T with W's rows (output features) split over tp; the output stays split.
+
+    `parts` > 1 stores that many (d_out, d_in) matrices as one (parts, d_out, d_in) weight split along
+    d_out (the MLP's gate and up): one matmul computes all of them, and this rank's output is
+    [part 0 | part 1 | ...] of its own features, each part contiguous.
+    """
 
     def __init__(self, make: Callable[..., nn.Parameter], name: str, d_in: int, d_out: int, std: float | None,
-                 tp: TensorParallel, pad: bool = False) -> None:
+                 tp: TensorParallel, pad: bool = False, parts: int = 1) -> None:
         super().__init__()
         if not pad:
             _split(f"{name}.weight", "output features", d_out, tp)
         self.tp = tp
-        self.weight = make(f"{name}.weight", (d_out, d_in), std, shard_dim=0, rank=tp.rank, world=tp.size)
-        self.output_split_dim = -1
+        shape, dim = ((d_out, d_in), 0) if parts == 1 else ((parts, d_out, d_in), 1)
+        self.weight = make(f"{name}.weight", shape, std, shard_dim=dim, rank=tp.rank, world=tp.size)
+        self.output_split_dim, self.output_parts = -1, parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(enter_column_parallel(x, self.tp), self.weight)
+        return linear(enter_column_parallel(x, self.tp), self.weight.flatten(0, -2))
 
 
 class RowParallelLinear(nn.Module):
