@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -15,10 +16,18 @@ from femtotron.models.llama import Llama
 
 
 def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Config, Llama]:
-    """The model of `run_dir` (written by `femtotron train`) with its trained weights, in fp32."""
+    """The model of `run_dir` (written by `femtotron train`) with its trained weights, in fp32.
+
+    The weights are `model.safetensors`, or after pipeline-parallel training one file per stage,
+    listed in `model-parts.json`.
+    """
     run_dir = Path(run_dir)
-    config_path, weights_path = run_dir / "config.yaml", run_dir / "model.safetensors"
-    for path in (config_path, weights_path):
+    config_path, parts_path = run_dir / "config.yaml", run_dir / "model-parts.json"
+    try:
+        parts = json.loads(parts_path.read_text())["parts"] if parts_path.is_file() else ["model.safetensors"]
+    except (ValueError, KeyError, TypeError):
+        raise FemtotronError(f"{parts_path} is not a list of weight files: re-run the training that wrote it.") from None
+    for path in (config_path, *(run_dir / part for part in parts)):
         if not path.is_file():
             raise FemtotronError(
                 f"{path} does not exist: {run_dir} is not a finished training run. Train first "
@@ -29,11 +38,13 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Config, Llama]:
     model = Llama(mcfg, std=config.model.init_method.std, seed=config.general.seed, dtype=torch.float32,
                   device=torch.device(device))
     try:
-        weights = load_file(str(weights_path), device=device)
+        weights = {}
+        for part in parts:  # a tied embedding appears in the first and the last stage's part: equal
+            weights.update(load_file(str(run_dir / part), device=device))
         model.load_state_dict(weights, strict=True)
     except (SafetensorError, RuntimeError) as e:
-        raise FemtotronError(f"{weights_path} does not hold this run's model ({config_path}): "
-                             f"{str(e).splitlines()[0]}. Re-run the training that wrote it.") from None
+        raise FemtotronError(f"the weights in {run_dir} ({', '.join(parts)}) do not hold this run's model "
+                             f"({config_path}): {str(e).splitlines()[0]}. Re-run the training that wrote them.") from None
     return config, model.eval()
 
 

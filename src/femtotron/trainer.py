@@ -5,6 +5,7 @@ Read `Trainer.train_step` top to bottom to follow one optimizer step.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import deque
@@ -19,6 +20,7 @@ from tqdm import tqdm
 
 from femtotron.atomic import atomic_path
 from femtotron.config import Config, config_warnings, parameter_count
+from femtotron.config.config import pipeline_bubble
 from femtotron.data.indexed import resolve_dataset_prefixes
 from femtotron.data.nanoset import MicroBatchIterator, Nanoset
 from femtotron.data.tokenizer import load_tokenizer
@@ -30,11 +32,16 @@ from femtotron.optim.lr_schedule import lr_at
 from femtotron.optim.optimizer import MixedPrecisionAdamW
 from femtotron.parallel.comm import Group
 from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.pipeline.p2p import PipelineP2P
+from femtotron.parallel.pipeline.partition import partition, stage_map
+from femtotron.parallel.pipeline.schedules import Pipeline
 from femtotron.parallel.sharding import split_dim
 from femtotron.parallel.tensor_parallel import TensorParallel, full_tensor
 from femtotron.precision import emulated_low_precision
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+WEIGHTS_FILE = "model.safetensors"
+PARTS_FILE = "model-parts.json"  # which safetensors files hold the final weights (one per pp stage)
 
 
 class TrainingDiverged(FemtotronError):
@@ -65,11 +72,7 @@ def open_nanoset(folders: str | list[str] | dict[str, float], sequence_length: i
 
 
 def check_supported(config: Config) -> None:
-    par = config.parallelism
     problems = []
-    if par.pp > 1:
-        problems.append(f"parallelism.pp={par.pp}: this version has no pipeline parallelism; set "
-                        "parallelism.pp=1 and use tp or dp for more processes.")
     if config.model.dtype == "float16":
         problems.append("model.dtype=float16: fp16 needs dynamic loss scaling, which femtotron does not do; "
                         "use model.dtype=bfloat16 (same memory, fp32's range, no overflow).")
@@ -103,15 +106,28 @@ class Trainer:
         self.dtype = DTYPES[config.model.dtype]
         self.tp = TensorParallel(ctx.comm, ctx.tp_group, ctx.tp_rank,
                                  sequence_parallel=config.parallelism.tp_mode == "REDUCE_SCATTER")
-        self.model = Llama(mcfg, std=config.model.init_method.std, seed=config.general.seed, dtype=self.dtype,
-                           device=ctx.device, tp=self.tp)
-        params = list(self.model.parameters())
-        self.optimizer = MixedPrecisionAdamW(params, config.optimizer)
+        par = config.parallelism
+        # Virtual stage s runs on pp rank s % pp as its chunk s // pp (one chunk unless interleaved).
+        self.stages = partition(mcfg, tokens.sequence_length, ctx.pp * par.pp_virtual_stages)
+        self.chunks = [Llama(mcfg, std=config.model.init_method.std, seed=config.general.seed, dtype=self.dtype,
+                             device=ctx.device, tp=self.tp, stage=self.stages[chunk * ctx.pp + ctx.pp_rank])
+                       for chunk in range(par.pp_virtual_stages)]
+        names, params = zip(*self.named_parameters(), strict=True)
+        self.optimizer = MixedPrecisionAdamW(list(params), config.optimizer)
         # Parameters every tp rank holds whole (the norms): counted once in the grad norm, and under
         # sequence parallelism each rank saw only its part of the sequence, so their grads are summed.
         replicated = [split_dim(p.shard) is None for p in params]
-        self.counted_in_norm = [ctx.tp_rank == 0 or not r for r in replicated]
+        # A tied LM head on the last stage holds a copy of the first stage's embedding: its gradient is
+        # summed with the original's, and counted in the norm once.
+        tied_copy = [n == "embed_tokens.weight" and ctx.pp > 1 and mcfg.tie_word_embeddings for n in names]
+        self.tied_embedding = tied_copy.index(True) if any(tied_copy) else None
+        self.counted_in_norm = [(ctx.tp_rank == 0 or not r) and not (c and ctx.pp_rank > 0)
+                                for r, c in zip(replicated, tied_copy, strict=True)]
         self.summed_over_tp = [i for i, r in enumerate(replicated) if r] if self.tp.sequence_parallel else []
+        local_sequence = tokens.sequence_length // (ctx.tp if self.tp.sequence_parallel else 1)
+        p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device)
+        self.pipeline = Pipeline(self.chunks, par.pp_engine, ctx.pp, ctx.pp_rank, p2p,
+                                 (tokens.micro_batch_size, local_sequence, mcfg.hidden_size), self.dtype)
         self.step = 0
         self.flops_per_token = model_flops_per_token(mcfg, tokens.sequence_length)
         largest = max(mcfg.intermediate_size, mcfg.vocab_size)
@@ -121,6 +137,10 @@ class Trainer:
         self.peak_flops, self.peak_source = peak_flops(
             ctx.device, gemm_dtype, (tokens.micro_batch_size * tokens.sequence_length, largest, mcfg.hidden_size))
         self.history: deque[tuple[int, float, float]] = deque(maxlen=10)
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters over all its model chunks, by their names in the whole model."""
+        return [item for chunk in self.chunks for item in chunk.named_parameters()]
 
     def summary(self) -> str:
         cfg, mcfg, tokens = self.config, self.config.model.model_config_, self.config.tokens
@@ -140,11 +160,20 @@ class Trainer:
             f"{data.samples_per_epoch:,} samples per epoch; this run sees {data.epochs_for(total_samples):.2f} epochs",
             f"MFU is measured against {self.peak_flops / 1e12:.2f} TFLOP/s ({self.peak_source})",
         ]
+        par = cfg.parallelism
         if self.ctx.tp > 1:
-            lines.append(f"tensor parallel: tp={self.ctx.tp}, tp_mode={self.config.parallelism.tp_mode}")
-        if self.model.padded_vocab_size != mcfg.vocab_size:
-            lines.append(f"vocabulary padded from {mcfg.vocab_size} to {self.model.padded_vocab_size} rows to split "
+            lines.append(f"tensor parallel: tp={self.ctx.tp}, tp_mode={par.tp_mode}")
+        padded = self.chunks[0].padded_vocab_size
+        if padded != mcfg.vocab_size:
+            lines.append(f"vocabulary padded from {mcfg.vocab_size} to {padded} rows to split "
                          f"evenly over tp={self.ctx.tp}; the padded logits are masked out of the loss")
+        if self.ctx.pp > 1:
+            accumulation = tokens.batch_accumulation_per_replica
+            bubble = pipeline_bubble(self.ctx.pp, accumulation, par.pp_virtual_stages)
+            lines.append(f"pipeline parallel: pp={self.ctx.pp}, pp_engine={par.pp_engine}"
+                         f"{f' with {par.pp_virtual_stages} virtual stages per rank' if par.pp_virtual_stages > 1 else ''}"
+                         f", {accumulation} micro-batches: each stage idles {bubble:.0%} of a step in theory (bubble)")
+            lines.append(stage_map(self.stages, self.ctx.pp)[0])
         return "\n".join(lines)
 
     def start_warnings(self) -> list[str]:
@@ -154,6 +183,9 @@ class Trainer:
                             "data.validation_folder is not set: no validation will run. Set it, or set "
                             "tokens.val_check_interval=0.")
         warnings += self.tp_host_warnings()
+        imbalance = stage_map(self.stages, self.ctx.pp)[1]
+        if imbalance and self.ctx.pp > 1:
+            warnings.append(imbalance)
         if self.upcasts:
             warnings.append(
                 f"model.dtype={self.config.model.dtype} on a CPU without bf16 matrix units (no avx512_bf16 or "
@@ -216,22 +248,23 @@ class Trainer:
         return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start, self.ctx.comm.take_seconds())
 
     def compute_gradients(self) -> tuple[float, int, list[torch.Tensor]]:
-        """Forward and backward over this step's micro-batches; returns loss, tokens and fp32 grads."""
-        micro_batches = self.batches.next_step()
+        """Forward and backward over this step's micro-batches; returns loss, tokens and fp32 grads.
+
+        Every rank of a dp replica reads the same micro-batches: the first pipeline stage needs the
+        inputs, the last the targets, and all of them the token count.
+        """
+        micro_batches = [mb.to(self.ctx.device, non_blocking=True) for mb in self.batches.next_step()]
         self.check_token_ids(micro_batches)
         # Token-weighted loss: divide by the valid-token count of the whole global batch, so any
         # split into micro-batches and dp ranks gives the same loss and gradients.
         local_tokens = sum(int((mb[:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
         global_tokens = torch.tensor(float(local_tokens), device=self.ctx.device)
         self.ctx.comm.all_reduce(global_tokens, self.ctx.dp_group)
-        loss_sum = torch.zeros((), device=self.ctx.device)
-        for batch in micro_batches:
-            batch = batch.to(self.ctx.device, non_blocking=True)
-            micro_loss, _ = self.model(batch[:, :-1], batch[:, 1:])
-            (micro_loss / global_tokens).backward()
-            loss_sum += micro_loss.detach()
+        loss_sum = self.pipeline.train_step(micro_batches, global_tokens)
         grads = self.optimizer.grads()
         self.reduce_gradients(grads)
+        # Only the last stage computed the loss: summed over pp, every rank logs the same number (P3).
+        self.ctx.comm.all_reduce(loss_sum, self.ctx.pp_group)
         loss = self.ctx.comm.all_reduce(loss_sum, self.ctx.dp_group).item() / global_tokens.item()
         return loss, int(global_tokens.item()), grads
 
@@ -273,6 +306,8 @@ class Trainer:
             self.all_reduce_flat(grads, self.ctx.dp_group)
         if self.summed_over_tp:
             self.all_reduce_flat([grads[i] for i in self.summed_over_tp], self.ctx.tp_group)
+        if self.tied_embedding is not None:
+            self.ctx.comm.all_reduce(grads[self.tied_embedding], self.ctx.embedding_group)
 
     def all_reduce_flat(self, grads: list[torch.Tensor], group: Group) -> None:
         flat = torch.cat([g.flatten() for g in grads])
@@ -307,7 +342,7 @@ class Trainer:
         memory = " ".join(f"{k.removeprefix('mem_').removesuffix('_gib')} {v:.2f}GiB" for k, v in record.items()
                           if k.startswith("mem_"))
         comm = "".join(f" | {k.removesuffix('_comm_share')} comm {v:.0%}" for k, v in record.items()
-                       if k.endswith("_comm_share") and k[:2] in ("tp", "dp"))
+                       if k.endswith("_comm_share") and k[:2] in ("tp", "dp", "pp"))
         self.log.info(f"step {self.step}/{self.config.tokens.train_steps} | loss {result.loss:.4f} | "
                       f"lr {result.lr:.3e} | grad_norm {result.grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s | "
                       f"{achieved / 1e12:.2f} TFLOP/s | MFU {record['mfu']:.1%} | mem {memory}{comm}")
@@ -317,12 +352,10 @@ class Trainer:
         tokens = self.config.tokens
         batches = MicroBatchIterator(self.val_data, tokens.micro_batch_size, tokens.limit_val_batches,
                                      self.ctx.dp_rank, self.ctx.dp)
-        totals = torch.zeros(2, device=self.ctx.device)
-        for batch in batches.next_step():
-            batch = batch.to(self.ctx.device)
-            loss_sum, count = self.model(batch[:, :-1], batch[:, 1:])
-            totals += torch.stack([loss_sum, count.float()])
-        self.ctx.comm.all_reduce(totals, self.ctx.dp_group)
+        micro_batches = [batch.to(self.ctx.device) for batch in batches.next_step()]
+        loss_sum = self.ctx.comm.all_reduce(self.pipeline.evaluate(micro_batches), self.ctx.pp_group)
+        count = sum((batch[:, 1:] != IGNORE_INDEX).sum() for batch in micro_batches).float()
+        totals = self.ctx.comm.all_reduce(torch.stack([loss_sum, count]), self.ctx.dp_group)
         return (totals[0] / totals[1]).item()
 
     def log_validation(self) -> None:
@@ -332,11 +365,18 @@ class Trainer:
         self.ctx.comm.take_seconds()  # validation's collectives are not part of any training step
 
     def save_weights(self) -> Path:
-        """Full-shape weights as safetensors: gathered over tp on every rank, written by rank 0 atomically."""
-        path = self.run_dir / "model.safetensors"
-        weights = {n: full_tensor(p, p.shard, self.tp).cpu().contiguous() for n, p in self.model.named_parameters()}
-        if self.ctx.rank == 0:
-            with atomic_path(path) as tmp:
+        """Full-shape weights as safetensors, gathered over tp. With pp > 1 each stage writes its own
+        part (no stage holds all the weights) and rank 0 lists them in model-parts.json."""
+        ctx = self.ctx
+        weights = {n: full_tensor(p, p.shard, self.tp).cpu().contiguous() for n, p in self.named_parameters()}
+        parts = [WEIGHTS_FILE] if ctx.pp == 1 else [f"model-pp{p:02d}-of-{ctx.pp:02d}.safetensors" for p in range(ctx.pp)]
+        if ctx.dp_rank == 0 and ctx.tp_rank == 0:
+            with atomic_path(self.run_dir / parts[ctx.pp_rank if ctx.pp > 1 else 0]) as tmp:
                 save_file(weights, tmp)
-            self.log.info(f"saved weights to {path}")
-        return path
+        ctx.comm.barrier(ctx.mp_group)  # rank 0's model-parallel group holds every writer
+        if ctx.rank == 0:
+            with atomic_path(self.run_dir / PARTS_FILE) as tmp:
+                Path(tmp).write_text(json.dumps({"parts": parts}))
+            self.log.info(f"saved weights to {self.run_dir / parts[0]}" + (f" and {len(parts) - 1} more parts"
+                                                                           if len(parts) > 1 else ""))
+        return self.run_dir / parts[0]

@@ -113,7 +113,8 @@ class ParallelismArgs(_Section):
     dp: PositiveInt = 1
     tp: PositiveInt = 1
     pp: PositiveInt = 1
-    pp_engine: Literal["1f1b", "afab"] = "1f1b"
+    pp_engine: Literal["1f1b", "afab", "interleaved-1f1b"] = "1f1b"
+    pp_virtual_stages: PositiveInt = 1  # model chunks per pp rank; > 1 only with interleaved-1f1b
     tp_mode: Literal["ALL_REDUCE", "REDUCE_SCATTER"] = "ALL_REDUCE"
     init_timeout_seconds: PositiveFloat = 300
     collective_timeout_seconds: PositiveFloat = 600
@@ -329,10 +330,36 @@ def rule_problems(cfg: Config) -> list[Problem]:
             f"intermediate_size={m.intermediate_size} must be divisible by tp={par.tp} (the MLP is split over tp "
             f"ranks). Fix: intermediate_size={_nearest_multiples(m.intermediate_size, par.tp)}, "
             f"or tp one of {_join(_working_tp(cfg))}.")
-    if m.num_hidden_layers < par.pp:
-        add((M + "num_hidden_layers", "parallelism.pp"),
-            f"num_hidden_layers={m.num_hidden_layers} must be >= pp={par.pp} (every pipeline stage needs at "
-            f"least one layer). Fix: pp={m.num_hidden_layers} or less, or num_hidden_layers={par.pp} or more.")
+    stages = par.pp * par.pp_virtual_stages
+    if m.num_hidden_layers < stages:
+        if par.pp_virtual_stages == 1:
+            add((M + "num_hidden_layers", "parallelism.pp"),
+                f"num_hidden_layers={m.num_hidden_layers} must be >= pp={par.pp} (every pipeline stage needs at "
+                f"least one layer). Fix: pp={m.num_hidden_layers} or less, or num_hidden_layers={par.pp} or more.")
+        else:
+            add((M + "num_hidden_layers", "parallelism.pp", "parallelism.pp_virtual_stages"),
+                f"num_hidden_layers={m.num_hidden_layers} must be >= pp * pp_virtual_stages = {par.pp} * "
+                f"{par.pp_virtual_stages} = {stages} (every virtual stage needs at least one layer). Fix: "
+                f"pp_virtual_stages={max(m.num_hidden_layers // par.pp, 1)} or less, or fewer pp.")
+    interleaved = par.pp_engine == "interleaved-1f1b"
+    if interleaved and par.pp < 2:
+        add(("parallelism.pp_engine", "parallelism.pp"),
+            "pp_engine=interleaved-1f1b interleaves model chunks over several pipeline ranks, so pp must be >= 2. "
+            "Fix: pp_engine=1f1b (with pp=1 every engine is the same).")
+    if interleaved and par.pp_virtual_stages < 2:
+        add(("parallelism.pp_engine", "parallelism.pp_virtual_stages"),
+            "pp_engine=interleaved-1f1b gives each pp rank several model chunks, so pp_virtual_stages must be "
+            f">= 2 (it is {par.pp_virtual_stages}). Fix: pp_virtual_stages=2, or pp_engine=1f1b.")
+    if not interleaved and par.pp_virtual_stages > 1:
+        add(("parallelism.pp_engine", "parallelism.pp_virtual_stages"),
+            f"pp_virtual_stages={par.pp_virtual_stages} needs pp_engine=interleaved-1f1b (pp_engine={par.pp_engine} "
+            "runs one model chunk per pp rank). Fix: pp_engine=interleaved-1f1b, or pp_virtual_stages=1.")
+    accumulation = tok.batch_accumulation_per_replica
+    if interleaved and par.pp > 1 and accumulation % par.pp:
+        add(("parallelism.pp_engine", "tokens.batch_accumulation_per_replica", "parallelism.pp"),
+            f"pp_engine=interleaved-1f1b sends micro-batches through the chunks in groups of pp, so "
+            f"batch_accumulation_per_replica={accumulation} must be divisible by pp={par.pp}. Fix: "
+            f"batch_accumulation_per_replica={_nearest_multiples(accumulation, par.pp)}.")
     if tok.sequence_length > m.max_position_embeddings:
         add(("tokens.sequence_length", M + "max_position_embeddings"),
             f"sequence_length={tok.sequence_length} must be <= max_position_embeddings="
@@ -399,6 +426,14 @@ def _typical_lr(n_params: int) -> float:
     return 1e-3 if n_params < 1_000_000_000 else 3e-4
 
 
+def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """The share of a step a pipeline stage idles (P2): fill and drain take pp - 1 stage-steps, which
+    interleaving shortens by its number of virtual stages (AFAB and 1F1B idle alike; 1F1B holds fewer
+    activations)."""
+    idle = (pp - 1) / virtual_stages
+    return idle / (micro_batches + idle)
+
+
 def config_warnings(config: Config) -> list[str]:
     """Legal but risky settings (N1, N2), worded as advice; the trainer logs them at start."""
     out: list[str] = []
@@ -418,6 +453,12 @@ def config_warnings(config: Config) -> list[str]:
     if config.model.dtype == "float16":
         out.append("model.dtype=float16 overflows to inf/NaN without loss scaling (its max is 65504). "
                    "Use model.dtype: bfloat16: same memory, float32's range.")
+    par, accumulation = config.parallelism, config.tokens.batch_accumulation_per_replica
+    if par.pp > 1 and accumulation < 4 * par.pp:
+        out.append(f"tokens.batch_accumulation_per_replica={accumulation} micro-batches with pp={par.pp}: the "
+                   f"pipeline idles for about {pipeline_bubble(par.pp, accumulation, par.pp_virtual_stages):.0%} of "
+                   f"each step (P2). Use at least 4 * pp = {4 * par.pp} micro-batches (lower "
+                   "tokens.micro_batch_size to keep the batch), or pp_engine=interleaved-1f1b.")
     if config.model.init_method.std > 0.1:
         out.append(f"model.init_method.std={config.model.init_method.std:g} is large: activations grow layer by "
                    "layer and the first steps can be NaN. The usual value is 0.02.")

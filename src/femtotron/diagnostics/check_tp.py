@@ -419,7 +419,7 @@ def _explain(name: str, kind: str, where: str, rel: float, tol: float, recorder:
     elif where == "output gradient":
         what = (f"every output matched, but the gradient arriving at its output differs by {size} while "
                 "every module after it matched: the backward of the code that consumes its output is wrong")
-        usual = ("the model's own code after it (Llama.local_logits / forward): the tied output head, or the "
+        usual = ("the model's own code after it (Llama.head_logits / run_stage): the tied output head, or the "
                  "backward of the vocab-parallel cross-entropy" if parent == "the model"
                  else f"the code of {parent} after {name}")
     elif where == "input gradient":

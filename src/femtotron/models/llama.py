@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from femtotron.errors import ConfigError
+from femtotron.parallel.pipeline.partition import Stage
 from femtotron.parallel.sharding import make_param
 from femtotron.parallel.tensor_parallel import (
     SEQUENCE_DIM,
@@ -140,51 +141,79 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class DecoderLayers(nn.ModuleDict):
+    """A stage's decoder layers, keyed by their index in the whole model, so that parameter names
+    (and with them initialisation, checkpoints, HF conversion) are the same in every pipeline layout."""
+
+    def __getitem__(self, index: int | str) -> nn.Module:
+        return super().__getitem__(str(index))
+
+
 class Llama(nn.Module):
-    """The model, whole (tp = 1) or this rank's tensor-parallel part. `forward` returns the summed
-    loss and the token count; every tp rank gets the same numbers."""
+    """The model, or this rank's part of it: one pipeline stage (a run of layers, with the embedding
+    on the first stage, the final norm and LM head on the last), split over tp.
+
+    `run_stage` maps the stage's input (token ids on the first stage, activations elsewhere) to its
+    output (activations, or the summed loss on the last stage). For the whole model `forward` returns
+    the summed loss and the token count; every tp rank gets the same numbers.
+    """
 
     def __init__(self, cfg: Any, *, std: float, seed: int, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, stage: Stage | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp = tp or TensorParallel.single()
+        self.stage = stage = stage or Stage(0, range(cfg.num_hidden_layers), embedding=True, head=True, cost=0.0)
         make = ParamFactory(std, seed, dtype, device)
         rotary = Rotary(cfg.hidden_size // cfg.num_attention_heads, cfg.max_position_embeddings, cfg.rope_theta)
         self.rotary = rotary.to(device)
-        tie_group = "embed_tokens.weight" if cfg.tie_word_embeddings else None
-        self.embed_tokens = VocabParallelEmbedding(make, "embed_tokens", cfg.vocab_size, cfg.hidden_size, std, tp,
-                                                   tie_group)
-        self.layers = nn.ModuleList(DecoderLayer(make, i, cfg, self.rotary, tp) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(make, "norm", cfg.hidden_size, cfg.rms_norm_eps, tp)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = ColumnParallelLinear(make, "lm_head", cfg.hidden_size, cfg.vocab_size, std, tp, pad=True)
+        tied = cfg.tie_word_embeddings
+        if stage.embedding or (stage.head and tied):
+            # A tied LM head on a later stage holds its own copy of the embedding (same name, same
+            # init); the trainer sums the two copies' gradients so they stay equal.
+            self.embed_tokens = VocabParallelEmbedding(make, "embed_tokens", cfg.vocab_size, cfg.hidden_size, std,
+                                                       tp, "embed_tokens.weight" if tied else None)
+        self.layers = DecoderLayers({str(i): DecoderLayer(make, i, cfg, self.rotary, tp) for i in stage.layers})
+        if stage.head:
+            self.norm = RMSNorm(make, "norm", cfg.hidden_size, cfg.rms_norm_eps, tp)
+            if not tied:
+                self.lm_head = ColumnParallelLinear(make, "lm_head", cfg.hidden_size, cfg.vocab_size, std, tp,
+                                                    pad=True)
         self.vocab_start = tp.rank * shard_size(cfg.vocab_size, tp.size)
 
     @property
     def padded_vocab_size(self) -> int:
         return shard_size(self.cfg.vocab_size, self.tp.size) * self.tp.size
 
-    def local_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits for this rank's vocabulary shard [vocab_start, vocab_start + padded_vocab / tp)."""
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
+    def hidden_states(self, inputs: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(inputs) if self.stage.embedding else inputs
+        for layer in self.layers.values():
             x = layer(x)
+        return x
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits for this rank's vocabulary shard [vocab_start, vocab_start + padded_vocab / tp)."""
         x = self.norm(x)
         if self.cfg.tie_word_embeddings:
             return linear(enter_column_parallel(x, self.tp), self.embed_tokens.weight)
         return self.lm_head(x)
 
+    def run_stage(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This stage's output: activations, or on the last stage the summed loss over valid targets (fp32).
+
+        The sum, not the mean, lets the trainer divide by the token count of the whole global batch,
+        so every micro-batch / dp / pp split gives the same loss.
+        """
+        x = self.hidden_states(inputs)
+        if not self.stage.head:
+            return x
+        return vocab_parallel_cross_entropy(self.head_logits(x), targets, self.vocab_start, self.cfg.vocab_size,
+                                            IGNORE_INDEX, self.tp)
+
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits (gathered over tp; for evaluation and generation, not training)."""
-        return gather_full(self.local_logits(input_ids), -1, self.tp)[..., : self.cfg.vocab_size]
+        """Full-vocabulary logits of the whole model (gathered over tp; for evaluation and generation)."""
+        return gather_full(self.head_logits(self.hidden_states(input_ids)), -1, self.tp)[..., : self.cfg.vocab_size]
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum of cross-entropy over valid targets (fp32) and how many there were.
-
-        Returning the sum, not the mean, lets the trainer divide by the token count of the whole
-        global batch, so every micro-batch / dp / pp split gives the same loss.
-        """
-        loss_sum = vocab_parallel_cross_entropy(self.local_logits(input_ids), targets, self.vocab_start,
-                                                self.cfg.vocab_size, IGNORE_INDEX, self.tp)
-        return loss_sum, (targets != IGNORE_INDEX).sum()
+        """The whole model: summed loss over valid targets (fp32) and how many there were."""
+        return self.run_stage(input_ids, targets), (targets != IGNORE_INDEX).sum()

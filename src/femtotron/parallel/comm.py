@@ -137,13 +137,22 @@ class Comm:
             dist.broadcast(tensor, src=src, group=group.handle)
         return tensor
 
-    def send(self, tensor: torch.Tensor, group: Group, dst: int) -> None:
+    def send(self, tensor: torch.Tensor, group: Group, dst: int, tag: int = 0) -> None:
         with self._record("send", group, tensor, dst, _nbytes(tensor)):
-            dist.send(tensor.contiguous(), dst=dst, group=group.handle)
+            dist.send(tensor.contiguous(), dst=dst, group=group.handle, tag=tag)
 
-    def recv(self, tensor: torch.Tensor, group: Group, src: int) -> torch.Tensor:
+    def isend(self, tensor: torch.Tensor, group: Group, dst: int, tag: int = 0) -> dist.Work:
+        """Start sending and return at once; `wait` on the result before `tensor` may change or go."""
+        with self._record("send", group, tensor, dst, _nbytes(tensor)):
+            return dist.isend(tensor, dst=dst, group=group.handle, tag=tag)
+
+    def wait(self, work: dist.Work, group: Group, tensor: torch.Tensor, dst: int) -> None:
+        with self._record("wait_send", group, tensor, dst, 0):
+            work.wait()
+
+    def recv(self, tensor: torch.Tensor, group: Group, src: int, tag: int = 0) -> torch.Tensor:
         with self._record("recv", group, tensor, src, 0):
-            dist.recv(tensor, src=src, group=group.handle)
+            dist.recv(tensor, src=src, group=group.handle, tag=tag)
         return tensor
 
     def barrier(self, group: Group) -> None:

@@ -85,14 +85,19 @@ class ParallelContext:
         pp_groups = [[rank_of(p, d, t, dp, tp) for p in range(pp)] for d in range(dp) for t in range(tp)]
         # Model-parallel group: every rank holding a piece of one model replica (for grad norms).
         mp_groups = [[rank_of(p, d, t, dp, tp) for p in range(pp) for t in range(tp)] for d in range(dp)]
+        # First and last pipeline stage of each (dp, tp) position: they share tied embeddings.
+        embedding_groups = [sorted({rank_of(0, d, t, dp, tp), rank_of(pp - 1, d, t, dp, tp)})
+                            for d in range(dp) for t in range(tp)]
         self.tp_group = self._mine("tp", tp_groups)
         self.dp_group = self._mine("dp", dp_groups)
         self.pp_group = self._mine("pp", pp_groups)
         self.mp_group = self._mine("mp", mp_groups)
+        self.embedding_group = self._mine("embedding", embedding_groups)
 
     def _mine(self, kind: str, all_groups: list[list[int]]) -> Group:
-        """Create every group of this kind (all ranks must) and keep the one holding this rank."""
-        mine = None
+        """Create every group of this kind (all ranks must) and keep the one holding this rank; a rank in
+        none of them (a middle pipeline stage has no embedding to share) gets a group of itself."""
+        mine = Group(kind, (self.rank,))
         for ranks in all_groups:
             if self.world_size > 1:
                 group = comm.new_group(kind, ranks, self.collective_timeout_seconds)
@@ -100,7 +105,6 @@ class ParallelContext:
                 group = Group(kind, tuple(ranks))
             if self.rank in ranks:
                 mine = group
-        assert mine is not None, "every rank lies in exactly one group of each kind"
         return mine
 
     @property

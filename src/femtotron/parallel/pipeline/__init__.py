@@ -1,0 +1,1 @@
+"""Pipeline parallelism: stage partition, point-to-point transfers, schedules."""

@@ -1,0 +1,161 @@
+"""Pipeline schedules as lists of actions, and the loop that executes them.
+
+A schedule is, for each pp rank, the order in which it runs forward and backward passes of
+(micro-batch, model chunk). Writing it out as a list makes the schedule readable and testable
+without any communication (tests/parallel/pipeline/test_schedules.py simulates every rank's list).
+The executor then walks the list: a forward receives its input from the previous virtual stage
+(blocking), runs the chunk and sends the output on (without waiting); a backward receives the output
+gradient from the next stage, runs backward and sends the input gradient back. Sends never block, so
+a rank only ever waits for data it needs, and the order of the lists alone decides the schedule.
+
+- `afab`: all forwards, then all backwards (GPipe). Simple; holds every micro-batch's activations.
+- `1f1b`: rank r first runs pp - r - 1 forwards (warm-up), then alternates one forward and one
+  backward, then drains the backwards. The same bubble, at most pp micro-batches in flight.
+- `interleaved-1f1b`: each rank holds v model chunks (virtual stages r, r + pp, ...); a
+  micro-batch visits the ranks v times, so fill and drain shrink v-fold (Megatron-LM's schedule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from femtotron.parallel.pipeline.p2p import PipelineP2P
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "F" (forward) or "B" (backward)
+    micro_batch: int
+    chunk: int  # this rank's model chunk; its virtual stage is chunk * pp + rank
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def afab(pp: int, rank: int, micro_batches: int) -> list[Action]:
+    return [Action("F", mb, 0) for mb in range(micro_batches)] + [Action("B", mb, 0) for mb in range(micro_batches)]
+
+
+def one_f_one_b(pp: int, rank: int, micro_batches: int) -> list[Action]:
+    warmup = min(pp - rank - 1, micro_batches)
+    actions = [Action("F", mb, 0) for mb in range(warmup)]
+    for mb in range(micro_batches - warmup):
+        actions += [Action("F", warmup + mb, 0), Action("B", mb, 0)]
+    return actions + [Action("B", mb, 0) for mb in range(micro_batches - warmup, micro_batches)]
+
+
+def interleaved_one_f_one_b(pp: int, rank: int, micro_batches: int, chunks: int) -> list[Action]:
+    """Micro-batches go through the chunks in groups of pp: forwards k = 0, 1, ... run chunk
+    (k // pp) % v on micro-batch (k // (pp * v)) * pp + k % pp; backwards visit the chunks in reverse."""
+    if micro_batches % pp:
+        raise ValueError(f"interleaved-1f1b needs micro-batches ({micro_batches}) divisible by pp ({pp})")
+    total = micro_batches * chunks
+
+    def forward(k: int) -> Action:
+        return Action("F", (k // (pp * chunks)) * pp + k % pp, (k // pp) % chunks)
+
+    def backward(k: int) -> Action:
+        return Action("B", (k // (pp * chunks)) * pp + k % pp, chunks - 1 - (k // pp) % chunks)
+
+    # Deeper warm-up than plain 1F1B: the first backward needs the micro-batch to have passed all
+    # pp * v virtual stages.
+    warmup = min((pp - rank - 1) * 2 + (chunks - 1) * pp, total)
+    actions = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions += [forward(warmup + k), backward(k)]
+    return actions + [backward(k) for k in range(total - warmup, total)]
+
+
+def schedule(engine: str, pp: int, rank: int, micro_batches: int, chunks: int = 1) -> list[Action]:
+    if engine == "afab":
+        return afab(pp, rank, micro_batches)
+    if engine == "1f1b":
+        return one_f_one_b(pp, rank, micro_batches)
+    if engine == "interleaved-1f1b":
+        return interleaved_one_f_one_b(pp, rank, micro_batches, chunks)
+    raise ValueError(f"unknown pp_engine {engine!r}")
+
+
+def forward_only(micro_batches: int, chunks: int) -> list[Action]:
+    """Evaluation: every micro-batch through every chunk in order, nothing kept for backward."""
+    return [Action("F", mb, chunk) for mb in range(micro_batches) for chunk in range(chunks)]
+
+
+class Pipeline:
+    """Runs one rank's part of a schedule: its model chunks, the transfers, the loss on the last stage.
+
+    Works for pp = 1 as well (one stage: forward and backward per micro-batch, no transfers), so the
+    trainer has a single code path.
+    """
+
+    def __init__(self, chunks: list[nn.Module], engine: str, pp: int, pp_rank: int, p2p: PipelineP2P,
+                 activation_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.chunks, self.engine, self.pp, self.pp_rank, self.p2p = chunks, engine, pp, pp_rank, p2p
+        self.activation_shape, self.dtype = activation_shape, dtype
+        self.stages = pp * len(chunks)
+
+    def stage_of(self, chunk: int) -> int:
+        return chunk * self.pp + self.pp_rank
+
+    def tag(self, micro_batch: int, boundary: int, gradient: bool) -> int:
+        """A distinct tag per transfer: the micro-batch, the stage boundary it crosses, and its direction."""
+        return (micro_batch * self.stages + boundary) * 2 + int(gradient)
+
+    def train_step(self, micro_batches: list[torch.Tensor], global_tokens: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns this rank's summed loss (0 off the last stage).
+
+        The last stage divides each micro-batch's summed loss by the global batch's token count before
+        backward, so the gradients are those of the token-weighted mean loss (DESIGN.md).
+        """
+        actions = schedule(self.engine, self.pp, self.pp_rank, len(micro_batches), len(self.chunks))
+        loss_sum = torch.zeros((), device=global_tokens.device)
+        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        for action in actions:
+            if action.kind == "F":
+                inputs, output = self.forward(action, micro_batches[action.micro_batch])
+                if self.stage_of(action.chunk) == self.stages - 1:
+                    loss_sum += output.detach()
+                    output = output / global_tokens
+                saved[action.micro_batch, action.chunk] = (inputs, output)
+            else:
+                self.backward(action, *saved.pop((action.micro_batch, action.chunk)))
+        self.p2p.wait_sends()
+        return loss_sum
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """Summed loss over the micro-batches, on the last stage (0 elsewhere)."""
+        loss_sum = torch.zeros((), device=micro_batches[0].device)
+        for action in forward_only(len(micro_batches), len(self.chunks)):
+            _, output = self.forward(action, micro_batches[action.micro_batch])
+            if self.stage_of(action.chunk) == self.stages - 1:
+                loss_sum += output
+        self.p2p.wait_sends()
+        return loss_sum
+
+    def forward(self, action: Action, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        stage, mb = self.stage_of(action.chunk), action.micro_batch
+        if stage == 0:
+            inputs = batch[:, :-1]
+        else:
+            inputs = self.p2p.recv(self.activation_shape, self.dtype, (stage - 1) % self.pp,
+                                   self.tag(mb, stage - 1, gradient=False), "activations")
+            inputs.requires_grad_(torch.is_grad_enabled())
+        output = self.chunks[action.chunk].run_stage(inputs, batch[:, 1:])
+        if stage < self.stages - 1:
+            self.p2p.send(output, (stage + 1) % self.pp, self.tag(mb, stage, gradient=False), "activations")
+        return inputs, output
+
+    def backward(self, action: Action, inputs: torch.Tensor, output: torch.Tensor) -> None:
+        stage, mb = self.stage_of(action.chunk), action.micro_batch
+        if stage == self.stages - 1:
+            output.backward()
+        else:
+            grad = self.p2p.recv(tuple(output.shape), output.dtype, (stage + 1) % self.pp,
+                                 self.tag(mb, stage, gradient=True), "gradients")
+            torch.autograd.backward(output, grad)
+        if stage > 0:
+            self.p2p.send(inputs.grad, (stage - 1) % self.pp, self.tag(mb, stage - 1, gradient=True), "gradients")

@@ -1,0 +1,149 @@
+"""Pipeline parallelism equals one process: loss, full-shape gradients, 3 optimizer steps, p2p bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import RankFailed, run_ranks
+
+from femtotron.errors import DistributedError
+from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.pipeline.p2p import PipelineP2P
+from femtotron.parallel.tensor_parallel import full_tensor
+from femtotron.trainer import Trainer
+
+BF16_EPS = 2.0**-7
+
+
+def run(config, ctx):
+    """One step's loss and gradients, then 3 optimizer steps: losses, grad norms and weight changes.
+
+    Everything is keyed by parameter name and gathered to full shape, so a rank holding only some
+    layers returns only those.
+    """
+    trainer = Trainer(config, ctx, log_to_console=False)
+    named = trainer.named_parameters()
+
+    def full(tensors):
+        return {n: full_tensor(t, p.shard, trainer.tp).float().clone() for (n, p), t in zip(named, tensors, strict=True)}
+
+    loss, _, grads = trainer.compute_gradients()
+    grads = full(grads)
+    trainer.optimizer.zero_grad()
+    initial = full(trainer.optimizer.masters)
+    results = [trainer.train_step() for _ in range(3)]
+    updates = {n: w - initial[n] for n, w in full(trainer.optimizer.masters).items()}
+    return loss, grads, [r.loss for r in results], [r.grad_norm for r in results], updates
+
+
+def _cases(rank, world, tp, configs):
+    ctx = ParallelContext(tp=tp, pp=world // tp, collective_timeout_seconds=60)
+    out = [run(config, ctx) for config in configs]
+    ctx.close()
+    return out
+
+
+def case_config(tiny_config, layers, engine="1f1b", virtual=1, tied=False, dtype="float32", tp_mode="ALL_REDUCE",
+                **parallel):
+    overrides = [f"model.model_config.num_hidden_layers={layers}", f"model.model_config.tie_word_embeddings={tied}",
+                 f"model.dtype={dtype}", "tokens.batch_accumulation_per_replica=4", "tokens.micro_batch_size=2",
+                 "model.model_config.num_key_value_heads=4", "optimizer.clip_grad=0.5",
+                 f"general.run={engine}-{layers}-{tied}-{dtype}-{tp_mode}-" + "-".join(map(str, parallel.values()))]
+    overrides += [f"parallelism.{key}={value}" for key, value in parallel.items()]
+    if parallel:
+        overrides += [f"parallelism.pp_engine={engine}", f"parallelism.pp_virtual_stages={virtual}",
+                      f"parallelism.tp_mode={tp_mode}"]
+    return tiny_config(*overrides)
+
+
+PP_CASES = {
+    # (pp, tp): [(layers, engine, virtual stages, tied, dtype, tp_mode)]
+    (2, 1): [(5, "afab", 1, False, "float32", "ALL_REDUCE"), (4, "1f1b", 1, True, "float32", "ALL_REDUCE"),
+             (5, "interleaved-1f1b", 2, False, "float32", "ALL_REDUCE"), (5, "1f1b", 1, True, "bfloat16", "ALL_REDUCE")],
+    (4, 1): [(5, "afab", 1, True, "float32", "ALL_REDUCE"), (8, "1f1b", 1, False, "float32", "ALL_REDUCE"),
+             (9, "interleaved-1f1b", 2, True, "float32", "ALL_REDUCE")],
+    (2, 2): [(5, "1f1b", 1, True, "float32", "REDUCE_SCATTER"), (4, "interleaved-1f1b", 2, False, "float32", "ALL_REDUCE")],
+}
+
+
+@pytest.mark.parametrize("pp, tp", list(PP_CASES))
+def test_pipeline_equals_one_process(tiny_config, pp, tp):
+    """Every schedule at pp = 2 and 4 (interleaved with 2 virtual stages), layer counts that do and do not
+    divide pp, tied and untied embeddings, and pp x tp = 2 x 2: the loss and full-shape gradients of one
+    step, then losses, grad norms and weight changes over 3 steps equal one process."""
+    references, configs = [], []
+    for layers, engine, virtual, tied, dtype, tp_mode in PP_CASES[pp, tp]:
+        references.append(run(case_config(tiny_config, layers, tied=tied, dtype=dtype), ParallelContext()))
+        configs.append(case_config(tiny_config, layers, engine, virtual, tied, dtype, tp_mode, pp=pp, tp=tp))
+    per_rank = run_ranks(_cases, pp * tp, pp * tp, tp, configs, timeout=300)
+    for index, (config, reference) in enumerate(zip(configs, references, strict=True)):
+        label = config.general.run
+        fp32 = config.model.dtype == "float32"
+        rel = 1e-5 if fp32 else 4 * BF16_EPS
+        ref_loss, ref_grads, ref_losses, ref_norms, ref_updates = reference
+        grads, updates = {}, {}
+        for rank_results in per_rank:
+            loss, rank_grads, losses, norms, rank_updates = rank_results[index]
+            assert loss == pytest.approx(ref_loss, rel=rel), label  # every rank logs the same loss (P3)
+            assert losses == pytest.approx(ref_losses, rel=rel), label
+            assert norms == pytest.approx(ref_norms, rel=1e-4 if fp32 else 4 * BF16_EPS), label
+            grads.update(rank_grads)
+            updates.update(rank_updates)
+        assert grads.keys() == ref_grads.keys(), label  # every parameter lives on some stage
+        for name, ref in ref_grads.items():
+            bound = (1e-5 if fp32 else 4 * BF16_EPS) * ref.abs().max()
+            assert (grads[name] - ref).abs().max() <= bound, (label, name)
+        for name, ref in ref_updates.items():  # as in tests/parallel/test_tensor_parallel.py
+            assert (updates[name] - ref).norm() <= (1e-4 if fp32 else 16 * BF16_EPS) * ref.norm(), (label, name)
+
+
+def _p2p_bytes(rank, config):
+    ctx = ParallelContext(pp=config.parallelism.pp, collective_timeout_seconds=60)
+    trainer = Trainer(config, ctx, log_to_console=False)
+    trainer.train_step()  # the first step also sends the one-off shape descriptions
+    before = dict(ctx.comm.bytes_sent)
+    trainer.train_step()
+    sent = {op: n - before.get((kind, op), 0) for (kind, op), n in ctx.comm.bytes_sent.items() if kind == "pp"}
+    ctx.close()
+    return sent
+
+
+@pytest.mark.parametrize("engine, virtual", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_p2p_bytes_per_step_equal_the_analytic_count(tiny_config, engine, virtual):
+    pp, layers = 2, 4
+    config = case_config(tiny_config, layers, engine, virtual, pp=pp)
+    tok, hidden = config.tokens, config.model.model_config_.hidden_size
+    activation = tok.micro_batch_size * tok.sequence_length * hidden * 4  # fp32
+    micro_batches, boundaries = tok.batch_accumulation_per_replica, pp * virtual - 1
+    # Each micro-batch crosses every stage boundary once forward (activation) and once backward
+    # (gradient); a rank sends across the boundaries it sits before (forward) or after (backward).
+    sent = run_ranks(_p2p_bytes, pp, config)
+    assert sum(s["send"] for s in sent) == 2 * micro_batches * boundaries * activation
+    # Besides the transfers, one fp32 number: the last stage's loss, summed over pp so every rank logs it.
+    assert all(s["all_reduce"] == 2 * (pp - 1) / pp * 4 for s in sent)
+    for rank, s in enumerate(sent):
+        forward_boundaries = sum(1 for stage in range(pp * virtual - 1) if stage % pp == rank)
+        backward_boundaries = sum(1 for stage in range(1, pp * virtual) if stage % pp == rank)
+        assert s["send"] == micro_batches * (forward_boundaries + backward_boundaries) * activation
+
+
+def _mismatch(rank):
+    ctx = ParallelContext(pp=2, collective_timeout_seconds=20)
+    p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device)
+    try:
+        if rank == 0:
+            p2p.send(torch.zeros(2, 16, 64), 1, tag=0, what="activations")
+            p2p.wait_sends()
+        else:
+            p2p.recv((2, 16, 32), torch.float32, 0, tag=0, what="activations")
+    finally:
+        ctx.close()
+
+
+def test_sender_receiver_shape_mismatch_is_a_clear_error():
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(_mismatch, 2, timeout=60)
+    message = str(failed.value)
+    assert DistributedError.__name__ in message
+    assert ("pipeline stages disagree on activations: rank 0 (pp rank 0) sends shape (2, 16, 64) torch.float32, "
+            "rank 1 (pp rank 1) expects shape (2, 16, 32) torch.float32") in message

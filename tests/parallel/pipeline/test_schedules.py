@@ -1,0 +1,300 @@
+"""Pipeline schedules, checked by simulating every rank's action list with the executor's rules."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import pytest
+
+from femtotron.config.config import pipeline_bubble
+from femtotron.parallel.pipeline.schedules import Action, schedule
+
+ENGINES = ["afab", "1f1b", "interleaved-1f1b"]
+F_COST, B_COST = 1, 2  # a backward costs about twice a forward
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: str  # "act" (forward activation) or "grad" (gradient)
+    micro_batch: int
+    src_stage: int
+    dst_stage: int
+
+    def __repr__(self) -> str:
+        return f"{self.kind}(mb{self.micro_batch}, {self.src_stage}->{self.dst_stage})"
+
+
+@dataclass
+class SimResult:
+    status: str  # "ok", "deadlock" or "error" (out-of-order channel head, backward before forward, ...)
+    detail: str = ""
+    blocked: dict[int, tuple[Action, Message]] = field(default_factory=dict)  # rank -> (action, awaited)
+    finish: list[int] = field(default_factory=list)  # per-rank tick at which its last action ended
+
+    @property
+    def makespan(self) -> int:
+        return max(self.finish)
+
+
+def simulate(lists: list[list[Action]], pp: int, chunks: int) -> SimResult:
+    """Run every pp rank's action list as the executor would and report how it ends.
+
+    Rules: the virtual stage of (rank, chunk) is chunk * pp + rank, of S = pp * chunks. A forward
+    F(mb) of stage s first receives act(mb, s-1->s) from the rank of stage s-1 (blocking, if s > 0),
+    computes, then sends act(mb, s->s+1) to the rank of stage s+1 (if s < S-1, never blocking). A
+    backward B(mb) of stage s needs its forward to have run earlier on this rank, receives
+    grad(mb, s+1->s) (if s < S-1), computes, then sends grad(mb, s->s-1) (if s > 0). Messages travel
+    on one FIFO channel per ordered (src rank, dst rank) pair, activations and gradients alike, and a
+    receive takes the channel's head, which must be exactly the awaited message (NCCL matches
+    point-to-point operations in order), otherwise that is an error.
+
+    Ranks are stepped round-robin, each for as long as it can progress. Since every rank's list and
+    every channel's order are fixed, the outcome does not depend on that order. If no rank can
+    progress while some have actions left, the result is a deadlock naming each rank's blocked action.
+
+    Timing: a forward costs F_COST ticks, a backward B_COST; an action starts once its rank is free and
+    its input has arrived (sent at the sender's finish tick, no latency). `finish` is each rank's end.
+    """
+    S = pp * chunks
+    channels: dict[tuple[int, int], deque[tuple[Message, int]]] = {}
+    pc = [0] * pp
+    clock = [0] * pp
+    forwarded: list[set[tuple[int, int]]] = [set() for _ in range(pp)]
+
+    def awaited(rank: int, a: Action) -> tuple[Message, int] | None:
+        s = a.chunk * pp + rank
+        if a.kind == "F" and s > 0:
+            return Message("act", a.micro_batch, s - 1, s), (s - 1) % pp
+        if a.kind == "B" and s < S - 1:
+            return Message("grad", a.micro_batch, s + 1, s), (s + 1) % pp
+        return None
+
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(pp):
+            while pc[rank] < len(lists[rank]):
+                a = lists[rank][pc[rank]]
+                s = a.chunk * pp + rank
+                if a.kind not in ("F", "B") or not 0 <= a.chunk < chunks:
+                    return SimResult("error", f"rank {rank}: bad action {a!r}")
+                if a.kind == "B" and (a.micro_batch, a.chunk) not in forwarded[rank]:
+                    return SimResult("error", f"rank {rank}: {a!r} runs before its forward")
+                start = clock[rank]
+                need = awaited(rank, a)
+                if need is not None:
+                    msg, src = need
+                    queue = channels.get((src, rank))
+                    if not queue:
+                        break  # blocked: try the other ranks
+                    head, sent_at = queue[0]
+                    if head != msg:
+                        return SimResult("error", f"rank {rank}: {a!r} awaits {msg!r} from rank {src} "
+                                                  f"but the channel's head is {head!r}")
+                    queue.popleft()
+                    start = max(start, sent_at)
+                clock[rank] = start + (F_COST if a.kind == "F" else B_COST)
+                if a.kind == "F":
+                    forwarded[rank].add((a.micro_batch, a.chunk))
+                    out = Message("act", a.micro_batch, s, s + 1) if s < S - 1 else None
+                else:
+                    out = Message("grad", a.micro_batch, s, s - 1) if s > 0 else None
+                if out is not None:
+                    channels.setdefault((rank, out.dst_stage % pp), deque()).append((out, clock[rank]))
+                pc[rank] += 1
+                progress = True
+
+    if any(pc[r] < len(lists[r]) for r in range(pp)):
+        blocked = {r: (lists[r][pc[r]], awaited(r, lists[r][pc[r]])[0])
+                   for r in range(pp) if pc[r] < len(lists[r])}
+        detail = "; ".join(f"rank {r} blocked at {a!r} awaiting {m!r}" for r, (a, m) in blocked.items())
+        return SimResult("deadlock", detail, blocked, clock)
+    leftover = {k: [m for m, _ in q] for k, q in channels.items() if q}
+    if leftover:
+        return SimResult("error", f"messages never received: {leftover}", finish=clock)
+    return SimResult("ok", finish=clock)
+
+
+def lists_for(engine: str, pp: int, m: int, v: int) -> list[list[Action]]:
+    return [schedule(engine, pp, r, m, v) for r in range(pp)]
+
+
+def cases(engine: str, pp: int, m_max: int = 16):
+    """(m, v) pairs: interleaved needs m divisible by pp and has v in 2..4; the others have v = 1."""
+    if engine == "interleaved-1f1b":
+        return [(m, v) for v in (2, 3, 4) for m in range(pp, m_max + 1, pp)]
+    return [(m, 1) for m in range(1, m_max + 1)]
+
+
+def leading_forwards(actions: list[Action]) -> int:
+    return next((i for i, a in enumerate(actions) if a.kind == "B"), len(actions))
+
+
+def max_in_flight(actions: list[Action]) -> int:
+    held, most = 0, 0
+    for a in actions:
+        held += 1 if a.kind == "F" else -1
+        most = max(most, held)
+    return most
+
+
+# 1. Completeness and per-rank order.
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+def test_every_forward_has_one_backward_after_it(engine, pp):
+    for m, v in cases(engine, pp):
+        expected = {(mb, c) for mb in range(m) for c in range(v)}
+        for rank, actions in enumerate(lists_for(engine, pp, m, v)):
+            forwards = [(a.micro_batch, a.chunk) for a in actions if a.kind == "F"]
+            backwards = [(a.micro_batch, a.chunk) for a in actions if a.kind == "B"]
+            assert sorted(forwards) == sorted(expected), (engine, pp, m, v, rank)
+            assert sorted(backwards) == sorted(expected), (engine, pp, m, v, rank)
+            position = {(a.kind, a.micro_batch, a.chunk): i for i, a in enumerate(actions)}
+            for mb, c in expected:
+                assert position[("F", mb, c)] < position[("B", mb, c)], (engine, pp, m, v, rank, mb, c)
+
+
+# 2. Warm-up: the forwards a rank runs before its first backward. The list holds the warm-up
+# forwards, then the steady phase opens with one more forward before the first backward.
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+def test_warmup_counts(pp):
+    for m in range(1, 17):
+        for rank in range(pp):
+            assert leading_forwards(schedule("afab", pp, rank, m)) == m
+            warmup = min(pp - rank - 1, m)
+            assert leading_forwards(schedule("1f1b", pp, rank, m)) == min(warmup + 1, m), (pp, m, rank)
+    for m, v in cases("interleaved-1f1b", pp):
+        for rank in range(pp):
+            warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, m * v)
+            # All forwards first when the warm-up covers every (micro-batch, chunk).
+            assert leading_forwards(schedule("interleaved-1f1b", pp, rank, m, v)) == min(warmup + 1, m * v)
+
+
+def test_warmup_examples():
+    assert [repr(a) for a in schedule("1f1b", 4, 0, 4)] == ["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]
+    assert [repr(a) for a in schedule("1f1b", 4, 3, 4)] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+    assert [repr(a) for a in schedule("1f1b", 4, 1, 4)] == ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"]
+    # pp=2, v=2, m=2: rank 1 warms up with (v - 1) * pp = 2 forwards, rank 0 with 2 more.
+    assert [repr(a) for a in schedule("interleaved-1f1b", 2, 1, 2, 2)] == \
+        ["F0", "F1", "F0.1", "B0.1", "F1.1", "B1.1", "B0", "B1"]
+    assert [repr(a) for a in schedule("interleaved-1f1b", 2, 0, 2, 2)] == \
+        ["F0", "F1", "F0.1", "F1.1", "B0.1", "B1.1", "B0", "B1"]
+
+
+# 3. Activations held: forwards whose backward has not run yet.
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+def test_in_flight_bound(pp):
+    for m in range(1, 17):
+        for rank in range(pp):
+            assert max_in_flight(schedule("afab", pp, rank, m)) == m
+            assert max_in_flight(schedule("1f1b", pp, rank, m)) == min(pp - rank, m), (pp, m, rank)
+    for m, v in cases("interleaved-1f1b", pp):
+        for rank in range(pp):
+            warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, m * v)
+            assert max_in_flight(schedule("interleaved-1f1b", pp, rank, m, v)) == min(warmup + 1, m * v)
+
+
+# 4. Every schedule completes: no deadlock, every receive finds its message at its channel's head.
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("pp", range(1, 9))
+def test_schedule_runs_to_completion(engine, pp):
+    failures = []
+    for m, v in cases(engine, pp):
+        result = simulate(lists_for(engine, pp, m, v), pp, v)
+        if result.status != "ok":
+            failures.append(f"pp={pp} m={m} v={v}: {result.status}: {result.detail}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("engine", ["afab", "1f1b"])
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+def test_small_pipelines_complete(engine, pp, m):
+    assert simulate(lists_for(engine, pp, m, 1), pp, 1).status == "ok"
+
+
+@pytest.mark.parametrize("pp,v", [(2, 2), (2, 3), (2, 4), (4, 2), (4, 4), (1, 3)])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_small_interleaved_pipelines_complete(pp, v, groups):
+    # pp = 2 is where one channel carries activations and gradients both; pp = 1 sends to itself.
+    m = pp * groups
+    result = simulate(lists_for("interleaved-1f1b", pp, m, v), pp, v)
+    assert result.status == "ok", result.detail
+
+
+# Bubble: idle share of the simulated step against pipeline_bubble. With uniform costs and free
+# communication every schedule's makespan is exactly (m * v + pp - 1) * (F + B) in chunk units: fill and
+# drain cost pp - 1 chunk-steps, i.e. (pp - 1) / v stage-steps. So the simulation matches
+# pipeline_bubble exactly for AFAB, 1F1B and interleaved-1F1B (e.g. pp=4, v=2, m=4: 9/33 = 0.2727).
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+def test_bubble_matches_pipeline_bubble(engine, pp):
+    for m, v in cases(engine, pp):
+        result = simulate(lists_for(engine, pp, m, v), pp, v)
+        assert result.makespan == (m * v + pp - 1) * (F_COST + B_COST), (engine, pp, m, v)
+        bubble = 1 - m * v * (F_COST + B_COST) / result.makespan
+        assert bubble == pytest.approx(pipeline_bubble(pp, m, v)), (engine, pp, m, v)
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_interleaving_shrinks_the_bubble(pp):
+    for m in (pp, 2 * pp, 4 * pp):
+        plain = simulate(lists_for("1f1b", pp, m, 1), pp, 1).makespan
+        for v in (2, 3, 4):
+            # Each chunk is 1/v of a stage, so in plain 1F1B units the step takes makespan / v.
+            assert simulate(lists_for("interleaved-1f1b", pp, m, v), pp, v).makespan / v < plain, (pp, m, v)
+
+
+# 5. Interleaving needs whole groups of pp micro-batches.
+
+@pytest.mark.parametrize("pp,m", [(2, 1), (2, 3), (4, 2), (4, 6), (3, 4)])
+def test_interleaved_needs_micro_batches_divisible_by_pp(pp, m):
+    with pytest.raises(ValueError, match="divisible by pp"):
+        schedule("interleaved-1f1b", pp, 0, m, 2)
+
+
+def test_unknown_engine():
+    with pytest.raises(ValueError, match="unknown pp_engine"):
+        schedule("zero-bubble", 2, 0, 4)
+
+
+# 6. The simulator can fail.
+
+def test_simulator_reports_a_deadlock():
+    lists = lists_for("1f1b", 2, 2, 1)
+    assert [repr(a) for a in lists[1]] == ["F0", "B0", "F1", "B1"]
+    # Rank 1 runs both forwards before its first backward, but rank 0's B0 (which waits for rank 1's
+    # B0) comes before the F1 that rank 1's F1 waits for.
+    lists[0] = [Action("F", 0, 0), Action("B", 0, 0), Action("F", 1, 0), Action("B", 1, 0)]
+    lists[1] = [Action("F", 0, 0), Action("F", 1, 0), Action("B", 0, 0), Action("B", 1, 0)]
+    result = simulate(lists, 2, 1)
+    assert result.status == "deadlock"
+    assert result.blocked == {0: (Action("B", 0, 0), Message("grad", 0, 1, 0)),
+                              1: (Action("F", 1, 0), Message("act", 1, 0, 1))}
+    assert "rank 0 blocked at B0" in result.detail and "rank 1 blocked at F1" in result.detail
+
+
+def test_simulator_reports_an_out_of_order_receive():
+    lists = lists_for("1f1b", 2, 2, 1)
+    lists[1] = [Action("F", 1, 0), Action("B", 1, 0), Action("F", 0, 0), Action("B", 0, 0)]
+    result = simulate(lists, 2, 1)
+    assert result.status == "error"
+    assert "awaits act(mb1, 0->1)" in result.detail and "head is act(mb0, 0->1)" in result.detail
+
+
+def test_simulator_reports_backward_before_forward():
+    lists = lists_for("1f1b", 2, 2, 1)
+    lists[0] = [Action("B", 0, 0), Action("F", 0, 0), Action("F", 1, 0), Action("B", 1, 0)]
+    result = simulate(lists, 2, 1)
+    assert result.status == "error" and "before its forward" in result.detail
+
+
+def test_single_stage_needs_no_communication():
+    result = simulate(lists_for("1f1b", 1, 3, 1), 1, 1)
+    assert result.status == "ok" and result.finish == [3 * (F_COST + B_COST)]
