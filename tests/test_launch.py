@@ -14,6 +14,7 @@ from test_cli import femtotron, write_config
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from femtotron.errors import ConfigError
+from femtotron.generate import load_run
 from femtotron.launch import _first_failure_code, adopt_slurm_environment, check_local_devices, first_host
 
 LAUNCH_LINE = ("femtotron: dp=2 tp=1 pp=1 needs 2 processes; starting them on this machine with "
@@ -80,6 +81,34 @@ def test_tensor_parallel_run_matches_one_process_under_both_launches(config, tmp
             # One step moves a weight by up to lr = 3e-3. Summation order differs with tp, and Adam's
             # normalisation magnifies that where a gradient is near zero (measured: up to 3e-5).
             torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-4, msg=f"{run}: {name}")
+
+
+def test_pipeline_run_matches_one_process_and_its_weights_generate(config, tmp_path):
+    """pp=2 started by femtotron itself: the same losses and final weights as one process; each stage
+    writes its part, listed in model-parts.json, and `femtotron generate` reads them."""
+    common = ["tokens.train_steps=3", "tokens.batch_accumulation_per_replica=2", "model.model_config.tie_word_embeddings=true"]
+    single = femtotron("train", config, *common, "general.run=single")
+    assert single.returncode == 0, single.stderr[-3000:]
+    piped = femtotron("train", config, *common, "parallelism.pp=2", "general.run=piped")
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    assert "pipeline parallel: pp=2, pp_engine=1f1b, 2 micro-batches" in piped.stdout
+    assert "stage 0 (pp rank 0): embedding + layer 0" in piped.stdout
+    assert "stage 1 (pp rank 1): layer 1 + final norm + LM head" in piped.stdout
+    runs = tmp_path / "runs"
+    assert losses(runs / "piped") == pytest.approx(losses(runs / "single"), rel=1e-5)
+    records = [json.loads(line) for line in (runs / "piped" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["pp_comm_share"] < 1 for r in records)
+    parts = json.loads((runs / "piped" / "model-parts.json").read_text())["parts"]
+    assert parts == ["model-pp00-of-02.safetensors", "model-pp01-of-02.safetensors"]
+    reference = load_file(runs / "single" / "model.safetensors")
+    merged = {}
+    for part in parts:
+        merged.update(load_file(runs / "piped" / part))
+    assert merged.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-4, msg=name)
+    _, model = load_run(runs / "piped")  # what `femtotron generate` loads
+    assert all(torch.equal(p, merged[n]) for n, p in model.state_dict().items())
 
 
 def test_a_failing_rank_exit_code_reaches_the_caller_without_launcher_noise(config):

@@ -164,6 +164,31 @@ def test_layers_at_least_pp():
     assert "num_hidden_layers=2 must be >= pp=4" in p.message and "pp=2 or less" in p.message
 
 
+INTERLEAVED = {"parallelism.pp": 2, "parallelism.pp_engine": "interleaved-1f1b", "parallelism.pp_virtual_stages": 2,
+               M + "num_hidden_layers": 4, "tokens.batch_accumulation_per_replica": 4}
+
+
+def test_interleaved_pipeline_rules():
+    load_config_dict(tiny(**INTERLEAVED))  # valid
+    p = only_problem(tiny(**{**INTERLEAVED, M + "num_hidden_layers": 3}))
+    assert "must be >= pp * pp_virtual_stages = 2 * 2 = 4" in p.message
+    p = only_problem(tiny(**{**INTERLEAVED, "parallelism.pp_virtual_stages": 1}))
+    assert "pp_virtual_stages must be >= 2" in p.message and "pp_virtual_stages=2" in p.message
+    p = only_problem(tiny(**{**INTERLEAVED, "parallelism.pp_engine": "1f1b"}))
+    assert p.fields == ("parallelism.pp_engine", "parallelism.pp_virtual_stages")
+    p = only_problem(tiny(**{**INTERLEAVED, "tokens.batch_accumulation_per_replica": 3}))
+    assert "batch_accumulation_per_replica=3 must be divisible by pp=2" in p.message
+    p = only_problem(tiny(**{**INTERLEAVED, "parallelism.pp": 1}))
+    assert "pp must be >= 2" in p.message
+
+
+def test_few_micro_batches_for_the_pipeline_warn_with_the_bubble():
+    config = load_config_dict(tiny(**{"parallelism.pp": 2, "tokens.batch_accumulation_per_replica": 2}))
+    (w,) = config_warnings(config)
+    assert "idles for about 33% of each step (P2)" in w and "at least 4 * pp = 8 micro-batches" in w
+    assert config_warnings(load_config_dict(tiny(**{**INTERLEAVED, "tokens.batch_accumulation_per_replica": 8}))) == []
+
+
 def test_sequence_length_within_max_positions():
     p = only_problem(tiny(**{"tokens.sequence_length": 128}))
     assert p.fields == ("tokens.sequence_length", M + "max_position_embeddings")

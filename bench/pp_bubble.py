@@ -1,0 +1,323 @@
+"""Pipeline bubble: measured idle share of a training step against theory, per schedule, pp and micro-batches.
+
+Theory (config.pipeline_bubble): fill and drain cost pp - 1 stage-steps, shortened v-fold by
+interleaving, so a stage idles (pp - 1) / v / (m + (pp - 1) / v) of a step, the same on every stage.
+
+`--compute sleep` (default) runs the real `Pipeline` executor with real gloo point-to-point on
+pp = 2 and 4 processes, but every model chunk is a stand-in whose forward sleeps F ms and whose
+backward sleeps 2F ms (F / v and 2F / v per chunk when interleaved, so a rank's work per micro-batch
+is the same for every engine). Sleeping rather than computing keeps 4 processes on a 2-core machine
+from competing for the CPU, so what is measured is the schedule's own idle time plus real transfers
+and executor overhead. Before each step the ranks meet at a barrier; the step spans from the first
+rank's start to the last rank's end (one clock for all processes: CLOCK_MONOTONIC), and
+
+    idle (rank r) = 1 - (seconds rank r spent sleeping, i.e. computing) / step span
+
+reported as the mean over ranks (and the worst rank), median over `--steps` steps after one
+warm-up step. `p2p wait` is the other way to count it: the rank's seconds blocked in pp
+communication (Comm.take_seconds()["pp"]) plus the time before its start and after its end within
+the span; the two differ by executor overhead (Python, autograd, starting sends).
+
+`--compute model` trains the real debug model (examples/debug.yaml's shape, float32, 4 layers so
+interleaving has 2 chunks per rank) through femtotron's `Trainer` at pp = 2: compute is then the
+rank's time in `Pipeline.train_step` minus its pp communication, so stage imbalance and backward
+costing other than 2x forward count as idle too. It also prints the `pp_comm_share` the trainer
+logs (whole step, optimizer included). Only pp = 2: two ranks with one thread each fit the 2 cores
+of a small machine; at pp = 4 they would time-share the cores and the "idle" would mostly be waiting
+for a CPU, not for the pipeline.
+
+    python bench/pp_bubble.py [--compute sleep|model] [--pp 2,4] [--micro-batches 1,2,4,8]
+                              [--engines afab,1f1b,interleaved-1f1b] [--steps 4] [--forward-ms 20]
+
+`--micro-batches` are multiples of pp (m = k * pp); `--activation MBS,SEQ,HIDDEN` sets the
+transferred float32 tensor in sleep mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import socket
+import statistics
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from femtotron.config import load_config
+from femtotron.config.config import pipeline_bubble
+from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.pipeline.p2p import PipelineP2P
+from femtotron.parallel.pipeline.schedules import Pipeline
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINES = ("afab", "1f1b", "interleaved-1f1b")
+INTERLEAVED_V = 2
+
+
+@dataclass(frozen=True)
+class Case:
+    engine: str
+    pp: int
+    v: int
+    m: int
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    start: float  # CLOCK_MONOTONIC, comparable across the processes of one machine
+    end: float
+    compute: float  # seconds this rank computed (slept, in sleep mode)
+    pp_wait: float  # seconds in pp communication (recv waits, send starts, send waits)
+    trainer_pp_share: float = float("nan")  # model mode: pp_comm_share as the trainer logs it
+
+
+# --- sleep mode: stand-in chunks --------------------------------------------------------------------
+
+
+class Clock:
+    """Sleeps in place of compute and adds up how long they really took."""
+
+    def __init__(self) -> None:
+        self.busy = 0.0
+
+    def sleep(self, seconds: float) -> None:
+        start = time.monotonic()
+        time.sleep(seconds)
+        self.busy += time.monotonic() - start
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, forward_s: float, backward_s: float, clock: Clock) -> torch.Tensor:
+        ctx.backward_s, ctx.clock = backward_s, clock
+        clock.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.clock.sleep(ctx.backward_s)
+        return grad, None, None, None
+
+
+class SleepChunk(nn.Module):
+    """A model chunk that takes forward_s to run forward and backward_s to run backward."""
+
+    def __init__(self, first: bool, last: bool, shape: tuple[int, int, int], forward_s: float, backward_s: float,
+                 clock: Clock) -> None:
+        super().__init__()
+        self.first, self.last, self.shape = first, last, shape
+        self.forward_s, self.backward_s, self.clock = forward_s, backward_s, clock
+        self.weight = nn.Parameter(torch.ones(shape[-1]))
+
+    def run_stage(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = torch.zeros(self.shape) if self.first else inputs  # the first stage gets token ids
+        out = _Sleep.apply(x * self.weight, self.forward_s, self.backward_s, self.clock)
+        return out.sum() if self.last else out
+
+
+def sleep_rank(ctx: ParallelContext, cases: list[Case], args: argparse.Namespace, report) -> None:
+    shape = tuple(int(n) for n in args.activation.split(","))
+    mbs, seq, _ = shape
+    clock = Clock()
+    forward_s = args.forward_ms / 1000
+    for index, case in enumerate(cases):
+        stages = case.pp * case.v
+        chunks = [SleepChunk(stage == 0, stage == stages - 1, shape, forward_s / case.v, 2 * forward_s / case.v,
+                             clock)
+                  for stage in (c * case.pp + ctx.pp_rank for c in range(case.v))]
+        p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device)
+        pipeline = Pipeline(chunks, case.engine, case.pp, ctx.pp_rank, p2p, shape, torch.float32)
+        micro_batches = [torch.zeros(mbs, seq + 1, dtype=torch.int64) for _ in range(case.m)]
+        global_tokens = torch.tensor(float(mbs * seq * case.m))
+        steps = []
+        for _ in range(args.steps + 1):
+            for chunk in chunks:
+                chunk.weight.grad = None
+            ctx.comm.barrier(ctx.pp_group)
+            ctx.comm.take_seconds()
+            clock.busy = 0.0
+            start = time.monotonic()
+            pipeline.train_step(micro_batches, global_tokens)
+            end = time.monotonic()
+            steps.append(StepTimes(start, end, clock.busy, ctx.comm.take_seconds().get("pp", 0.0)))
+        report(index, steps[1:])
+
+
+# --- model mode: the real model through the Trainer ---------------------------------------------------
+
+
+def model_rank(ctx: ParallelContext, cases: list[Case], args: argparse.Namespace, report) -> None:
+    from femtotron.trainer import Trainer  # only this mode needs the model stack
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        for index, case in enumerate(cases):
+            config = load_config(ROOT / "examples" / "debug.yaml", overrides=[
+                f"general.run=bubble-{case.engine}-{case.m}",
+                "model.model_config.num_hidden_layers=4",
+                f"tokenizer.tokenizer_name_or_path={ROOT / 'examples' / 'tokenizer.json'}",
+                f"data.dataset_folder={ROOT / 'examples' / 'data' / 'shakespeare'}",
+                f"logging.output_dir={tmp}",
+                "checkpoints.save_final_state=false",
+                f"tokens.batch_accumulation_per_replica={case.m}",
+                "tokens.train_steps=1000000",
+                f"parallelism.pp={case.pp}",
+                f"parallelism.pp_engine={case.engine}",
+                f"parallelism.pp_virtual_stages={case.v}",
+            ])
+            trainer = Trainer(config, ctx, log_to_console=False)
+            inner = trainer.pipeline.train_step
+            timed: list[tuple[float, float, float, float]] = []
+
+            def train_step(micro_batches, global_tokens, inner=inner, timed=timed):
+                before = ctx.comm.take_seconds().get("pp", 0.0)  # nothing in this step's pp so far
+                ctx.comm.barrier(ctx.pp_group)
+                ctx.comm.take_seconds()  # the barrier is the bench's, not the trainer's
+                start = time.monotonic()
+                loss = inner(micro_batches, global_tokens)
+                end = time.monotonic()
+                wait = ctx.comm.take_seconds().get("pp", 0.0)
+                timed.append((start, end, wait, before + wait))
+                return loss
+
+            trainer.pipeline.train_step = train_step
+            steps = []
+            for _ in range(args.steps + 1):
+                result = trainer.train_step()
+                start, end, wait, pp_seconds = timed[-1]
+                pp_share = (pp_seconds + result.comm_seconds.get("pp", 0.0)) / result.seconds
+                steps.append(StepTimes(start, end, end - start - wait, wait, pp_share))
+            report(index, steps[1:])
+
+
+# --- ranks, and the table ----------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, world_size: int, port: int, mode: str, cases: list[Case], args, results) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        ctx = ParallelContext(pp=world_size, init_timeout_seconds=60, collective_timeout_seconds=300)
+        try:
+            run = sleep_rank if mode == "sleep" else model_rank
+            run(ctx, cases, args, lambda index, steps: results.put((rank, "ok", index, steps)))
+        finally:
+            ctx.close()
+    except BaseException as e:  # noqa: BLE001 - the parent must hear of every failure
+        results.put((rank, "error", None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def summarize(per_rank: list[list[StepTimes]]) -> dict[str, float]:
+    """Median over steps of: idle (mean and worst rank), p2p-wait share (mean), trainer pp share (mean)."""
+    idle, worst, wait, share = [], [], [], []
+    for step in zip(*per_rank, strict=True):
+        first, last = min(t.start for t in step), max(t.end for t in step)
+        span = last - first
+        idles = [1 - t.compute / span for t in step]
+        idle.append(statistics.fmean(idles))
+        worst.append(max(idles))
+        wait.append(statistics.fmean((t.pp_wait + (t.start - first) + (last - t.end)) / span for t in step))
+        share.append(statistics.fmean(t.trainer_pp_share for t in step))
+    return {"idle": statistics.median(idle), "worst": statistics.median(worst), "wait": statistics.median(wait),
+            "share": statistics.median(share), "span": span}
+
+
+def run_group(mode: str, pp: int, cases: list[Case], args, on_case) -> None:
+    """Start pp ranks that run every case in turn; call on_case(case, per-rank steps) as each completes."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, pp, port, mode, cases, args, results), daemon=True)
+             for r in range(pp)]
+    for p in procs:
+        p.start()
+    got: dict[int, dict[int, list[StepTimes]]] = {}
+    done = 0
+    try:
+        while done < len(cases):
+            try:
+                rank, status, index, value = results.get(timeout=args.timeout)
+            except queue.Empty:
+                raise SystemExit(f"pp={pp}: no rank reported for {args.timeout:g} s; giving up") from None
+            if status == "error":
+                raise SystemExit(f"pp={pp}: rank {rank} failed:\n{value}")
+            got.setdefault(index, {})[rank] = value
+            if len(got[index]) == pp:
+                on_case(cases[index], [got.pop(index)[r] for r in range(pp)])
+                done += 1
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--compute", choices=("sleep", "model"), default="sleep")
+    parser.add_argument("--pp", default=None, help="pp sizes (default 2,4 with sleep, 2 with model)")
+    parser.add_argument("--micro-batches", default=None,
+                        help="micro-batch counts as multiples of pp (default 1,2,4,8 with sleep, 1,2,4 with model)")
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--steps", type=int, default=4, help="measured steps per case, after one warm-up step")
+    parser.add_argument("--forward-ms", type=float, default=20.0, help="sleep mode: forward per stage (backward 2x)")
+    parser.add_argument("--activation", default="4,128,256", help="sleep mode: MBS,SEQ,HIDDEN of the transfers")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any case")
+    args = parser.parse_args()
+    sleep = args.compute == "sleep"
+    pps = [int(p) for p in (args.pp or ("2,4" if sleep else "2")).split(",")]
+    factors = [int(k) for k in (args.micro_batches or ("1,2,4,8" if sleep else "1,2,4")).split(",")]
+    engines = args.engines.split(",")
+
+    if sleep:
+        print(f"--compute sleep: forward {args.forward_ms:g} ms, backward {2 * args.forward_ms:g} ms per stage "
+              f"(per chunk: / v), transfers of float32 {tuple(map(int, args.activation.split(',')))} over gloo; "
+              f"median of {args.steps} steps after a warm-up")
+    else:
+        print(f"--compute model: debug model (4 layers, hidden 256, micro-batch 16 x 128, float32) through the "
+              f"Trainer; median of {args.steps} steps after a warm-up")
+    print("idle = 1 - compute / step span, mean over ranks (worst rank in brackets); p2p wait = time blocked in "
+          "pp communication or outside the rank's own step, as a share of the span")
+    header = (f"{'engine':<17} {'pp':>2} {'v':>2} {'m':>3} {'step':>8} {'theory':>7} {'idle':>7} {'(worst)':>8} "
+              f"{'p2p wait':>8} {'idle/theory':>11}" + ("" if sleep else f" {'trainer pp share':>16}"))
+    print(header)
+    print("-" * len(header))
+    ratios: list[tuple[float, Case]] = []
+
+    def on_case(case: Case, per_rank: list[list[StepTimes]]) -> None:
+        s = summarize(per_rank)
+        theory = pipeline_bubble(case.pp, case.m, case.v)
+        ratio = s["idle"] / theory
+        ratios.append((ratio, case))
+        extra = "" if sleep else f" {s['share']:>16.1%}"
+        print(f"{case.engine:<17} {case.pp:>2} {case.v:>2} {case.m:>3} {s['span'] * 1000:>6.0f}ms {theory:>7.1%} "
+              f"{s['idle']:>7.1%} {'(' + format(s['worst'], '.1%') + ')':>8} {s['wait']:>8.1%} {ratio:>10.2f}x"
+              f"{extra}", flush=True)
+
+    start = time.monotonic()
+    for pp in pps:
+        cases = [Case(engine, pp, INTERLEAVED_V if engine == "interleaved-1f1b" else 1, k * pp)
+                 for engine in engines for k in factors]
+        run_group(args.compute, pp, cases, args, on_case)
+    worst, case = max(ratios, key=lambda r: r[0])
+    best, _ = min(ratios, key=lambda r: r[0])
+    print(f"\nmeasured/theory: max {worst:.2f}x ({case.engine}, pp={case.pp}, m={case.m}), min {best:.2f}x; "
+          f"goal <= 1.1x; {time.monotonic() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
