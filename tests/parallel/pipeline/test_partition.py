@@ -54,3 +54,11 @@ def test_stage_map_names_every_stage_and_warns_on_imbalance():
     assert warning is not None and "costs" in warning and "interleaved-1f1b" in warning
     _, balanced = stage_map(partition(model(8, 64), 128, 2), 2)
     assert balanced is None
+
+
+def test_stage_parameters_add_up_to_the_model():
+    from femtotron.config import parameter_count
+
+    cfg = model(7, 32000)
+    cfg.tie_word_embeddings = False
+    assert sum(s.parameters for s in partition(cfg, 128, 3)) == parameter_count(cfg)

@@ -26,6 +26,7 @@ class Stage:
     embedding: bool
     head: bool
     cost: float  # forward FLOPs per token
+    parameters: int = 0  # how many parameters it holds (memory, M3); a tied head's copy counts
 
     def describe(self) -> str:
         parts = (["embedding"] if self.embedding else []) + [
@@ -40,6 +41,12 @@ def layer_flops(cfg: Any, sequence_length: int) -> float:
     attention_weights = cfg.hidden_size * head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
     mlp_weights = 3 * cfg.hidden_size * cfg.intermediate_size
     return 2 * (attention_weights + mlp_weights) + 2 * sequence_length * cfg.hidden_size
+
+
+def layer_parameters(cfg: Any) -> int:
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    attention = cfg.hidden_size * head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    return attention + 3 * cfg.hidden_size * cfg.intermediate_size + 2 * cfg.hidden_size
 
 
 def head_flops(cfg: Any) -> float:
@@ -75,14 +82,23 @@ def partition(cfg: Any, sequence_length: int, stages: int) -> list[Stage]:
         bounds.append((cut[k][i], i))
         i = cut[k][i]
     bounds.reverse()
-    return [Stage(s, range(a, b), s == 0, s == stages - 1, cost(a, b)) for s, (a, b) in enumerate(bounds)]
+    embedding = cfg.vocab_size * cfg.hidden_size
+
+    def parameters(start: int, stop: int) -> int:
+        first, last = start == 0, stop == n
+        return ((stop - start) * layer_parameters(cfg) + (embedding if first else 0)
+                + (cfg.hidden_size + embedding if last else 0))  # final norm + LM head (or the tied copy)
+
+    return [Stage(s, range(a, b), s == 0, s == stages - 1, cost(a, b), parameters(a, b))
+            for s, (a, b) in enumerate(bounds)]
 
 
 def stage_map(stages: list[Stage], pp: int) -> tuple[str, str | None]:
     """The layer-to-stage map for the log, and a warning when one stage is much slower (M3)."""
     total = sum(s.cost for s in stages)
     lines = [f"  stage {s.index} (pp rank {s.index % pp}{f', chunk {s.index // pp}' if len(stages) > pp else ''}): "
-             f"{s.describe()}, {s.cost / total:.0%} of the compute" for s in stages]
+             f"{s.describe()}, {s.cost / total:.0%} of the compute, {s.parameters / 1e6:.2f}M parameters"
+             for s in stages]
     mean = total / len(stages)
     slowest = max(stages, key=lambda s: s.cost)
     warning = None
