@@ -103,8 +103,9 @@ def stage_map(stages: list[Stage], pp: int) -> tuple[str, str | None]:
     slowest = max(stages, key=lambda s: s.cost)
     warning = None
     if slowest.cost > (1 + IMBALANCE_WARNING) * mean:
+        finer = (f"a larger parallelism.pp_virtual_stages (now {len(stages) // pp})" if len(stages) > pp else
+                 "parallelism.pp_engine=interleaved-1f1b with pp_virtual_stages=2")
         warning = (f"pipeline stage {slowest.index} ({slowest.describe()}) costs {slowest.cost / mean:.2f}x the mean "
-                   "stage, and every other stage waits for it on each micro-batch (M3). Finer stages balance better: "
-                   "parallelism.pp_engine=interleaved-1f1b with pp_virtual_stages=2, or a num_hidden_layers that "
-                   "leaves room for the LM head on the last stage.")
+                   f"stage, and every other stage waits for it on each micro-batch (M3). Finer stages balance better: "
+                   f"{finer}, or a num_hidden_layers that leaves room for the LM head on the last stage.")
     return "pipeline stages:\n" + "\n".join(lines), warning
