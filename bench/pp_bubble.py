@@ -20,17 +20,25 @@ the span; the two differ by executor overhead (Python, autograd, starting sends)
 
 `--compute model` trains the real debug model (examples/debug.yaml's shape, float32, 4 layers so
 interleaving has 2 chunks per rank) through femtotron's `Trainer` at pp = 2: compute is then the
-rank's time in `Pipeline.train_step` minus its pp communication, so stage imbalance and backward
-costing other than 2x forward count as idle too. It also prints the `pp_comm_share` the trainer
-logs (whole step, optimizer included). Only pp = 2: two ranks with one thread each fit the 2 cores
-of a small machine; at pp = 4 they would time-share the cores and the "idle" would mostly be waiting
-for a CPU, not for the pipeline.
+rank's time in `Pipeline.train_step` minus its pp communication (so idle and p2p wait coincide), and
+stage imbalance (the last stage also runs the LM head and the loss) counts as idle too. It also
+prints the `pp_comm_share` the trainer logs (whole step, optimizer included). Only pp = 2: two ranks
+with one thread each fit the 2 cores of a small machine; at pp = 4 they would time-share the cores
+and the "idle" would mostly be waiting for a CPU, not for the pipeline.
 
     python bench/pp_bubble.py [--compute sleep|model] [--pp 2,4] [--micro-batches 1,2,4,8]
                               [--engines afab,1f1b,interleaved-1f1b] [--steps 4] [--forward-ms 20]
+                              [--activation 4,128,256]
 
-`--micro-batches` are multiples of pp (m = k * pp); `--activation MBS,SEQ,HIDDEN` sets the
-transferred float32 tensor in sleep mode.
+`--micro-batches` are multiples k of pp (m = k * pp); `--activation MBS,SEQ,HIDDEN` sets the
+transferred float32 tensor in sleep mode. The defaults take about 2 minutes in either mode.
+
+Reading the numbers: the theory has free transfers and free scheduling. Here every action also pays
+a fixed cost (what is left of gloo's receive latency once the executor posts each receive one action
+ahead, plus the executor's Python and autograd), on the critical path once per micro-batch and stage, so
+`extra` grows with m while the theoretical bubble shrinks like 1/m: the ratio is close to 1 at small
+m and grows with m, more so for interleaving (v times the transfers, each chunk 1/v of the compute).
+A larger `--forward-ms` shrinks that fixed cost's share and the ratios tend to 1.
 """
 
 from __future__ import annotations
@@ -107,17 +115,18 @@ class _Sleep(torch.autograd.Function):
 
 
 class SleepChunk(nn.Module):
-    """A model chunk that takes forward_s to run forward and backward_s to run backward (no parameters:
-    the first stage's output hangs off a fresh leaf, so nothing but the sleeps and the transfers costs)."""
+    """A model chunk that takes forward_s to run forward and backward_s to run backward. No parameters:
+    the first stage's output hangs off a fresh leaf, so nothing but the sleeps and the transfers costs."""
 
-    def __init__(self, first: bool, last: bool, shape: tuple[int, int, int], forward_s: float, backward_s: float,
-                 clock: Clock) -> None:
+    def __init__(self, first: bool, last: bool, shape: tuple[int, int, int], forward_s: float,
+                 backward_s: float, clock: Clock) -> None:
         super().__init__()
         self.first, self.last, self.shape = first, last, shape
         self.forward_s, self.backward_s, self.clock = forward_s, backward_s, clock
 
     def run_stage(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = torch.zeros(self.shape, requires_grad=True) if self.first else inputs  # the first stage gets token ids
+        # The first stage gets token ids; it makes up activations of the transferred shape instead.
+        x = torch.zeros(self.shape, requires_grad=True) if self.first else inputs
         out = _Sleep.apply(x, self.forward_s, self.backward_s, self.clock)
         return out.sum() if self.last else out
 
@@ -129,8 +138,8 @@ def sleep_rank(ctx: ParallelContext, cases: list[Case], args: argparse.Namespace
     forward_s = args.forward_ms / 1000
     for index, case in enumerate(cases):
         stages = case.pp * case.v
-        chunks = [SleepChunk(stage == 0, stage == stages - 1, shape, forward_s / case.v, 2 * forward_s / case.v,
-                             clock)
+        chunks = [SleepChunk(stage == 0, stage == stages - 1, shape, forward_s / case.v,
+                             2 * forward_s / case.v, clock)
                   for stage in (c * case.pp + ctx.pp_rank for c in range(case.v))]
         p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device)
         pipeline = Pipeline(chunks, case.engine, case.pp, ctx.pp_rank, p2p, shape, torch.float32)
@@ -154,7 +163,6 @@ def sleep_rank(ctx: ParallelContext, cases: list[Case], args: argparse.Namespace
 def model_rank(ctx: ParallelContext, cases: list[Case], args: argparse.Namespace, report) -> None:
     from femtotron.trainer import Trainer  # only this mode needs the model stack
 
-    torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         for index, case in enumerate(cases):
             config = load_config(ROOT / "examples" / "debug.yaml", overrides=[
@@ -272,11 +280,14 @@ def main() -> None:
     parser.add_argument("--compute", choices=("sleep", "model"), default="sleep")
     parser.add_argument("--pp", default=None, help="pp sizes (default 2,4 with sleep, 2 with model)")
     parser.add_argument("--micro-batches", default=None,
-                        help="micro-batch counts as multiples of pp (default 1,2,4,8 with sleep, 1,2,4 with model)")
+                        help="micro-batch counts as multiples k of pp, m = k * pp "
+                             "(default 1,2,4,8 with sleep, 1,2,4 with model)")
     parser.add_argument("--engines", default=",".join(ENGINES))
-    parser.add_argument("--steps", type=int, default=4, help="measured steps per case, after one warm-up step")
-    parser.add_argument("--forward-ms", type=float, default=20.0, help="sleep mode: forward per stage (backward 2x)")
-    parser.add_argument("--activation", default="4,128,256", help="sleep mode: MBS,SEQ,HIDDEN of the transfers")
+    parser.add_argument("--steps", type=int, default=4, help="measured steps per case, after a warm-up step")
+    parser.add_argument("--forward-ms", type=float, default=20.0,
+                        help="sleep mode: forward per stage, ms (backward 2x)")
+    parser.add_argument("--activation", default="4,128,256",
+                        help="sleep mode: MBS,SEQ,HIDDEN of the float32 transfers")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any case")
     args = parser.parse_args()
     sleep = args.compute == "sleep"
@@ -285,17 +296,19 @@ def main() -> None:
     engines = args.engines.split(",")
 
     if sleep:
-        print(f"--compute sleep: forward {args.forward_ms:g} ms, backward {2 * args.forward_ms:g} ms per stage "
-              f"(per chunk: / v), transfers of float32 {tuple(map(int, args.activation.split(',')))} over gloo; "
-              f"median of {args.steps} steps after a warm-up")
+        shape = tuple(map(int, args.activation.split(",")))
+        print(f"--compute sleep: forward {args.forward_ms:g} ms, backward {2 * args.forward_ms:g} ms per "
+              f"stage (per chunk: / v), float32 {shape} transfers over gloo; median of {args.steps} steps "
+              "after a warm-up")
     else:
-        print(f"--compute model: debug model (4 layers, hidden 256, micro-batch 16 x 128, float32) through the "
-              f"Trainer; median of {args.steps} steps after a warm-up")
-    print("idle = 1 - compute / step span, mean over ranks (worst rank in brackets); p2p wait = time blocked in pp "
-          "communication\nor outside the rank's own step, as a share of the span; extra = span - what the theory "
-          "predicts for the compute done (compute / (1 - theory))")
-    header = (f"{'engine':<17} {'pp':>2} {'v':>2} {'m':>3} {'step':>8} {'extra':>8} {'theory':>7} {'idle':>7} "
-              f"{'(worst)':>8} {'ratio':>6} {'p2p wait':>8} {'ratio':>6}" + ("" if sleep else f" {'trainer pp share':>16}"))
+        print(f"--compute model: debug model (4 layers, hidden 256, micro-batch 16 x 128, float32) through "
+              f"the Trainer; median of {args.steps} steps after a warm-up")
+    print("idle = 1 - compute / step span, mean over ranks (worst rank in brackets); p2p wait = time blocked "
+          "in pp communication\nor outside the rank's own step, as a share of the span; extra = span - what "
+          "the theory predicts for the compute done (compute / (1 - theory)); ratio = measured / theory")
+    header = (f"{'engine':<17} {'pp':>2} {'v':>2} {'m':>3} {'step':>8} {'extra':>8} {'theory':>7} "
+              f"{'idle':>7} {'(worst)':>8} {'ratio':>6} {'p2p wait':>8} {'ratio':>6}")
+    header += "" if sleep else f" {'trainer pp share':>16}"
     print(header)
     print("-" * len(header))
     ratios: list[tuple[float, float, Case]] = []
@@ -306,9 +319,11 @@ def main() -> None:
         ratio, wait_ratio = s["idle"] / theory, s["wait"] / theory
         ratios.append((ratio, wait_ratio, case))
         extra = s["span"] - s["compute"] / (1 - theory)
-        print(f"{case.engine:<17} {case.pp:>2} {case.v:>2} {case.m:>3} {s['span'] * 1000:>6.0f}ms {extra * 1000:>6.1f}ms "
-              f"{theory:>7.1%} {s['idle']:>7.1%} {'(' + format(s['worst'], '.1%') + ')':>8} {ratio:>5.2f}x "
-              f"{s['wait']:>8.1%} {wait_ratio:>5.2f}x" + ("" if sleep else f" {s['share']:>16.1%}"), flush=True)
+        worst = f"({s['worst']:.1%})"
+        row = (f"{case.engine:<17} {case.pp:>2} {case.v:>2} {case.m:>3} {s['span'] * 1000:>6.0f}ms "
+               f"{extra * 1000:>6.1f}ms {theory:>7.1%} {s['idle']:>7.1%} {worst:>8} {ratio:>5.2f}x "
+               f"{s['wait']:>8.1%} {wait_ratio:>5.2f}x")
+        print(row + ("" if sleep else f" {s['share']:>16.1%}"), flush=True)
 
     start = time.monotonic()
     for pp in pps:

@@ -146,8 +146,14 @@ class Comm:
         with self._record("send", group, tensor, dst, _nbytes(tensor)):
             return dist.isend(tensor, dst=dst, group=group.handle, tag=tag)
 
-    def wait(self, work: dist.Work, group: Group, tensor: torch.Tensor, dst: int) -> None:
-        with self._record("wait_send", group, tensor, dst, 0):
+    def irecv(self, tensor: torch.Tensor, group: Group, src: int, tag: int = 0) -> dist.Work:
+        """Start receiving into `tensor` and return at once; `wait` on the result before reading it."""
+        with self._record("recv", group, tensor, src, 0):
+            return dist.irecv(tensor, src=src, group=group.handle, tag=tag)
+
+    def wait(self, work: dist.Work, group: Group, tensor: torch.Tensor, peer: int) -> None:
+        """Wait for an isend or irecv to finish (the time spent here is time spent idle)."""
+        with self._record("wait", group, tensor, peer, 0):
             work.wait()
 
     def recv(self, tensor: torch.Tensor, group: Group, src: int, tag: int = 0) -> torch.Tensor:

@@ -8,6 +8,8 @@ ranks and both shapes, instead of a receive that hangs or fills a buffer with th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -29,6 +31,17 @@ def _read(description: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     return tuple(values[1 : 1 + values[0]]), _DTYPES[values[-1]]
 
 
+@dataclass
+class PendingRecv:
+    from_pp_rank: int
+    src: int
+    tag: int
+    what: str
+    description: tuple[dist.Work, torch.Tensor] | None  # only on the first transfer of its kind
+    work: dist.Work | None  # None until the description is checked
+    buffer: torch.Tensor
+
+
 class PipelineP2P:
     """Point-to-point over the pp group; peers are named by pp rank."""
 
@@ -47,24 +60,48 @@ class PipelineP2P:
             self.pending.append((self.comm.isend(description, self.group, dst, _DESCRIPTION_TAG), description, dst))
         self.pending.append((self.comm.isend(tensor, self.group, dst, tag), tensor, dst))
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, from_pp_rank: int, tag: int, what: str) -> torch.Tensor:
+    def post_recv(self, shape: tuple[int, ...], dtype: torch.dtype, from_pp_rank: int, tag: int,
+                  what: str) -> PendingRecv:
+        """Start receiving now, so the transfer overlaps this rank's compute; `take` it when needed.
+
+        Nothing here waits: a rank may post the receive for its next action before it sends what the
+        peer needs to produce it.
+        """
         src = self.group.ranks[from_pp_rank]
         key = ("recv", src, shape, dtype)
+        description = None
         if key not in self.described:
-            description = self.comm.recv(torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=self.device),
-                                         self.group, src, _DESCRIPTION_TAG)
-            sent_shape, sent_dtype = _read(description)
+            self.described.add(key)
+            description = torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=self.device)
+            description = (self.comm.irecv(description, self.group, src, _DESCRIPTION_TAG), description)
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        # The first transfer's data is received only once its description matched: a receive posted
+        # with the wrong size could never complete, and would keep the process from shutting down.
+        work = self.comm.irecv(buffer, self.group, src, tag) if description is None else None
+        return PendingRecv(from_pp_rank, src, tag, what, description, work, buffer)
+
+    def take(self, pending: PendingRecv) -> torch.Tensor:
+        """Wait for a posted receive; the first one from a peer checks the sender's shape and dtype (P1)."""
+        if pending.description is not None:
+            work, description = pending.description
+            self.comm.wait(work, self.group, description, pending.src)
+            sent_shape, sent_dtype = _read(description.cpu())
+            shape, dtype = tuple(pending.buffer.shape), pending.buffer.dtype
             if (sent_shape, sent_dtype) != (shape, dtype):
                 me = self.group.ranks[self.pp_rank]
                 raise DistributedError(
-                    f"pipeline stages disagree on {what}: rank {src} (pp rank {from_pp_rank}) sends shape "
-                    f"{sent_shape} {sent_dtype}, rank {me} (pp rank {self.pp_rank}) expects shape {shape} {dtype}. "
-                    "Every rank must run the same config: check that all ranks got the same YAML and overrides "
-                    "(tokens.micro_batch_size, tokens.sequence_length, model.model_config.hidden_size, model.dtype, "
-                    "parallelism.tp and tp_mode)."
+                    f"pipeline stages disagree on {pending.what}: rank {pending.src} (pp rank {pending.from_pp_rank}) "
+                    f"sends shape {sent_shape} {sent_dtype}, rank {me} (pp rank {self.pp_rank}) expects shape {shape} "
+                    f"{dtype}. Every rank must run the same config: check that all ranks got the same YAML and "
+                    "overrides (tokens.micro_batch_size, tokens.sequence_length, model.model_config.hidden_size, "
+                    "model.dtype, parallelism.tp and tp_mode)."
                 )
-            self.described.add(key)
-        return self.comm.recv(torch.empty(shape, dtype=dtype, device=self.device), self.group, src, tag)
+            return self.comm.recv(pending.buffer, self.group, pending.src, pending.tag)
+        self.comm.wait(pending.work, self.group, pending.buffer, pending.src)
+        return pending.buffer
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, from_pp_rank: int, tag: int, what: str) -> torch.Tensor:
+        return self.take(self.post_recv(shape, dtype, from_pp_rank, tag, what))
 
     def wait_sends(self) -> None:
         """Sends run in the background; their buffers must live until they are done."""
