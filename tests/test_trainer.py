@@ -114,3 +114,89 @@ def test_token_ids_beyond_the_vocabulary_are_reported_not_crashed_on(tiny_config
     with pytest.raises(DataError, match=r"token id 2\d\d, but model.model_config.vocab_size=128") as info:
         trainer.train_step()
     assert "vocab_size >= 2" in str(info.value) and "femtotron preprocess" in str(info.value)
+
+
+def weights(trainer):
+    return [p.detach().clone() for _, p in trainer.named_parameters()] + \
+        [m.detach().clone() for m in trainer.optimizer.masters]
+
+
+def test_fp16_overflow_skips_the_step_and_lowers_the_loss_scale(tiny_config, capsys):
+    config = tiny_config("model.dtype=float16", "tokens.train_steps=20")
+    trainer = Trainer(config, ParallelContext())
+    assert trainer.scaler.enabled and trainer.scaler.scale == 2.0**16
+    # One fp16 parameter gradient overflows during backward (as a too-large loss scale makes it do).
+    _, param = trainer.named_parameters()[3]
+    assert param.dtype == torch.float16
+    hook = param.register_hook(lambda grad: torch.full_like(grad, math.inf))
+    before = weights(trainer)
+    skipped = trainer.train_step()
+    hook.remove()
+    assert skipped.skipped and math.isfinite(skipped.loss) and skipped.loss_scale == 2.0**15
+    assert trainer.scaler.scale == 2.0**15 and trainer.scaler.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(trainer), strict=True))  # weights unchanged
+    assert all(m.grad is None for m in trainer.optimizer.masters)  # the bad gradients are dropped
+    assert "step 1: fp16 gradients overflowed at loss scale 65536; step skipped, scale lowered to 32768" \
+        in capsys.readouterr().out
+    trainer.step = 1
+    trainer.log_step(skipped)
+    results = trainer.train()  # steps 2..20: no more overflows, and fp16 learns
+    losses = [skipped.loss] + [r.loss for r in results]
+    assert not any(r.skipped for r in results) and all(math.isfinite(x) for x in losses)
+    assert all(r.loss_scale == 2.0**15 for r in results)
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.5
+    records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["grad_norm"] is None and records[0]["skipped_steps"] == 1
+    assert records[-1]["loss_scale"] == 2.0**15 and records[-1]["grad_norm"] > 0
+
+
+def test_fp16_loss_scale_too_large_for_fp16_backs_off_then_stops_at_min_scale(tiny_config):
+    config = tiny_config("model.dtype=float16", "optimizer.loss_scale.initial_scale=1099511627776",  # 2**40
+                         "optimizer.loss_scale.min_scale=549755813888")  # 2**39
+    trainer = Trainer(config, ParallelContext(), log_to_console=False)
+    before = weights(trainer)
+    result = trainer.train_step()  # scaled by 2**40 the gradients really overflow fp16
+    assert result.skipped and trainer.scaler.scale == 2.0**39
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(trainer), strict=True))
+    trainer.step = 1
+    with pytest.raises(TrainingDiverged) as info:
+        trainer.train_step()
+    message = str(info.value)
+    assert "step 2: fp16 gradients overflowed" in message and "min_scale" in message and "bfloat16" in message
+
+
+def test_bf16_and_fp32_have_no_loss_scale(tiny_config):
+    trainer, results = train(tiny_config("model.dtype=bfloat16", "tokens.train_steps=2"))
+    assert not trainer.scaler.enabled and trainer.scaler.scale == 1.0
+    assert all(r.loss_scale is None and not r.skipped for r in results)
+    assert "loss_scale" not in (trainer.run_dir / "metrics.jsonl").read_text()
+
+
+def _fp16_dp_overflow_on_one_rank(rank, config):
+    ctx = ParallelContext(dp=2, init_timeout_seconds=30, collective_timeout_seconds=60)
+    trainer = Trainer(config, ctx, log_to_console=False)
+    reduce, poison = trainer.reduce_gradients, [rank == 1]
+
+    def reduce_then_poison(grads):
+        reduce(grads)
+        if poison[0]:  # after the dp sum: only rank 1's gradients overflow, rank 0's are finite
+            grads[0].view(-1)[0] = math.inf
+            poison[0] = False
+
+    trainer.reduce_gradients = reduce_then_poison
+    before = weights(trainer)
+    first = trainer.train_step()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, weights(trainer), strict=True))
+    trainer.step = 1
+    second = trainer.train_step()
+    ctx.close()
+    return first.skipped, unchanged, trainer.scaler.scale, second.skipped, second.loss, weights(trainer)
+
+
+def test_fp16_overflow_on_one_dp_rank_skips_the_step_on_both(tiny_config):
+    config = tiny_config("model.dtype=float16", "tokens.micro_batch_size=2", "parallelism.dp=2")
+    results = run_ranks(_fp16_dp_overflow_on_one_rank, 2, config)
+    for skipped, unchanged, scale, second_skipped, second_loss, _ in results:
+        assert skipped and unchanged and scale == 2.0**15
+        assert not second_skipped and math.isfinite(second_loss)
+    assert all(torch.equal(a, b) for a, b in zip(results[0][-1], results[1][-1], strict=True))  # still in step

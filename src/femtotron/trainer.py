@@ -28,6 +28,7 @@ from femtotron.errors import ConfigError, DataError, FemtotronError
 from femtotron.metrics import RunLog, memory_gib, model_flops_per_token, peak_flops
 from femtotron.models.llama import IGNORE_INDEX, Llama
 from femtotron.optim.clip import clip_grads_
+from femtotron.optim.loss_scale import DynamicLossScaler
 from femtotron.optim.lr_schedule import lr_at
 from femtotron.optim.optimizer import MixedPrecisionAdamW
 from femtotron.parallel.comm import Group
@@ -39,7 +40,7 @@ from femtotron.parallel.sharding import split_dim
 from femtotron.parallel.tensor_parallel import TensorParallel, full_tensor
 from femtotron.precision import emulated_low_precision
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 WEIGHTS_FILE = "model.safetensors"
 PARTS_FILE = "model-parts.json"  # which safetensors files hold the final weights (one per pp stage)
 
@@ -56,6 +57,8 @@ class StepResult:
     tokens: int
     seconds: float
     comm_seconds: dict[str, float]  # group kind ("tp", "dp", ...) -> seconds in its collectives
+    loss_scale: float | None = None  # fp16: the scale the next step uses (after this step's update)
+    skipped: bool = False  # fp16: the gradients overflowed, so the optimizer step was skipped
 
 
 def open_nanoset(folders: str | list[str] | dict[str, float], sequence_length: int, seed: int) -> Nanoset:
@@ -73,9 +76,6 @@ def open_nanoset(folders: str | list[str] | dict[str, float], sequence_length: i
 
 def check_supported(config: Config) -> None:
     problems = []
-    if config.model.dtype == "float16":
-        problems.append("model.dtype=float16: fp16 needs dynamic loss scaling, which femtotron does not do; "
-                        "use model.dtype=bfloat16 (same memory, fp32's range, no overflow).")
     if config.optimizer.zero_stage != 0:
         problems.append("optimizer.zero_stage=1 is not available in this version; set optimizer.zero_stage=0.")
     ckpt = config.checkpoints
@@ -110,10 +110,13 @@ class Trainer:
         # Virtual stage s runs on pp rank s % pp as its chunk s // pp (one chunk unless interleaved).
         self.stages = partition(mcfg, tokens.sequence_length, ctx.pp * par.pp_virtual_stages)
         self.chunks = [Llama(mcfg, std=config.model.init_method.std, seed=config.general.seed, dtype=self.dtype,
-                             device=ctx.device, tp=self.tp, stage=self.stages[chunk * ctx.pp + ctx.pp_rank])
+                             device=ctx.device, tp=self.tp, stage=self.stages[chunk * ctx.pp + ctx.pp_rank],
+                             recompute_layer=par.recompute_layer)
                        for chunk in range(par.pp_virtual_stages)]
         names, params = zip(*self.named_parameters(), strict=True)
         self.optimizer = MixedPrecisionAdamW(list(params), config.optimizer)
+        # fp16 only (N1): the loss is multiplied by a dynamic scale; bf16 and fp32 get a disabled one.
+        self.scaler = DynamicLossScaler.from_config(config.optimizer.loss_scale, enabled=self.dtype == torch.float16)
         # Parameters every tp rank holds whole (the norms): counted once in the grad norm, and under
         # sequence parallelism each rank saw only its part of the sequence, so their grads are summed.
         replicated = [split_dim(p.shard) is None for p in params]
@@ -150,7 +153,8 @@ class Trainer:
             f"run: {cfg.general.project}/{cfg.general.run}, directory {self.run_dir}",
             f"model: Llama {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, "
             f"{mcfg.num_attention_heads} heads ({mcfg.num_key_value_heads} kv), vocab {mcfg.vocab_size}: "
-            f"{parameter_count(mcfg) / 1e6:.2f}M parameters, {cfg.model.dtype} with fp32 master weights",
+            f"{parameter_count(mcfg) / 1e6:.2f}M parameters, {cfg.model.dtype} with fp32 master weights"
+            + (f", dynamic loss scale from {self.scaler.scale:g}" if self.scaler.enabled else ""),
             f"layout: dp={self.ctx.dp} tp={self.ctx.tp} pp={self.ctx.pp} on {self.ctx.world_size} "
             f"process(es) on {len(set(self.ctx.hosts))} host(s), device {self.ctx.device}",
             f"batch: {tokens.micro_batch_size} x {tokens.sequence_length} tokens x "
@@ -238,17 +242,42 @@ class Trainer:
     def train_step(self) -> StepResult:
         start = time.perf_counter()
         loss, tokens, grads = self.compute_gradients()
-        grad_norm = clip_grads_(grads, self.config.optimizer.clip_grad, self.ctx, self.counted_in_norm).item()
         lr = lr_at(self.step, self.config.optimizer.learning_rate_scheduler, self.config.tokens.train_steps)
+        # fp16: back to true units before clipping; an overflow (agreed by every rank) with a finite loss
+        # skips the step. A non-finite loss is a real divergence and stops below.
+        if self.scaler.unscale_(grads, self.ctx) and math.isfinite(loss):
+            return self.skip_step(loss, tokens, lr, start)
+        grad_norm = clip_grads_(grads, self.config.optimizer.clip_grad, self.ctx, self.counted_in_norm).item()
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise self.diverged(loss, grad_norm)
         self.optimizer.step(lr)
         self.optimizer.zero_grad()
+        self.scaler.update(overflow=False)
         self.history.append((self.step + 1, lr, grad_norm))
-        return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start, self.ctx.comm.take_seconds())
+        return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start, self.ctx.comm.take_seconds(),
+                          loss_scale=self.scaler.scale if self.scaler.enabled else None)
+
+    def skip_step(self, loss: float, tokens: int, lr: float, start: float) -> StepResult:
+        """fp16 gradients overflowed: drop them, lower the loss scale, leave the weights as they are."""
+        scale = self.scaler.scale
+        if self.scaler.at_minimum:
+            raise TrainingDiverged(
+                f"{self.ctx.log_prefix} step {self.step + 1}: fp16 gradients overflowed at loss scale {scale:g}, "
+                f"which is optimizer.loss_scale.min_scale={self.scaler.min_scale:g} ({self.scaler.skipped_steps} "
+                f"steps skipped so far): the loss ({loss:.4f}) is finite, but the gradients do not fit fp16 even at "
+                "the smallest allowed scale, so training stopped.\nFixes: use model.dtype=bfloat16 (fp32's range), or float32; "
+                "lower optimizer.learning_rate_scheduler.learning_rate; keep optimizer.clip_grad at 1.0."
+            )
+        self.optimizer.zero_grad()
+        self.scaler.update(overflow=True)
+        self.log.warn(f"step {self.step + 1}: fp16 gradients overflowed at loss scale {scale:g}; step skipped, "
+                      f"scale lowered to {self.scaler.scale:g} ({self.scaler.skipped_steps} skipped so far)")
+        return StepResult(loss, math.inf, lr, tokens, time.perf_counter() - start, self.ctx.comm.take_seconds(),
+                          loss_scale=self.scaler.scale, skipped=True)
 
     def compute_gradients(self) -> tuple[float, int, list[torch.Tensor]]:
-        """Forward and backward over this step's micro-batches; returns loss, tokens and fp32 grads.
+        """Forward and backward over this step's micro-batches; returns loss, tokens and fp32 grads
+        (with fp16, still multiplied by the loss scale: `train_step` unscales them).
 
         Every rank of a dp replica reads the same micro-batches: the first pipeline stage needs the
         inputs, the last the targets, and all of them the token count.
@@ -260,7 +289,8 @@ class Trainer:
         local_tokens = sum(int((mb[:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
         global_tokens = torch.tensor(float(local_tokens), device=self.ctx.device)
         self.ctx.comm.all_reduce(global_tokens, self.ctx.dp_group)
-        loss_sum = self.pipeline.train_step(micro_batches, global_tokens)
+        # fp16: dividing by global_tokens / scale multiplies the loss, so every gradient, by the loss scale.
+        loss_sum = self.pipeline.train_step(micro_batches, global_tokens / self.scaler.scale)
         grads = self.optimizer.grads()
         self.reduce_gradients(grads)
         # Only the last stage computed the loss: summed over pp, every rank logs the same number (P3).
@@ -332,12 +362,15 @@ class Trainer:
         tokens_per_sec = result.tokens / result.seconds
         achieved = tokens_per_sec * self.flops_per_token / self.ctx.world_size
         record = {
-            "step": self.step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+            "step": self.step, "loss": result.loss, "lr": result.lr,
+            "grad_norm": result.grad_norm if math.isfinite(result.grad_norm) else None,  # None: a skipped step
             "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": tokens_per_sec / self.ctx.world_size,
             "model_tflops_per_device": achieved / 1e12, "mfu": achieved / self.peak_flops,
             "step_seconds": result.seconds, **memory_gib(self.ctx.device),
             **{f"{kind}_comm_share": seconds / result.seconds for kind, seconds in result.comm_seconds.items()},
         }
+        if self.scaler.enabled:
+            record.update(loss_scale=result.loss_scale, skipped_steps=self.scaler.skipped_steps)
         self.log.record(record)
         memory = " ".join(f"{k.removeprefix('mem_').removesuffix('_gib')} {v:.2f}GiB" for k, v in record.items()
                           if k.startswith("mem_"))
@@ -345,7 +378,9 @@ class Trainer:
                        if k.endswith("_comm_share") and k[:2] in ("tp", "dp", "pp"))
         self.log.info(f"step {self.step}/{self.config.tokens.train_steps} | loss {result.loss:.4f} | "
                       f"lr {result.lr:.3e} | grad_norm {result.grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s | "
-                      f"{achieved / 1e12:.2f} TFLOP/s | MFU {record['mfu']:.1%} | mem {memory}{comm}")
+                      f"{achieved / 1e12:.2f} TFLOP/s | MFU {record['mfu']:.1%} | mem {memory}{comm}"
+                      + (f" | loss scale {result.loss_scale:g}" if self.scaler.enabled else "")
+                      + (" | step skipped (fp16 overflow)" if result.skipped else ""))
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -116,6 +116,7 @@ class ParallelismArgs(_Section):
     pp_engine: Literal["1f1b", "afab", "interleaved-1f1b"] = "1f1b"
     pp_virtual_stages: PositiveInt = 1  # model chunks per pp rank; > 1 only with interleaved-1f1b
     tp_mode: Literal["ALL_REDUCE", "REDUCE_SCATTER"] = "ALL_REDUCE"
+    recompute_layer: bool = False  # recompute each decoder layer's forward in backward (less memory)
     init_timeout_seconds: PositiveFloat = 300
     collective_timeout_seconds: PositiveFloat = 600
 
@@ -147,6 +148,16 @@ class AdamWArgs(_Section):
     torch_adam_is_fused: bool = True
 
 
+class LossScaleArgs(_Section):
+    """Dynamic loss scaling, used only with model.dtype=float16 (optim/loss_scale.py)."""
+
+    initial_scale: PositiveFloat = 2.0**16
+    growth_factor: float = Field(2.0, gt=1)
+    backoff_factor: float = Field(0.5, gt=0, lt=1)
+    growth_interval: PositiveInt = 1000  # clean steps before the scale grows
+    min_scale: PositiveFloat = 1.0  # an overflow at this scale stops the run
+
+
 class OptimizerArgs(_Section):
     zero_stage: Literal[0, 1] = 0
     weight_decay: NonNegativeFloat = 0.01
@@ -154,6 +165,7 @@ class OptimizerArgs(_Section):
     accumulate_grad_in_fp32: bool = True
     learning_rate_scheduler: LRSchedulerArgs = Field(default_factory=LRSchedulerArgs)
     optimizer_factory: AdamWArgs = Field(default_factory=AdamWArgs)
+    loss_scale: LossScaleArgs = Field(default_factory=LossScaleArgs)
 
 
 DatasetSpec = str | list[str] | dict[str, float]
@@ -375,6 +387,11 @@ def rule_problems(cfg: Config) -> list[Problem]:
             f"lr_warmup_steps={sched.lr_warmup_steps} must be <= train_steps={tok.train_steps} (the run would end "
             f"before warm-up does). Fix: lr_warmup_steps={max(tok.train_steps // 10, 0)} (10% of train_steps), "
             f"or train_steps={sched.lr_warmup_steps * 10}.")
+    scaling = cfg.optimizer.loss_scale
+    if scaling.min_scale > scaling.initial_scale:
+        add(("optimizer.loss_scale.min_scale", "optimizer.loss_scale.initial_scale"),
+            f"min_scale={scaling.min_scale:g} must be <= initial_scale={scaling.initial_scale:g} (the scale only "
+            f"goes down to min_scale). Fix: min_scale=1, or initial_scale={scaling.min_scale:g}.")
     if sched.min_decay_lr > sched.learning_rate:
         add(("optimizer.learning_rate_scheduler.min_decay_lr", "optimizer.learning_rate_scheduler.learning_rate"),
             f"min_decay_lr={sched.min_decay_lr:g} must be <= learning_rate={sched.learning_rate:g} (decay "
@@ -451,8 +468,9 @@ def config_warnings(config: Config) -> list[str]:
         out.append(f"optimizer.learning_rate_scheduler.learning_rate={lr:g} is so small the model will barely "
                    f"move; the usual value for this size is about {typical:g}.")
     if config.model.dtype == "float16":
-        out.append("model.dtype=float16 overflows to inf/NaN without loss scaling (its max is 65504). "
-                   "Use model.dtype: bfloat16: same memory, float32's range.")
+        out.append("model.dtype=float16 overflows above 65504: it trains with dynamic loss scaling, and a step "
+                   "whose gradients overflow is skipped (logged). Prefer model.dtype: bfloat16 where the hardware "
+                   "has it: same memory, float32's range, no loss scaling and no skipped steps.")
     par, accumulation = config.parallelism, config.tokens.batch_accumulation_per_replica
     if par.pp > 1 and accumulation < 4 * par.pp:
         out.append(f"tokens.batch_accumulation_per_replica={accumulation} micro-batches with pp={par.pp}: the "

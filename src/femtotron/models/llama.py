@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from femtotron.errors import ConfigError
 from femtotron.parallel.pipeline.partition import Stage
@@ -156,12 +157,21 @@ class Llama(nn.Module):
     `run_stage` maps the stage's input (token ids on the first stage, activations elsewhere) to its
     output (activations, or the summed loss on the last stage). For the whole model `forward` returns
     the summed loss and the token count; every tp rank gets the same numbers.
+
+    `recompute_layer` (activation recomputation): while gradients are enabled, each decoder layer
+    keeps only its input for backward and runs its forward again when backward reaches it, so a
+    stage holds one (batch, sequence, hidden) tensor per layer instead of all of the layer's
+    intermediates, for about one more forward pass of compute. The recomputation replays the
+    layer's tp collectives in the same order on every tp rank (the same code runs everywhere), and
+    computes bit-identical activations, so gradients are unchanged.
     """
 
     def __init__(self, cfg: Any, *, std: float, seed: int, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel | None = None, stage: Stage | None = None) -> None:
+                 tp: TensorParallel | None = None, stage: Stage | None = None,
+                 recompute_layer: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
+        self.recompute_layer = recompute_layer
         self.tp = tp = tp or TensorParallel.single()
         self.stage = stage = stage or Stage(0, range(cfg.num_hidden_layers), embedding=True, head=True, cost=0.0)
         make = ParamFactory(std, seed, dtype, device)
@@ -187,8 +197,12 @@ class Llama(nn.Module):
 
     def hidden_states(self, inputs: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(inputs) if self.stage.embedding else inputs
+        recompute = self.recompute_layer and torch.is_grad_enabled()
         for layer in self.layers.values():
-            x = layer(x)
+            # Non-reentrant checkpoint: backward runs through the ordinary autograd graph (the
+            # recomputed tensors stand in for the dropped ones), so gradients, gradient hooks and
+            # the pipeline's backward from a stage's output work as without it.
+            x = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
         return x
 
     def head_logits(self, x: torch.Tensor) -> torch.Tensor:

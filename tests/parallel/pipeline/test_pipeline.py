@@ -44,9 +44,9 @@ def _cases(rank, world, tp, configs):
 
 
 def case_config(tiny_config, layers, engine="1f1b", virtual=1, tied=False, dtype="float32", tp_mode="ALL_REDUCE",
-                **parallel):
+                accumulation=4, **parallel):
     overrides = [f"model.model_config.num_hidden_layers={layers}", f"model.model_config.tie_word_embeddings={tied}",
-                 f"model.dtype={dtype}", "tokens.batch_accumulation_per_replica=4", "tokens.micro_batch_size=2",
+                 f"model.dtype={dtype}", f"tokens.batch_accumulation_per_replica={accumulation}", "tokens.micro_batch_size=2",
                  "model.model_config.num_key_value_heads=4", "optimizer.clip_grad=0.5",
                  f"general.run={engine}-{layers}-{tied}-{dtype}-{tp_mode}-" + "-".join(map(str, parallel.values()))]
     overrides += [f"parallelism.{key}={value}" for key, value in parallel.items()]
@@ -147,3 +147,38 @@ def test_sender_receiver_shape_mismatch_is_a_clear_error():
     assert DistributedError.__name__ in message
     assert ("pipeline stages disagree on activations: rank 0 (pp rank 0) sends shape (2, 16, 64) torch.float32, "
             "rank 1 (pp rank 1) expects shape (2, 16, 32) torch.float32") in message
+
+
+def _three_d(rank, configs):
+    ctx = ParallelContext(dp=2, tp=2, pp=2, collective_timeout_seconds=120)
+    out = [run(config, ctx) for config in configs]
+    ctx.close()
+    return out
+
+
+def test_dp_tp_pp_2x2x2_on_8_ranks_equals_one_process(tiny_config):
+    """The full 3D mesh: dp=2 x tp=2 x pp=2 (sequence parallel, interleaved schedule in fp32; 1F1B in bf16)
+    trains exactly like one process with the same global batch (accumulation over the dp split)."""
+    cases = [(4, "interleaved-1f1b", 2, True, "float32", "REDUCE_SCATTER"), (5, "1f1b", 1, False, "bfloat16", "ALL_REDUCE")]
+    references, configs = [], []
+    for layers, engine, virtual, tied, dtype, tp_mode in cases:
+        references.append(run(case_config(tiny_config, layers, tied=tied, dtype=dtype, accumulation=8),
+                              ParallelContext()))
+        configs.append(case_config(tiny_config, layers, engine, virtual, tied, dtype, tp_mode, dp=2, tp=2, pp=2))
+    per_rank = run_ranks(_three_d, 8, configs, timeout=600)
+    for index, (config, (ref_loss, ref_grads, ref_losses, ref_norms, ref_updates)) in enumerate(
+            zip(configs, references, strict=True)):
+        fp32 = config.model.dtype == "float32"
+        rel = 1e-5 if fp32 else 4 * BF16_EPS
+        grads, updates = {}, {}
+        for rank_results in per_rank:
+            loss, rank_grads, losses, norms, rank_updates = rank_results[index]
+            assert loss == pytest.approx(ref_loss, rel=rel) and losses == pytest.approx(ref_losses, rel=rel)
+            assert norms == pytest.approx(ref_norms, rel=1e-4 if fp32 else 4 * BF16_EPS)
+            grads.update(rank_grads)
+            updates.update(rank_updates)
+        assert grads.keys() == ref_grads.keys()
+        for name, ref in ref_grads.items():
+            assert (grads[name] - ref).abs().max() <= (1e-5 if fp32 else 4 * BF16_EPS) * ref.abs().max(), name
+        for name, ref in ref_updates.items():
+            assert (updates[name] - ref).norm() <= (1e-4 if fp32 else 16 * BF16_EPS) * ref.norm(), name
