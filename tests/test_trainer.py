@@ -200,3 +200,13 @@ def test_fp16_overflow_on_one_dp_rank_skips_the_step_on_both(tiny_config):
         assert skipped and unchanged and scale == 2.0**15
         assert not second_skipped and math.isfinite(second_loss)
     assert all(torch.equal(a, b) for a, b in zip(results[0][-1], results[1][-1], strict=True))  # still in step
+
+
+def test_pipeline_parallelism_on_gpus_is_refused_until_nccl_transfers_are_batched(tiny_config, monkeypatch):
+    from femtotron.trainer import check_supported
+
+    config = tiny_config("parallelism.pp=2")
+    check_supported(config)  # CPU (gloo): supported
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="parallelism.pp=2 on GPUs"):
+        check_supported(config)

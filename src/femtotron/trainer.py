@@ -76,6 +76,13 @@ def open_nanoset(folders: str | list[str] | dict[str, float], sequence_length: i
 
 def check_supported(config: Config) -> None:
     problems = []
+    if config.parallelism.pp > 1 and torch.cuda.is_available():
+        # NCCL matches point-to-point transfers in order, ignoring tags, on one stream per pair of ranks:
+        # the executor's look-ahead receives need batched send/receive pairs there, which this version
+        # lacks (an independent review found the hang; the CPU tests use gloo, which matches by tag).
+        problems.append(f"parallelism.pp={config.parallelism.pp} on GPUs: this version's pipeline runs on the "
+                        "gloo backend (CPU) only; on NCCL its transfers can deadlock. Use parallelism.pp=1 and "
+                        "tp or dp on GPUs.")
     if config.optimizer.zero_stage != 0:
         problems.append("optimizer.zero_stage=1 is not available in this version; set optimizer.zero_stage=0.")
     ckpt = config.checkpoints

@@ -222,3 +222,21 @@ def test_data_and_tensor_parallel_together_equal_one_process(tiny_config):
         assert norms == pytest.approx(ref_norms, rel=1e-4)
         for name, ref in ref_updates.items():
             assert (updates[name] - ref).norm() <= 1e-4 * ref.norm(), name
+
+
+def _tiny_vocabulary(rank):
+    ctx = ParallelContext(tp=4, collective_timeout_seconds=60)
+    cfg = model_config(kv_heads=4, tied=False, vocab=5)
+    kwargs = dict(std=0.02, seed=5, dtype=torch.float32, device=torch.device("cpu"))
+    ids, targets = batch(cfg.vocab_size)
+    tp = TensorParallel(ctx.comm, ctx.tp_group, ctx.tp_rank)
+    out = (loss_and_grads(Llama(cfg, tp=tp, **kwargs), ids, targets, tp)[0],
+           loss_and_grads(Llama(cfg, **kwargs), ids, targets, TensorParallel.single())[0])
+    ctx.close()
+    return out
+
+
+def test_a_vocabulary_shard_of_only_padding_is_masked_whole():
+    """vocab 5 over tp=4: ceil(5/4) = 2 rows per rank, so rank 3 holds only padding; the loss still equals tp=1."""
+    for loss, reference in run_ranks(_tiny_vocabulary, 4, timeout=120):
+        assert loss == pytest.approx(reference, rel=1e-6)

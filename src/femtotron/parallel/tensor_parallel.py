@@ -170,10 +170,11 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     Columns past `vocab_size` (the padding that makes the vocabulary divisible by tp) are masked
     to -inf, so they get probability 0 and no gradient.
     """
-    padding = vocab_start + logits.shape[-1] - vocab_size
+    columns = logits.shape[-1]
+    padding = min(vocab_start + columns - vocab_size, columns)  # a tiny vocabulary can leave a shard all padding
     if padding > 0:
-        mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        mask[logits.shape[-1] - padding:] = True
+        mask = torch.zeros(columns, dtype=torch.bool, device=logits.device)
+        mask[columns - padding:] = True
         logits = logits.masked_fill(mask, float("-inf"))
     if tp.size == 1:
         return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum",

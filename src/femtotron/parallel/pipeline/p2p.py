@@ -59,6 +59,15 @@ class PipelineP2P:
             description = _describe(tuple(tensor.shape), tensor.dtype).to(self.device)
             self.pending.append((self.comm.isend(description, self.group, dst, _DESCRIPTION_TAG), description, dst))
         self.pending.append((self.comm.isend(tensor, self.group, dst, tag), tensor, dst))
+        # Let go of sends that have finished, so their buffers (whole activations) do not pile up
+        # until the end of the step: 1F1B's point is holding only pp micro-batches at a time.
+        unfinished = []
+        for work, sent, peer in self.pending:
+            if work.is_completed():
+                self.comm.wait(work, self.group, sent, peer)  # instant; raises if the transfer failed
+            else:
+                unfinished.append((work, sent, peer))
+        self.pending = unfinished
 
     def post_recv(self, shape: tuple[int, ...], dtype: torch.dtype, from_pp_rank: int, tag: int,
                   what: str) -> PendingRecv:
