@@ -34,8 +34,8 @@ and the "idle" would mostly be waiting for a CPU, not for the pipeline.
 transferred float32 tensor in sleep mode. The defaults take about 2 minutes in either mode.
 
 Reading the numbers: the theory has free transfers and free scheduling. Here every action also pays
-a fixed cost (what is left of gloo's receive latency once the executor posts each receive one action
-ahead, plus the executor's Python and autograd), on the critical path once per micro-batch and stage, so
+a fixed cost (gloo's receive latency, the executor issuing each send with the next receive after the
+compute, its Python and autograd), on the critical path once per micro-batch and stage, so
 `extra` grows with m while the theoretical bubble shrinks like 1/m: the ratio is close to 1 at small
 m and grows with m, more so for interleaving (v times the transfers, each chunk 1/v of the compute).
 A larger `--forward-ms` shrinks that fixed cost's share and the ratios tend to 1.
@@ -141,8 +141,8 @@ def sleep_rank(ctx: ParallelContext, cases: list[Case], args: argparse.Namespace
         chunks = [SleepChunk(stage == 0, stage == stages - 1, shape, forward_s / case.v,
                              2 * forward_s / case.v, clock)
                   for stage in (c * case.pp + ctx.pp_rank for c in range(case.v))]
-        p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device)
-        pipeline = Pipeline(chunks, case.engine, case.pp, ctx.pp_rank, p2p, shape, torch.float32)
+        p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device, shape, torch.float32)
+        pipeline = Pipeline(chunks, case.engine, case.pp, ctx.pp_rank, p2p)
         micro_batches = [torch.zeros(mbs, seq + 1, dtype=torch.int64) for _ in range(case.m)]
         global_tokens = torch.tensor(float(mbs * seq * case.m))
         steps = []

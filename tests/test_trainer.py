@@ -202,11 +202,14 @@ def test_fp16_overflow_on_one_dp_rank_skips_the_step_on_both(tiny_config):
     assert all(torch.equal(a, b) for a, b in zip(results[0][-1], results[1][-1], strict=True))  # still in step
 
 
-def test_pipeline_parallelism_on_gpus_is_refused_until_nccl_transfers_are_batched(tiny_config, monkeypatch):
+def test_interleaved_pipeline_on_gpus_is_refused(tiny_config, monkeypatch):
     from femtotron.trainer import check_supported
 
-    config = tiny_config("parallelism.pp=2")
-    check_supported(config)  # CPU (gloo): supported
+    interleaved = tiny_config("parallelism.pp=2", "parallelism.pp_engine=interleaved-1f1b",
+                              "parallelism.pp_virtual_stages=2", "model.model_config.num_hidden_layers=4",
+                              "tokens.batch_accumulation_per_replica=4")
+    check_supported(interleaved)  # CPU (gloo): supported
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(ConfigError, match="parallelism.pp=2 on GPUs"):
-        check_supported(config)
+    check_supported(tiny_config("parallelism.pp=2"))  # 1F1B: batched pairs are safe on NCCL
+    with pytest.raises(ConfigError, match="interleaved-1f1b on GPUs"):
+        check_supported(interleaved)

@@ -76,13 +76,14 @@ def open_nanoset(folders: str | list[str] | dict[str, float], sequence_length: i
 
 def check_supported(config: Config) -> None:
     problems = []
-    if config.parallelism.pp > 1 and torch.cuda.is_available():
-        # NCCL matches point-to-point transfers in order, ignoring tags, on one stream per pair of ranks:
-        # the executor's look-ahead receives need batched send/receive pairs there, which this version
-        # lacks (an independent review found the hang; the CPU tests use gloo, which matches by tag).
-        problems.append(f"parallelism.pp={config.parallelism.pp} on GPUs: this version's pipeline runs on the "
-                        "gloo backend (CPU) only; on NCCL its transfers can deadlock. Use parallelism.pp=1 and "
-                        "tp or dp on GPUs.")
+    par = config.parallelism
+    if par.pp > 1 and par.pp_engine == "interleaved-1f1b" and torch.cuda.is_available():
+        # NCCL pairs transfers between two ranks in issue order on one stream; with the batched
+        # send/receive pairs of parallel/pipeline/p2p.py the interleaved order deadlocks there from
+        # 2 * pp micro-batches on (tests/parallel/pipeline/test_schedules.py models it). Gloo is fine.
+        problems.append("parallelism.pp_engine=interleaved-1f1b on GPUs: its transfer order can deadlock on NCCL "
+                        "in this version. Use parallelism.pp_engine=1f1b (or afab) on GPUs; interleaving runs on "
+                        "CPU (gloo).")
     if config.optimizer.zero_stage != 0:
         problems.append("optimizer.zero_stage=1 is not available in this version; set optimizer.zero_stage=0.")
     ckpt = config.checkpoints
@@ -135,9 +136,9 @@ class Trainer:
                                 for r, c in zip(replicated, tied_copy, strict=True)]
         self.summed_over_tp = [i for i, r in enumerate(replicated) if r] if self.tp.sequence_parallel else []
         local_sequence = tokens.sequence_length // (ctx.tp if self.tp.sequence_parallel else 1)
-        p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device)
-        self.pipeline = Pipeline(self.chunks, par.pp_engine, ctx.pp, ctx.pp_rank, p2p,
-                                 (tokens.micro_batch_size, local_sequence, mcfg.hidden_size), self.dtype)
+        p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device,
+                          (tokens.micro_batch_size, local_sequence, mcfg.hidden_size), self.dtype)
+        self.pipeline = Pipeline(self.chunks, par.pp_engine, ctx.pp, ctx.pp_rank, p2p)
         self.step = 0
         self.flops_per_token = model_flops_per_token(mcfg, tokens.sequence_length)
         largest = max(mcfg.intermediate_size, mcfg.vocab_size)

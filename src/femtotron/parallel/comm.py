@@ -151,6 +151,22 @@ class Comm:
         with self._record("recv", group, tensor, src, 0):
             return dist.irecv(tensor, src=src, group=group.handle, tag=tag)
 
+    def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int, int]], group: Group) -> list[dist.Work]:
+        """Start a batch of ("send" | "recv", tensor, peer, tag) ops together and return their works.
+
+        NCCL pairs the transfers between two ranks in the order they are issued, on one stream; sends
+        and receives issued as one batch progress together, so two neighbours that both send and both
+        receive cannot block each other (Megatron-LM's batched send/receive pairs).
+        """
+        if not ops:
+            return []
+        sent = sum(_nbytes(tensor) for kind, tensor, _, _ in ops if kind == "send")
+        kind, tensor, peer, _ = ops[0]
+        with self._record("send" if sent else "recv", group, tensor, peer, sent):
+            return dist.batch_isend_irecv([
+                dist.P2POp(dist.isend if op == "send" else dist.irecv, t, peer=p, group=group.handle, tag=tag)
+                for op, t, p, tag in ops])
+
     def wait(self, work: dist.Work, group: Group, tensor: torch.Tensor, peer: int) -> None:
         """Wait for an isend or irecv to finish (the time spent here is time spent idle)."""
         with self._record("wait", group, tensor, peer, 0):

@@ -8,7 +8,7 @@ from distributed import RankFailed, run_ranks
 
 from femtotron.errors import DistributedError
 from femtotron.parallel.context import ParallelContext
-from femtotron.parallel.pipeline.p2p import PipelineP2P
+from femtotron.parallel.pipeline.p2p import PipelineP2P, Transfer
 from femtotron.parallel.tensor_parallel import full_tensor
 from femtotron.trainer import Trainer
 
@@ -129,24 +129,26 @@ def test_p2p_bytes_per_step_equal_the_analytic_count(tiny_config, engine, virtua
 
 def _mismatch(rank):
     ctx = ParallelContext(pp=2, collective_timeout_seconds=20)
-    p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device)
-    try:
-        if rank == 0:
-            p2p.send(torch.zeros(2, 16, 64), 1, tag=0, what="activations")
-            p2p.wait_sends()
-        else:
-            p2p.recv((2, 16, 32), torch.float32, 0, tag=0, what="activations")
+    try:  # as if rank 1 had been started with hidden_size 32 instead of 64
+        PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device, (2, 16, 64 if rank == 0 else 32),
+                    torch.float32).handshake([1 - rank])
     finally:
         ctx.close()
 
 
-def test_sender_receiver_shape_mismatch_is_a_clear_error():
+def test_ranks_that_disagree_on_the_transfer_shape_stop_before_the_first_step():
     with pytest.raises(RankFailed) as failed:
         run_ranks(_mismatch, 2, timeout=60)
     message = str(failed.value)
     assert DistributedError.__name__ in message
-    assert ("pipeline stages disagree on activations: rank 0 (pp rank 0) sends shape (2, 16, 64) torch.float32, "
-            "rank 1 (pp rank 1) expects shape (2, 16, 32) torch.float32") in message
+    assert "pipeline stages disagree on the activations they exchange: rank" in message
+    assert "shape (2, 16, 64) torch.float32" in message and "shape (2, 16, 32) torch.float32" in message
+
+
+def test_a_stage_returning_the_wrong_shape_is_stopped_before_it_sends():
+    p2p = PipelineP2P(None, None, 0, torch.device("cpu"), (2, 16, 64), torch.float32)
+    with pytest.raises(DistributedError, match=r"would send activations of shape \(2, 16, 32\)"):
+        p2p.exchange((torch.zeros(2, 16, 32), Transfer(1, 0, "activations")), None)
 
 
 def _three_d(rank, configs):

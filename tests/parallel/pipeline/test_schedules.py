@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from femtotron.config.config import pipeline_bubble
-from femtotron.parallel.pipeline.schedules import Action, schedule
+from femtotron.parallel.pipeline.schedules import Action, forward_only, schedule
 
 ENGINES = ["afab", "1f1b", "interleaved-1f1b"]
 F_COST, B_COST = 1, 2  # a backward costs about twice a forward
@@ -298,3 +298,224 @@ def test_simulator_reports_backward_before_forward():
 def test_single_stage_needs_no_communication():
     result = simulate(lists_for("1f1b", 1, 3, 1), 1, 1)
     assert result.status == "ok" and result.finish == [3 * (F_COST + B_COST)]
+
+
+
+# 7. The same schedules under NCCL's rules. The executor issues, per rank, a sequence of groups of
+# point-to-point operations (one batch_isend_irecv each): group 0 holds the receive action 0 needs,
+# group i + 1 the send action i produces plus the receive action i + 1 needs. NCCL runs a
+# communicator's groups one after the other on its stream (the host not waiting for a send does not
+# let a later group overtake it), matches the k-th send from rank a to rank b with the k-th receive
+# on b from a (tags ignored), and a transfer happens only while both of its groups are in flight
+# (rendezvous). So unlike gloo a send can block, and a rank can only receive after its earlier sends.
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # "send" or "recv"
+    peer: int
+    message: Message
+
+    def __repr__(self) -> str:
+        return f"{self.kind} {self.message!r} {'to' if self.kind == 'send' else 'from'} rank {self.peer}"
+
+
+def nccl_groups(actions: list[Action], rank: int, pp: int, chunks: int) -> list[list[Op]]:
+    """One rank's groups of point-to-point operations, in the order the executor issues them."""
+    S = pp * chunks
+
+    def recv(a: Action) -> Op | None:
+        s = a.chunk * pp + rank
+        if a.kind == "F" and s > 0:
+            return Op("recv", (s - 1) % pp, Message("act", a.micro_batch, s - 1, s))
+        if a.kind == "B" and s < S - 1:
+            return Op("recv", (s + 1) % pp, Message("grad", a.micro_batch, s + 1, s))
+        return None
+
+    def send(a: Action) -> Op | None:
+        s = a.chunk * pp + rank
+        if a.kind == "F" and s < S - 1:
+            return Op("send", (s + 1) % pp, Message("act", a.micro_batch, s, s + 1))
+        if a.kind == "B" and s > 0:
+            return Op("send", (s - 1) % pp, Message("grad", a.micro_batch, s, s - 1))
+        return None
+
+    if not actions:
+        return []
+    groups = [[recv(actions[0])]]
+    for i, a in enumerate(actions):
+        groups.append([send(a)] + ([recv(actions[i + 1])] if i + 1 < len(actions) else []))
+    return [[op for op in g if op is not None] for g in groups]
+
+
+def nccl_groups_for(lists: list[list[Action]], chunks: int) -> list[list[list[Op]]]:
+    return [nccl_groups(actions, r, len(lists), chunks) for r, actions in enumerate(lists)]
+
+
+@dataclass
+class NcclResult:
+    status: str  # "ok", "deadlock" or "mismatch"
+    detail: str = ""
+    stuck: dict[int, tuple[int, list[Op]]] = field(default_factory=dict)  # rank -> (group index, group)
+
+
+def simulate_nccl(groups: list[list[list[Op]]]) -> NcclResult:
+    """Run every rank's groups under NCCL's rules and report how it ends.
+
+    Matching: per ordered pair (src, dst), the k-th send from src to dst (in group order, then within
+    a group) pairs with the k-th receive on dst from src; the two must carry the same message, and
+    every operation must have a partner, else "mismatch".
+
+    Progress: each rank's groups run strictly in order. An operation is done once it and its partner
+    are both in their ranks' current groups at the same time (rendezvous); the operations of one group
+    progress independently (a group's send can finish while its receive still waits). A group
+    completes when all its operations are done (an empty one at once) and its rank moves on; groups
+    that satisfy each other complete together. Iterated to a fixed point, so the order ranks are
+    visited in does not matter. If some rank has groups left then, that is a deadlock, with each
+    rank's stuck group.
+    """
+    pp = len(groups)
+    sends: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    recvs: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for r, rank_groups in enumerate(groups):
+        for gi, g in enumerate(rank_groups):
+            for oi, op in enumerate(g):
+                if op.kind == "send":
+                    sends.setdefault((r, op.peer), []).append((r, gi, oi))
+                else:
+                    recvs.setdefault((op.peer, r), []).append((r, gi, oi))
+
+    def op_at(where: tuple[int, int, int]) -> Op:
+        r, gi, oi = where
+        return groups[r][gi][oi]
+
+    partner: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+    for src, dst in sorted(sends.keys() | recvs.keys()):
+        s, rv = sends.get((src, dst), []), recvs.get((src, dst), [])
+        for k, (a, b) in enumerate(zip(s, rv, strict=False)):
+            if op_at(a).message != op_at(b).message:
+                return NcclResult("mismatch", f"rank {src} -> rank {dst}, transfer #{k}: rank {src} group {a[1]} "
+                                              f"{op_at(a)!r} meets rank {dst} group {b[1]} {op_at(b)!r}")
+            partner[a], partner[b] = b, a
+        if len(s) != len(rv):
+            extra = [op_at(x) for x in (s[len(rv):] or rv[len(s):])]
+            return NcclResult("mismatch", f"rank {src} -> rank {dst}: unmatched {extra}")
+
+    cur = [0] * pp
+    done: set[tuple[int, int, int]] = set()
+    progress = True
+    while progress:
+        progress = False
+        for r in range(pp):
+            while cur[r] < len(groups[r]):
+                ops = [(r, cur[r], oi) for oi in range(len(groups[r][cur[r]]))]
+                for where in ops:
+                    other = partner[where]
+                    if cur[other[0]] == other[1]:
+                        done.update((where, other))
+                if not all(where in done for where in ops):
+                    break
+                cur[r] += 1
+                progress = True
+
+    stuck = {r: (cur[r], groups[r][cur[r]]) for r in range(pp) if cur[r] < len(groups[r])}
+    if stuck:
+        detail = "; ".join(f"rank {r} stuck at group {gi} {g!r}" for r, (gi, g) in stuck.items())
+        return NcclResult("deadlock", detail, stuck)
+    return NcclResult("ok")
+
+
+def nccl_deadlocks(pp: int, m: int, v: int) -> bool:
+    """Where interleaved-1F1B's lists deadlock under NCCL (section 7's finding): from the second group
+    of pp micro-batches on, some rank's send waits on a receive its peer posts only in its next group,
+    while the peer's send waits the same way (see test_interleaved_nccl_deadlock_example)."""
+    return v > 1 and m >= 2 * pp
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("pp", range(1, 9))
+def test_schedule_runs_under_nccl(engine, pp):
+    failures = []
+    for m, v in cases(engine, pp):
+        result = simulate_nccl(nccl_groups_for(lists_for(engine, pp, m, v), v))
+        expected = "deadlock" if engine == "interleaved-1f1b" and nccl_deadlocks(pp, m, v) else "ok"
+        if result.status != expected:
+            failures.append(f"pp={pp} m={m} v={v}: {result.status} (expected {expected}): {result.detail}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("pp", range(1, 9))
+def test_forward_only_runs_under_nccl(pp):
+    failures = []
+    for v in (1, 2, 3):
+        for m in range(1, 17):
+            result = simulate_nccl(nccl_groups_for([forward_only(m, v)] * pp, v))
+            if result.status != "ok":
+                failures.append(f"pp={pp} m={m} v={v}: {result.status}: {result.detail}")
+    assert not failures, "\n".join(failures)
+
+
+def test_nccl_groups_example():
+    # pp = 2, 1F1B, m = 2: rank 0 runs F0 F1 B0 B1, rank 1 F0 B0 F1 B1.
+    groups = nccl_groups_for(lists_for("1f1b", 2, 2, 1), 1)
+    assert [[repr(op) for op in g] for g in groups[0]] == [
+        [], ["send act(mb0, 0->1) to rank 1"], ["send act(mb1, 0->1) to rank 1", "recv grad(mb0, 1->0) from rank 1"],
+        ["recv grad(mb1, 1->0) from rank 1"], []]
+    assert [[repr(op) for op in g] for g in groups[1]] == [
+        ["recv act(mb0, 0->1) from rank 0"], [], ["send grad(mb0, 1->0) to rank 0", "recv act(mb1, 0->1) from rank 0"],
+        [], ["send grad(mb1, 1->0) to rank 0"]]
+    assert simulate_nccl(groups).status == "ok"
+
+
+def test_nccl_group_operations_progress_independently():
+    # AFAB, pp = 2, m = 1: rank 0's group 1 sends act(mb0) and receives grad(mb0), which rank 1 sends
+    # only two groups after receiving act(mb0). The send finishes first; the receive waits.
+    groups = nccl_groups_for(lists_for("afab", 2, 1, 1), 1)
+    assert [[repr(op) for op in g] for g in groups[0]] == [
+        [], ["send act(mb0, 0->1) to rank 1", "recv grad(mb0, 1->0) from rank 1"], []]
+    assert [[repr(op) for op in g] for g in groups[1]] == [
+        ["recv act(mb0, 0->1) from rank 0"], [], ["send grad(mb0, 1->0) to rank 0"]]
+    assert simulate_nccl(groups).status == "ok"
+
+
+def test_interleaved_nccl_deadlock_example():
+    # The smallest case (pp = 2, m = 4, v = 2; gloo runs it, section 4). Rank 0 sends grad(mb0, 2->1)
+    # alone in group 6, and rank 1 receives it in its group 7; rank 1 sends grad(mb1, 3->2) in group 6,
+    # and rank 0 receives it in its group 7. Each send waits for the other rank's next group.
+    lists = lists_for("interleaved-1f1b", 2, 4, 2)
+    assert simulate(lists, 2, 2).status == "ok"
+    groups = nccl_groups_for(lists, 2)
+    assert [repr(op) for op in groups[0][7]] == ["send act(mb3, 0->1) to rank 1", "recv grad(mb1, 3->2) from rank 1"]
+    assert [repr(op) for op in groups[1][7]] == ["send act(mb2, 1->2) to rank 0", "recv grad(mb0, 2->1) from rank 0"]
+    result = simulate_nccl(groups)
+    assert result.status == "deadlock"
+    assert {r: (gi, [repr(op) for op in g]) for r, (gi, g) in result.stuck.items()} == {
+        0: (6, ["send grad(mb0, 2->1) to rank 1"]),
+        1: (6, ["send grad(mb1, 3->2) to rank 0", "recv act(mb2, 0->1) from rank 0"]),
+    }
+    # pp = 1 sends to itself: NCCL needs a self-send and its receive in one group, which the lists
+    # give for forwards (F then the next chunk's F) but not for backwards.
+    result = simulate_nccl(nccl_groups_for(lists_for("interleaved-1f1b", 1, 2, 2), 2))
+    assert result.status == "deadlock" and result.stuck == {0: (3, [Op("send", 0, Message("grad", 0, 1, 0))])}
+
+
+def test_nccl_simulator_reports_a_deadlock():
+    a, b = Message("act", 0, 0, 1), Message("grad", 0, 1, 0)
+    # Each rank sends first, then receives, in separate groups: a send waits for its receive, which
+    # the other rank posts only after its own send completed.
+    groups = [[[Op("send", 1, a)], [Op("recv", 1, b)]],
+              [[Op("send", 0, b)], [Op("recv", 0, a)]]]
+    result = simulate_nccl(groups)
+    assert result.status == "deadlock"
+    assert result.stuck == {0: (0, [Op("send", 1, a)]), 1: (0, [Op("send", 0, b)])}
+    assert "rank 0 stuck at group 0" in result.detail and "rank 1 stuck at group 0" in result.detail
+    # The same operations in one group per rank complete together.
+    assert simulate_nccl([[[Op("send", 1, a), Op("recv", 1, b)]], [[Op("send", 0, b), Op("recv", 0, a)]]]).status == "ok"
+
+
+def test_nccl_simulator_reports_a_mismatch():
+    lists = lists_for("1f1b", 2, 2, 1)
+    lists[1] = [Action("F", 1, 0), Action("B", 1, 0), Action("F", 0, 0), Action("B", 0, 0)]
+    result = simulate_nccl(nccl_groups_for(lists, 1))
+    assert result.status == "mismatch"
+    assert "send act(mb0, 0->1) to rank 1" in result.detail and "recv act(mb1, 0->1) from rank 0" in result.detail
+    assert simulate_nccl([[[Op("send", 1, Message("act", 0, 0, 1))]], [[]]]).status == "mismatch"

@@ -1,9 +1,17 @@
 """Activations and gradients between neighbouring pipeline stages, through parallel/comm.py.
 
-The first time a pair of ranks exchanges a tensor of a given shape and dtype, the sender first sends
-a small description of it and the receiver checks it against what it expects (P1). A mismatch (ranks
-started with different configs, a stage returning the wrong shape) is then an error naming both
-ranks and both shapes, instead of a receive that hangs or fills a buffer with the wrong numbers.
+Transfers go out in batches of at most one send and one receive (`exchange`): the send of the action
+just computed and the receive of the next action. NCCL pairs the transfers between two ranks in the
+order they are issued, ignoring tags, on one stream per pair; a lone receive issued before a send can
+then block it while the neighbour does the same. Batched together they progress together (the
+pairing Megatron-LM uses), and tests/parallel/pipeline/test_schedules.py checks every schedule under
+that model. Gloo matches by tag, so there the tags alone would do.
+
+Every transfer has the same shape and dtype: (micro_batch_size, sequence [/ tp], hidden) in the
+model's dtype. At start the ranks exchange that shape with their pipeline neighbours, so ranks built
+from different configs stop with an error naming both ranks and both shapes (P1) before the first
+step, instead of a receive that hangs or fills a buffer with the wrong numbers; a stage that returns
+another shape is stopped before it sends.
 """
 
 from __future__ import annotations
@@ -21,9 +29,9 @@ _MAX_DIMS = 8
 _DESCRIPTION_TAG = 1 << 30  # apart from the data tags, which count up from 0
 
 
-def _describe(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _describe(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     dims = list(shape) + [-1] * (_MAX_DIMS - len(shape))
-    return torch.tensor([len(shape), *dims, _DTYPES.index(dtype)], dtype=torch.int64)
+    return torch.tensor([len(shape), *dims, _DTYPES.index(dtype)], dtype=torch.int64, device=device)
 
 
 def _read(description: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
@@ -33,34 +41,81 @@ def _read(description: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
 
 @dataclass
 class PendingRecv:
-    from_pp_rank: int
+    work: dist.Work
+    buffer: torch.Tensor
     src: int
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One side of a transfer: the peer (by pp rank), the tag, and what it carries (for messages)."""
+
+    pp_rank: int
     tag: int
     what: str
-    description: tuple[dist.Work, torch.Tensor] | None  # only on the first transfer of its kind
-    work: dist.Work | None  # None until the description is checked
-    buffer: torch.Tensor
 
 
 class PipelineP2P:
-    """Point-to-point over the pp group; peers are named by pp rank."""
+    """Point-to-point over the pp group for tensors of one shape and dtype; peers named by pp rank."""
 
-    def __init__(self, comm: Comm, group: Group, pp_rank: int, device: torch.device) -> None:
+    def __init__(self, comm: Comm, group: Group, pp_rank: int, device: torch.device, shape: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
         self.comm, self.group, self.pp_rank, self.device = comm, group, pp_rank, device
-        self.described: set[tuple] = set()
+        self.shape, self.dtype = tuple(shape), dtype
         self.pending: list[tuple[dist.Work, torch.Tensor, int]] = []
 
-    def send(self, tensor: torch.Tensor, to_pp_rank: int, tag: int, what: str) -> None:
-        dst = self.group.ranks[to_pp_rank]
-        tensor = tensor.detach().contiguous()
-        key = ("send", dst, tuple(tensor.shape), tensor.dtype)
-        if key not in self.described:
-            self.described.add(key)
-            description = _describe(tuple(tensor.shape), tensor.dtype).to(self.device)
-            self.pending.append((self.comm.isend(description, self.group, dst, _DESCRIPTION_TAG), description, dst))
-        self.pending.append((self.comm.isend(tensor, self.group, dst, tag), tensor, dst))
-        # Let go of sends that have finished, so their buffers (whole activations) do not pile up
-        # until the end of the step: 1F1B's point is holding only pp micro-batches at a time.
+    def handshake(self, neighbours: list[int]) -> None:
+        """Exchange the transfer shape and dtype with the neighbouring pp ranks; raise on disagreement (P1)."""
+        neighbours = sorted(set(neighbours) - {self.pp_rank})
+        if not neighbours:
+            return
+        mine = _describe(self.shape, self.dtype, self.device)
+        theirs = {p: torch.empty_like(mine) for p in neighbours}
+        ops = [("send", mine, self.group.ranks[p], _DESCRIPTION_TAG) for p in neighbours]
+        ops += [("recv", theirs[p], self.group.ranks[p], _DESCRIPTION_TAG) for p in neighbours]
+        for work, (_, tensor, peer, _) in zip(self.comm.batch_p2p(ops, self.group), ops, strict=True):
+            self.comm.wait(work, self.group, tensor, peer)
+        for p in neighbours:
+            shape, dtype = _read(theirs[p].cpu())
+            if (shape, dtype) != (self.shape, self.dtype):
+                raise DistributedError(
+                    f"pipeline stages disagree on the activations they exchange: rank {self.group.ranks[p]} "
+                    f"(pp rank {p}) sends and expects shape {shape} {dtype}, rank {self.group.ranks[self.pp_rank]} "
+                    f"(pp rank {self.pp_rank}) shape {self.shape} {self.dtype}. Every rank must run the same "
+                    "config: check that all ranks got the same YAML and overrides (tokens.micro_batch_size, "
+                    "tokens.sequence_length, model.model_config.hidden_size, model.dtype, parallelism.tp and "
+                    "tp_mode)."
+                )
+
+    def exchange(self, send: tuple[torch.Tensor, Transfer] | None, recv: Transfer | None) -> PendingRecv | None:
+        """Start sending `send` and receiving `recv` as one batch; returns the receive to `take` later."""
+        ops = []
+        if send is not None:
+            tensor, to = send
+            if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
+                raise DistributedError(
+                    f"pp rank {self.pp_rank} would send {to.what} of shape {tuple(tensor.shape)} {tensor.dtype} to pp "
+                    f"rank {to.pp_rank}, but every pipeline transfer is {self.shape} {self.dtype}: a stage returned "
+                    "the wrong shape (a model bug, not a config problem)."
+                )
+            ops.append(("send", tensor.detach().contiguous(), self.group.ranks[to.pp_rank], to.tag))
+        buffer = None
+        if recv is not None:
+            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            ops.append(("recv", buffer, self.group.ranks[recv.pp_rank], recv.tag))
+        works = self.comm.batch_p2p(ops, self.group)
+        if send is not None:
+            self.pending.append((works[0], ops[0][1], ops[0][2]))
+            self.release_finished_sends()
+        return PendingRecv(works[-1], buffer, ops[-1][2]) if recv is not None else None
+
+    def take(self, pending: PendingRecv) -> torch.Tensor:
+        self.comm.wait(pending.work, self.group, pending.buffer, pending.src)
+        return pending.buffer
+
+    def release_finished_sends(self) -> None:
+        """Let go of finished sends, so their buffers (whole activations) do not pile up until the end of
+        the step: 1F1B's point is holding only about pp micro-batches at a time."""
         unfinished = []
         for work, sent, peer in self.pending:
             if work.is_completed():
@@ -69,51 +124,7 @@ class PipelineP2P:
                 unfinished.append((work, sent, peer))
         self.pending = unfinished
 
-    def post_recv(self, shape: tuple[int, ...], dtype: torch.dtype, from_pp_rank: int, tag: int,
-                  what: str) -> PendingRecv:
-        """Start receiving now, so the transfer overlaps this rank's compute; `take` it when needed.
-
-        Nothing here waits: a rank may post the receive for its next action before it sends what the
-        peer needs to produce it.
-        """
-        src = self.group.ranks[from_pp_rank]
-        key = ("recv", src, shape, dtype)
-        description = None
-        if key not in self.described:
-            self.described.add(key)
-            description = torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=self.device)
-            description = (self.comm.irecv(description, self.group, src, _DESCRIPTION_TAG), description)
-        buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        # The first transfer's data is received only once its description matched: a receive posted
-        # with the wrong size could never complete, and would keep the process from shutting down.
-        work = self.comm.irecv(buffer, self.group, src, tag) if description is None else None
-        return PendingRecv(from_pp_rank, src, tag, what, description, work, buffer)
-
-    def take(self, pending: PendingRecv) -> torch.Tensor:
-        """Wait for a posted receive; the first one from a peer checks the sender's shape and dtype (P1)."""
-        if pending.description is not None:
-            work, description = pending.description
-            self.comm.wait(work, self.group, description, pending.src)
-            sent_shape, sent_dtype = _read(description.cpu())
-            shape, dtype = tuple(pending.buffer.shape), pending.buffer.dtype
-            if (sent_shape, sent_dtype) != (shape, dtype):
-                me = self.group.ranks[self.pp_rank]
-                raise DistributedError(
-                    f"pipeline stages disagree on {pending.what}: rank {pending.src} (pp rank {pending.from_pp_rank}) "
-                    f"sends shape {sent_shape} {sent_dtype}, rank {me} (pp rank {self.pp_rank}) expects shape {shape} "
-                    f"{dtype}. Every rank must run the same config: check that all ranks got the same YAML and "
-                    "overrides (tokens.micro_batch_size, tokens.sequence_length, model.model_config.hidden_size, "
-                    "model.dtype, parallelism.tp and tp_mode)."
-                )
-            return self.comm.recv(pending.buffer, self.group, pending.src, pending.tag)
-        self.comm.wait(pending.work, self.group, pending.buffer, pending.src)
-        return pending.buffer
-
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, from_pp_rank: int, tag: int, what: str) -> torch.Tensor:
-        return self.take(self.post_recv(shape, dtype, from_pp_rank, tag, what))
-
     def wait_sends(self) -> None:
-        """Sends run in the background; their buffers must live until they are done."""
         for work, tensor, dst in self.pending:
             self.comm.wait(work, self.group, tensor, dst)
         self.pending.clear()

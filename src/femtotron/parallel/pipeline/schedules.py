@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from femtotron.parallel.pipeline.p2p import PendingRecv, PipelineP2P
+from femtotron.parallel.pipeline.p2p import PendingRecv, PipelineP2P, Transfer
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,9 @@ def forward_only(micro_batches: int, chunks: int) -> list[Action]:
     return [Action("F", mb, chunk) for mb in range(micro_batches) for chunk in range(chunks)]
 
 
+Send = tuple[torch.Tensor, Transfer]
+
+
 class Pipeline:
     """Runs one rank's part of a schedule: its model chunks, the transfers, the loss on the last stage.
 
@@ -92,11 +95,12 @@ class Pipeline:
     trainer has a single code path.
     """
 
-    def __init__(self, chunks: list[nn.Module], engine: str, pp: int, pp_rank: int, p2p: PipelineP2P,
-                 activation_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def __init__(self, chunks: list[nn.Module], engine: str, pp: int, pp_rank: int, p2p: PipelineP2P) -> None:
         self.chunks, self.engine, self.pp, self.pp_rank, self.p2p = chunks, engine, pp, pp_rank, p2p
-        self.activation_shape, self.dtype = activation_shape, dtype
         self.stages = pp * len(chunks)
+        # Stage s talks to stages s - 1 and s + 1: with interleaving that wraps around the pp ranks.
+        neighbours = [pp_rank - 1, pp_rank + 1] if len(chunks) == 1 else [(pp_rank - 1) % pp, (pp_rank + 1) % pp]
+        p2p.handshake([p for p in neighbours if 0 <= p < pp])
 
     def stage_of(self, chunk: int) -> int:
         return chunk * self.pp + self.pp_rank
@@ -105,27 +109,22 @@ class Pipeline:
         """A distinct tag per transfer: the micro-batch, the stage boundary it crosses, and its direction."""
         return (micro_batch * self.stages + boundary) * 2 + int(gradient)
 
-    def post_recv(self, action: Action) -> PendingRecv | None:
-        """Start the receive `action` will need, if any: its input (forward) or output gradient (backward).
-
-        Activations and their gradients have the same shape and dtype, known in advance.
-        """
+    def receive_for(self, action: Action) -> Transfer | None:
+        """What `action` receives, if anything: its input (forward) or its output's gradient (backward)."""
         stage, mb = self.stage_of(action.chunk), action.micro_batch
         if action.kind == "F" and stage > 0:
-            return self.p2p.post_recv(self.activation_shape, self.dtype, (stage - 1) % self.pp,
-                                      self.tag(mb, stage - 1, gradient=False), "activations")
+            return Transfer((stage - 1) % self.pp, self.tag(mb, stage - 1, gradient=False), "activations")
         if action.kind == "B" and stage < self.stages - 1:
-            return self.p2p.post_recv(self.activation_shape, self.dtype, (stage + 1) % self.pp,
-                                      self.tag(mb, stage, gradient=True), "gradients")
+            return Transfer((stage + 1) % self.pp, self.tag(mb, stage, gradient=True), "gradients")
         return None
 
-    def run(self, actions: list[Action], step: Callable[[Action, PendingRecv | None], None]) -> None:
-        """Execute `actions` in order, each action's receive posted one action ahead: its data then
-        travels while this rank still computes, instead of after (gloo's receive latency is ~1 ms)."""
-        posted = self.post_recv(actions[0]) if actions else None
+    def run(self, actions: list[Action], step: Callable[[Action, PendingRecv | None], Send | None]) -> None:
+        """Execute `actions` in order. After each action its output goes out in one batch with the next
+        action's receive (see p2p.py), so the receive is already under way when that action starts."""
+        received = self.p2p.exchange(None, self.receive_for(actions[0])) if actions else None
         for i, action in enumerate(actions):
-            current, posted = posted, self.post_recv(actions[i + 1]) if i + 1 < len(actions) else None
-            step(action, current)
+            send = step(action, received)
+            received = self.p2p.exchange(send, self.receive_for(actions[i + 1]) if i + 1 < len(actions) else None)
         self.p2p.wait_sends()
 
     def train_step(self, micro_batches: list[torch.Tensor], global_tokens: torch.Tensor) -> torch.Tensor:
@@ -137,16 +136,16 @@ class Pipeline:
         loss_sum = torch.zeros((), device=global_tokens.device)
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-        def step(action: Action, received: PendingRecv | None) -> None:
+        def step(action: Action, received: PendingRecv | None) -> Send | None:
             nonlocal loss_sum
-            if action.kind == "F":
-                inputs, output = self.forward(action, micro_batches[action.micro_batch], received)
-                if self.stage_of(action.chunk) == self.stages - 1:
-                    loss_sum += output.detach()
-                    output = output / global_tokens
-                saved[action.micro_batch, action.chunk] = (inputs, output)
-            else:
-                self.backward(action, *saved.pop((action.micro_batch, action.chunk)), received)
+            if action.kind == "B":
+                return self.backward(action, *saved.pop((action.micro_batch, action.chunk)), received)
+            inputs, output, send = self.forward(action, micro_batches[action.micro_batch], received)
+            if self.stage_of(action.chunk) == self.stages - 1:
+                loss_sum += output.detach()
+                output = output / global_tokens
+            saved[action.micro_batch, action.chunk] = (inputs, output)
+            return send
 
         self.run(schedule(self.engine, self.pp, self.pp_rank, len(micro_batches), len(self.chunks)), step)
         return loss_sum
@@ -156,31 +155,36 @@ class Pipeline:
         """Summed loss over the micro-batches, on the last stage (0 elsewhere)."""
         loss_sum = torch.zeros((), device=micro_batches[0].device)
 
-        def step(action: Action, received: PendingRecv | None) -> None:
+        def step(action: Action, received: PendingRecv | None) -> Send | None:
             nonlocal loss_sum
-            _, output = self.forward(action, micro_batches[action.micro_batch], received)
+            _, output, send = self.forward(action, micro_batches[action.micro_batch], received)
             if self.stage_of(action.chunk) == self.stages - 1:
                 loss_sum += output
+            return send
 
         self.run(forward_only(len(micro_batches), len(self.chunks)), step)
         return loss_sum
 
-    def forward(self, action: Action, batch: torch.Tensor, received: PendingRecv | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, action: Action, batch: torch.Tensor,
+                received: PendingRecv | None) -> tuple[torch.Tensor, torch.Tensor, Send | None]:
         stage, mb = self.stage_of(action.chunk), action.micro_batch
         if received is None:  # the first stage reads the tokens
             inputs = batch[:, :-1]
         else:
             inputs = self.p2p.take(received).requires_grad_(torch.is_grad_enabled())
         output = self.chunks[action.chunk].run_stage(inputs, batch[:, 1:])
-        if stage < self.stages - 1:
-            self.p2p.send(output, (stage + 1) % self.pp, self.tag(mb, stage, gradient=False), "activations")
-        return inputs, output
+        if stage == self.stages - 1:
+            return inputs, output, None
+        return inputs, output, (output, Transfer((stage + 1) % self.pp, self.tag(mb, stage, gradient=False),
+                                                 "activations"))
 
-    def backward(self, action: Action, inputs: torch.Tensor, output: torch.Tensor, received: PendingRecv | None) -> None:
+    def backward(self, action: Action, inputs: torch.Tensor, output: torch.Tensor,
+                 received: PendingRecv | None) -> Send | None:
         stage, mb = self.stage_of(action.chunk), action.micro_batch
         if received is None:  # the last stage starts from its loss
             output.backward()
         else:
             torch.autograd.backward(output, self.p2p.take(received))
-        if stage > 0:
-            self.p2p.send(inputs.grad, (stage - 1) % self.pp, self.tag(mb, stage - 1, gradient=True), "gradients")
+        if stage == 0:
+            return None
+        return inputs.grad, Transfer((stage - 1) % self.pp, self.tag(mb, stage - 1, gradient=True), "gradients")
