@@ -292,3 +292,10 @@ def test_loading_a_config_does_not_import_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO / "src")})
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("example", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_config_is_valid_for_its_own_layout(example):
+    config = load_config(example)
+    par = config.parallelism
+    check_world_size(config, par.dp * par.tp * par.pp)
