@@ -139,6 +139,7 @@ class Trainer:
         p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device,
                           (tokens.micro_batch_size, local_sequence, mcfg.hidden_size), self.dtype)
         self.pipeline = Pipeline(self.chunks, par.pp_engine, ctx.pp, ctx.pp_rank, p2p)
+        ctx.comm.take_seconds()  # the pipeline's start-up handshake is not part of any step's communication
         self.step = 0
         self.flops_per_token = model_flops_per_token(mcfg, tokens.sequence_length)
         largest = max(mcfg.intermediate_size, mcfg.vocab_size)
