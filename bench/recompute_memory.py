@@ -16,19 +16,15 @@ For each shape the same fp32 model is built twice, recomputation off and on, in 
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
+from common import shape_trainer, write_random_tokens
 
-from femtotron.config import load_config_dict
-from femtotron.data.indexed import IndexedDatasetWriter
-from femtotron.parallel.context import ParallelContext
-from femtotron.trainer import Trainer
+from femtotron.diagnostics.activation_memory import saved_activation_bytes
 
 DEBUG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=2048, sequence_length=128, micro_batch_size=16)
@@ -38,52 +34,7 @@ SHAPES = {
 }
 
 
-def write_random_tokens(prefix: Path, vocab: int, tokens: int) -> None:
-    writer = IndexedDatasetWriter(str(prefix), np.uint16)
-    rng = np.random.default_rng(0)
-    for _ in range(8):
-        writer.add_document(rng.integers(1, vocab, tokens // 8, dtype=np.uint16))
-    writer.finalize()
-
-
-def trainer(shape: dict, recompute: bool, data_prefix: Path, run_dir: Path) -> Trainer:
-    model_keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "vocab_size")
-    config = load_config_dict({
-        "general": {"run": f"recompute-{recompute}"},
-        "model": {"model_config": {**{k: shape[k] for k in model_keys},
-                                   "max_position_embeddings": shape["sequence_length"]},
-                  "dtype": "float32"},
-        "parallelism": {"recompute_layer": recompute},
-        "tokens": {"sequence_length": shape["sequence_length"], "micro_batch_size": shape["micro_batch_size"],
-                   "train_steps": 10**6},
-        "data": {"dataset_folder": str(data_prefix)},
-        "logging": {"output_dir": str(run_dir)},
-        "checkpoints": {"save_final_state": False},
-    })
-    return Trainer(config, ParallelContext(), log_to_console=False)
-
-
-def saved_activation_bytes(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> int:
-    """Bytes autograd holds for backward after one forward pass (each storage once, no parameters)."""
-    state = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
-    seen: set[int] = set()
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in state and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids, targets)  # the graph is dropped unused: the trainer's gradient hooks must not fire
-    return total
-
-
-def seconds(run: Trainer) -> float:
+def seconds(run) -> float:
     start = time.perf_counter()
     run.train_step()
     return time.perf_counter() - start
@@ -99,7 +50,8 @@ def bench_case(name: str, rounds: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         prefix = Path(tmp) / "random"
         write_random_tokens(prefix, shape["vocab_size"], 64 * tokens_per_step)
-        runs = {on: trainer(shape, on, prefix, Path(tmp) / "runs") for on in (False, True)}
+        runs = {on: shape_trainer(shape, "float32", prefix, Path(tmp) / "runs", run=f"recompute-{on}",
+                                  parallelism={"recompute_layer": on}) for on in (False, True)}
         ids = torch.randint(1, shape["vocab_size"], (shape["micro_batch_size"], shape["sequence_length"] + 1),
                             generator=torch.Generator().manual_seed(0))
         saved = {on: saved_activation_bytes(run.chunks[0], ids[:, :-1], ids[:, 1:]) for on, run in runs.items()}

@@ -24,15 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
+from common import shape_trainer, write_random_tokens
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from femtotron.config import load_config_dict
-from femtotron.data.indexed import IndexedDatasetWriter
 from femtotron.metrics import cpu_has_bf16_matmul, matmul_flops_rate, model_flops_per_token
-from femtotron.parallel.context import ParallelContext
-from femtotron.trainer import Trainer
 
 SHAPES = {
     # the debug model of examples/debug.yaml
@@ -42,31 +38,6 @@ SHAPES = {
     "wide": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=8, vocab_size=2048, sequence_length=256, micro_batch_size=4),
 }
-
-
-def write_random_tokens(prefix: Path, vocab: int, tokens: int) -> None:
-    writer = IndexedDatasetWriter(str(prefix), np.uint16)
-    rng = np.random.default_rng(0)
-    for _ in range(8):
-        writer.add_document(rng.integers(1, vocab, tokens // 8, dtype=np.uint16))
-    writer.finalize()
-
-
-def femtotron_trainer(shape: dict, dtype: str, data_prefix: Path, run_dir: Path) -> Trainer:
-    model_keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "vocab_size")
-    config = load_config_dict({
-        "general": {"run": "bench"},
-        "model": {"model_config": {**{k: shape[k] for k in model_keys},
-                                   "max_position_embeddings": shape["sequence_length"]},
-                  "dtype": dtype},
-        "tokens": {"sequence_length": shape["sequence_length"], "micro_batch_size": shape["micro_batch_size"],
-                   "train_steps": 10**6},
-        "data": {"dataset_folder": str(data_prefix)},
-        "logging": {"output_dir": str(run_dir)},
-        "checkpoints": {"save_final_state": False},
-    })
-    return Trainer(config, ParallelContext(), log_to_console=False)
 
 
 class HFRun:
@@ -111,7 +82,7 @@ def bench_case(name: str, precision: str, pairs: int, steps: int) -> None:
         prefix = Path(tmp) / "random"
         write_random_tokens(prefix, shape["vocab_size"], 64 * tokens_per_step)
         dtype = {"bf16": "bfloat16", "fp32": "float32"}[precision]
-        ours = femtotron_trainer(shape, dtype, prefix, Path(tmp) / "runs")
+        ours = shape_trainer(shape, dtype, prefix, Path(tmp) / "runs")
         theirs = HFRun(shape, autocast_bf16=precision == "bf16")
         rates = []
         for pair in range(pairs):

@@ -8,7 +8,6 @@ no randomness), so every saved tensor it restores is bitwise the one it dropped.
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from types import SimpleNamespace
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 from distributed import run_ranks
 
+from femtotron.diagnostics.activation_memory import saved_activation_bytes
 from femtotron.models.llama import IGNORE_INDEX, Llama
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.tensor_parallel import TensorParallel
@@ -46,32 +46,6 @@ def loss_and_grads(model: Llama, ids: torch.Tensor, targets: torch.Tensor):
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
-def saved_activation_bytes(model: Llama, ids: torch.Tensor, targets: torch.Tensor) -> int:
-    """Bytes of activation storage autograd holds for backward after one forward pass.
-
-    A pack hook sees every tensor saved for backward (under recomputation: each checkpointed layer's
-    input, nothing from inside the layer). Each storage is counted once (a tensor and its views, or
-    one tensor saved by two ops, occupy memory once), and parameters and buffers not at all: they are
-    held anyway.
-    """
-    state = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
-    seen: set[int] = set()
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in state and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss_sum, _ = model(ids, targets)
-    loss_sum.backward()  # recomputation must still work under the counting
-    return total
-
-
 @pytest.mark.parametrize("tied, dtype", [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16)])
 def test_recompute_gives_identical_loss_and_gradients(tied, dtype):
     cfg = model_config(layers=3, tied=tied)
@@ -95,8 +69,8 @@ def test_recompute_is_off_without_gradients():
 def test_recompute_cuts_saved_activation_bytes():
     cfg = model_config(layers=4)
     ids, targets = batch(cfg.vocab_size, size=4)
-    off = saved_activation_bytes(build(cfg, False), ids, targets)
-    on = saved_activation_bytes(build(cfg, True), ids, targets)
+    off = saved_activation_bytes(build(cfg, False), ids, targets, backward=True)
+    on = saved_activation_bytes(build(cfg, True), ids, targets, backward=True)
     # On, each layer keeps exactly its fp32 input: (batch, sequence, hidden).
     layer_inputs = cfg.num_hidden_layers * ids.numel() * cfg.hidden_size * 4
     assert on >= layer_inputs

@@ -11,8 +11,7 @@ from distributed import run_ranks
 
 from femtotron.models.llama import IGNORE_INDEX, Llama
 from femtotron.parallel.context import ParallelContext
-from femtotron.parallel.sharding import split_dim
-from femtotron.parallel.tensor_parallel import TensorParallel, full_tensor, shard_size
+from femtotron.parallel.tensor_parallel import TensorParallel, full_gradients, full_tensor, shard_size
 from femtotron.trainer import Trainer
 
 BF16_EPS = 2.0**-7  # bf16 keeps 8 significant bits
@@ -36,14 +35,7 @@ def batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 def loss_and_grads(model: Llama, ids: torch.Tensor, targets: torch.Tensor, tp: TensorParallel):
     loss_sum, count = model(ids, targets)
     (loss_sum / count).backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        grad = p.grad
-        if tp.sequence_parallel and split_dim(p.shard) is None:
-            # Under sequence parallelism each rank saw only its part of the sequence (the trainer
-            # sums these over tp in reduce_gradients).
-            grad = tp.comm.all_reduce(grad.clone(), tp.group)
-        grads[name] = full_tensor(grad, p.shard, tp).float()
+    grads = {name: grad.float() for name, grad in full_gradients(model, tp).items()}
     return (loss_sum / count).item(), model.logits(ids).detach().float(), grads
 
 

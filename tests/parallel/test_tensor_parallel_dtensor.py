@@ -20,6 +20,7 @@ import itertools
 from types import SimpleNamespace
 
 import torch
+from distributed import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -35,9 +36,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from femtotron.models.hf_conversion import to_hf
 from femtotron.models.llama import IGNORE_INDEX, Llama
 from femtotron.parallel.context import ParallelContext
-from femtotron.parallel.sharding import split_dim
-from femtotron.parallel.tensor_parallel import TensorParallel, full_tensor
-from tests.distributed import run_ranks
+from femtotron.parallel.tensor_parallel import TensorParallel, full_gradients
 
 TP = 2
 
@@ -134,13 +133,7 @@ def dtensor_loss_and_grads(hf: LlamaForCausalLM, ids: torch.Tensor, targets: tor
 def femtotron_loss_and_grads(model: Llama, ids: torch.Tensor, targets: torch.Tensor, tp: TensorParallel):
     loss_sum, count = model(ids, targets)
     (loss_sum / count).backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        grad = p.grad
-        if tp.sequence_parallel and split_dim(p.shard) is None:
-            # Replicated weights saw only this rank's part of the sequence (the trainer sums over tp).
-            grad = tp.comm.all_reduce(grad.clone(), tp.group)
-        grads[name] = full_tensor(grad, p.shard, tp)
+    grads = full_gradients(model, tp)
     return (loss_sum / count).item(), model.logits(ids).detach(), to_hf(grads, model.cfg)
 
 

@@ -35,8 +35,7 @@ from femtotron.config import Config
 from femtotron.errors import ConfigError, DataError, FemtotronError
 from femtotron.models.llama import Llama
 from femtotron.parallel.context import ParallelContext
-from femtotron.parallel.sharding import split_dim
-from femtotron.parallel.tensor_parallel import TensorParallel, full_tensor, gather_full
+from femtotron.parallel.tensor_parallel import TensorParallel, full_gradients, gather_full
 
 # Relative to the largest reference value. fp32 differs only by summation order (about 1e-6); bf16
 # keeps 8 significant bits and tp moves where the roundings happen.
@@ -168,14 +167,7 @@ def _forward_backward(model: Llama, ids: torch.Tensor, targets: torch.Tensor,
         raise TPCheckFailed(_crash_message(e, recorder, reference.recorder, tp)) from e
     finally:
         recorder.remove()
-    grads: dict[str, torch.Tensor | None] = {}
-    for name, p in model.named_parameters():
-        grad = p.grad
-        if grad is not None and tp.sequence_parallel and split_dim(p.shard) is None:
-            # Each rank saw its part of the sequence; the trainer sums these over tp (reduce_gradients).
-            grad = tp.comm.all_reduce(grad.clone(), tp.group)
-        grads[name] = None if grad is None else full_tensor(grad, p.shard, tp)
-    return _Run(recorder, loss.detach(), grads)
+    return _Run(recorder, loss.detach(), full_gradients(model, tp))
 
 
 def _gather(tensor: torch.Tensor | None, dim: int | None, like: torch.Tensor | None,

@@ -137,19 +137,9 @@ class Comm:
             dist.broadcast(tensor, src=src, group=group.handle)
         return tensor
 
-    def send(self, tensor: torch.Tensor, group: Group, dst: int, tag: int = 0) -> None:
+    def send(self, tensor: torch.Tensor, group: Group, dst: int) -> None:
         with self._record("send", group, tensor, dst, _nbytes(tensor)):
-            dist.send(tensor.contiguous(), dst=dst, group=group.handle, tag=tag)
-
-    def isend(self, tensor: torch.Tensor, group: Group, dst: int, tag: int = 0) -> dist.Work:
-        """Start sending and return at once; `wait` on the result before `tensor` may change or go."""
-        with self._record("send", group, tensor, dst, _nbytes(tensor)):
-            return dist.isend(tensor, dst=dst, group=group.handle, tag=tag)
-
-    def irecv(self, tensor: torch.Tensor, group: Group, src: int, tag: int = 0) -> dist.Work:
-        """Start receiving into `tensor` and return at once; `wait` on the result before reading it."""
-        with self._record("recv", group, tensor, src, 0):
-            return dist.irecv(tensor, src=src, group=group.handle, tag=tag)
+            dist.send(tensor.contiguous(), dst=dst, group=group.handle)
 
     def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int, int]], group: Group) -> list[dist.Work]:
         """Start a batch of ("send" | "recv", tensor, peer, tag) ops together and return their works.
@@ -168,13 +158,13 @@ class Comm:
                 for op, t, p, tag in ops])
 
     def wait(self, work: dist.Work, group: Group, tensor: torch.Tensor, peer: int) -> None:
-        """Wait for an isend or irecv to finish (the time spent here is time spent idle)."""
+        """Wait for a transfer started by `batch_p2p` to finish (the time spent here is time spent idle)."""
         with self._record("wait", group, tensor, peer, 0):
             work.wait()
 
-    def recv(self, tensor: torch.Tensor, group: Group, src: int, tag: int = 0) -> torch.Tensor:
+    def recv(self, tensor: torch.Tensor, group: Group, src: int) -> torch.Tensor:
         with self._record("recv", group, tensor, src, 0):
-            dist.recv(tensor, src=src, group=group.handle, tag=tag)
+            dist.recv(tensor, src=src, group=group.handle)
         return tensor
 
     def barrier(self, group: Group) -> None:

@@ -261,3 +261,18 @@ def full_tensor(tensor: torch.Tensor, shard: ShardInfo, tp: TensorParallel) -> t
         return tensor.detach()
     full = gather_full(tensor, dim, tp)
     return full[tuple(slice(0, n) for n in shard.global_shape)]
+
+
+def full_gradients(model: nn.Module, tp: TensorParallel) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient as one device would hold it, by name (None where there is none).
+
+    Under sequence parallelism each rank saw only its part of the sequence, so the gradients of the
+    weights every rank holds whole (the norms) are summed over tp first, as the trainer does.
+    """
+    grads: dict[str, torch.Tensor | None] = {}
+    for name, p in model.named_parameters():
+        grad = p.grad
+        if grad is not None and tp.sequence_parallel and split_dim(p.shard) is None:
+            grad = tp.comm.all_reduce(grad.clone(), tp.group)
+        grads[name] = None if grad is None else full_tensor(grad, p.shard, tp)
+    return grads
