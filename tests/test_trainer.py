@@ -31,7 +31,8 @@ def test_loss_decreases_and_metrics_are_written(tiny_config):
 def loss_and_grads(config, ctx=None):
     """One step's loss and fp32 gradients, by parameter name (after the dp reduction)."""
     trainer = Trainer(config, ctx or ParallelContext(), log_to_console=False)
-    loss, _, grads = trainer.compute_gradients()
+    loss, _, pieces = trainer.compute_gradients()
+    grads = trainer.data_parallel.full(pieces)  # per parameter, whole (assembled over dp under ZeRO-1)
     names = [n for n, _ in trainer.named_parameters()]
     return loss, dict(zip(names, [g.clone() for g in grads], strict=True)), trainer
 
@@ -69,8 +70,8 @@ def test_data_parallel_matches_single_process(tiny_config):
 def test_bf16_parameters_train_with_fp32_master_weights(tiny_config):
     trainer, results = train(tiny_config("model.dtype=bfloat16", "tokens.train_steps=4"))
     assert all(p.dtype == torch.bfloat16 for p in trainer.chunks[0].parameters())
-    assert all(m.dtype == torch.float32 for m in trainer.optimizer.masters)
-    for p, m in zip(trainer.chunks[0].parameters(), trainer.optimizer.masters, strict=True):
+    assert all(m.dtype == torch.float32 for m in trainer.optimizer.full_masters())
+    for p, m in zip(trainer.chunks[0].parameters(), trainer.optimizer.full_masters(), strict=True):
         assert torch.equal(p, m.to(torch.bfloat16))
     assert results[-1].loss < results[0].loss
 
@@ -104,8 +105,14 @@ def test_validation_loss_is_logged(tiny_config, tiny_dataset):
 
 
 def test_features_of_later_versions_are_refused_clearly(tiny_config):
-    with pytest.raises(ConfigError, match="zero_stage"):
-        Trainer(tiny_config("optimizer.zero_stage=1"), ParallelContext(), log_to_console=False)
+    with pytest.raises(ConfigError, match="checkpoint_interval"):
+        Trainer(tiny_config("checkpoints.checkpoint_interval=5"), ParallelContext(), log_to_console=False)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_stages_2_and_3_are_refused_not_treated_as_1(tiny_config, stage):
+    with pytest.raises(ConfigError, match=f"optimizer.zero_stage.*zero_stage={stage} .*not implemented.*Fix: zero_stage=1"):
+        tiny_config(f"optimizer.zero_stage={stage}")
 
 
 def test_token_ids_beyond_the_vocabulary_are_reported_not_crashed_on(tiny_config):
@@ -118,7 +125,7 @@ def test_token_ids_beyond_the_vocabulary_are_reported_not_crashed_on(tiny_config
 
 def weights(trainer):
     return [p.detach().clone() for _, p in trainer.named_parameters()] + \
-        [m.detach().clone() for m in trainer.optimizer.masters]
+        [m.detach().clone() for m in trainer.optimizer.full_masters()]
 
 
 def test_fp16_overflow_skips_the_step_and_lowers_the_loss_scale(tiny_config, capsys):
@@ -135,7 +142,7 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_loss_scale(tiny_config, cap
     assert skipped.skipped and math.isfinite(skipped.loss) and skipped.loss_scale == 2.0**15
     assert trainer.scaler.scale == 2.0**15 and trainer.scaler.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, weights(trainer), strict=True))  # weights unchanged
-    assert all(m.grad is None for m in trainer.optimizer.masters)  # the bad gradients are dropped
+    assert not trainer.data_parallel.flat_grads.any()  # the bad gradients are dropped
     assert "step 1: fp16 gradients overflowed at loss scale 65536; step skipped, scale lowered to 32768" \
         in capsys.readouterr().out
     trainer.step = 1
@@ -177,11 +184,12 @@ def _fp16_dp_overflow_on_one_rank(rank, config):
     trainer = Trainer(config, ctx, log_to_console=False)
     reduce, poison = trainer.reduce_gradients, [rank == 1]
 
-    def reduce_then_poison(grads):
-        reduce(grads)
+    def reduce_then_poison():
+        grads = reduce()
         if poison[0]:  # after the dp sum: only rank 1's gradients overflow, rank 0's are finite
             grads[0].view(-1)[0] = math.inf
             poison[0] = False
+        return grads
 
     trainer.reduce_gradients = reduce_then_poison
     before = weights(trainer)

@@ -30,9 +30,10 @@ from femtotron.models.llama import IGNORE_INDEX, Llama
 from femtotron.optim.clip import clip_grads_
 from femtotron.optim.loss_scale import DynamicLossScaler
 from femtotron.optim.lr_schedule import lr_at
-from femtotron.optim.optimizer import MixedPrecisionAdamW
+from femtotron.optim.zero import ZeroAdamW
 from femtotron.parallel.comm import Group
 from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.data_parallel import DataParallel
 from femtotron.parallel.pipeline.p2p import PipelineP2P
 from femtotron.parallel.pipeline.partition import partition, stage_map
 from femtotron.parallel.pipeline.schedules import Pipeline
@@ -84,8 +85,6 @@ def check_supported(config: Config) -> None:
         problems.append("parallelism.pp_engine=interleaved-1f1b on GPUs: its transfer order can deadlock on NCCL "
                         "in this version. Use parallelism.pp_engine=1f1b (or afab) on GPUs; interleaving runs on "
                         "CPU (gloo).")
-    if config.optimizer.zero_stage != 0:
-        problems.append("optimizer.zero_stage=1 is not available in this version; set optimizer.zero_stage=0.")
     ckpt = config.checkpoints
     if ckpt.checkpoint_interval or ckpt.resume_checkpoint_path or ckpt.save_initial_state:
         problems.append("checkpoints.checkpoint_interval / resume_checkpoint_path / save_initial_state: "
@@ -121,8 +120,8 @@ class Trainer:
                              device=ctx.device, tp=self.tp, stage=self.stages[chunk * ctx.pp + ctx.pp_rank],
                              recompute_layer=par.recompute_layer)
                        for chunk in range(par.pp_virtual_stages)]
-        names, params = zip(*self.named_parameters(), strict=True)
-        self.optimizer = MixedPrecisionAdamW(list(params), config.optimizer)
+        named = self.named_parameters()
+        names, params = zip(*named, strict=True)
         # fp16 only (N1): the loss is multiplied by a dynamic scale; bf16 and fp32 get a disabled one.
         self.scaler = DynamicLossScaler.from_config(config.optimizer.loss_scale, enabled=self.dtype == torch.float16)
         # Parameters every tp rank holds whole (the norms): counted once in the grad norm, and under
@@ -132,9 +131,19 @@ class Trainer:
         # summed with the original's, and counted in the norm once.
         tied_copy = [n == "embed_tokens.weight" and ctx.pp > 1 and mcfg.tie_word_embeddings for n in names]
         self.tied_embedding = tied_copy.index(True) if any(tied_copy) else None
-        self.counted_in_norm = [(ctx.tp_rank == 0 or not r) and not (c and ctx.pp_rank > 0)
-                                for r, c in zip(replicated, tied_copy, strict=True)]
-        self.summed_over_tp = [i for i, r in enumerate(replicated) if r] if self.tp.sequence_parallel else []
+        self.data_parallel = DataParallel(
+            named, self.bucket_groups(tied_copy), ctx.comm, ctx.dp_group, ctx.dp_rank,
+            micro_batches=tokens.batch_accumulation_per_replica, bucket_mb=par.dp_bucket_size_mb,
+            grad_dtype=torch.float32 if config.optimizer.accumulate_grad_in_fp32 else self.dtype,
+            sharded=config.optimizer.zero_stage == 1)
+        self.optimizer = ZeroAdamW(list(params), self.data_parallel, config.optimizer)
+        counted = [(ctx.tp_rank == 0 or not r) and not (c and ctx.pp_rank > 0)
+                   for r, c in zip(replicated, tied_copy, strict=True)]
+        # The grad norm sums the pieces this rank owns over the model-parallel group, and under ZeRO-1,
+        # where each dp rank owns different pieces, over dp too.
+        self.counted_pieces = [counted[piece.param] for piece in self.data_parallel.pieces]
+        self.norm_groups = [ctx.mp_group] + ([ctx.dp_group] if self.data_parallel.sharded else [])
+        self.summed_over_tp = {i for i, r in enumerate(replicated) if r} if self.tp.sequence_parallel else set()
         local_sequence = tokens.sequence_length // (ctx.tp if self.tp.sequence_parallel else 1)
         p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device,
                           (tokens.micro_batch_size, local_sequence, mcfg.hidden_size), self.dtype)
@@ -153,6 +162,19 @@ class Trainer:
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters over all its model chunks, by their names in the whole model."""
         return [item for chunk in self.chunks for item in chunk.named_parameters()]
+
+    def bucket_groups(self, own_bucket: list[bool]) -> list[list[int]]:
+        """Parameter indices in the order backward produces their gradients: each chunk's, last layer first.
+        A tied embedding gets a bucket of its own, laid out alike on the first and last stage, so the
+        gradient pieces each rank owns after the dp reduction match across the embedding group."""
+        groups, first = [], 0
+        for chunk in self.chunks:
+            count = len(list(chunk.parameters()))
+            backward_order = list(range(first + count - 1, first - 1, -1))
+            groups.append([i for i in backward_order if not own_bucket[i]])
+            groups += [[i] for i in backward_order if own_bucket[i]]
+            first += count
+        return [group for group in groups if group]
 
     def summary(self) -> str:
         cfg, mcfg, tokens = self.config, self.config.model.model_config_, self.config.tokens
@@ -174,6 +196,7 @@ class Trainer:
             f"MFU is measured against {self.peak_flops / 1e12:.2f} TFLOP/s ({self.peak_source})",
         ]
         par = cfg.parallelism
+        lines.append(self.memory_summary())
         if self.ctx.tp > 1:
             lines.append(f"tensor parallel: tp={self.ctx.tp}, tp_mode={par.tp_mode}")
         padded = self.chunks[0].padded_vocab_size
@@ -188,6 +211,20 @@ class Trainer:
                          f", {accumulation} micro-batches: each stage idles {bubble:.0%} of a step in theory (bubble)")
             lines.append(stage_map(self.stages, self.ctx.pp)[0])
         return "\n".join(lines)
+
+    def memory_summary(self) -> str:
+        """Where this rank's bytes for the model state go, and how dp reduces gradients."""
+        data_parallel, plan = self.data_parallel, self.optimizer.memory_plan()
+        elements = data_parallel.flat_params.numel() - data_parallel.padding
+        per_param = " + ".join(f"{plan[key] / elements:.2f}".rstrip("0").rstrip(".") for key in plan)
+        zero = self.config.optimizer.zero_stage
+        sharing = (f"ZeRO-1: master weights and Adam moments sharded over dp={self.ctx.dp}" if zero == 1
+                   else "zero_stage=0: optimizer state replicated on every dp rank")
+        return (f"model state on this rank: {elements / 1e6:.2f}M parameters, " + ", ".join(
+                    f"{key.replace('_', ' ')} {value / 2**20:.1f} MiB" for key, value in plan.items())
+                + f" ({per_param} bytes per parameter); {sharing}; gradients reduced over dp in "
+                f"{len(data_parallel.buckets)} bucket(s) during backward, padded by {data_parallel.padding:,} "
+                "elements")
 
     def start_warnings(self) -> list[str]:
         warnings = config_warnings(self.config)
@@ -256,7 +293,8 @@ class Trainer:
         # skips the step. A non-finite loss is a real divergence and stops below.
         if self.scaler.unscale_(grads, self.ctx) and math.isfinite(loss):
             return self.skip_step(loss, tokens, lr, start)
-        grad_norm = clip_grads_(grads, self.config.optimizer.clip_grad, self.ctx, self.counted_in_norm).item()
+        grad_norm = clip_grads_(grads, self.config.optimizer.clip_grad, self.ctx, self.counted_pieces,
+                                self.norm_groups).item()
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise self.diverged(loss, grad_norm)
         self.optimizer.step(lr)
@@ -300,8 +338,7 @@ class Trainer:
         self.ctx.comm.all_reduce(global_tokens, self.ctx.dp_group)
         # fp16: dividing by global_tokens / scale multiplies the loss, so every gradient, by the loss scale.
         loss_sum = self.pipeline.train_step(micro_batches, global_tokens / self.scaler.scale)
-        grads = self.optimizer.grads()
-        self.reduce_gradients(grads)
+        grads = self.reduce_gradients()
         # Only the last stage computed the loss: summed over pp, every rank logs the same number (P3).
         self.ctx.comm.all_reduce(loss_sum, self.ctx.pp_group)
         loss = self.ctx.comm.all_reduce(loss_sum, self.ctx.dp_group).item() / global_tokens.item()
@@ -338,21 +375,31 @@ class Trainer:
                 "model is meant for."
             )
 
-    def reduce_gradients(self, grads: list[torch.Tensor]) -> None:
-        """Sum gradients over dp replicas (the loss is already divided by the global token count),
-        and, under sequence parallelism, the tp-replicated ones over tp."""
-        if self.ctx.dp > 1 and grads:
-            self.all_reduce_flat(grads, self.ctx.dp_group)
+    def reduce_gradients(self) -> list[torch.Tensor]:
+        """The fp32 gradients of the elements this rank steps, summed over everything that computed a part.
+
+        Over dp: the bucket reductions started during backward (the loss is already divided by the global
+        token count, so a sum is right). Then, on the pieces this rank owns, which sit at the same places on
+        every rank of these groups: under sequence parallelism the tp-replicated parameters over tp (each tp
+        rank saw part of the sequence), and a tied embedding over the first and last pipeline stage.
+        """
+        self.data_parallel.finish_reduction()
+        grads = self.optimizer.grads()
+        pieces = self.data_parallel.pieces
         if self.summed_over_tp:
-            self.all_reduce_flat([grads[i] for i in self.summed_over_tp], self.ctx.tp_group)
-        if self.tied_embedding is not None:
-            self.ctx.comm.all_reduce(grads[self.tied_embedding], self.ctx.embedding_group)
+            self.all_reduce_flat([g for piece, g in zip(pieces, grads, strict=True)
+                                  if piece.param in self.summed_over_tp], self.ctx.tp_group)
+        for piece, grad in zip(pieces, grads, strict=True):
+            if piece.param == self.tied_embedding:
+                self.ctx.comm.all_reduce(grad, self.ctx.embedding_group)
+        return grads
 
     def all_reduce_flat(self, grads: list[torch.Tensor], group: Group) -> None:
-        flat = torch.cat([g.flatten() for g in grads])
-        self.ctx.comm.all_reduce(flat, group)
-        chunks = flat.split([g.numel() for g in grads])
-        torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(chunks, grads, strict=True)])
+        if not grads:
+            return
+        flat = self.ctx.comm.all_reduce(torch.cat([g.flatten() for g in grads]), group)
+        torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads,
+                                                                   strict=True)])
 
     def diverged(self, loss: float, grad_norm: float) -> TrainingDiverged:
         recent = ", ".join(f"step {s}: lr {lr:.2e} grad_norm {g:.3g}" for s, lr, g in self.history) or "none"

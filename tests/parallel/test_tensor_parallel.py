@@ -82,9 +82,8 @@ def train_three_steps(config, ctx):
     trainer = Trainer(config, ctx, log_to_console=False)
 
     def weights():  # the fp32 master weights, gathered to full shape
-        names = [n for n, _ in trainer.named_parameters()]
-        pairs = zip(names, trainer.optimizer.params, trainer.optimizer.masters, strict=True)
-        return {n: full_tensor(master, p.shard, trainer.tp).clone() for n, p, master in pairs}
+        pairs = zip(trainer.named_parameters(), trainer.optimizer.full_masters(), strict=True)
+        return {n: full_tensor(master, p.shard, trainer.tp).clone() for (n, p), master in pairs}
 
     initial = weights()
     results = [trainer.train_step() for _ in range(3)]

@@ -117,6 +117,7 @@ class ParallelismArgs(_Section):
     pp_virtual_stages: PositiveInt = 1  # model chunks per pp rank; > 1 only with interleaved-1f1b
     tp_mode: Literal["ALL_REDUCE", "REDUCE_SCATTER"] = "ALL_REDUCE"
     recompute_layer: bool = False  # recompute each decoder layer's forward in backward (less memory)
+    dp_bucket_size_mb: PositiveFloat = 25  # gradients reduced over dp in buckets of about this size
     init_timeout_seconds: PositiveFloat = 300
     collective_timeout_seconds: PositiveFloat = 600
 
@@ -159,7 +160,7 @@ class LossScaleArgs(_Section):
 
 
 class OptimizerArgs(_Section):
-    zero_stage: Literal[0, 1] = 0
+    zero_stage: NonNegativeInt = 0  # 0 or 1; 2 and 3 are refused by a rule
     weight_decay: NonNegativeFloat = 0.01
     clip_grad: PositiveFloat | None = 1.0  # None: no gradient clipping
     accumulate_grad_in_fp32: bool = True
@@ -387,6 +388,12 @@ def rule_problems(cfg: Config) -> list[Problem]:
             f"lr_warmup_steps={sched.lr_warmup_steps} must be <= train_steps={tok.train_steps} (the run would end "
             f"before warm-up does). Fix: lr_warmup_steps={max(tok.train_steps // 10, 0)} (10% of train_steps), "
             f"or train_steps={sched.lr_warmup_steps * 10}.")
+    if cfg.optimizer.zero_stage > 1:
+        add(("optimizer.zero_stage",),
+            f"zero_stage={cfg.optimizer.zero_stage} (sharded gradients or parameters) is not implemented: femtotron "
+            "has ZeRO-1, which shards the fp32 master weights and Adam moments over dp, 12 of the 18 bytes a "
+            "bf16 parameter costs. Fix: zero_stage=1; to save more memory raise tp or pp, set "
+            "parallelism.recompute_layer=true, or lower tokens.micro_batch_size.")
     scaling = cfg.optimizer.loss_scale
     if scaling.min_scale > scaling.initial_scale:
         add(("optimizer.loss_scale.min_scale", "optimizer.loss_scale.initial_scale"),
@@ -477,6 +484,9 @@ def config_warnings(config: Config) -> list[str]:
                    f"pipeline idles for about {pipeline_bubble(par.pp, accumulation, par.pp_virtual_stages):.0%} of "
                    f"each step (P2). Use at least 4 * pp = {4 * par.pp} micro-batches (lower "
                    "tokens.micro_batch_size to keep the batch), or pp_engine=interleaved-1f1b.")
+    if config.optimizer.zero_stage == 1 and par.dp == 1:
+        out.append("optimizer.zero_stage=1 with parallelism.dp=1: ZeRO-1 shards optimizer state over dp ranks, so "
+                   "with one replica it saves nothing. Raise parallelism.dp to save memory.")
     if config.model.init_method.std > 0.1:
         out.append(f"model.init_method.std={config.model.init_method.std:g} is large: activations grow layer by "
                    "layer and the first steps can be NaN. The usual value is 0.02.")

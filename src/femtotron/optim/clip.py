@@ -4,27 +4,31 @@ from __future__ import annotations
 
 import torch
 
+from femtotron.parallel.comm import Group
 from femtotron.parallel.context import ParallelContext
 
 
-def global_grad_norm(grads: list[torch.Tensor], ctx: ParallelContext, counted: list[bool] | None = None) -> torch.Tensor:
-    """L2 norm of all gradients of one model replica, summed over its tp and pp ranks (fp32).
+def global_grad_norm(grads: list[torch.Tensor], ctx: ParallelContext, counted: list[bool] | None = None,
+                     groups: list[Group] | None = None) -> torch.Tensor:
+    """L2 norm of all gradients of the model (fp32): squares summed over `groups`, by default the
+    model-parallel group (the tp and pp ranks of one replica); under ZeRO-1 the dp group too.
 
-    `counted[i]` is False where another rank of the replica holds the same gradient and counts it
-    (a parameter replicated over tp is counted on tp rank 0 only), so nothing is counted twice.
+    `counted[i]` is False where another rank holds the same gradient and counts it (a parameter
+    replicated over tp is counted on tp rank 0 only), so nothing is counted twice.
     """
     mine = grads if counted is None else [g for g, c in zip(grads, counted, strict=True) if c]
     norms = torch._foreach_norm(mine, dtype=torch.float32) if mine else [torch.zeros((), device=ctx.device)]
     # Every rank joins the all-reduce, even one holding no gradients, or the others would wait forever.
     local_sq = torch.stack(norms).pow(2).sum()
-    ctx.comm.all_reduce(local_sq, ctx.mp_group)
+    for group in groups or [ctx.mp_group]:
+        ctx.comm.all_reduce(local_sq, group)
     return local_sq.sqrt()
 
 
 def clip_grads_(grads: list[torch.Tensor], max_norm: float | None, ctx: ParallelContext,
-                counted: list[bool] | None = None) -> torch.Tensor:
+                counted: list[bool] | None = None, groups: list[Group] | None = None) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most `max_norm`; return the norm before."""
-    norm = global_grad_norm(grads, ctx, counted)
+    norm = global_grad_norm(grads, ctx, counted, groups)
     if max_norm is not None and grads:
         # The same epsilon as torch.nn.utils.clip_grad_norm_; clamp keeps small norms untouched.
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

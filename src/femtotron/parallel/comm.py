@@ -129,6 +129,32 @@ class Comm:
             dist.reduce_scatter(out, chunks, group=group.handle)
         return out
 
+    def start_all_reduce(self, tensor: torch.Tensor, group: Group) -> dist.Work | None:
+        """Start an in-place sum over `group` and return at once; `wait` for the result (None: nothing to wait for)."""
+        if group.size == 1:
+            return None
+        n = group.size
+        with self._record("all_reduce", group, tensor, None, 2 * (n - 1) / n * _nbytes(tensor)):
+            return dist.all_reduce(tensor, group=group.handle, async_op=True)
+
+    def start_reduce_scatter(self, shard: torch.Tensor, tensor: torch.Tensor, group: Group) -> dist.Work | None:
+        """Start summing `tensor` over `group` into `shard`, this rank's equal part of it (`shard` may be a view
+        of that part of `tensor`: the reduction is then in place)."""
+        if group.size == 1:
+            return None
+        n = group.size
+        with self._record("reduce_scatter", group, tensor, None, (n - 1) / n * _nbytes(tensor)):
+            return _reduce_scatter_single(shard, tensor, group=group.handle, async_op=True)
+
+    def start_all_gather(self, tensor: torch.Tensor, shard: torch.Tensor, group: Group) -> dist.Work | None:
+        """Start filling `tensor` with every rank's `shard` in group-rank order (`shard` may be a view of this
+        rank's part of `tensor`)."""
+        if group.size == 1:
+            return None
+        n = group.size
+        with self._record("all_gather", group, shard, None, (n - 1) * _nbytes(shard)):
+            return _all_gather_single(tensor, shard, group=group.handle, async_op=True)
+
     def broadcast(self, tensor: torch.Tensor, group: Group, src: int) -> torch.Tensor:
         """Copy global rank `src`'s tensor to every rank of the group, in place."""
         if group.size == 1:
@@ -157,8 +183,11 @@ class Comm:
                 dist.P2POp(dist.isend if op == "send" else dist.irecv, t, peer=p, group=group.handle, tag=tag)
                 for op, t, p, tag in ops])
 
-    def wait(self, work: dist.Work, group: Group, tensor: torch.Tensor, peer: int) -> None:
-        """Wait for a transfer started by `batch_p2p` to finish (the time spent here is time spent idle)."""
+    def wait(self, work: dist.Work | None, group: Group, tensor: torch.Tensor, peer: int | None = None) -> None:
+        """Wait for an op started by `batch_p2p` or a `start_*` method to finish (the time spent here is time
+        spent idle)."""
+        if work is None:
+            return
         with self._record("wait", group, tensor, peer, 0):
             work.wait()
 
@@ -256,6 +285,10 @@ def _ranges(ranks: list[int]) -> str:
             spans.append([r, r])
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans) or "none"
 
+
+# Renamed in torch 2.13; the old names still work there, with a deprecation warning.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 

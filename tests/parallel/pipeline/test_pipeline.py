@@ -27,12 +27,13 @@ def run(config, ctx):
     def full(tensors):
         return {n: full_tensor(t, p.shard, trainer.tp).float().clone() for (n, p), t in zip(named, tensors, strict=True)}
 
-    loss, _, grads = trainer.compute_gradients()
+    loss, _, pieces = trainer.compute_gradients()
+    grads = trainer.data_parallel.full(pieces)  # per parameter, whole (assembled over dp under ZeRO-1)
     grads = full(grads)
     trainer.optimizer.zero_grad()
-    initial = full(trainer.optimizer.masters)
+    initial = full(trainer.optimizer.full_masters())
     results = [trainer.train_step() for _ in range(3)]
-    updates = {n: w - initial[n] for n, w in full(trainer.optimizer.masters).items()}
+    updates = {n: w - initial[n] for n, w in full(trainer.optimizer.full_masters()).items()}
     return loss, grads, [r.loss for r in results], [r.grad_norm for r in results], updates
 
 

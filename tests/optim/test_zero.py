@@ -2,7 +2,10 @@ import pytest
 import torch
 
 from femtotron.config import load_config_dict
-from femtotron.optim.optimizer import MixedPrecisionAdamW
+from femtotron.errors import FemtotronError
+from femtotron.optim.zero import ZeroAdamW
+from femtotron.parallel.comm import Comm, Group
+from femtotron.parallel.data_parallel import DataParallel
 
 LR, WEIGHT_DECAY, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
 STEP_LRS = [1e-2, 5e-3, 2e-3]
@@ -29,6 +32,15 @@ def make_params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype)) for shape in shapes]
 
 
+def single_process_optimizer(params, section, micro_batches=1):
+    """The optimizer of one rank without data parallelism, over `params` in one bucket."""
+    grad_dtype = torch.float32 if section.accumulate_grad_in_fp32 else params[0].dtype
+    data_parallel = DataParallel([(f"p{i}", p) for i, p in enumerate(params)], [list(range(len(params)))],
+                                 Comm(), Group("dp", (0,)), 0, micro_batches=micro_batches, bucket_mb=25,
+                                 grad_dtype=grad_dtype, sharded=False)
+    return ZeroAdamW(params, data_parallel, section)
+
+
 def loss_of(params, seed: int) -> torch.Tensor:
     weight, bias, scale = params
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 + seed)).to(weight.dtype)
@@ -45,9 +57,10 @@ def bf16_grads(params, seed: int) -> list[torch.Tensor]:
 def test_fp32_matches_torch_adamw_with_decay_on_matrices_only(fused):
     params = make_params(torch.float32)
     reference = [p.detach().clone().requires_grad_() for p in params]
-    ours = MixedPrecisionAdamW(params, optimizer_section(optimizer_factory={
+    ours = single_process_optimizer(params, optimizer_section(optimizer_factory={
         "adam_beta1": BETAS[0], "adam_beta2": BETAS[1], "adam_eps": EPS, "torch_adam_is_fused": fused}))
-    assert all(master is param for master, param in zip(ours.masters, params, strict=True))
+    # fp32: the master weights are the parameters' own storage, not a copy.
+    assert all(m.untyped_storage().data_ptr() == params[0].untyped_storage().data_ptr() for m in ours.masters)
     torch_adamw = torch.optim.AdamW(
         [{"params": reference[:1], "weight_decay": WEIGHT_DECAY}, {"params": reference[1:], "weight_decay": 0.0}],
         lr=LR, betas=BETAS, eps=EPS, fused=fused or None,
@@ -55,6 +68,7 @@ def test_fp32_matches_torch_adamw_with_decay_on_matrices_only(fused):
     for step, lr in enumerate(STEP_LRS):
         loss_of(params, step).backward()
         loss_of(reference, step).backward()
+        ours.data_parallel.finish_reduction()
         ours.step(lr)
         for group in torch_adamw.param_groups:
             group["lr"] = lr
@@ -71,7 +85,7 @@ def test_fp32_decaying_every_tensor_would_be_caught():
     """The comparison above is sharp enough to see weight decay on the 1-D tensors."""
     params = make_params(torch.float32)
     decay_all = [p.detach().clone().requires_grad_() for p in params]
-    ours = MixedPrecisionAdamW(params, optimizer_section())
+    ours = single_process_optimizer(params, optimizer_section())
     torch_adamw = torch.optim.AdamW(decay_all, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     loss_of(params, 0).backward()
     loss_of(decay_all, 0).backward()
@@ -84,12 +98,11 @@ def test_fp32_decaying_every_tensor_would_be_caught():
 
 def test_bf16_grads_accumulate_in_fp32_masters_and_params_follow_the_masters():
     params = make_params(torch.bfloat16)
-    optimizer = MixedPrecisionAdamW(params, optimizer_section())
-    for param, master in zip(params, optimizer.masters, strict=True):
-        assert master is not param and master.dtype == torch.float32
-        assert torch.equal(master, param.float())
+    optimizer = single_process_optimizer(params, optimizer_section(), micro_batches=4)
+    for param, master in zip(params, optimizer.full_masters(), strict=True):
+        assert master.dtype == torch.float32 and torch.equal(master, param.float())
 
-    expected = [torch.zeros_like(m) for m in optimizer.masters]
+    expected = [torch.zeros_like(p, dtype=torch.float32) for p in params]
     for micro_batch in range(4):
         step_grads = bf16_grads(params, micro_batch)
         assert all(grad.dtype == torch.bfloat16 for grad in step_grads)
@@ -100,23 +113,23 @@ def test_bf16_grads_accumulate_in_fp32_masters_and_params_follow_the_masters():
 
     # The fp32 sums are not bf16 numbers, so a bf16 accumulation could not have produced them.
     assert any(not torch.equal(total, total.bfloat16().float()) for total in expected)
-    grads = optimizer.grads()
-    assert len(grads) == len(params)
-    for grad, master, total in zip(grads, optimizer.masters, expected, strict=True):
-        assert grad is master.grad and grad.dtype == torch.float32
+    optimizer.data_parallel.finish_reduction()
+    grads = optimizer.data_parallel.grads
+    for grad, total in zip(grads, expected, strict=True):
+        assert grad.dtype == torch.float32
         torch.testing.assert_close(grad, total, rtol=1e-6, atol=1e-6)
 
-    reference = [m.detach().clone().requires_grad_() for m in optimizer.masters]
+    reference = [m.detach().clone().requires_grad_() for m in optimizer.full_masters()]
     for ref, total in zip(reference, expected, strict=True):
         ref.grad = total.clone()
     torch_adamw = torch.optim.AdamW(
         [{"params": reference[:1], "weight_decay": WEIGHT_DECAY}, {"params": reference[1:], "weight_decay": 0.0}],
         lr=LR, betas=BETAS, eps=EPS,
     )
-    before = [m.detach().clone() for m in optimizer.masters]
+    before = optimizer.full_masters()
     optimizer.step(LR)
     torch_adamw.step()
-    for param, master, ref, start in zip(params, optimizer.masters, reference, before, strict=True):
+    for param, master, ref, start in zip(params, optimizer.full_masters(), reference, before, strict=True):
         assert not torch.equal(master, start)
         torch.testing.assert_close(master, ref, rtol=0, atol=1e-6)
         assert param.dtype == torch.bfloat16
@@ -125,34 +138,39 @@ def test_bf16_grads_accumulate_in_fp32_masters_and_params_follow_the_masters():
 
 def test_bf16_without_fp32_accumulation_still_hands_out_fp32_grads():
     params = make_params(torch.bfloat16)
-    optimizer = MixedPrecisionAdamW(params, optimizer_section(accumulate_grad_in_fp32=False))
+    optimizer = single_process_optimizer(params, optimizer_section(accumulate_grad_in_fp32=False), micro_batches=2)
+    assert optimizer.data_parallel.flat_grads.dtype == torch.bfloat16
+    expected = [torch.zeros_like(p) for p in params]
     for micro_batch in range(2):
+        for total, grad in zip(expected, bf16_grads(params, micro_batch), strict=True):
+            total.add_(grad)  # the same bf16 additions the buffer makes
         loss_of(params, micro_batch).backward()
-    accumulated = [param.grad.clone() for param in params]
-    assert all(grad.dtype == torch.bfloat16 for grad in accumulated)  # accumulated by autograd, in bf16
-
+    optimizer.data_parallel.finish_reduction()
     grads = optimizer.grads()
-    assert len(grads) == len(params)
-    for grad, master, param, bf16_sum in zip(grads, optimizer.masters, params, accumulated, strict=True):
-        assert grad is master.grad and grad.dtype == torch.float32
-        assert torch.equal(grad, bf16_sum.float())
-        assert param.grad is None
+    assert all(grad.dtype == torch.float32 for grad in grads) and all(p.grad is None for p in params)
+    assert torch.equal(torch.cat(grads), torch.cat([e.flatten() for e in expected]).float())
     optimizer.step(LR)
-    for param, master in zip(params, optimizer.masters, strict=True):
-        assert torch.equal(param, master.detach().bfloat16())
+    for param, master in zip(params, optimizer.full_masters(), strict=True):
+        assert torch.equal(param, master.bfloat16())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zero_grad_clears_every_gradient(dtype):
     params = make_params(dtype)
-    optimizer = MixedPrecisionAdamW(params, optimizer_section())
+    optimizer = single_process_optimizer(params, optimizer_section())
     loss_of(params, 0).backward()
-    assert len(optimizer.grads()) == len(params)
+    assert optimizer.data_parallel.flat_grads.any()
     optimizer.zero_grad()
     assert all(p.grad is None for p in params) and all(m.grad is None for m in optimizer.masters)
-    # A parameter without a gradient still gets one (zeros), so every rank's list has the same shapes.
-    assert [g.abs().sum().item() for g in optimizer.grads()] == [0.0] * len(params)
-    optimizer.zero_grad()
+    assert not optimizer.data_parallel.flat_grads.any()
     loss_of(params, 1).backward()  # the next step starts from zero, not from the old sums
-    for grad, fresh in zip(optimizer.grads(), bf16_grads(params, 1), strict=True):
+    for grad, fresh in zip(optimizer.data_parallel.grads, bf16_grads(params, 1), strict=True):
         torch.testing.assert_close(grad, fresh.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_gradient_after_the_last_micro_batch_is_an_error_not_a_silent_loss():
+    params = make_params(torch.float32)
+    single_process_optimizer(params, optimizer_section(), micro_batches=1)  # its hooks keep it alive
+    loss_of(params, 0).backward()
+    with pytest.raises(FemtotronError, match=r"p\d received 2 gradients in one step.*zero_grad"):
+        loss_of(params, 1).backward()

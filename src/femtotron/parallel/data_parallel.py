@@ -1,0 +1,199 @@
+"""Data parallelism: flat parameter and gradient buffers, cut into buckets that are reduced over the dp
+group while backward is still running.
+
+Every parameter of this rank (over all its pipeline chunks) becomes a view into one flat tensor of
+the model's dtype, and its gradient accumulates into the view at the same offset of a flat gradient
+buffer (fp32 unless optimizer.accumulate_grad_in_fp32 is off): a hook adds each micro-batch's
+gradient there as soon as autograd has produced it, and frees the low-precision one.
+
+The buffers are cut into buckets of about `parallelism.dp_bucket_size_mb`, in the order backward
+produces gradients (a chunk's last layer first). When every parameter of a bucket has received its
+gradient for the step's last micro-batch, the bucket's reduction starts asynchronously and overlaps
+the rest of backward; during the other micro-batches nothing is sent (what DDP calls no_sync).
+
+Each bucket is padded to a multiple of dp elements and split into dp equal shards; rank r owns shard
+r of every bucket. With ZeRO-1 (optim/zero.py) the gradients are reduce-scattered, so each rank
+receives the summed gradients of the elements it owns, steps only those, and the updated parameters
+are all-gathered. Without ZeRO the gradients are all-reduced and every rank owns every element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from femtotron.errors import FemtotronError
+from femtotron.parallel.comm import Comm, Group
+
+# Every parameter, and every bucket's shard, starts at a multiple of 64 elements (128 bytes in bf16),
+# so kernels and collectives get aligned pointers.
+ALIGNMENT = 64
+
+
+@dataclass(frozen=True)
+class Bucket:
+    start: int  # element range [start, end) in the flat buffers; (end - start) is a multiple of dp
+    end: int
+    params: tuple[int, ...]  # indices of the parameters inside it
+
+    def shard(self, dp: int, dp_rank: int) -> tuple[int, int]:
+        size = (self.end - self.start) // dp
+        return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The elements [start, end) of the flat buffers that belong to parameter `param` and to this rank."""
+
+    param: int
+    start: int
+    end: int
+
+
+def plan_buckets(numels: list[int], groups: list[list[int]], bucket_elements: int,
+                 dp: int) -> tuple[list[int], list[Bucket]]:
+    """Offsets of the parameters in the flat buffers, and the buckets.
+
+    `groups` lists parameter indices in the order their gradients are expected; a bucket never spans
+    two groups. A bucket closes once it holds `bucket_elements` or more, so a larger parameter gets
+    a bucket of its own. Its size is a multiple of dp * ALIGNMENT, so its dp shards stay aligned.
+    """
+    offsets = [0] * len(numels)
+    buckets: list[Bucket] = []
+    position = 0
+    for group in groups:
+        members: list[int] = []
+        start = position
+        for index, param in enumerate(group):
+            offsets[param] = position
+            position = _round_up(position + numels[param], ALIGNMENT)
+            members.append(param)
+            if position - start >= bucket_elements or index == len(group) - 1:
+                position = start + _round_up(position - start, dp * ALIGNMENT)
+                buckets.append(Bucket(start, position, tuple(members)))
+                members, start = [], position
+    return offsets, buckets
+
+
+class DataParallel:
+    """Owns the flat buffers of one rank's parameters and gradients, and their reduction over dp."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], groups: list[list[int]], comm: Comm,
+                 dp_group: Group, dp_rank: int, *, micro_batches: int, bucket_mb: float, grad_dtype: torch.dtype,
+                 sharded: bool) -> None:
+        self.names, params = [n for n, _ in named_params], [p for _, p in named_params]
+        self.comm, self.group, self.dp, self.dp_rank = comm, dp_group, dp_group.size, dp_rank
+        self.micro_batches, self.sharded = micro_batches, sharded
+        numels = [p.numel() for p in params]
+        bucket_elements = max(1, int(bucket_mb * 2**20) // grad_dtype.itemsize)
+        self.offsets, self.buckets = plan_buckets(numels, groups, bucket_elements, self.dp)
+        size = self.buckets[-1].end if self.buckets else 0
+        self.padding = size - sum(numels)
+        device, dtype = params[0].device, params[0].dtype
+        # Padding stays zero in both buffers, so it adds nothing to reductions or norms.
+        self.flat_params = torch.zeros(size, dtype=dtype, device=device)
+        self.flat_grads = torch.zeros(size, dtype=grad_dtype, device=device)
+        self.grads: list[torch.Tensor] = []  # per parameter: its gradient, shaped like it
+        with torch.no_grad():
+            for param, offset, numel in zip(params, self.offsets, numels, strict=True):
+                view = self.flat_params[offset:offset + numel].view_as(param)
+                view.copy_(param)
+                param.data = view
+                self.grads.append(self.flat_grads[offset:offset + numel].view_as(param))
+        self.bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in bucket.params}
+        self.arrivals = [0] * len(params)  # gradients received this step, per parameter
+        self.complete = [0] * len(self.buckets)  # parameters of the bucket with all their gradients in
+        self.pending: dict[int, object] = {}  # bucket -> its reduction in flight
+        for index, param in enumerate(params):
+            param.register_post_accumulate_grad_hook(self._accumulate(index))
+        self.pieces = self._owned_pieces(numels)
+
+    def _owned_pieces(self, numels: list[int]) -> list[Piece]:
+        pieces = []
+        for bucket in self.buckets:
+            low, high = bucket.shard(self.dp, self.dp_rank) if self.sharded else (bucket.start, bucket.end)
+            for param in sorted(bucket.params, key=lambda p: self.offsets[p]):
+                start, end = max(low, self.offsets[param]), min(high, self.offsets[param] + numels[param])
+                if start < end:
+                    pieces.append(Piece(param, start, end))
+        return pieces
+
+    def _accumulate(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            self.grads[index].add_(param.grad)
+            param.grad = None
+            self.arrivals[index] += 1
+            if self.arrivals[index] > self.micro_batches:
+                raise FemtotronError(
+                    f"{self.names[index]} received {self.arrivals[index]} gradients in one step, but a step has "
+                    f"{self.micro_batches} micro-batches: its bucket was already reduced over dp. Call "
+                    "zero_grad() after each optimizer step.")
+            if self.arrivals[index] == self.micro_batches:
+                bucket = self.bucket_of[index]
+                self.complete[bucket] += 1
+                if self.complete[bucket] == len(self.buckets[bucket].params):
+                    self._launch(bucket)
+
+        return hook
+
+    def _launch(self, index: int) -> None:
+        if self.dp == 1:
+            return
+        bucket = self.buckets[index]
+        grads = self.flat_grads[bucket.start:bucket.end]
+        if self.sharded:
+            low, high = bucket.shard(self.dp, self.dp_rank)
+            self.pending[index] = self.comm.start_reduce_scatter(self.flat_grads[low:high], grads, self.group)
+        else:
+            self.pending[index] = self.comm.start_all_reduce(grads, self.group)
+
+    def finish_reduction(self) -> None:
+        """After the step's backward: reduce the buckets whose gradients did not all arrive (a parameter
+        unused this step), then wait for every reduction. Each owned gradient is then summed over dp."""
+        if self.dp > 1:
+            for index in range(len(self.buckets)):
+                if index not in self.pending:
+                    self._launch(index)
+            for index, work in self.pending.items():
+                self.comm.wait(work, self.group, self.flat_grads[self.buckets[index].start:self.buckets[index].end])
+        self.pending.clear()
+
+    def zero_grad(self) -> None:
+        self.flat_grads.zero_()
+        self.arrivals = [0] * len(self.arrivals)
+        self.complete = [0] * len(self.complete)
+        self.pending.clear()
+
+    def owned(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's pieces of a flat buffer (or of any tensor laid out like one), as 1-D views."""
+        return [flat[piece.start:piece.end] for piece in self.pieces]
+
+    def gather_params(self) -> None:
+        """ZeRO-1, after the step: every rank's updated shard of the parameters to every rank."""
+        if not self.sharded or self.dp == 1:
+            return
+        works = []
+        for bucket in self.buckets:
+            low, high = bucket.shard(self.dp, self.dp_rank)
+            works.append(self.comm.start_all_gather(self.flat_params[bucket.start:bucket.end],
+                                                    self.flat_params[low:high], self.group))
+        for bucket, work in zip(self.buckets, works, strict=True):
+            self.comm.wait(work, self.group, self.flat_params[bucket.start:bucket.end])
+
+    def full(self, owned: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per parameter, the whole tensor from every rank's owned pieces (e.g. fp32 master weights):
+        each element is owned by exactly one rank, so a sum over dp assembles them."""
+        flat = torch.zeros(self.flat_grads.numel(), dtype=owned[0].dtype if owned else torch.float32,
+                           device=self.flat_grads.device)
+        for piece, values in zip(self.pieces, owned, strict=True):
+            flat[piece.start:piece.end] = values
+        if self.sharded:
+            self.comm.all_reduce(flat, self.group)
+        return [flat[offset:offset + grad.numel()].view_as(grad) for offset, grad in zip(self.offsets, self.grads,
+                                                                                          strict=True)]
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
