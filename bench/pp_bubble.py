@@ -44,18 +44,14 @@ A larger `--forward-ms` shrinks that fixed cost's share and the ratios tend to 1
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
-import queue
-import socket
 import statistics
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from common import spawn_ranks
 from torch import nn
 
 from femtotron.config import load_config
@@ -206,27 +202,6 @@ def model_rank(ctx: ParallelContext, cases: list[Case], args: argparse.Namespace
 # --- ranks, and the table ----------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, world_size: int, port: int, mode: str, cases: list[Case], args, results) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        ctx = ParallelContext(pp=world_size, init_timeout_seconds=60, collective_timeout_seconds=300)
-        try:
-            run = sleep_rank if mode == "sleep" else model_rank
-            run(ctx, cases, args, lambda index, steps: results.put((rank, "ok", index, steps)))
-        finally:
-            ctx.close()
-    except BaseException as e:  # noqa: BLE001 - the parent must hear of every failure
-        results.put((rank, "error", None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def summarize(per_rank: list[list[StepTimes]]) -> dict[str, float]:
     """Medians over steps of: step span, compute (mean over ranks), idle (mean and worst rank), p2p-wait
     share (mean), the trainer's pp share (mean)."""
@@ -242,37 +217,6 @@ def summarize(per_rank: list[list[StepTimes]]) -> dict[str, float]:
             "share": statistics.fmean(t.trainer_pp_share for t in step),
         })
     return {key: statistics.median(row[key] for row in rows) for key in rows[0]}
-
-
-def run_group(mode: str, pp: int, cases: list[Case], args, on_case) -> None:
-    """Start pp ranks that run every case in turn; call on_case(case, per-rank steps) as each completes."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, pp, port, mode, cases, args, results), daemon=True)
-             for r in range(pp)]
-    for p in procs:
-        p.start()
-    got: dict[int, dict[int, list[StepTimes]]] = {}
-    done = 0
-    try:
-        while done < len(cases):
-            try:
-                rank, status, index, value = results.get(timeout=args.timeout)
-            except queue.Empty:
-                raise SystemExit(f"pp={pp}: no rank reported for {args.timeout:g} s; giving up") from None
-            if status == "error":
-                raise SystemExit(f"pp={pp}: rank {rank} failed:\n{value}")
-            got.setdefault(index, {})[rank] = value
-            if len(got[index]) == pp:
-                by_rank = got.pop(index)
-                on_case(cases[index], [by_rank[r] for r in range(pp)])
-                done += 1
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
 
 
 def main() -> None:
@@ -329,7 +273,7 @@ def main() -> None:
     for pp in pps:
         cases = [Case(engine, pp, INTERLEAVED_V if engine == "interleaved-1f1b" else 1, k * pp)
                  for engine in engines for k in factors]
-        run_group(args.compute, pp, cases, args, on_case)
+        spawn_ranks({"pp": pp}, sleep_rank if args.compute == "sleep" else model_rank, cases, args, on_case)
     elapsed = time.monotonic() - start
     for name, index in (("idle", 0), ("p2p wait", 1)):
         values = [r[index] for r in ratios]

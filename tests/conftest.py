@@ -34,9 +34,8 @@ def tiny_dataset(tmp_path) -> str:
     return write_patterned_tokens(tmp_path / "data" / "patterned")
 
 
-@pytest.fixture
-def tiny_config(tmp_path, tiny_dataset):
-    """A config for a ~100k-parameter fp32 model on the patterned data; overrides are dotted keys."""
+def tiny_config_maker(runs_dir: Path, dataset: str):
+    """Configs for a ~100k-parameter fp32 model on the patterned data; overrides are dotted keys."""
 
     def make(*overrides: str, **sections):
         raw = {
@@ -47,11 +46,16 @@ def tiny_config(tmp_path, tiny_dataset):
                       "dtype": "float32"},
             "tokens": {"sequence_length": 32, "micro_batch_size": 4, "train_steps": 10},
             "optimizer": {"learning_rate_scheduler": {"learning_rate": 3e-3, "lr_warmup_steps": 2}},
-            "data": {"dataset_folder": tiny_dataset},
-            "logging": {"output_dir": str(tmp_path / "runs")},
+            "data": {"dataset_folder": dataset},
+            "logging": {"output_dir": str(runs_dir)},
         }
         for section, values in sections.items():
             raw[section] = {**raw.get(section, {}), **values}
         return load_config_dict(raw, overrides=overrides)
 
     return make
+
+
+@pytest.fixture
+def tiny_config(tmp_path, tiny_dataset):
+    return tiny_config_maker(tmp_path / "runs", tiny_dataset)

@@ -79,8 +79,15 @@ def test_out_of_range(tmp_path):
 
 
 def test_bad_literal_lists_choices(tmp_path):
-    error = errors(tmp_path, GOOD + "optimizer:\n  zero_stage: 2\n")
-    assert "optimizer.zero_stage (line 20): must be 0 or 1; got 2" in find(error, "optimizer.zero_stage")
+    error = errors(tmp_path, GOOD.replace("  pp: 1\n", "  pp: 1\n  tp_mode: ALLREDUCE\n"))
+    assert "parallelism.tp_mode (line 14): must be 'ALL_REDUCE' or 'REDUCE_SCATTER'; got 'ALLREDUCE'" in \
+        find(error, "parallelism.tp_mode")
+
+
+def test_zero_stage_2_is_refused_with_its_line_not_treated_as_1(tmp_path):
+    error = find(errors(tmp_path, GOOD + "optimizer:\n  zero_stage: 2\n"), "optimizer.zero_stage")
+    assert "optimizer.zero_stage (line 20): zero_stage=2 (sharded gradients or parameters) is not implemented" in error
+    assert "Fix: zero_stage=1" in error
 
 
 def test_unknown_key_did_you_mean_without_noise(tmp_path):

@@ -45,11 +45,12 @@ def _cases(rank, world, tp, configs):
 
 
 def case_config(tiny_config, layers, engine="1f1b", virtual=1, tied=False, dtype="float32", tp_mode="ALL_REDUCE",
-                accumulation=4, **parallel):
+                accumulation=4, zero=0, **parallel):
     overrides = [f"model.model_config.num_hidden_layers={layers}", f"model.model_config.tie_word_embeddings={tied}",
                  f"model.dtype={dtype}", f"tokens.batch_accumulation_per_replica={accumulation}", "tokens.micro_batch_size=2",
-                 "model.model_config.num_key_value_heads=4", "optimizer.clip_grad=0.5",
-                 f"general.run={engine}-{layers}-{tied}-{dtype}-{tp_mode}-" + "-".join(map(str, parallel.values()))]
+                 "model.model_config.num_key_value_heads=4", "optimizer.clip_grad=0.5", f"optimizer.zero_stage={zero}",
+                 "parallelism.dp_bucket_size_mb=0.02",  # several buckets per stage
+                 f"general.run={engine}-{layers}-{tied}-{dtype}-{tp_mode}-{zero}-" + "-".join(map(str, parallel.values()))]
     overrides += [f"parallelism.{key}={value}" for key, value in parallel.items()]
     if parallel:
         overrides += [f"parallelism.pp_engine={engine}", f"parallelism.pp_virtual_stages={virtual}",
@@ -159,15 +160,21 @@ def _three_d(rank, configs):
     return out
 
 
+THREE_D_CASES = [  # (layers, engine, virtual stages, tied, dtype, tp_mode, zero_stage)
+    (4, "interleaved-1f1b", 2, True, "float32", "REDUCE_SCATTER", 0), (5, "1f1b", 1, False, "bfloat16", "ALL_REDUCE", 0),
+    (5, "1f1b", 1, True, "float32", "REDUCE_SCATTER", 1), (4, "interleaved-1f1b", 2, True, "bfloat16", "ALL_REDUCE", 1)]
+
+
 def test_dp_tp_pp_2x2x2_on_8_ranks_equals_one_process(tiny_config):
-    """The full 3D mesh: dp=2 x tp=2 x pp=2 (sequence parallel, interleaved schedule in fp32; 1F1B in bf16)
-    trains exactly like one process with the same global batch (accumulation over the dp split)."""
-    cases = [(4, "interleaved-1f1b", 2, True, "float32", "REDUCE_SCATTER"), (5, "1f1b", 1, False, "bfloat16", "ALL_REDUCE")]
+    """The full 3D mesh: dp=2 x tp=2 x pp=2 with zero_stage 0 and 1, each in fp32 and bf16 (both schedules,
+    both tp modes, tied embeddings shared across stages and sharded over dp), trains exactly like one process
+    with the same global batch (accumulation over the dp split): losses, grad norms, weight changes."""
     references, configs = [], []
-    for layers, engine, virtual, tied, dtype, tp_mode in cases:
+    for layers, engine, virtual, tied, dtype, tp_mode, zero in THREE_D_CASES:
         references.append(run(case_config(tiny_config, layers, tied=tied, dtype=dtype, accumulation=8),
                               ParallelContext()))
-        configs.append(case_config(tiny_config, layers, engine, virtual, tied, dtype, tp_mode, dp=2, tp=2, pp=2))
+        configs.append(case_config(tiny_config, layers, engine, virtual, tied, dtype, tp_mode, zero=zero,
+                                   dp=2, tp=2, pp=2))
     per_rank = run_ranks(_three_d, 8, configs, timeout=600)
     for index, (config, (ref_loss, ref_grads, ref_losses, ref_norms, ref_updates)) in enumerate(
             zip(configs, references, strict=True)):
@@ -183,5 +190,8 @@ def test_dp_tp_pp_2x2x2_on_8_ranks_equals_one_process(tiny_config):
         assert grads.keys() == ref_grads.keys()
         for name, ref in ref_grads.items():
             assert (grads[name] - ref).abs().max() <= (1e-5 if fp32 else 4 * BF16_EPS) * ref.abs().max(), name
+        # Adam divides by sqrt(v): where a bf16 gradient is tiny, rounding in another reduction order flips its
+        # update (measured up to 13% of a norm weight's update here, for zero_stage 0 and 1 alike); a wrong
+        # update is 100% off.
         for name, ref in ref_updates.items():
-            assert (updates[name] - ref).norm() <= (1e-4 if fp32 else 16 * BF16_EPS) * ref.norm(), name
+            assert (updates[name] - ref).norm() <= (1e-4 if fp32 else 32 * BF16_EPS) * ref.norm(), (index, name)

@@ -1,0 +1,209 @@
+"""Data parallelism and ZeRO-1: bucket layout, equivalence with one process, overlap with backward,
+exact memory per rank and exact bytes per step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config_maker, write_patterned_tokens
+from distributed import run_ranks
+
+from femtotron.parallel.comm import Comm, Group
+from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.data_parallel import ALIGNMENT, DataParallel, plan_buckets
+from femtotron.trainer import Trainer
+
+BF16_EPS = 2.0**-7
+SMALL_BUCKETS = "parallelism.dp_bucket_size_mb=0.02"  # ~5k fp32 elements: the tiny model gets many buckets
+
+
+def test_buckets_keep_to_their_group_align_every_parameter_and_split_evenly_over_dp():
+    numels = [100, 7, 5000, 64, 3, 9]
+    groups = [[5, 4, 3, 2], [1], [0]]
+    offsets, buckets = plan_buckets(numels, groups, bucket_elements=150, dp=4)
+    # 5, 4 and 3 fill the first bucket (each padded to 64 elements); 2 is larger than a bucket alone.
+    assert [b.params for b in buckets] == [(5, 4, 3), (2,), (1,), (0,)]
+    assert [offsets[p] for p in (5, 4, 3, 2)] == [0, 64, 128, 256]
+    assert all(offset % ALIGNMENT == 0 for offset in offsets)
+    for bucket in buckets:
+        assert (bucket.end - bucket.start) % (4 * ALIGNMENT) == 0  # every dp shard is aligned too
+        assert all(bucket.start <= offsets[p] and offsets[p] + numels[p] <= bucket.end for p in bucket.params)
+    assert [b.start for b in buckets[1:]] == [b.end for b in buckets[:-1]]
+
+
+def _layout(dp, sharded):
+    shapes = [(48, 16), (16,), (300,), (7, 9)]
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    return [DataParallel([(f"p{i}", p) for i, p in enumerate(params)], [[3, 2, 1, 0]], Comm(),
+                         Group("dp", tuple(range(dp))), rank, micro_batches=1, bucket_mb=0.002, grad_dtype=torch.float32,
+                         sharded=sharded) for rank in range(dp)], [p.numel() for p in params]
+
+
+@pytest.mark.parametrize("dp, sharded", [(1, True), (4, False), (4, True), (3, True)])
+def test_owned_pieces_cover_every_element_exactly_once_over_the_dp_ranks(dp, sharded):
+    ranks, numels = _layout(dp, sharded)
+    copies = dp if not sharded else 1  # without ZeRO every rank owns everything
+    for param, numel in enumerate(numels):
+        count = torch.zeros(numel, dtype=torch.int64)
+        for data_parallel in ranks:
+            offset = data_parallel.offsets[param]
+            for piece in data_parallel.pieces:
+                if piece.param == param:
+                    count[piece.start - offset:piece.end - offset] += 1
+        assert torch.equal(count, torch.full((numel,), copies))
+    owned = [sum(p.end - p.start for p in d.pieces) for d in ranks]
+    total = ranks[0].flat_params.numel()
+    assert sum(owned) == copies * sum(numels) and max(owned) <= (total if not sharded else total // dp)
+
+
+def case(tiny_config, dtype, zero, dp=2, *more):
+    return tiny_config(f"model.dtype={dtype}", f"optimizer.zero_stage={zero}", f"parallelism.dp={dp}",
+                       "tokens.micro_batch_size=2", f"tokens.batch_accumulation_per_replica={4 // dp}",
+                       "optimizer.clip_grad=0.5", SMALL_BUCKETS, f"general.run={dtype}-{zero}-{dp}", *more)
+
+
+def train_and_record(config, ctx):
+    """Three steps: losses, grad norms and master-weight changes by name; the final parameters; the dp
+    group's bytes and calls per op in the last step; and, for the first step, how many gradients had
+    arrived when each bucket's reduction started."""
+    trainer = Trainer(config, ctx, log_to_console=False)
+    data_parallel = trainer.data_parallel
+    launches, launch = [], data_parallel._launch
+    data_parallel._launch = lambda bucket: (launches.append(sum(data_parallel.arrivals)), launch(bucket))
+    names = [n for n, _ in trainer.named_parameters()]
+    initial = [m.clone() for m in trainer.optimizer.full_masters()]
+    results = [trainer.train_step()]
+    data_parallel._launch = launch
+    results.append(trainer.train_step())
+    bytes_before, calls_before = dict(ctx.comm.bytes_sent), dict(ctx.comm.calls)
+    results.append(trainer.train_step())
+    traffic = {op: (n - bytes_before.get((kind, op), 0), ctx.comm.calls[kind, op] - calls_before.get((kind, op), 0))
+               for (kind, op), n in ctx.comm.bytes_sent.items() if kind == "dp"}
+    updates = {n: after - before for n, after, before in zip(names, trainer.optimizer.full_masters(), initial,
+                                                              strict=True)}
+    params = {n: p.detach().float().clone() for n, p in trainer.named_parameters()}
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "updates": updates,
+            "params": params, "traffic": traffic, "launches": launches, "buckets": data_parallel.buckets,
+            "parameters": len(names), "elements": data_parallel.flat_params.numel()}
+
+
+def _dp_cases(rank, configs):
+    ctx = ParallelContext(dp=2, collective_timeout_seconds=60)
+    out = [train_and_record(config, ctx) for config in configs]
+    ctx.close()
+    return out
+
+
+CASES = [("float32", 0), ("float32", 1), ("bfloat16", 0), ("bfloat16", 1)]
+
+
+@pytest.fixture(scope="module")
+def dp_results(tmp_path_factory):
+    """dp=2 with zero_stage 0 and 1, fp32 and bf16, against one process with the same global batch."""
+    root = tmp_path_factory.mktemp("dp")
+    tiny_config = tiny_config_maker(root / "runs", write_patterned_tokens(root / "patterned"))
+    references = [train_and_record(case(tiny_config, dtype, zero, dp=1), ParallelContext()) for dtype, zero in CASES]
+    configs = [case(tiny_config, dtype, zero) for dtype, zero in CASES]
+    return configs, references, run_ranks(_dp_cases, 2, configs, timeout=300)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{d}-zero{z}" for d, z in CASES])
+def test_dp2_equals_one_process_over_three_steps_with_clipping(dp_results, index):
+    configs, references, per_rank = dp_results
+    reference, fp32 = references[index], configs[index].model.dtype == "float32"
+    assert min(reference["norms"]) > 0.5  # clip_grad=0.5: clipping is active in every step
+    for rank in per_rank:
+        got = rank[index]
+        assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5 if fp32 else 4 * BF16_EPS)
+        # The global grad norm (summed over the dp shards under ZeRO-1) is the single-process norm.
+        assert got["norms"] == pytest.approx(reference["norms"], rel=1e-4 if fp32 else 4 * BF16_EPS)
+        for name, ref in reference["updates"].items():
+            assert (got["updates"][name] - ref).norm() <= (1e-4 if fp32 else 16 * BF16_EPS) * ref.norm(), name
+    for name, param in per_rank[0][index]["params"].items():  # the replicas stay identical
+        assert torch.equal(param, per_rank[1][index]["params"][name]), name
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{d}-zero{z}" for d, z in CASES])
+def test_buckets_are_reduced_during_the_last_micro_batch_backward_only(dp_results, index):
+    got = dp_results[2][0][index]
+    per_micro_batch = got["parameters"]  # every parameter gets one gradient per micro-batch
+    micro_batches = 2
+    assert len(got["launches"]) == len(got["buckets"]) > 2
+    # No reduction before the last micro-batch's gradients (no_sync) ...
+    assert min(got["launches"]) >= (micro_batches - 1) * per_micro_batch
+    # ... and the first ones start while backward still has gradients to produce (overlap).
+    assert got["launches"][0] < micro_batches * per_micro_batch - 2
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{d}-zero{z}" for d, z in CASES])
+def test_dp_bytes_per_step_equal_the_analytic_count(dp_results, index):
+    """zero_stage 0: one all-reduce of the fp32 gradients per bucket. zero_stage 1: a reduce-scatter of
+    them and an all-gather of the model-dtype parameters per bucket. Besides: the step's token count,
+    largest token id and loss (one fp32 number each), and under ZeRO-1 the grad norm's sum of squares."""
+    configs, _, per_rank = dp_results
+    dtype, zero = CASES[index]
+    got, n = per_rank[0][index], 2
+    elements, buckets = got["elements"], len(got["buckets"])
+    scalars = 3 + zero
+    expected = {"all_reduce": (2 * (n - 1) / n * 4 * (scalars + (elements if zero == 0 else 0)),
+                               scalars + (buckets if zero == 0 else 0))}
+    if zero == 1:
+        expected["reduce_scatter"] = ((n - 1) / n * 4 * elements, buckets)
+        expected["all_gather"] = ((n - 1) / n * (2 if dtype == "bfloat16" else 4) * elements, buckets)
+    assert {op: counts for op, counts in got["traffic"].items() if counts[1] and op != "wait"} == \
+        {op: (int(b), calls) for op, (b, calls) in expected.items()}
+
+
+def held_bytes(trainer):
+    """Bytes of the storages this rank really holds for parameters, gradients, master weights and Adam
+    moments (each storage counted once, however many views point into it)."""
+    def total(tensors):
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+    params = [p for _, p in trainer.named_parameters()]
+    optimizer = trainer.optimizer
+    assert all(p.grad is None for p in params)  # no low-precision gradient is left behind
+    param_storages = {p.untyped_storage().data_ptr() for p in params}
+    masters = [m for m in optimizer.masters if m.untyped_storage().data_ptr() not in param_storages]
+    moments = [s[key] for s in optimizer.adam.state.values() for key in ("exp_avg", "exp_avg_sq")]
+    return {"params": total(params), "grads": total([trainer.data_parallel.flat_grads]), "masters": total(masters),
+            "moments": total(moments)}
+
+
+def _memory(rank, configs):
+    ctx = ParallelContext(dp=configs[0].parallelism.dp, collective_timeout_seconds=60)
+    out = []
+    for config in configs:
+        trainer = Trainer(config, ctx, log_to_console=False)
+        trainer.train_step()  # Adam allocates its moments in the first step
+        data_parallel = trainer.data_parallel
+        out.append((held_bytes(trainer), trainer.optimizer.memory_plan(), data_parallel.flat_params.numel(),
+                    data_parallel.padding, sum(p.numel() for _, p in trainer.named_parameters())))
+    ctx.close()
+    return out
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_bytes_held_per_rank_match_the_analytic_formula(tiny_config, dp):
+    """bf16 parameters: 2 + 4 + 12/dp bytes per parameter with ZeRO-1 (2 + 4 + 12 without); fp32: 4 + 4 + 8/dp
+    (the owned fp32 parameters are the master weights). The buffers' padding is counted, and reported."""
+    configs = [tiny_config(f"model.dtype={dtype}", f"optimizer.zero_stage={zero}", f"parallelism.dp={dp}",
+                           f"general.run=memory-{dtype}-{zero}-{dp}")
+               for dtype in ("bfloat16", "float32") for zero in (0, 1)]
+    per_rank = [_memory(0, configs)] if dp == 1 else run_ranks(_memory, dp, configs)
+    for index, config in enumerate(configs):
+        bf16, zero = config.model.dtype == "bfloat16", config.optimizer.zero_stage
+        owned = []
+        for rank in per_rank:
+            held, plan, elements, padding, params = rank[index]
+            assert elements == params + padding and padding < params  # tiny layers: mostly alignment padding
+            assert held["params"] == (2 if bf16 else 4) * elements and held["grads"] == 4 * elements
+            owned.append(held["moments"] // 8)
+            assert held["moments"] == 8 * owned[-1] and held["masters"] == (4 * owned[-1] if bf16 else 0)
+            assert plan == {"params": held["params"], "grads": held["grads"], "master_weights": held["masters"],
+                            "adam_moments": held["moments"]}
+        if zero == 0:
+            assert owned == [params] * dp  # every rank holds all 12 (bf16) or 8 (fp32) bytes per parameter
+        else:
+            assert sum(owned) == params  # every element's optimizer state is on exactly one rank ...
+            assert max(owned) <= elements // dp  # ... and no rank holds more than its 1/dp share
