@@ -216,14 +216,14 @@ class Trainer:
         """Where this rank's bytes for the model state go, and how dp reduces gradients."""
         data_parallel, plan = self.data_parallel, self.optimizer.memory_plan()
         elements = data_parallel.flat_params.numel() - data_parallel.padding
-        per_param = " + ".join(f"{plan[key] / elements:.2f}".rstrip("0").rstrip(".") for key in plan)
-        zero = self.config.optimizer.zero_stage
-        sharing = (f"ZeRO-1: master weights and Adam moments sharded over dp={self.ctx.dp}" if zero == 1
-                   else "zero_stage=0: optimizer state replicated on every dp rank")
-        return (f"model state on this rank: {elements / 1e6:.2f}M parameters, " + ", ".join(
-                    f"{key.replace('_', ' ')} {value / 2**20:.1f} MiB" for key, value in plan.items())
-                + f" ({per_param} bytes per parameter); {sharing}; gradients reduced over dp in "
-                f"{len(data_parallel.buckets)} bucket(s) during backward, padded by {data_parallel.padding:,} "
+        total = sum(plan.values())
+        parts = " + ".join(f"{key.replace('_', ' ')} {value / 2**20:.1f}" for key, value in plan.items())
+        sharing = (f"ZeRO-1 shards master weights and Adam moments over dp={self.ctx.dp}"
+                   if self.config.optimizer.zero_stage == 1 else "optimizer state on every dp rank (zero_stage 0)")
+        own_masters = " (fp32 parameters are their own master weights)" if not plan["master_weights"] else ""
+        return (f"model state on this rank: {elements / 1e6:.2f}M parameters in {total / 2**20:.1f} MiB = {parts} MiB"
+                f"{own_masters}, {total / elements:.1f} bytes per parameter; {sharing}; gradients reduced over dp in "
+                f"{len(data_parallel.buckets)} bucket(s) during backward; buffers padded by {data_parallel.padding:,} "
                 "elements")
 
     def start_warnings(self) -> list[str]:
