@@ -221,10 +221,11 @@ class Trainer:
         sharing = (f"ZeRO-1 shards master weights and Adam moments over dp={self.ctx.dp}"
                    if self.config.optimizer.zero_stage == 1 else "optimizer state on every dp rank (zero_stage 0)")
         own_masters = " (fp32 parameters are their own master weights)" if not plan["master_weights"] else ""
+        reduction = (f"gradients reduced over dp in {len(data_parallel.buckets)} bucket(s) during backward"
+                     if self.ctx.dp > 1 else "no dp reduction (dp=1)")
         return (f"model state on this rank: {elements / 1e6:.2f}M parameters in {total / 2**20:.1f} MiB = {parts} MiB"
-                f"{own_masters}, {total / elements:.1f} bytes per parameter; {sharing}; gradients reduced over dp in "
-                f"{len(data_parallel.buckets)} bucket(s) during backward; buffers padded by {data_parallel.padding:,} "
-                "elements")
+                f"{own_masters}, {total / elements:.1f} bytes per parameter; {sharing}; {reduction}; buffers padded "
+                f"by {data_parallel.padding:,} elements")
 
     def start_warnings(self) -> list[str]:
         warnings = config_warnings(self.config)
