@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +44,7 @@ from femtotron.parallel.pipeline.schedules import Pipeline
 from femtotron.parallel.sharding import split_dim
 from femtotron.parallel.tensor_parallel import TensorParallel, full_tensor
 from femtotron.precision import emulated_low_precision
+from femtotron.serialize import checkpoint
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 WEIGHTS_FILE = "model.safetensors"
@@ -48,6 +53,12 @@ PARTS_FILE = "model-parts.json"  # which safetensors files hold the final weight
 
 class TrainingDiverged(FemtotronError):
     exit_code = 5
+
+
+class TrainingInterrupted(FemtotronError):
+    """SIGTERM or SIGUSR1 (what schedulers send before preemption): a checkpoint was saved, then the run stopped."""
+
+    exit_code = 7
 
 
 @dataclass
@@ -85,11 +96,6 @@ def check_supported(config: Config) -> None:
         problems.append("parallelism.pp_engine=interleaved-1f1b on GPUs: its transfer order can deadlock on NCCL "
                         "in this version. Use parallelism.pp_engine=1f1b (or afab) on GPUs; interleaving runs on "
                         "CPU (gloo).")
-    ckpt = config.checkpoints
-    if ckpt.checkpoint_interval or ckpt.resume_checkpoint_path or ckpt.save_initial_state:
-        problems.append("checkpoints.checkpoint_interval / resume_checkpoint_path / save_initial_state: "
-                        "resumable checkpoints are not available in this version; the final weights are "
-                        "saved to <run dir>/model.safetensors. Remove those keys.")
     if problems:
         raise ConfigError("This configuration asks for features this version lacks:\n  - " + "\n  - ".join(problems))
 
@@ -141,6 +147,7 @@ class Trainer:
                    for r, c in zip(replicated, tied_copy, strict=True)]
         # The grad norm sums the pieces this rank owns over the model-parallel group, and under ZeRO-1,
         # where each dp rank owns different pieces, over dp too.
+        self.counted_params = counted  # also: this rank's copy is the one a checkpoint saves
         self.counted_pieces = [counted[piece.param] for piece in self.data_parallel.pieces]
         self.norm_groups = [ctx.mp_group] + ([ctx.dp_group] if self.data_parallel.sharded else [])
         self.summed_over_tp = {i for i, r in enumerate(replicated) if r} if self.tp.sequence_parallel else set()
@@ -150,6 +157,10 @@ class Trainer:
         self.pipeline = Pipeline(self.chunks, par.pp_engine, ctx.pp, ctx.pp_rank, p2p)
         ctx.comm.take_seconds()  # the pipeline's start-up handshake is not part of any step's communication
         self.step = 0
+        self.consumed_tokens = 0
+        self.saves = 0  # checkpoints written by this process (keys their records in the store)
+        self.last_saved_step: int | None = None
+        self.stop_signal: int | None = None
         self.flops_per_token = model_flops_per_token(mcfg, tokens.sequence_length)
         largest = max(mcfg.intermediate_size, mcfg.vocab_size)
         # Measure the matmul the model really runs: fp32 where low precision is upcast (models/llama.py).
@@ -258,33 +269,81 @@ class Trainer:
                 "same number of processes on every node); use dp or pp across nodes."]
 
     def train(self) -> list[StepResult]:
+        ckpt = self.config.checkpoints
+        if ckpt.resume_checkpoint_path is not None:
+            self.log.info(checkpoint.load(self, Path(ckpt.resume_checkpoint_path)))
         self.log.info(self.summary())
         for warning in self.start_warnings():
             self.log.warn(warning)
         if self.ctx.rank == 0:
             with atomic_path(self.run_dir / "config.yaml") as tmp:
                 Path(tmp).write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False))
+        if ckpt.save_initial_state and self.step == 0:
+            self.save_checkpoint()
         results = []
         train_steps = self.config.tokens.train_steps
         bar = tqdm(total=train_steps, initial=self.step, unit="step", disable=None if self.ctx.rank == 0 else True,
                    dynamic_ncols=True, leave=False)
-        while self.step < train_steps:
-            result = self.train_step()
-            results.append(result)
-            self.step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{result.loss:.3f}")
-            self.log_step(result)
-            interval = self.config.tokens.val_check_interval
-            if self.val_data is not None and interval and self.step % interval == 0:
-                self.log_validation()
+        with self.stop_on_signals():
+            while self.step < train_steps:
+                result = self.train_step()
+                results.append(result)
+                self.step += 1
+                self.consumed_tokens += result.tokens
+                bar.update(1)
+                bar.set_postfix(loss=f"{result.loss:.3f}")
+                self.log_step(result)
+                interval = self.config.tokens.val_check_interval
+                if self.val_data is not None and interval and self.step % interval == 0:
+                    self.log_validation()
+                if ckpt.checkpoint_interval and self.step % ckpt.checkpoint_interval == 0:
+                    self.save_checkpoint()
+                self.stop_if_signalled()
         bar.close()
-        if self.config.checkpoints.save_final_state:
+        if ckpt.checkpoint_interval and self.last_saved_step != self.step:
+            self.save_checkpoint()
+        if ckpt.save_final_state:
             self.save_weights()
             if self.tokenizer is not None and self.ctx.rank == 0:
                 with atomic_path(self.run_dir / "tokenizer.json") as tmp:
                     self.tokenizer.save(tmp)
         return results
+
+    def save_checkpoint(self) -> Path:
+        path = checkpoint.save(self)
+        self.last_saved_step = self.step
+        self.log.info(f"saved checkpoint {path}")
+        self.ctx.comm.take_seconds()  # the save's store and barrier time is not part of any training step
+        return path
+
+    @contextmanager
+    def stop_on_signals(self) -> Iterator[None]:
+        """While training, SIGTERM and SIGUSR1 only set a flag; the step in progress finishes first."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def note(signum: int, _frame: object) -> None:
+            self.stop_signal = signum
+
+        previous = {sig: signal.signal(sig, note) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def stop_if_signalled(self) -> None:
+        """After a step: if any rank got SIGTERM/SIGUSR1, all save a checkpoint and stop together."""
+        flag = torch.tensor(float(self.stop_signal or 0), device=self.ctx.device)
+        signum = int(self.ctx.comm.all_reduce(flag, self.ctx.world_group, op="max").item())
+        if not signum:
+            return
+        path = self.save_checkpoint() if self.last_saved_step != self.step else checkpoint.checkpoint_root(
+            self.config) / f"step-{self.step:07d}"
+        raise TrainingInterrupted(
+            f"{signal.Signals(signum).name} received: stopped after step {self.step} and saved checkpoint {path}. "
+            f"Resume with checkpoints.resume_checkpoint_path={path.parent} (its latest checkpoint).")
 
     def train_step(self) -> StepResult:
         start = time.perf_counter()

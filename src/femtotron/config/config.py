@@ -202,11 +202,12 @@ class DataArgs(_Section):
 
 
 class CheckpointsArgs(_Section):
-    checkpoints_path: str = "checkpoints"
-    checkpoint_interval: NonNegativeInt = 0  # 0: only the final state
-    save_initial_state: bool = False
-    save_final_state: bool = True
-    resume_checkpoint_path: str | None = None
+    checkpoints_path: str | None = None  # None: <run dir>/checkpoints
+    checkpoint_interval: NonNegativeInt = 0  # save a checkpoint every N steps (and after the last); 0: never
+    save_initial_state: bool = False  # also save one before the first step
+    save_final_state: bool = True  # full-shape weights in the run directory at the end
+    resume_checkpoint_path: str | None = None  # a step-NNNNNNN checkpoint, or a checkpoints directory (its latest)
+    keep_last_n: PositiveInt | None = None  # delete older checkpoints beyond the newest N; None: keep all
 
 
 class LoggingArgs(_Section):

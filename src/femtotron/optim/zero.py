@@ -70,6 +70,31 @@ class ZeroAdamW:
         for master in self.masters:
             master.grad = None
 
+    def state(self, kind: str) -> list[torch.Tensor]:
+        """Per owned piece, its "master" weights or Adam's "exp_avg" / "exp_avg_sq" (1-D views; the moments
+        are zeros before the first step)."""
+        if kind == "master":
+            return self.masters
+        self.prepare_state(self.steps_taken())
+        return [self.adam.state[master][kind] for master in self.masters]
+
+    def steps_taken(self) -> int:
+        """Optimizer steps applied so far (fp16 steps skipped on overflow do not count)."""
+        states = [s for s in self.adam.state.values() if "step" in s]
+        return int(states[0]["step"].item()) if states else 0
+
+    def prepare_state(self, steps: int) -> None:
+        """Give every owned piece Adam state as torch's AdamW would after `steps` steps, keeping moments that
+        exist (zeros where none): a loaded checkpoint then fills them in place."""
+        for group in self.adam.param_groups:
+            on_device = group["fused"] or group["capturable"]  # torch keeps the step count there, else on CPU
+            for master in group["params"]:
+                state = self.adam.state[master]
+                state["step"] = torch.tensor(float(steps), dtype=torch.float32,
+                                             device=master.device if on_device else "cpu")
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    state.setdefault(kind, torch.zeros_like(master))
+
     def full_masters(self) -> list[torch.Tensor]:
         """Per parameter, its whole fp32 master weight (gathered over dp under ZeRO-1)."""
         return self.data_parallel.full([m.detach().float() for m in self.masters])

@@ -63,6 +63,8 @@ class Comm:
         self.calls: Counter[tuple[str, str]] = Counter()
         self._seconds: Counter[str] = Counter()  # group kind -> seconds in collectives
         self._pending_events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.store: dist.Store | None = None  # set by ParallelContext with more than one process
+        self._posted: dict[str, str] = {}
 
     @contextmanager
     def _record(self, kind: str, group: Group, tensor: torch.Tensor, peer: int | None, sent: float) -> Iterator[None]:
@@ -196,6 +198,25 @@ class Comm:
             dist.recv(tensor, src=src, group=group.handle)
         return tensor
 
+    def post(self, key: str, value: str) -> None:
+        """Publish a string under `key` in the rendezvous store (a dict when there is one process)."""
+        if self.store is None:
+            self._posted[key] = value
+        else:
+            self.store.set(f"femtotron/post/{key}", value)
+
+    def collect(self, keys: list[str], timeout: float) -> dict[str, str]:
+        """Wait up to `timeout` seconds for every key to be posted; return those that were (all of them,
+        unless the wait timed out: the caller names the missing ones)."""
+        if self.store is None:
+            return {k: self._posted[k] for k in keys if k in self._posted}
+        full = [f"femtotron/post/{k}" for k in keys]
+        try:
+            self.store.wait(full, timedelta(seconds=timeout))
+        except (RuntimeError, OSError):  # a timeout: some key never came
+            pass
+        return {k: self.store.get(f).decode() for k, f in zip(keys, full, strict=True) if self.store.check([f])}
+
     def barrier(self, group: Group) -> None:
         if group.size == 1:
             return
@@ -219,8 +240,9 @@ def collective_failed(op: OpInFlight, error: Exception) -> DistributedError:
 
 def rendezvous(
     rank: int, world_size: int, host: str, port: int, backend: str, init_timeout: float, collective_timeout: float
-) -> list[str]:
-    """Join the job and create the default process group; return each rank's hostname.
+) -> tuple[list[str], dist.Store]:
+    """Join the job and create the default process group; return each rank's hostname, and the store
+    (it stays reachable when collectives are stuck, so it carries what must get through regardless).
 
     Every rank first checks in under its own key in the rendezvous store, so when somebody never
     arrives the timeout can say exactly which ranks joined and which did not, instead of hanging.
@@ -253,7 +275,7 @@ def rendezvous(
     hosts = [store.get(k).decode() for k in keys]
     dist.init_process_group(backend, store=dist.PrefixStore("femtotron/pg", store), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=collective_timeout))
-    return hosts
+    return hosts, store
 
 
 def new_group(kind: str, ranks: list[int], timeout_seconds: float) -> Group:

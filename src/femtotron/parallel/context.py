@@ -66,8 +66,8 @@ class ParallelContext:
         if self.world_size > 1:
             host = os.environ.get("MASTER_ADDR", "127.0.0.1")
             port = int(os.environ.get("MASTER_PORT", "29500"))
-            self.hosts = comm.rendezvous(self.rank, self.world_size, host, port, self.backend,
-                                         init_timeout_seconds, collective_timeout_seconds)
+            self.hosts, self.comm.store = comm.rendezvous(self.rank, self.world_size, host, port, self.backend,
+                                                          init_timeout_seconds, collective_timeout_seconds)
         coords = coordinates_of(self.rank, dp, tp)
         self.pp_rank, self.dp_rank, self.tp_rank = coords.pp_rank, coords.dp_rank, coords.tp_rank
         self._build_groups()
@@ -93,6 +93,7 @@ class ParallelContext:
         self.pp_group = self._mine("pp", pp_groups)
         self.mp_group = self._mine("mp", mp_groups)
         self.embedding_group = self._mine("embedding", embedding_groups)
+        self.world_group = Group("world", tuple(range(self.world_size)))  # no handle: the default group
 
     def _mine(self, kind: str, all_groups: list[list[int]]) -> Group:
         """Create every group of this kind (all ranks must) and keep the one holding this rank; a rank in

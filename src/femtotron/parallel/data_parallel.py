@@ -108,12 +108,14 @@ class DataParallel:
         self.pending: dict[int, object] = {}  # bucket -> its reduction in flight
         for index, param in enumerate(params):
             param.register_post_accumulate_grad_hook(self._accumulate(index))
-        self.pieces = self._owned_pieces(numels)
+        self.pieces = self._pieces(numels, self.sharded)  # the elements this rank's optimizer steps
+        # This rank's 1/dp of every bucket, even without ZeRO-1: the part it writes to a checkpoint.
+        self.shard_pieces = self._pieces(numels, sharded=True)
 
-    def _owned_pieces(self, numels: list[int]) -> list[Piece]:
+    def _pieces(self, numels: list[int], sharded: bool) -> list[Piece]:
         pieces = []
         for bucket in self.buckets:
-            low, high = bucket.shard(self.dp, self.dp_rank) if self.sharded else (bucket.start, bucket.end)
+            low, high = bucket.shard(self.dp, self.dp_rank) if sharded else (bucket.start, bucket.end)
             for param in sorted(bucket.params, key=lambda p: self.offsets[p]):
                 start, end = max(low, self.offsets[param]), min(high, self.offsets[param] + numels[param])
                 if start < end:

@@ -1,0 +1,301 @@
+"""Save and resume training: every rank writes its own slices, rank 0 commits by rename.
+
+Save: rank 0 makes `<checkpoints>/.tmp-step-NNNNNNN`; each rank writes the slices of the global
+tensors it is the one to save (its 1/dp of every gradient bucket, parameters every tp rank holds
+whole only on tp rank 0, a tied embedding only on the first stage) and posts a record of them in the
+rendezvous store; rank 0 waits for every record with a timeout that names the ranks that never
+finished (C2), writes the manifest last, renames the directory to `step-NNNNNNN`, then points
+`latest` at it (both atomic) and deletes checkpoints beyond `checkpoints.keep_last_n`.
+
+Load: the manifest says where every slice is, so each rank reads exactly the boxes its own layout
+needs; when the mesh changed since the save nothing else has to happen (C1). Weights, master
+weights, Adam moments and step count, the loss scale, step and consumed samples/tokens are restored,
+and each rank's RNG states when the mesh is unchanged (C3).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from femtotron.atomic import atomic_path
+from femtotron.serialize.files import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointReader,
+    build_manifest,
+    fsync_directory,
+    write_rank_file,
+    write_synced,
+)
+from femtotron.serialize.geometry import placements
+
+if TYPE_CHECKING:
+    from femtotron.trainer import Trainer
+
+LATEST = "latest"
+MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "tie_word_embeddings")
+
+
+def checkpoint_root(config: Any) -> Path:
+    path = config.checkpoints.checkpoints_path
+    return Path(path) if path is not None else config.run_dir / "checkpoints"
+
+
+def mesh_of(config: Any) -> dict[str, Any]:
+    par = config.parallelism
+    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "pp_engine": par.pp_engine,
+            "pp_virtual_stages": par.pp_virtual_stages, "tp_mode": par.tp_mode,
+            "zero_stage": config.optimizer.zero_stage}
+
+
+def rank_slices(trainer: Trainer) -> list[tuple[str, tuple[int, ...], Any, torch.Tensor]]:
+    """(tensor name, global shape, box, values) for every slice this rank saves."""
+    data_parallel, optimizer = trainer.data_parallel, trainer.optimizer
+    named = trainer.named_parameters()
+    kinds = ("master", "exp_avg", "exp_avg_sq") if data_parallel.flat_params.dtype != torch.float32 \
+        else ("exp_avg", "exp_avg_sq")  # fp32 weights are their own masters
+    states = {kind: optimizer.state(kind) for kind in kinds}
+    out = []
+    for piece in data_parallel.shard_pieces:
+        if not trainer.counted_params[piece.param]:
+            continue
+        name, param = named[piece.param]
+        offset = data_parallel.offsets[piece.param]
+        owner = next(i for i, p in enumerate(data_parallel.pieces) if p.start <= piece.start and piece.end <= p.end)
+        owned_start = data_parallel.pieces[owner].start
+        for place in placements(param.shard, tuple(param.shape), piece.start - offset, piece.end - offset):
+            low, high = offset + place.flat_start, offset + place.flat_stop
+            sources = {"model": data_parallel.flat_params[low:high]}
+            sources.update({kind: states[kind][owner][low - owned_start:high - owned_start] for kind in kinds})
+            for kind, flat in sources.items():
+                out.append((f"{kind}/{name}", param.shard.global_shape, place.target,
+                            flat.view(place.local_shape)[place.valid]))
+    return out
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    python = random.getstate()
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    tensors = {"rng/torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["rng/torch_cuda"] = torch.cuda.get_rng_state()
+    return tensors, {"rng": json.dumps({"python": [python[0], list(python[1]), python[2]],
+                                        "numpy": [kind, keys.tolist(), position, has_gauss, cached]})}
+
+
+def set_rng_state(reader: CheckpointReader, file: str) -> None:
+    states = json.loads(reader.metadata(file)["rng"])
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, position, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(reader.extra(file, "rng/torch_cpu"))
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(reader.extra(file, "rng/torch_cuda"))
+
+
+def save(trainer: Trainer) -> Path:
+    """Write a checkpoint of the current step from every rank; return its directory once committed."""
+    ctx, config = trainer.ctx, trainer.config
+    root = checkpoint_root(config)
+    name = f"step-{trainer.step:07d}"
+    tmp, final = root / f".tmp-{name}", root / name
+    if ctx.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save of the same step
+        tmp.mkdir(parents=True)
+    ctx.comm.barrier(ctx.world_group)
+    trainer.saves += 1
+    key = f"save{trainer.saves}"
+    try:
+        extra, metadata = rng_state()
+        record = write_rank_file(tmp, ctx.rank, rank_slices(trainer), extra, metadata)
+        ctx.comm.post(f"{key}/rank{ctx.rank}", json.dumps(record))
+    except (OSError, RuntimeError) as e:
+        ctx.comm.post(f"{key}/rank{ctx.rank}", json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        raise CheckpointError(f"rank {ctx.rank} could not write its part of checkpoint {final}: {e}. Check free "
+                              f"space and permissions under {root}.") from None
+    timeout = config.parallelism.collective_timeout_seconds
+    if ctx.rank == 0:
+        try:
+            commit(trainer, tmp, final, collect_records(trainer, key, final, timeout))
+        except CheckpointError as e:
+            ctx.comm.post(f"{key}/commit", str(e))
+            raise
+        ctx.comm.post(f"{key}/commit", "ok")
+    else:
+        outcome = ctx.comm.collect([f"{key}/commit"], timeout).get(f"{key}/commit")
+        if outcome != "ok":
+            raise CheckpointError(f"rank {ctx.rank}: checkpoint {final} was not committed by rank 0: "
+                                  f"{outcome or f'no word from rank 0 within {timeout:g} s'}")
+    return final
+
+
+def collect_records(trainer: Trainer, key: str, final: Path, timeout: float) -> list[dict[str, Any]]:
+    """Rank 0: every rank's file record, or an error naming the ranks that did not deliver (C2)."""
+    world = trainer.ctx.world_size
+    got = trainer.ctx.comm.collect([f"{key}/rank{r}" for r in range(world)], timeout)
+    records = {int(k.rsplit("rank", 1)[1]): json.loads(v) for k, v in got.items()}
+    failed = {r: rec["error"] for r, rec in records.items() if "error" in rec}
+    missing = [r for r in range(world) if r not in records]
+    if missing or failed:
+        details = "".join(f"\n  rank {r}: {message}" for r, message in failed.items())
+        raise CheckpointError(
+            f"checkpoint {final} was not committed: "
+            + (f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} did not finish writing "
+               f"{'their files' if len(missing) > 1 else 'its file'} within {timeout:g} s "
+               f"(parallelism.collective_timeout_seconds), so they died or are stuck. " if missing else "")
+            + (f"Ranks failed to write:{details}\n" if failed else "")
+            + f"The previous checkpoint is intact; the half-written {final.parent / ('.tmp-' + final.name)} is "
+            "ignored on resume.")
+    return [records[r] for r in range(world)]
+
+
+def commit(trainer: Trainer, tmp: Path, final: Path, records: list[dict[str, Any]]) -> None:
+    config = trainer.config
+    state = {
+        "step": trainer.step, "consumed_samples": trainer.batches.consumed_samples,
+        "consumed_tokens": trainer.consumed_tokens, "optimizer_steps": trainer.optimizer.steps_taken(),
+        "lr_schedule": {"style": config.optimizer.learning_rate_scheduler.lr_decay_style,
+                        "last_lr": trainer.history[-1][1] if trainer.history else None},
+        "loss_scale": {"scale": trainer.scaler.scale, "clean_steps": trainer.scaler.clean_steps,
+                       "skipped_steps": trainer.scaler.skipped_steps},
+        "mesh": mesh_of(config), "world_size": trainer.ctx.world_size,
+        "rng": {str(rank): record["file"] for rank, record in enumerate(records)},
+        "config": config.to_dict(),
+    }
+    write_synced(tmp / MANIFEST, json.dumps(build_manifest(state, records), indent=1))
+    fsync_directory(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    fsync_directory(final.parent)
+    with atomic_path(final.parent / LATEST) as path:
+        Path(path).write_text(final.name + "\n")
+    keep = config.checkpoints.keep_last_n
+    if keep:
+        for old in committed_checkpoints(final.parent)[:-keep]:
+            shutil.rmtree(old)
+
+
+def committed_checkpoints(root: Path) -> list[Path]:
+    """The checkpoints under `root` that were committed (have a manifest), oldest first."""
+    return sorted(p for p in root.glob("step-*") if (p / MANIFEST).is_file())
+
+
+def resolve(path: Path) -> tuple[Path, list[str]]:
+    """The checkpoint directory `checkpoints.resume_checkpoint_path` means, and warnings to log."""
+    if not path.exists():
+        raise CheckpointError(f"checkpoints.resume_checkpoint_path={path} does not exist. Point it at a checkpoint "
+                              "(a step-NNNNNNN directory) or at the checkpoints directory that holds them.")
+    if (path / MANIFEST).is_file() or path.name.startswith("step-"):
+        return path, []
+    warnings = [f"ignoring {tmp}: a save that did not finish (the process died while writing it)"
+                for tmp in sorted(path.glob(".tmp-step-*"))]
+    committed = committed_checkpoints(path)
+    if not committed:
+        raise CheckpointError(f"checkpoints.resume_checkpoint_path={path} holds no committed checkpoint (no "
+                              f"step-NNNNNNN directory with a {MANIFEST}). Start without resume_checkpoint_path, "
+                              "or point it at another run's checkpoints.")
+    latest = path / LATEST
+    named = path / latest.read_text().strip() if latest.is_file() else None
+    if named is not None and named in committed:
+        return named, warnings
+    warnings.append(f"{latest} {'is missing' if named is None else f'names {named.name}, which is not committed'}; "
+                    f"taking the newest committed checkpoint, {committed[-1].name}")
+    return committed[-1], warnings
+
+
+def check_model_matches(manifest: dict[str, Any], config: Any, directory: Path) -> None:
+    saved = manifest["config"]["model"]["model_config"]
+    current = config.model.model_config_
+    wrong = [f"model.model_config.{field}: checkpoint {saved.get(field)!r}, config {getattr(current, field)!r}"
+             for field in MODEL_FIELDS if saved.get(field) != getattr(current, field)]
+    if wrong:
+        raise CheckpointError(f"checkpoint {directory} was saved from a different model:\n  " + "\n  ".join(wrong)
+                              + f"\nSet these fields as in the checkpoint's config ({directory / MANIFEST}), or "
+                              "start a new run without checkpoints.resume_checkpoint_path.")
+
+
+def load(trainer: Trainer, path: Path) -> str:
+    """Restore the run from the checkpoint at (or latest under) `path`; return a line for the log. Every
+    rank loads its own part; if any rank fails, all stop with the error."""
+    ctx = trainer.ctx
+    failure: CheckpointError | None = None
+    summary = ""
+    try:
+        directory, warnings = resolve(path)
+        for warning in warnings:
+            trainer.log.warn(warning)
+        with CheckpointReader(directory) as reader:
+            check_model_matches(reader.manifest, trainer.config, directory)
+            load_tensors(trainer, reader)
+            summary = restore_counters(trainer, reader, directory)
+    except CheckpointError as e:
+        failure = e
+    failed = torch.tensor(float(failure is not None), device=ctx.device)
+    ctx.comm.all_reduce(failed, ctx.world_group, op="max")
+    if failure is not None:
+        raise failure
+    if failed.item():
+        raise CheckpointError(f"rank {ctx.rank}: another rank could not load the checkpoint; its error says why.")
+    return summary
+
+
+def fill(target: torch.Tensor, param: torch.nn.Parameter, start: int, stop: int, reader: CheckpointReader,
+         tensor: str) -> None:
+    """Fill `target`, elements [start, stop) of `param`'s local tensor flattened, from the checkpoint."""
+    if reader.shape(tensor) != param.shard.global_shape:
+        raise CheckpointError(f"checkpoint {reader.directory}: {tensor} has global shape {reader.shape(tensor)}, "
+                              f"this model's is {param.shard.global_shape}. The checkpoint belongs to another model.")
+    for place in placements(param.shard, tuple(param.shape), start, stop):
+        view = target[place.flat_start - start:place.flat_stop - start].view(place.local_shape)
+        view[place.valid] = reader.read(tensor, place.target).to(device=view.device, dtype=view.dtype)
+
+
+def load_tensors(trainer: Trainer, reader: CheckpointReader) -> None:
+    named = trainer.named_parameters()
+    data_parallel, optimizer = trainer.data_parallel, trainer.optimizer
+
+    def source(kind: str, name: str) -> str:  # fp32 checkpoints hold no separate master weights
+        return f"model/{name}" if kind == "master" and not reader.has(f"master/{name}") else f"{kind}/{name}"
+
+    with torch.no_grad():
+        for name, param in named:
+            fill(param.data.view(-1), param, 0, param.numel(), reader, source("master", name))
+        optimizer.prepare_state(int(reader.manifest.get("optimizer_steps", 0)))
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            for piece, target in zip(data_parallel.pieces, optimizer.state(kind), strict=True):
+                name, param = named[piece.param]
+                offset = data_parallel.offsets[piece.param]
+                fill(target, param, piece.start - offset, piece.end - offset, reader, source(kind, name))
+
+
+def restore_counters(trainer: Trainer, reader: CheckpointReader, directory: Path) -> str:
+    manifest = reader.manifest
+    trainer.step = int(manifest["step"])
+    trainer.batches.consumed_samples = int(manifest["consumed_samples"])
+    trainer.consumed_tokens = int(manifest.get("consumed_tokens", 0))
+    scale = manifest.get("loss_scale") or {}
+    if trainer.scaler.enabled and scale:
+        trainer.scaler.scale = float(scale["scale"])
+        trainer.scaler.clean_steps, trainer.scaler.skipped_steps = int(scale["clean_steps"]), int(scale["skipped_steps"])
+    saved, current = manifest["mesh"], mesh_of(trainer.config)
+    same_layout = saved == current and manifest.get("world_size") == trainer.ctx.world_size
+    if same_layout:
+        set_rng_state(reader, manifest["rng"][str(trainer.ctx.rank)])
+    line = (f"resumed from {directory} at step {trainer.step} ({trainer.batches.consumed_samples:,} samples, "
+            f"{trainer.consumed_tokens:,} tokens consumed)")
+    if same_layout:
+        return line
+    changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in current.items() if saved.get(k) != v)
+    return (f"{line}; resharded ({changed}): weights, master weights and Adam moments read as slices of the "
+            "global tensors for this layout; the data continues at the same global sample; RNG states not "
+            "restored (the ranks changed)")

@@ -1,0 +1,221 @@
+"""The checkpoint format on disk: a manifest and safetensors files of slices of global tensors.
+
+    step-0000006/
+      manifest.json            format version, step, counters, config, mesh, per-file checksums, and for
+                               every tensor its global shape, dtype and which file holds which slice
+      rank-00000.safetensors   the slices rank 0 wrote, and its RNG states
+      ...
+
+Tensor names are `<kind>/<parameter name>`, kind one of `model` (the weights in the model's dtype),
+`master` (fp32 master weights, only when the model is not fp32: fp32 weights are their own masters),
+`exp_avg` and `exp_avg_sq` (Adam's moments, fp32). Nothing here unpickles: safetensors and JSON only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from femtotron.errors import FemtotronError
+from femtotron.serialize.geometry import Box, intersect, relative, volume
+
+FORMAT = "femtotron-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
+
+
+class CheckpointError(FemtotronError):
+    """A checkpoint is missing, incomplete, corrupt, or does not fit the run."""
+
+    exit_code = 6
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: Path, text: str) -> None:
+    """Write `text` and flush it to the disk before returning (a rename after it then commits real data)."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass
+class SliceRecord:
+    tensor: str  # e.g. "master/layers.0.mlp.down_proj.weight"
+    shape: tuple[int, ...]  # the global tensor's
+    dtype: str
+    key: str  # the key inside the file
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+
+
+def write_rank_file(directory: Path, rank: int, slices: list[tuple[str, tuple[int, ...], Box, torch.Tensor]],
+                    extra: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
+    """Write one rank's slices, given as (tensor name, global shape, box, values), plus `extra` tensors
+    (RNG states) and string `metadata`; return what the manifest needs to know about the file."""
+    tensors, records = dict(extra), []
+    for index, (name, shape, (start, stop), values) in enumerate(slices):
+        key = f"{index}:{name}"
+        tensors[key] = values.detach().to("cpu").contiguous()
+        records.append(SliceRecord(name, tuple(shape), str(values.dtype).removeprefix("torch."), key, start, stop))
+    path = directory / rank_file(rank)
+    save_file(tensors, str(path), metadata=metadata)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    return {"file": path.name, "sha256": sha256_of(path), "bytes": path.stat().st_size,
+            "slices": [vars(r) for r in records]}
+
+
+def build_manifest(state: dict[str, Any], files: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest from the run state (step, counters, config, mesh, ...) and every rank's file record."""
+    tensors: dict[str, dict[str, Any]] = {}
+    for record in files:
+        for piece in record["slices"]:
+            entry = tensors.setdefault(piece["tensor"], {"shape": list(piece["shape"]), "dtype": piece["dtype"],
+                                                         "slices": []})
+            entry["slices"].append({"file": record["file"], "key": piece["key"], "start": list(piece["start"]),
+                                    "stop": list(piece["stop"])})
+    return {"format": FORMAT, "version": VERSION, **state,
+            "files": {r["file"]: {"sha256": r["sha256"], "bytes": r["bytes"]} for r in files},
+            "tensors": dict(sorted(tensors.items()))}
+
+
+class CheckpointReader:
+    """Reads slices of global tensors from a committed checkpoint directory, checking each file it opens
+    (size and sha256) first. Use as a context manager, or call `close`."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        self.manifest = read_manifest(self.directory)
+        self.tensors: dict[str, Any] = self.manifest["tensors"]
+        self._open: dict[str, Any] = {}
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def has(self, tensor: str) -> bool:
+        return tensor in self.tensors
+
+    def _file(self, name: str) -> Any:
+        if name not in self._open:
+            path = self.directory / name
+            expected = self.manifest["files"].get(name)
+            if expected is None:
+                raise CheckpointError(f"{self.directory / MANIFEST} names a slice in {name} but lists no such file: "
+                                      "the manifest is damaged. Resume from an earlier checkpoint.")
+            if not path.is_file():
+                raise CheckpointError(f"checkpoint file {path} is missing (the manifest lists it). Copy the whole "
+                                      "checkpoint directory again, or resume from an earlier checkpoint.")
+            size = path.stat().st_size
+            if size != expected["bytes"]:
+                raise CheckpointError(f"checkpoint file {path} has {size:,} bytes but the manifest says "
+                                      f"{expected['bytes']:,}: it is truncated or was overwritten. Copy the "
+                                      "checkpoint again, or resume from an earlier checkpoint.")
+            if sha256_of(path) != expected["sha256"]:
+                raise CheckpointError(f"checkpoint file {path} fails its sha256 checksum (the manifest has "
+                                      f"{expected['sha256'][:16]}...): its contents are corrupt. Copy the "
+                                      "checkpoint again, or resume from an earlier checkpoint.")
+            try:
+                self._open[name] = safe_open(str(path), framework="pt", device="cpu")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"checkpoint file {path} cannot be read as safetensors ({e}). Resume from "
+                                      "an earlier checkpoint.") from None
+        return self._open[name]
+
+    def shape(self, tensor: str) -> tuple[int, ...]:
+        return tuple(self._entry(tensor)["shape"])
+
+    def _entry(self, tensor: str) -> dict[str, Any]:
+        if tensor not in self.tensors:
+            raise CheckpointError(f"checkpoint {self.directory} holds no tensor {tensor!r}: it was saved from a "
+                                  "different model. Check model.model_config against the checkpoint's config "
+                                  f"({self.directory / MANIFEST}).")
+        return self.tensors[tensor]
+
+    def read(self, tensor: str, box: Box) -> torch.Tensor:
+        """The part `box` of global tensor `tensor`, assembled from every slice that overlaps it."""
+        entry = self._entry(tensor)
+        out = torch.empty([h - lo for lo, h in zip(*box, strict=True)], dtype=DTYPES[entry["dtype"]])
+        covered = 0
+        for piece in entry["slices"]:
+            stored = (tuple(piece["start"]), tuple(piece["stop"]))
+            overlap = intersect(box, stored)
+            if overlap is None:
+                continue
+            try:
+                values = self._file(piece["file"]).get_slice(piece["key"])[relative(overlap, stored[0])]
+            except SafetensorError as e:
+                raise CheckpointError(f"checkpoint file {self.directory / piece['file']}: cannot read "
+                                      f"{piece['key']} ({e}). Resume from an earlier checkpoint.") from None
+            out[relative(overlap, box[0])] = values
+            covered += volume(overlap)
+        if covered != volume(box):
+            raise CheckpointError(f"checkpoint {self.directory}: the slices of {tensor} cover {covered:,} of the "
+                                  f"{volume(box):,} elements asked for ({box}): files are missing from the "
+                                  "manifest. Resume from an earlier checkpoint.")
+        return out
+
+    def metadata(self, name: str) -> dict[str, str]:
+        return self._file(name).metadata() or {}
+
+    def extra(self, name: str, key: str) -> torch.Tensor:
+        return self._file(name).get_tensor(key)
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{directory} is not a committed checkpoint: it has no {MANIFEST} (a save that "
+                              "did not finish leaves none). Point checkpoints.resume_checkpoint_path at a "
+                              "step-NNNNNNN directory that has one, or at the checkpoints directory to take "
+                              "the latest.")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}): the checkpoint is damaged. Resume from an "
+                              "earlier checkpoint.") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a femtotron checkpoint manifest (no \"format\": \"{FORMAT}\").")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path} has format version {manifest.get('version')!r}; this femtotron reads "
+                              f"version {VERSION}. Use the femtotron version that wrote it (or convert it with "
+                              "that version's `femtotron consolidate`).")
+    for key in ("step", "config", "mesh", "files", "tensors"):
+        if key not in manifest:
+            raise CheckpointError(f"{path} lacks the field {key!r}: the manifest is damaged. Resume from an "
+                                  "earlier checkpoint.")
+    return manifest

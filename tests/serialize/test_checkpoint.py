@@ -1,0 +1,246 @@
+"""Checkpoints: bit-exact resume, resharding on a changed mesh, atomic commit, bad input (C1-C3)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_config_maker, write_patterned_tokens
+from distributed import RankFailed, run_ranks
+
+from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.tensor_parallel import full_tensor
+from femtotron.serialize import checkpoint
+from femtotron.serialize.files import MANIFEST, CheckpointError, rank_file
+from femtotron.trainer import Trainer
+
+LAYERS = 4
+
+
+def make(tiny_config, run, *more, dp=1, tp=1, pp=1, zero=0, steps=6):
+    """The tiny model with 4 layers; the global batch is 16 samples of 32 tokens for every dp."""
+    return tiny_config(f"general.run={run}", f"model.model_config.num_hidden_layers={LAYERS}",
+                       "model.model_config.num_key_value_heads=4", "tokens.micro_batch_size=2",
+                       f"tokens.batch_accumulation_per_replica={8 // dp}", f"tokens.train_steps={steps}",
+                       f"parallelism.dp={dp}", f"parallelism.tp={tp}", f"parallelism.pp={pp}",
+                       f"optimizer.zero_stage={zero}", "parallelism.dp_bucket_size_mb=0.02",
+                       "parallelism.collective_timeout_seconds=60", *more)
+
+
+def train(config, ctx):
+    """Train; return the losses, every parameter gathered to full shape (from this rank's stages), and the
+    samples each step read on this rank (as token rows, to check none is skipped or repeated)."""
+    trainer = Trainer(config, ctx, log_to_console=False)
+    seen, next_step = [], trainer.batches.next_step
+
+    def recording():  # every tp and pp rank of a replica reads the same samples: count them once
+        batches = next_step()
+        if ctx.tp_rank == 0 and ctx.pp_rank == 0:
+            seen.append((trainer.step, [row.tolist() for batch in batches for row in batch]))
+        return batches
+
+    trainer.batches.next_step = recording
+    losses = [r.loss for r in trainer.train()]
+    weights = {n: full_tensor(p, p.shard, trainer.tp).float().clone() for n, p in trainer.named_parameters()}
+    masters = {n: full_tensor(m, p.shard, trainer.tp).clone()
+               for (n, p), m in zip(trainer.named_parameters(), trainer.optimizer.full_masters(), strict=True)}
+    return {"losses": losses, "weights": weights, "masters": masters, "seen": seen}
+
+
+def ranks_train(rank, configs):
+    """On every rank of a layout, run the configs one after the other."""
+    par = configs[0].parallelism
+    ctx = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp, collective_timeout_seconds=60)
+    out = [train(config, ctx) for config in configs]
+    ctx.close()
+    return out
+
+
+def merged(per_rank, index):
+    """One run's results over all ranks: losses (rank 0's), weights by name, samples per step."""
+    weights, masters, seen = {}, {}, {}
+    for rank in per_rank:
+        weights.update(rank[index]["weights"])
+        masters.update(rank[index]["masters"])
+        for step, rows in rank[index]["seen"]:
+            seen.setdefault(step, []).extend(rows)
+    return per_rank[0][index]["losses"], weights, masters, {s: sorted(rows) for s, rows in seen.items()}
+
+
+def test_resume_on_one_rank_is_bit_exact(tiny_config):
+    for dtype in ("float32", "bfloat16"):
+        whole = train(make(tiny_config, f"whole-{dtype}", f"model.dtype={dtype}"), ParallelContext())
+        first = make(tiny_config, f"first-{dtype}", f"model.dtype={dtype}", "checkpoints.checkpoint_interval=3",
+                     steps=3)
+        half = train(first, ParallelContext())
+        rest = train(make(tiny_config, f"rest-{dtype}", f"model.dtype={dtype}",
+                          f"checkpoints.resume_checkpoint_path={first.run_dir / 'checkpoints'}"), ParallelContext())
+        assert half["losses"] + rest["losses"] == whole["losses"]  # identical, not approximately
+        for name, weight in whole["weights"].items():
+            assert torch.equal(rest["weights"][name], weight), name
+            assert torch.equal(rest["masters"][name], whole["masters"][name]), name
+
+
+@pytest.fixture(scope="module")
+def three_d(tmp_path_factory):
+    """On 8 ranks at dp2 x tp2 x pp2 with ZeRO-1: 6 steps uninterrupted; 3 steps with a checkpoint; a resume
+    of that checkpoint for 3 more. Returns the config maker, the results and the checkpoint directory."""
+    root = tmp_path_factory.mktemp("ckpt3d")
+    tiny_config = tiny_config_maker(root / "runs", write_patterned_tokens(root / "patterned"))
+    layout = dict(dp=2, tp=2, pp=2, zero=1)
+    first = make(tiny_config, "first", "checkpoints.checkpoint_interval=3", **layout, steps=3)
+    saved = first.run_dir / "checkpoints"
+    configs = [make(tiny_config, "whole", **layout), first,
+               make(tiny_config, "rest", f"checkpoints.resume_checkpoint_path={saved}", **layout)]
+    return tiny_config, run_ranks(ranks_train, 8, configs, timeout=600), saved
+
+
+def test_resume_on_2x2x2_with_zero1_is_bit_exact(three_d):
+    _, per_rank, _ = three_d
+    losses, weights, masters, seen = merged(per_rank, 0)
+    first_losses, _, _, first_seen = merged(per_rank, 1)
+    rest_losses, rest_weights, rest_masters, rest_seen = merged(per_rank, 2)
+    assert first_losses + rest_losses == losses
+    assert {**first_seen, **rest_seen} == seen  # the same samples in the same steps
+    for name, weight in weights.items():
+        assert torch.equal(rest_weights[name], weight), name
+        assert torch.equal(rest_masters[name], masters[name]), name
+
+
+RESHARDED = {"dp2-tp1-pp4-zero0": dict(dp=2, tp=1, pp=4, zero=0), "dp1-tp1-pp1": dict(dp=1, tp=1, pp=1, zero=0),
+             "dp4-tp2-pp1-zero1": dict(dp=4, tp=2, pp=1, zero=1)}
+
+
+@pytest.mark.parametrize("label", list(RESHARDED))
+def test_resume_on_another_mesh_continues_the_run(three_d, label):
+    """Saved at dp2 x tp2 x pp2 with ZeRO-1: the next 3 steps on another layout have the uninterrupted run's
+    losses (up to summation order) and read exactly its samples, none skipped or repeated."""
+    tiny_config, per_rank, saved = three_d
+    layout = RESHARDED[label]
+    config = make(tiny_config, f"resharded-{label}", f"checkpoints.resume_checkpoint_path={saved}", **layout)
+    world = layout["dp"] * layout["tp"] * layout["pp"]
+    results = [ranks_train(0, [config])] if world == 1 else run_ranks(ranks_train, world, [config], timeout=600)
+    losses, weights, _, seen = merged(results, 0)
+    whole_losses, whole_weights, _, whole_seen = merged(per_rank, 0)
+    assert losses == pytest.approx(whole_losses[3:], rel=1e-5)
+    assert seen == {step: rows for step, rows in whole_seen.items() if step >= 3}
+    for name, weight in whole_weights.items():
+        assert (weights[name] - weight).abs().max() <= 1e-4 * weight.abs().max(), name
+
+
+def test_a_resharded_resume_says_what_changed(three_d, capsys):
+    tiny_config, _, saved = three_d
+    trainer = Trainer(make(tiny_config, "says", steps=3), ParallelContext())
+    line = checkpoint.load(trainer, saved)
+    assert line.startswith(f"resumed from {saved / 'step-0000003'} at step 3 (48 samples")
+    assert "resharded (dp 2 -> 1, tp 2 -> 1, pp 2 -> 1, zero_stage 1 -> 0)" in line
+    assert "RNG states not restored" in line
+
+
+def test_the_manifest_records_mesh_counters_slices_and_checksums(three_d):
+    _, _, saved = three_d
+    manifest = json.loads((saved / "step-0000003" / MANIFEST).read_text())
+    assert manifest["mesh"] == {"dp": 2, "tp": 2, "pp": 2, "pp_engine": "1f1b", "pp_virtual_stages": 1,
+                                "tp_mode": "ALL_REDUCE", "zero_stage": 1}
+    assert (manifest["step"], manifest["consumed_samples"], manifest["optimizer_steps"]) == (3, 48, 3)
+    assert manifest["consumed_tokens"] == 3 * 16 * 32
+    assert sorted(manifest["files"]) == [rank_file(r) for r in range(8)]
+    assert all(len(f["sha256"]) == 64 for f in manifest["files"].values())
+    assert sorted(manifest["rng"]) == [str(r) for r in range(8)]
+    kinds = {name.split("/")[0] for name in manifest["tensors"]}
+    assert kinds == {"model", "exp_avg", "exp_avg_sq"}  # fp32: the weights are the master weights
+    # Every element of every global tensor is saved exactly once (replicas and tied copies are not).
+    for name, entry in manifest["tensors"].items():
+        count = torch.zeros(entry["shape"], dtype=torch.int64)
+        for piece in entry["slices"]:
+            count[tuple(slice(a, b) for a, b in zip(piece["start"], piece["stop"], strict=True))] += 1
+        assert torch.equal(count, torch.ones_like(count)), name
+    assert (saved / "latest").read_text().strip() == "step-0000003"
+
+
+def _checkpointed_run(tiny_config, run, *more):
+    config = make(tiny_config, run, "checkpoints.checkpoint_interval=2", *more, steps=4)
+    Trainer(config, ParallelContext(), log_to_console=False).train()
+    return config.run_dir / "checkpoints"
+
+
+def test_keep_last_n_deletes_older_checkpoints_and_latest_points_at_the_newest(tiny_config):
+    saved = _checkpointed_run(tiny_config, "keep", "checkpoints.keep_last_n=1")
+    assert sorted(p.name for p in saved.iterdir()) == ["latest", "step-0000004"]
+    assert (saved / "latest").read_text().strip() == "step-0000004"
+
+
+def resume_error(tiny_config, path, *more):
+    trainer = Trainer(make(tiny_config, "resume", *more), ParallelContext(), log_to_console=False)
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.load(trainer, path)
+    return str(info.value)
+
+
+def test_bad_checkpoints_are_named_with_the_fix(tiny_config):
+    saved = _checkpointed_run(tiny_config, "bad")
+    step = saved / "step-0000004"
+    data = step / rank_file(0)
+    original = data.read_bytes()
+    data.write_bytes(original[:len(original) // 2])
+    assert f"checkpoint file {data} has {len(original) // 2:,} bytes but the manifest says {len(original):,}" \
+        in resume_error(tiny_config, step)
+    data.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    assert f"checkpoint file {data} fails its sha256 checksum" in resume_error(tiny_config, step)
+    data.unlink()
+    assert f"checkpoint file {data} is missing" in resume_error(tiny_config, step)
+    data.write_bytes(original)
+    manifest = json.loads((step / MANIFEST).read_text())
+    (step / MANIFEST).write_text(json.dumps({**manifest, "version": 99}))
+    assert "has format version 99; this femtotron reads version 1" in resume_error(tiny_config, step)
+    (step / MANIFEST).write_text("{ not json")
+    assert f"{step / MANIFEST} is not valid JSON" in resume_error(tiny_config, step)
+    (step / MANIFEST).write_text(json.dumps(manifest))
+    message = resume_error(tiny_config, step, "model.model_config.hidden_size=128")
+    assert "was saved from a different model:\n  model.model_config.hidden_size: checkpoint 64, config 128" in message
+    assert "does not exist" in resume_error(tiny_config, saved / "nowhere")
+    assert "holds no committed checkpoint" in resume_error(tiny_config, saved.parent)
+
+
+def test_a_half_written_save_is_ignored_with_a_warning_and_the_previous_one_loads(tiny_config, capsys):
+    saved = _checkpointed_run(tiny_config, "half")
+    (saved / ".tmp-step-0000006").mkdir()
+    (saved / ".tmp-step-0000006" / rank_file(0)).write_bytes(b"partial")
+    trainer = Trainer(make(tiny_config, "half-resume", steps=6), ParallelContext())
+    assert checkpoint.load(trainer, saved).startswith(f"resumed from {saved / 'step-0000004'} at step 4")
+    assert f"ignoring {saved / '.tmp-step-0000006'}: a save that did not finish" in capsys.readouterr().out
+
+
+def _slow_rank(rank, config):
+    ctx = ParallelContext(dp=2, collective_timeout_seconds=3)
+    trainer = Trainer(config, ctx, log_to_console=False)
+    if rank == 1:  # rank 1 hangs while writing its part (a stuck file system, a dying node)
+        import time
+
+        from femtotron.serialize import checkpoint as module
+
+        real = module.write_rank_file
+        module.write_rank_file = lambda *a: (time.sleep(8), real(*a))[1]
+    try:
+        checkpoint.save(trainer)
+    finally:
+        ctx.close()
+
+
+def test_C2_a_rank_that_never_finishes_its_save_is_named_and_nothing_is_committed(tiny_config):
+    config = make(tiny_config, "slow", "parallelism.collective_timeout_seconds=3", dp=2, steps=2)
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(_slow_rank, 2, config, timeout=60)
+    message = str(failed.value)
+    assert "was not committed: rank 1 did not finish writing its file within 3 s" in message
+    root = config.run_dir / "checkpoints"
+    assert not (root / "step-0000000").exists() and not (root / "latest").exists()
+
+
+def test_resuming_a_finished_run_trains_nothing(tiny_config):
+    saved = _checkpointed_run(tiny_config, "done")
+    trainer = Trainer(make(tiny_config, "done-resume", f"checkpoints.resume_checkpoint_path={saved}", steps=4),
+                      ParallelContext(), log_to_console=False)
+    assert trainer.train() == [] and trainer.step == 4
+    assert trainer.consumed_tokens == 4 * 16 * 32 and trainer.batches.consumed_samples == 4 * 16
