@@ -104,11 +104,6 @@ def test_validation_loss_is_logged(tiny_config, tiny_dataset):
     assert [r["step"] for r in val] == [2, 4] and all(math.isfinite(r["val_loss"]) for r in val)
 
 
-def test_features_of_later_versions_are_refused_clearly(tiny_config):
-    with pytest.raises(ConfigError, match="checkpoint_interval"):
-        Trainer(tiny_config("checkpoints.checkpoint_interval=5"), ParallelContext(), log_to_console=False)
-
-
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_stages_2_and_3_are_refused_not_treated_as_1(tiny_config, stage):
     with pytest.raises(ConfigError, match=f"optimizer.zero_stage.*zero_stage={stage} .*not implemented.*Fix: zero_stage=1"):

@@ -29,24 +29,22 @@ from femtotron.data.indexed import resolve_dataset_prefixes
 from femtotron.data.nanoset import MicroBatchIterator, Nanoset
 from femtotron.data.tokenizer import load_tokenizer
 from femtotron.errors import ConfigError, DataError, FemtotronError
+from femtotron.layout import DTYPES, build_rank_model
 from femtotron.metrics import RunLog, memory_gib, model_flops_per_token, peak_flops
-from femtotron.models.llama import IGNORE_INDEX, Llama
+from femtotron.models.llama import IGNORE_INDEX
 from femtotron.optim.clip import clip_grads_
 from femtotron.optim.loss_scale import DynamicLossScaler
 from femtotron.optim.lr_schedule import lr_at
 from femtotron.optim.zero import ZeroAdamW
 from femtotron.parallel.comm import Group
 from femtotron.parallel.context import ParallelContext
-from femtotron.parallel.data_parallel import DataParallel
 from femtotron.parallel.pipeline.p2p import PipelineP2P
-from femtotron.parallel.pipeline.partition import partition, stage_map
+from femtotron.parallel.pipeline.partition import stage_map
 from femtotron.parallel.pipeline.schedules import Pipeline
-from femtotron.parallel.sharding import split_dim
 from femtotron.parallel.tensor_parallel import TensorParallel, full_tensor
 from femtotron.precision import emulated_low_precision
 from femtotron.serialize import checkpoint
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 WEIGHTS_FILE = "model.safetensors"
 PARTS_FILE = "model-parts.json"  # which safetensors files hold the final weights (one per pp stage)
 
@@ -120,37 +118,21 @@ class Trainer:
         self.tp = TensorParallel(ctx.comm, ctx.tp_group, ctx.tp_rank,
                                  sequence_parallel=config.parallelism.tp_mode == "REDUCE_SCATTER")
         par = config.parallelism
-        # Virtual stage s runs on pp rank s % pp as its chunk s // pp (one chunk unless interleaved).
-        self.stages = partition(mcfg, tokens.sequence_length, ctx.pp * par.pp_virtual_stages)
-        self.chunks = [Llama(mcfg, std=config.model.init_method.std, seed=config.general.seed, dtype=self.dtype,
-                             device=ctx.device, tp=self.tp, stage=self.stages[chunk * ctx.pp + ctx.pp_rank],
-                             recompute_layer=par.recompute_layer)
-                       for chunk in range(par.pp_virtual_stages)]
-        named = self.named_parameters()
-        names, params = zip(*named, strict=True)
+        model = build_rank_model(config, self.tp, ctx.pp, ctx.pp_rank, ctx.comm, ctx.dp_group, ctx.dp_rank, ctx.device)
+        self.stages, self.chunks, self.data_parallel = model.stages, model.chunks, model.data_parallel
+        self.tied_embedding = model.tied_embedding
+        params = [p for _, p in model.named_parameters()]
         # fp16 only (N1): the loss is multiplied by a dynamic scale; bf16 and fp32 get a disabled one.
         self.scaler = DynamicLossScaler.from_config(config.optimizer.loss_scale, enabled=self.dtype == torch.float16)
-        # Parameters every tp rank holds whole (the norms): counted once in the grad norm, and under
-        # sequence parallelism each rank saw only its part of the sequence, so their grads are summed.
-        replicated = [split_dim(p.shard) is None for p in params]
-        # A tied LM head on the last stage holds a copy of the first stage's embedding: its gradient is
-        # summed with the original's, and counted in the norm once.
-        tied_copy = [n == "embed_tokens.weight" and ctx.pp > 1 and mcfg.tie_word_embeddings for n in names]
-        self.tied_embedding = tied_copy.index(True) if any(tied_copy) else None
-        self.data_parallel = DataParallel(
-            named, self.bucket_groups(tied_copy), ctx.comm, ctx.dp_group, ctx.dp_rank,
-            micro_batches=tokens.batch_accumulation_per_replica, bucket_mb=par.dp_bucket_size_mb,
-            grad_dtype=torch.float32 if config.optimizer.accumulate_grad_in_fp32 else self.dtype,
-            sharded=config.optimizer.zero_stage == 1)
         self.optimizer = ZeroAdamW(list(params), self.data_parallel, config.optimizer)
-        counted = [(ctx.tp_rank == 0 or not r) and not (c and ctx.pp_rank > 0)
-                   for r, c in zip(replicated, tied_copy, strict=True)]
         # The grad norm sums the pieces this rank owns over the model-parallel group, and under ZeRO-1,
         # where each dp rank owns different pieces, over dp too.
-        self.counted_params = counted  # also: this rank's copy is the one a checkpoint saves
-        self.counted_pieces = [counted[piece.param] for piece in self.data_parallel.pieces]
+        self.counted_params = model.counted
+        self.counted_pieces = [model.counted[piece.param] for piece in self.data_parallel.pieces]
         self.norm_groups = [ctx.mp_group] + ([ctx.dp_group] if self.data_parallel.sharded else [])
-        self.summed_over_tp = {i for i, r in enumerate(replicated) if r} if self.tp.sequence_parallel else set()
+        # Under sequence parallelism each rank saw only its part of the sequence: the gradients of the
+        # weights every tp rank holds whole (the norms) are summed over tp.
+        self.summed_over_tp = {i for i, r in enumerate(model.replicated) if r} if self.tp.sequence_parallel else set()
         local_sequence = tokens.sequence_length // (ctx.tp if self.tp.sequence_parallel else 1)
         p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device,
                           (tokens.micro_batch_size, local_sequence, mcfg.hidden_size), self.dtype)
@@ -173,19 +155,6 @@ class Trainer:
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters over all its model chunks, by their names in the whole model."""
         return [item for chunk in self.chunks for item in chunk.named_parameters()]
-
-    def bucket_groups(self, own_bucket: list[bool]) -> list[list[int]]:
-        """Parameter indices in the order backward produces their gradients: each chunk's, last layer first.
-        A tied embedding gets a bucket of its own, laid out alike on the first and last stage, so the
-        gradient pieces each rank owns after the dp reduction match across the embedding group."""
-        groups, first = [], 0
-        for chunk in self.chunks:
-            count = len(list(chunk.parameters()))
-            backward_order = list(range(first + count - 1, first - 1, -1))
-            groups.append([i for i in backward_order if not own_bucket[i]])
-            groups += [[i] for i in backward_order if own_bucket[i]]
-            first += count
-        return [group for group in groups if group]
 
     def summary(self) -> str:
         cfg, mcfg, tokens = self.config, self.config.model.model_config_, self.config.tokens

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
+import yaml
 from conftest import tiny_config_maker, write_patterned_tokens
 from distributed import RankFailed, run_ranks
 
@@ -244,3 +248,59 @@ def test_resuming_a_finished_run_trains_nothing(tiny_config):
                       ParallelContext(), log_to_console=False)
     assert trainer.train() == [] and trainer.step == 4
     assert trainer.consumed_tokens == 4 * 16 * 32 and trainer.batches.consumed_samples == 4 * 16
+
+
+def write_yaml(config, path):
+    path.write_text(yaml.safe_dump(config.to_dict()))
+    return str(path)
+
+
+# Run `femtotron train` in this process, but SIGKILL it half-way through writing the checkpoint of step 4.
+KILL_DURING_SECOND_SAVE = """
+import os, signal, sys
+from femtotron.serialize import files
+real = files.save_file
+def save_then_die(tensors, path, metadata=None):
+    if "step-0000004" in path:
+        real(tensors, path, metadata=metadata)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(tensors, path, metadata=metadata)
+files.save_file = save_then_die
+from femtotron.cli import main
+sys.exit(main(["train", sys.argv[1]]))
+"""
+
+
+def test_a_save_killed_part_way_leaves_the_previous_checkpoint_and_the_run_resumes(tiny_config, tmp_path):
+    whole = train(make(tiny_config, "whole"), ParallelContext())
+    config = make(tiny_config, "killed", "checkpoints.checkpoint_interval=2")
+    died = subprocess.run([sys.executable, "-c", KILL_DURING_SECOND_SAVE, write_yaml(config, tmp_path / "c.yaml")],
+                          capture_output=True, text=True, timeout=300)
+    assert died.returncode == -signal.SIGKILL, died.stderr
+    saved = config.run_dir / "checkpoints"
+    assert (saved / ".tmp-step-0000004").is_dir() and (saved / "latest").read_text().strip() == "step-0000002"
+    resumed = train(make(tiny_config, "killed-resume", f"checkpoints.resume_checkpoint_path={saved}"),
+                    ParallelContext())
+    assert resumed["losses"] == whole["losses"][2:]  # from step 2's checkpoint, exactly as uninterrupted
+    assert all(torch.equal(resumed["weights"][n], w) for n, w in whole["weights"].items())
+
+
+def test_sigterm_saves_a_checkpoint_and_stops_then_the_run_resumes(tiny_config, tmp_path):
+    config = make(tiny_config, "term", "logging.iteration_step_info_interval=1", steps=10**6)
+    run = subprocess.Popen([sys.executable, "-m", "femtotron", "train", write_yaml(config, tmp_path / "c.yaml")],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in run.stdout:
+        if "step 2/" in line:  # training is under way
+            run.send_signal(signal.SIGTERM)
+            break
+    output = run.stdout.read()
+    assert run.wait(timeout=120) == 7, output
+    saved = config.run_dir / "checkpoints"
+    step = int((saved / "latest").read_text().strip().removeprefix("step-"))
+    assert step >= 2 and "SIGTERM received: stopped after step" in output
+    assert f"Resume with checkpoints.resume_checkpoint_path={saved}" in output
+    trainer = Trainer(make(tiny_config, "term-resume", f"checkpoints.resume_checkpoint_path={saved}", steps=step + 1),
+                      ParallelContext(), log_to_console=False)
+    assert len(trainer.train()) == 1 and trainer.step == step + 1

@@ -1,0 +1,77 @@
+"""One rank's part of the model: its pipeline stages, model chunks and parameter buffers.
+
+Built the same way by the trainer (with real process groups) and by the offline checkpoint tools
+(one process, on the meta device: shapes and layout without memory or initialisation), so both agree
+on which slices of which tensors each rank of a mesh holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from femtotron.models.llama import Llama
+from femtotron.parallel.comm import Comm, Group
+from femtotron.parallel.data_parallel import DataParallel
+from femtotron.parallel.pipeline.partition import Stage, partition
+from femtotron.parallel.sharding import split_dim
+from femtotron.parallel.tensor_parallel import TensorParallel
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class RankModel:
+    stages: list[Stage]  # every virtual stage of the pipeline (this rank runs stage chunk * pp + pp_rank)
+    chunks: list[Llama]  # this rank's model chunks (one unless interleaved)
+    data_parallel: DataParallel
+    replicated: list[bool]  # per parameter: every tp rank holds it whole (the norms)
+    # Per parameter: this rank's copy is the one that counts, in the grad norm and in a checkpoint (a
+    # tp-replicated parameter on tp rank 0 only, a tied embedding on the first stage only).
+    counted: list[bool]
+    tied_embedding: int | None  # the index of a tied embedding shared between first and last stage
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters over all its chunks, by their names in the whole model."""
+        return [item for chunk in self.chunks for item in chunk.named_parameters()]
+
+
+def build_rank_model(config: Any, tp: TensorParallel, pp: int, pp_rank: int, comm: Comm, dp_group: Group,
+                     dp_rank: int, device: torch.device) -> RankModel:
+    mcfg, par = config.model.model_config_, config.parallelism
+    dtype = DTYPES[config.model.dtype]
+    # Virtual stage s runs on pp rank s % pp as its chunk s // pp (one chunk unless interleaved).
+    stages = partition(mcfg, config.tokens.sequence_length, pp * par.pp_virtual_stages)
+    chunks = [Llama(mcfg, std=config.model.init_method.std, seed=config.general.seed, dtype=dtype, device=device,
+                    tp=tp, stage=stages[chunk * pp + pp_rank], recompute_layer=par.recompute_layer)
+              for chunk in range(par.pp_virtual_stages)]
+    named = [item for chunk in chunks for item in chunk.named_parameters()]
+    replicated = [split_dim(p.shard) is None for _, p in named]
+    # A tied LM head on the last stage holds a copy of the first stage's embedding: its gradient is summed
+    # with the original's, and it is counted (and saved) once.
+    tied_copy = [n == "embed_tokens.weight" and pp > 1 and mcfg.tie_word_embeddings for n, _ in named]
+    counted = [(tp.rank == 0 or not r) and not (c and pp_rank > 0) for r, c in zip(replicated, tied_copy, strict=True)]
+    data_parallel = DataParallel(
+        named, bucket_groups(chunks, tied_copy), comm, dp_group, dp_rank,
+        micro_batches=config.tokens.batch_accumulation_per_replica, bucket_mb=par.dp_bucket_size_mb,
+        grad_dtype=torch.float32 if config.optimizer.accumulate_grad_in_fp32 else dtype,
+        sharded=config.optimizer.zero_stage == 1)
+    return RankModel(stages, chunks, data_parallel, replicated, counted,
+                     tied_copy.index(True) if any(tied_copy) else None)
+
+
+def bucket_groups(chunks: list[Llama], own_bucket: list[bool]) -> list[list[int]]:
+    """Parameter indices in the order backward produces their gradients: each chunk's, last layer first.
+    A tied embedding gets a bucket of its own, laid out alike on the first and last stage, so the gradient
+    pieces each rank owns after the dp reduction match across the embedding group."""
+    groups, first = [], 0
+    for chunk in chunks:
+        count = len(list(chunk.parameters()))
+        backward_order = list(range(first + count - 1, first - 1, -1))
+        groups.append([i for i in backward_order if not own_bucket[i]])
+        groups += [[i] for i in backward_order if own_bucket[i]]
+        first += count
+    return [group for group in groups if group]
