@@ -1,4 +1,4 @@
-"""`femtotron <verb>`: train, check-tp, generate, preprocess, train-tokenizer.
+"""`femtotron <verb>`: train, check-tp, generate, reshard, consolidate, preprocess, train-tokenizer.
 
 Every problem a user can fix arrives as a FemtotronError and is printed as plain text with its
 exit code (2 for config errors); a traceback means a bug in femtotron.
@@ -76,6 +76,26 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
 
 
+def cmd_reshard(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from femtotron.serialize.offline import reshard
+
+    layout = [f"parallelism.{key}={value}" for key in ("dp", "tp", "pp") if (value := getattr(args, key)) is not None]
+    path = reshard(Path(args.checkpoint), Path(args.out), [*layout, *args.overrides])
+    print(f"wrote {path}; resume with checkpoints.resume_checkpoint_path={path.parent}")
+
+
+def cmd_consolidate(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from femtotron.serialize.offline import consolidate
+
+    out = consolidate(Path(args.checkpoint), Path(args.out), with_optimizer=args.with_optimizer)
+    print(f"wrote {out / 'model.safetensors'} and {out / 'config.yaml'}"
+          + (f" and {out / 'optimizer.safetensors'}" if args.with_optimizer else ""))
+
+
 def cmd_preprocess(args: argparse.Namespace) -> None:
     from femtotron.data.preprocess import preprocess
 
@@ -120,6 +140,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(run=cmd_generate)
+
+    re = verbs.add_parser("reshard", help="rewrite a checkpoint for another mesh (one process, no cluster)")
+    re.add_argument("checkpoint", help="a step-NNNNNNN checkpoint, or a checkpoints directory (its latest)")
+    re.add_argument("--out", required=True, help="the checkpoints directory to write step-NNNNNNN and latest into")
+    for key in ("dp", "tp", "pp"):
+        re.add_argument(f"--{key}", type=int, default=None, help=f"the new parallelism.{key} (default: as saved)")
+    re.add_argument("overrides", nargs="*", help="more dotted overrides, e.g. parallelism.pp_engine=afab "
+                                                 "optimizer.zero_stage=1")
+    re.set_defaults(run=cmd_reshard)
+
+    con = verbs.add_parser("consolidate", help="write a checkpoint's weights at full shape, with its config")
+    con.add_argument("checkpoint", help="a step-NNNNNNN checkpoint, or a checkpoints directory (its latest)")
+    con.add_argument("--out", required=True, help="directory for model.safetensors and config.yaml")
+    con.add_argument("--with-optimizer", action="store_true",
+                     help="also optimizer.safetensors: fp32 master weights and Adam moments at full shape")
+    con.set_defaults(run=cmd_consolidate)
 
     pre = verbs.add_parser("preprocess", help="tokenize .jsonl[.gz] / .txt into Megatron .bin/.idx files")
     pre.add_argument("--input", required=True, help=".jsonl, .jsonl.gz (one document per line) or .txt (one document)")

@@ -119,6 +119,7 @@ class Trainer:
                                  sequence_parallel=config.parallelism.tp_mode == "REDUCE_SCATTER")
         par = config.parallelism
         model = build_rank_model(config, self.tp, ctx.pp, ctx.pp_rank, ctx.comm, ctx.dp_group, ctx.dp_rank, ctx.device)
+        self.rank_model = model
         self.stages, self.chunks, self.data_parallel = model.stages, model.chunks, model.data_parallel
         self.tied_embedding = model.tied_embedding
         params = [p for _, p in model.named_parameters()]

@@ -57,7 +57,8 @@ def make_param(
 
     Chunks are ceil(n / world) long; where that overshoots n, the last chunks are zero-padded.
     """
-    full = full_init(name, shape, std, seed)
+    # On the meta device (offline checkpoint tools) only shapes and sharding matter: skip the values.
+    full = torch.empty(shape, device="meta") if device.type == "meta" else full_init(name, shape, std, seed)
     local_slice = [slice(0, n) for n in shape]
     local_shape = list(shape)
     if shard_dim is not None and world > 1:
@@ -65,7 +66,7 @@ def make_param(
         n = shape[shard_dim]
         local_slice[shard_dim] = slice(min(rank * size, n), min((rank + 1) * size, n))
         local_shape[shard_dim] = size
-    local = torch.zeros(local_shape)
+    local = torch.zeros(local_shape, device=full.device)
     piece = full[tuple(local_slice)]
     local[tuple(slice(0, k) for k in piece.shape)] = piece
     param = nn.Parameter(local.to(device=device, dtype=dtype))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +35,10 @@ from femtotron.serialize.files import (
     write_rank_file,
     write_synced,
 )
-from femtotron.serialize.geometry import placements
+from femtotron.serialize.geometry import Box, Placement, placements
 
 if TYPE_CHECKING:
+    from femtotron.layout import RankModel
     from femtotron.trainer import Trainer
 
 LATEST = "latest"
@@ -56,28 +58,48 @@ def mesh_of(config: Any) -> dict[str, Any]:
             "zero_stage": config.optimizer.zero_stage}
 
 
-def rank_slices(trainer: Trainer) -> list[tuple[str, tuple[int, ...], Any, torch.Tensor]]:
-    """(tensor name, global shape, box, values) for every slice this rank saves."""
-    data_parallel, optimizer = trainer.data_parallel, trainer.optimizer
-    named = trainer.named_parameters()
-    kinds = ("master", "exp_avg", "exp_avg_sq") if data_parallel.flat_params.dtype != torch.float32 \
-        else ("exp_avg", "exp_avg_sq")  # fp32 weights are their own masters
-    states = {kind: optimizer.state(kind) for kind in kinds}
+@dataclass(frozen=True)
+class SavedSlice:
+    """A slice one rank saves: part `place` of parameter `name`, at [low, high) of the flat buffers."""
+
+    name: str
+    shape: tuple[int, ...]  # the global tensor's
+    place: Placement
+    low: int
+    high: int
+    owner: int  # the index of the owned piece (DataParallel.pieces) that holds these elements
+
+
+def saved_slices(model: RankModel) -> list[SavedSlice]:
+    """What one rank saves: its 1/dp of every bucket, of the parameters whose copy on this rank counts."""
+    data_parallel, named = model.data_parallel, model.named_parameters()
     out = []
     for piece in data_parallel.shard_pieces:
-        if not trainer.counted_params[piece.param]:
+        if not model.counted[piece.param]:
             continue
         name, param = named[piece.param]
         offset = data_parallel.offsets[piece.param]
         owner = next(i for i, p in enumerate(data_parallel.pieces) if p.start <= piece.start and piece.end <= p.end)
-        owned_start = data_parallel.pieces[owner].start
         for place in placements(param.shard, tuple(param.shape), piece.start - offset, piece.end - offset):
-            low, high = offset + place.flat_start, offset + place.flat_stop
-            sources = {"model": data_parallel.flat_params[low:high]}
-            sources.update({kind: states[kind][owner][low - owned_start:high - owned_start] for kind in kinds})
-            for kind, flat in sources.items():
-                out.append((f"{kind}/{name}", param.shard.global_shape, place.target,
-                            flat.view(place.local_shape)[place.valid]))
+            out.append(SavedSlice(name, param.shard.global_shape, place, offset + place.flat_start,
+                                  offset + place.flat_stop, owner))
+    return out
+
+
+def rank_slices(trainer: Trainer) -> list[tuple[str, tuple[int, ...], Box, torch.Tensor]]:
+    """(tensor name, global shape, box, values) for every slice this rank saves, from the live tensors."""
+    data_parallel, optimizer = trainer.data_parallel, trainer.optimizer
+    kinds = ("master", "exp_avg", "exp_avg_sq") if data_parallel.flat_params.dtype != torch.float32 \
+        else ("exp_avg", "exp_avg_sq")  # fp32 weights are their own masters
+    states = {kind: optimizer.state(kind) for kind in kinds}
+    out = []
+    for saved in saved_slices(trainer.rank_model):
+        start = data_parallel.pieces[saved.owner].start
+        sources = {"model": data_parallel.flat_params[saved.low:saved.high]}
+        sources.update({kind: states[kind][saved.owner][saved.low - start:saved.high - start] for kind in kinds})
+        for kind, flat in sources.items():
+            out.append((f"{kind}/{saved.name}", saved.shape, saved.place.target,
+                        flat.view(saved.place.local_shape)[saved.place.valid]))
     return out
 
 
@@ -116,7 +138,7 @@ def save(trainer: Trainer) -> Path:
     key = f"save{trainer.saves}"
     try:
         extra, metadata = rng_state()
-        record = write_rank_file(tmp, ctx.rank, rank_slices(trainer), extra, metadata)
+        record = {**write_rank_file(tmp, ctx.rank, rank_slices(trainer), extra, metadata), "rng": True}
         ctx.comm.post(f"{key}/rank{ctx.rank}", json.dumps(record))
     except (OSError, RuntimeError) as e:
         ctx.comm.post(f"{key}/rank{ctx.rank}", json.dumps({"error": f"{type(e).__name__}: {e}"}))
@@ -125,7 +147,8 @@ def save(trainer: Trainer) -> Path:
     timeout = config.parallelism.collective_timeout_seconds
     if ctx.rank == 0:
         try:
-            commit(trainer, tmp, final, collect_records(trainer, key, final, timeout))
+            commit(tmp, final, run_state(trainer), collect_records(trainer, key, final, timeout),
+                   config.checkpoints.keep_last_n)
         except CheckpointError as e:
             ctx.comm.post(f"{key}/commit", str(e))
             raise
@@ -158,9 +181,10 @@ def collect_records(trainer: Trainer, key: str, final: Path, timeout: float) -> 
     return [records[r] for r in range(world)]
 
 
-def commit(trainer: Trainer, tmp: Path, final: Path, records: list[dict[str, Any]]) -> None:
+def run_state(trainer: Trainer) -> dict[str, Any]:
+    """What the manifest records besides the tensors: where the run is, and how it was laid out."""
     config = trainer.config
-    state = {
+    return {
         "step": trainer.step, "consumed_samples": trainer.batches.consumed_samples,
         "consumed_tokens": trainer.consumed_tokens, "optimizer_steps": trainer.optimizer.steps_taken(),
         "lr_schedule": {"style": config.optimizer.learning_rate_scheduler.lr_decay_style,
@@ -168,10 +192,15 @@ def commit(trainer: Trainer, tmp: Path, final: Path, records: list[dict[str, Any
         "loss_scale": {"scale": trainer.scaler.scale, "clean_steps": trainer.scaler.clean_steps,
                        "skipped_steps": trainer.scaler.skipped_steps},
         "mesh": mesh_of(config), "world_size": trainer.ctx.world_size,
-        "rng": {str(rank): record["file"] for rank, record in enumerate(records)},
         "config": config.to_dict(),
     }
-    write_synced(tmp / MANIFEST, json.dumps(build_manifest(state, records), indent=1))
+
+
+def commit(tmp: Path, final: Path, state: dict[str, Any], records: list[dict[str, Any]], keep: int | None) -> None:
+    """Write the manifest into the finished temporary directory, rename it into place, point `latest` at it
+    and delete checkpoints beyond the newest `keep`."""
+    rng = {str(rank): record["file"] for rank, record in enumerate(records) if record.get("rng")}
+    write_synced(tmp / MANIFEST, json.dumps(build_manifest({**state, "rng": rng}, records), indent=1))
     fsync_directory(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -179,7 +208,6 @@ def commit(trainer: Trainer, tmp: Path, final: Path, records: list[dict[str, Any
     fsync_directory(final.parent)
     with atomic_path(final.parent / LATEST) as path:
         Path(path).write_text(final.name + "\n")
-    keep = config.checkpoints.keep_last_n
     if keep:
         for old in committed_checkpoints(final.parent)[:-keep]:
             shutil.rmtree(old)
@@ -289,12 +317,13 @@ def restore_counters(trainer: Trainer, reader: CheckpointReader, directory: Path
         trainer.scaler.clean_steps, trainer.scaler.skipped_steps = int(scale["clean_steps"]), int(scale["skipped_steps"])
     saved, current = manifest["mesh"], mesh_of(trainer.config)
     same_layout = saved == current and manifest.get("world_size") == trainer.ctx.world_size
-    if same_layout:
-        set_rng_state(reader, manifest["rng"][str(trainer.ctx.rank)])
+    rng_file = manifest.get("rng", {}).get(str(trainer.ctx.rank))
+    if same_layout and rng_file is not None:
+        set_rng_state(reader, rng_file)
     line = (f"resumed from {directory} at step {trainer.step} ({trainer.batches.consumed_samples:,} samples, "
             f"{trainer.consumed_tokens:,} tokens consumed)")
     if same_layout:
-        return line
+        return line if rng_file is not None else f"{line}; no RNG states in the checkpoint (written offline)"
     changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in current.items() if saved.get(k) != v)
     return (f"{line}; resharded ({changed}): weights, master weights and Adam moments read as slices of the "
             "global tensors for this layout; the data continues at the same global sample; RNG states not "

@@ -1,0 +1,89 @@
+"""Checkpoint tools that run in one process, without a cluster: reshard and consolidate.
+
+`reshard` rewrites a checkpoint as if saved from another mesh: for every rank of the new layout it
+builds that rank's part of the model on the meta device (layout.py: shapes only, no memory), reads
+the slices it would have saved from the old checkpoint, and writes them to that rank's file. A run
+on the new layout then reads only the files of its own dp group: its optimizer state from its own
+file, its weights (saved 1/dp by each rank of the group) from those. Any layout can also load the
+original directly; resharding offline saves that reading at start, and gives a checkpoint whose
+manifest describes the mesh it is used on.
+
+`consolidate` writes every weight at its full shape into one safetensors file, with the config, in
+the form of a finished run directory (`femtotron generate` reads it).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from femtotron.atomic import atomic_path
+from femtotron.config import load_config_dict
+from femtotron.config.config import Config
+from femtotron.layout import build_rank_model
+from femtotron.parallel.comm import Comm, Group
+from femtotron.parallel.context import coordinates_of
+from femtotron.parallel.tensor_parallel import TensorParallel
+from femtotron.serialize.checkpoint import commit, mesh_of, resolve, saved_slices
+from femtotron.serialize.files import CheckpointReader, write_rank_file
+
+KINDS = ("model", "master", "exp_avg", "exp_avg_sq")
+
+
+def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
+    """Write the checkpoint at (or latest under) `source` into the checkpoints directory `out`, laid out
+    for the config the checkpoint was saved with plus `overrides` (e.g. parallelism.tp=4)."""
+    directory, _ = resolve(source)
+    with CheckpointReader(directory) as reader:
+        manifest = reader.manifest
+        config = load_config_dict(manifest["config"], overrides=overrides)
+        tmp, final = out / f".tmp-{directory.name}", out / directory.name
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        records = [write_rank_file(tmp, rank, rank_slices(config, rank, reader), {}, {})
+                   for rank in range(config.parallelism.dp * config.parallelism.tp * config.parallelism.pp)]
+        state = {key: manifest[key] for key in ("step", "consumed_samples", "consumed_tokens", "optimizer_steps",
+                                                "lr_schedule", "loss_scale") if key in manifest}
+        state.update(mesh=mesh_of(config), world_size=len(records), config=config.to_dict())
+        commit(tmp, final, state, records, keep=None)
+    return final
+
+
+def rank_slices(config: Config, rank: int, reader: CheckpointReader) -> list:
+    """What `rank` of `config`'s mesh would save, with the values read from `reader`."""
+    par = config.parallelism
+    coords = coordinates_of(rank, par.dp, par.tp)
+    tp = TensorParallel(Comm(), Group("tp", tuple(range(par.tp))), coords.tp_rank,
+                        sequence_parallel=par.tp_mode == "REDUCE_SCATTER")
+    model = build_rank_model(config, tp, par.pp, coords.pp_rank, Comm(), Group("dp", tuple(range(par.dp))),
+                             coords.dp_rank, torch.device("meta"))
+    return [(f"{kind}/{saved.name}", saved.shape, saved.place.target,
+             reader.read(f"{kind}/{saved.name}", saved.place.target))
+            for saved in saved_slices(model) for kind in KINDS if reader.has(f"{kind}/{saved.name}")]
+
+
+def consolidate(source: Path, out: Path, with_optimizer: bool = False) -> Path:
+    """Full-shape weights (`model.safetensors`) and `config.yaml` in `out`; with `with_optimizer` also the fp32
+    master weights and Adam moments at full shape (`optimizer.safetensors`, keys `<kind>/<name>`)."""
+    directory, _ = resolve(source)
+    with CheckpointReader(directory) as reader:
+        def full(tensor: str) -> torch.Tensor:
+            shape = reader.shape(tensor)
+            return reader.read(tensor, ((0,) * len(shape), shape))
+
+        weights = {name.removeprefix("model/"): full(name) for name in reader.tensors if name.startswith("model/")}
+        optimizer = {name: full(name) for name in reader.tensors if not name.startswith("model/")}
+        config = reader.manifest["config"]
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / "model.safetensors") as tmp:
+        save_file(weights, tmp, metadata={"step": str(reader.manifest["step"])})
+    if with_optimizer:
+        with atomic_path(out / "optimizer.safetensors") as tmp:
+            save_file(optimizer, tmp)
+    with atomic_path(out / "config.yaml") as tmp:
+        Path(tmp).write_text(yaml.safe_dump(config, sort_keys=False))
+    return out

@@ -1,0 +1,95 @@
+"""`femtotron reshard` and `femtotron consolidate`: one process, no cluster; round trips are exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_ranks
+from safetensors.torch import load_file
+
+from femtotron.cli import main
+from femtotron.generate import load_run
+from femtotron.parallel.context import ParallelContext, coordinates_of, rank_of
+from femtotron.serialize import files
+from femtotron.serialize.files import rank_file
+from femtotron.trainer import Trainer
+
+
+def config(tiny_config, run, *more, steps=4):
+    return tiny_config(f"general.run={run}", "model.model_config.num_hidden_layers=4",
+                       "model.model_config.num_key_value_heads=4", "model.model_config.tie_word_embeddings=true",
+                       "model.dtype=bfloat16", "tokens.micro_batch_size=2", "tokens.batch_accumulation_per_replica=8",
+                       f"tokens.train_steps={steps}", "parallelism.dp_bucket_size_mb=0.02", *more)
+
+
+@pytest.fixture
+def saved(tiny_config):
+    """A bf16 run with tied embeddings, checkpointed after 2 steps on one process; and its 4-step losses."""
+    whole = Trainer(config(tiny_config, "whole"), ParallelContext(), log_to_console=False)
+    losses = [r.loss for r in whole.train()]
+    first = config(tiny_config, "first", "checkpoints.checkpoint_interval=2", steps=2)
+    Trainer(first, ParallelContext(), log_to_console=False).train()
+    return first.run_dir / "checkpoints", losses
+
+
+def consolidated(checkpoint, out):
+    assert main(["consolidate", str(checkpoint), "--out", str(out), "--with-optimizer"]) == 0
+    return load_file(str(out / "model.safetensors")), load_file(str(out / "optimizer.safetensors"))
+
+
+def test_reshard_then_consolidate_gives_the_same_tensors(saved, tmp_path):
+    checkpoints, _ = saved
+    weights, optimizer = consolidated(checkpoints, tmp_path / "original")
+    assert weights["embed_tokens.weight"].dtype == torch.bfloat16 and "lm_head.weight" not in weights  # tied
+    assert {k.split("/")[0] for k in optimizer} == {"master", "exp_avg", "exp_avg_sq"}
+    assert main(["reshard", str(checkpoints), "--out", str(tmp_path / "mesh"), "--dp", "2", "--tp", "2", "--pp", "2",
+                 "optimizer.zero_stage=1"]) == 0
+    assert sorted(p.name for p in (tmp_path / "mesh" / "step-0000002").glob("*.safetensors")) == \
+        [rank_file(r) for r in range(8)]
+    assert main(["reshard", str(tmp_path / "mesh"), "--out", str(tmp_path / "back"), "--dp", "1", "--tp", "1",
+                 "--pp", "1"]) == 0
+    for directory in ("mesh", "back"):
+        other_weights, other_optimizer = consolidated(tmp_path / directory, tmp_path / f"{directory}-full")
+        for mine, theirs in ((weights, other_weights), (optimizer, other_optimizer)):
+            assert mine.keys() == theirs.keys()
+            assert all(torch.equal(mine[k], theirs[k]) for k in mine), directory
+    _, model = load_run(tmp_path / "original")  # a consolidated checkpoint is a run directory for generate
+    assert torch.equal(model.embed_tokens.weight.data, weights["embed_tokens.weight"].float())
+
+
+def _resume_and_record_files(rank, resumed):
+    ctx = ParallelContext(dp=2, tp=2, pp=2, collective_timeout_seconds=60)
+    opened, read = set(), files.CheckpointReader.read
+
+    def recording(self, tensor, box):  # which files each kind of tensor is read from
+        real_file = self._file
+        self._file = lambda name: (opened.add((tensor.split("/")[0], name)), real_file(name))[1]
+        try:
+            return read(self, tensor, box)
+        finally:
+            del self._file
+
+    files.CheckpointReader.read = recording
+    losses = [r.loss for r in Trainer(resumed, ctx, log_to_console=False).train()]
+    ctx.close()
+    return losses, opened
+
+
+def test_a_resharded_checkpoint_resumes_on_its_mesh_reading_its_optimizer_state_from_its_own_file(
+        saved, tiny_config, tmp_path):
+    """Weights are saved once per dp group (1/dp by each rank), so a rank reads them from several files; its
+    optimizer state is in its own file, but for what only tp rank 0 (the norms) or the first stage (a tied
+    embedding) saves."""
+    checkpoints, losses = saved
+    assert main(["reshard", str(checkpoints), "--out", str(tmp_path / "mesh"), "--dp", "2", "--tp", "2", "--pp", "2",
+                 "optimizer.zero_stage=1", "tokens.batch_accumulation_per_replica=4"]) == 0
+    resumed = config(tiny_config, "resumed", f"checkpoints.resume_checkpoint_path={tmp_path / 'mesh'}",
+                     "parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2", "optimizer.zero_stage=1",
+                     "tokens.batch_accumulation_per_replica=4", "parallelism.collective_timeout_seconds=60")
+    per_rank = run_ranks(_resume_and_record_files, 8, resumed, timeout=300)
+    for rank, (rank_losses, opened) in enumerate(per_rank):
+        assert rank_losses == pytest.approx(losses[2:], rel=1e-2)  # bf16, another summation order
+        at = coordinates_of(rank, dp=2, tp=2)
+        savers = {rank_file(rank_of(pp, at.dp_rank, tp, dp=2, tp=2)) for pp in {at.pp_rank, 0} for tp in {at.tp_rank, 0}}
+        moments = {name for kind, name in opened if kind in ("exp_avg", "exp_avg_sq")}
+        assert rank_file(rank) in moments and moments <= savers
