@@ -280,9 +280,11 @@ class Trainer:
         return results
 
     def save_checkpoint(self) -> Path:
+        start = time.perf_counter()
         path = checkpoint.save(self)
         self.last_saved_step = self.step
-        self.log.info(f"saved checkpoint {path}")
+        size = sum(f.stat().st_size for f in path.iterdir()) if self.ctx.rank == 0 else 0
+        self.log.info(f"saved checkpoint {path} ({size / 2**20:,.1f} MiB in {time.perf_counter() - start:.1f} s)")
         self.ctx.comm.take_seconds()  # the save's store and barrier time is not part of any training step
         return path
 

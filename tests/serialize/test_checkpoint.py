@@ -304,3 +304,15 @@ def test_sigterm_saves_a_checkpoint_and_stops_then_the_run_resumes(tiny_config, 
     trainer = Trainer(make(tiny_config, "term-resume", f"checkpoints.resume_checkpoint_path={saved}", steps=step + 1),
                       ParallelContext(), log_to_console=False)
     assert len(trainer.train()) == 1 and trainer.step == step + 1
+
+
+def test_a_resume_with_another_global_batch_or_other_data_warns(tiny_config, capsys):
+    saved = _checkpointed_run(tiny_config, "batch")
+    trainer = Trainer(make(tiny_config, "batch-resume", "tokens.micro_batch_size=1", steps=6), ParallelContext())
+    checkpoint.load(trainer, saved)
+    assert "global batch size 16 at the save, 8 now: the data continues at the same global sample" \
+        in capsys.readouterr().out
+    other = write_patterned_tokens(saved.parent / "other", documents=20)
+    trainer = Trainer(make(tiny_config, "data-resume", f"data.dataset_folder={other}", steps=6), ParallelContext())
+    checkpoint.load(trainer, saved)
+    assert "the training data differs from the checkpoint's (8,400 tokens, now 14,000)" in capsys.readouterr().out

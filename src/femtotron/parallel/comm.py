@@ -205,17 +205,22 @@ class Comm:
         else:
             self.store.set(f"femtotron/post/{key}", value)
 
-    def collect(self, keys: list[str], timeout: float) -> dict[str, str]:
+    def collect(self, keys: list[str], timeout: float, remove: bool = False) -> dict[str, str]:
         """Wait up to `timeout` seconds for every key to be posted; return those that were (all of them,
-        unless the wait timed out: the caller names the missing ones)."""
+        unless the wait timed out: the caller names the missing ones). `remove`: delete them from the store
+        (when only this rank reads them), so a long run does not pile them up."""
         if self.store is None:
-            return {k: self._posted[k] for k in keys if k in self._posted}
+            return {k: (self._posted.pop if remove else self._posted.get)(k) for k in keys if k in self._posted}
         full = [f"femtotron/post/{k}" for k in keys]
         try:
             self.store.wait(full, timedelta(seconds=timeout))
         except (RuntimeError, OSError):  # a timeout: some key never came
             pass
-        return {k: self.store.get(f).decode() for k, f in zip(keys, full, strict=True) if self.store.check([f])}
+        got = {k: self.store.get(f).decode() for k, f in zip(keys, full, strict=True) if self.store.check([f])}
+        if remove:
+            for key in got:
+                self.store.delete_key(f"femtotron/post/{key}")
+        return got
 
     def barrier(self, group: Group) -> None:
         if group.size == 1:

@@ -137,6 +137,7 @@ def save(trainer: Trainer) -> Path:
     trainer.saves += 1
     key = f"save{trainer.saves}"
     try:
+        tmp.mkdir(parents=True, exist_ok=True)  # on another node of a shared file system it may show up late
         extra, metadata = rng_state()
         record = {**write_rank_file(tmp, ctx.rank, rank_slices(trainer), extra, metadata), "rng": True}
         ctx.comm.post(f"{key}/rank{ctx.rank}", json.dumps(record))
@@ -164,7 +165,7 @@ def save(trainer: Trainer) -> Path:
 def collect_records(trainer: Trainer, key: str, final: Path, timeout: float) -> list[dict[str, Any]]:
     """Rank 0: every rank's file record, or an error naming the ranks that did not deliver (C2)."""
     world = trainer.ctx.world_size
-    got = trainer.ctx.comm.collect([f"{key}/rank{r}" for r in range(world)], timeout)
+    got = trainer.ctx.comm.collect([f"{key}/rank{r}" for r in range(world)], timeout, remove=True)
     records = {int(k.rsplit("rank", 1)[1]): json.loads(v) for k, v in got.items()}
     failed = {r: rec["error"] for r, rec in records.items() if "error" in rec}
     missing = [r for r in range(world) if r not in records]
@@ -192,6 +193,8 @@ def run_state(trainer: Trainer) -> dict[str, Any]:
         "loss_scale": {"scale": trainer.scaler.scale, "clean_steps": trainer.scaler.clean_steps,
                        "skipped_steps": trainer.scaler.skipped_steps},
         "mesh": mesh_of(config), "world_size": trainer.ctx.world_size,
+        "global_batch_size": config.global_batch_size,
+        "data": {"samples_per_epoch": trainer.train_data.samples_per_epoch, "tokens": trainer.train_data.num_tokens},
         "config": config.to_dict(),
     }
 
@@ -322,6 +325,16 @@ def restore_counters(trainer: Trainer, reader: CheckpointReader, directory: Path
         set_rng_state(reader, rng_file)
     line = (f"resumed from {directory} at step {trainer.step} ({trainer.batches.consumed_samples:,} samples, "
             f"{trainer.consumed_tokens:,} tokens consumed)")
+    data = {"samples_per_epoch": trainer.train_data.samples_per_epoch, "tokens": trainer.train_data.num_tokens}
+    if manifest.get("data", data) != data:
+        trainer.log.warn(f"the training data differs from the checkpoint's ({manifest['data']['tokens']:,} tokens, "
+                         f"now {data['tokens']:,}): the run continues at global sample "
+                         f"{trainer.batches.consumed_samples:,} of the new data, not where the old data left off")
+    batch = manifest.get("global_batch_size", trainer.config.global_batch_size)
+    if batch != trainer.config.global_batch_size:
+        trainer.log.warn(f"global batch size {batch} at the save, {trainer.config.global_batch_size} now: the data "
+                         "continues at the same global sample and the lr schedule by step, but the losses will not "
+                         "match a run that kept the batch")
     if same_layout:
         return line if rng_file is not None else f"{line}; no RNG states in the checkpoint (written offline)"
     changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in current.items() if saved.get(k) != v)

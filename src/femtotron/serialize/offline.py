@@ -47,7 +47,8 @@ def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
         records = [write_rank_file(tmp, rank, rank_slices(config, rank, reader), {}, {})
                    for rank in range(config.parallelism.dp * config.parallelism.tp * config.parallelism.pp)]
         state = {key: manifest[key] for key in ("step", "consumed_samples", "consumed_tokens", "optimizer_steps",
-                                                "lr_schedule", "loss_scale") if key in manifest}
+                                                "lr_schedule", "loss_scale", "global_batch_size", "data")
+                 if key in manifest}
         state.update(mesh=mesh_of(config), world_size=len(records), config=config.to_dict())
         commit(tmp, final, state, records, keep=None)
     return final
