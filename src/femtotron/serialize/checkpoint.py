@@ -175,7 +175,7 @@ def collect_records(trainer: Trainer, key: str, final: Path, timeout: float) -> 
             f"checkpoint {final} was not committed: "
             + (f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} did not finish writing "
                f"{'their files' if len(missing) > 1 else 'its file'} within {timeout:g} s "
-               f"(parallelism.collective_timeout_seconds), so they died or are stuck. " if missing else "")
+               "(parallelism.collective_timeout_seconds): died, or stuck on the file system. " if missing else "")
             + (f"Ranks failed to write:{details}\n" if failed else "")
             + f"The previous checkpoint is intact; the half-written {final.parent / ('.tmp-' + final.name)} is "
             "ignored on resume.")
