@@ -122,10 +122,9 @@ def test_a_failing_rank_exit_code_reaches_the_caller_without_launcher_noise(conf
         assert noise not in result.stderr
 
 
-# A typo is caught by load_config; a checkpoint interval only by the trainer's check_supported, which the
-# parent runs too.
+# A typo breaks the schema, zero_stage=2 a cross-field rule: the parent checks both before starting anything.
 @pytest.mark.parametrize("override, field", [("tokens.train_stepz=2", "train_stepz"),
-                                              ("checkpoints.checkpoint_interval=5", "checkpoint_interval")])
+                                              ("optimizer.zero_stage=2", "zero_stage")])
 def test_config_errors_are_reported_once_before_any_process_starts(config, override, field):
     result = femtotron("train", config, "parallelism.dp=2", override)
     assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -133,7 +133,8 @@ class Trainer:
         self.norm_groups = [ctx.mp_group] + ([ctx.dp_group] if self.data_parallel.sharded else [])
         # Under sequence parallelism each rank saw only its part of the sequence: the gradients of the
         # weights every tp rank holds whole (the norms) are summed over tp.
-        self.summed_over_tp = {i for i, r in enumerate(model.replicated) if r} if self.tp.sequence_parallel else set()
+        self.summed_over_tp = {i for i, r in enumerate(model.replicated) if r} \
+            if self.tp.sequence_parallel and ctx.tp > 1 else set()
         local_sequence = tokens.sequence_length // (ctx.tp if self.tp.sequence_parallel else 1)
         p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device,
                           (tokens.micro_batch_size, local_sequence, mcfg.hidden_size), self.dtype)
@@ -141,8 +142,8 @@ class Trainer:
         ctx.comm.take_seconds()  # the pipeline's start-up handshake is not part of any step's communication
         self.step = 0
         self.consumed_tokens = 0
-        self.saves = 0  # checkpoints written by this process (keys their records in the store)
         self.last_saved_step: int | None = None
+        self.last_checkpoint: Path | None = None
         self.stop_signal: int | None = None
         self.flops_per_token = model_flops_per_token(mcfg, tokens.sequence_length)
         largest = max(mcfg.intermediate_size, mcfg.vocab_size)
@@ -241,7 +242,9 @@ class Trainer:
     def train(self) -> list[StepResult]:
         ckpt = self.config.checkpoints
         if ckpt.resume_checkpoint_path is not None:
-            self.log.info(checkpoint.load(self, Path(ckpt.resume_checkpoint_path)))
+            summary, self.last_checkpoint = checkpoint.load(self, Path(ckpt.resume_checkpoint_path))
+            self.log.info(summary)
+            self.last_saved_step = self.step  # that state is on disk already
         self.log.info(self.summary())
         for warning in self.start_warnings():
             self.log.warn(warning)
@@ -282,7 +285,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         start = time.perf_counter()
         path = checkpoint.save(self)
-        self.last_saved_step = self.step
+        self.last_saved_step, self.last_checkpoint = self.step, path
         size = sum(f.stat().st_size for f in path.iterdir()) if self.ctx.rank == 0 else 0
         self.log.info(f"saved checkpoint {path} ({size / 2**20:,.1f} MiB in {time.perf_counter() - start:.1f} s)")
         self.ctx.comm.take_seconds()  # the save's store and barrier time is not part of any training step
@@ -306,13 +309,15 @@ class Trainer:
                 signal.signal(sig, handler)
 
     def stop_if_signalled(self) -> None:
-        """After a step: if any rank got SIGTERM/SIGUSR1, all save a checkpoint and stop together."""
+        """After a step: if any rank got SIGTERM/SIGUSR1, all save a checkpoint and stop together (after the
+        last step the run ends normally anyway)."""
+        if self.step >= self.config.tokens.train_steps:
+            return
         flag = torch.tensor(float(self.stop_signal or 0), device=self.ctx.device)
         signum = int(self.ctx.comm.all_reduce(flag, self.ctx.world_group, op="max").item())
         if not signum:
             return
-        path = self.save_checkpoint() if self.last_saved_step != self.step else checkpoint.checkpoint_root(
-            self.config) / f"step-{self.step:07d}"
+        path = self.save_checkpoint() if self.last_saved_step != self.step else self.last_checkpoint
         raise TrainingInterrupted(
             f"{signal.Signals(signum).name} received: stopped after step {self.step} and saved checkpoint {path}. "
             f"Resume with checkpoints.resume_checkpoint_path={path.parent} (its latest checkpoint).")

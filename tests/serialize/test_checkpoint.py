@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.tensor_parallel import full_tensor
 from femtotron.serialize import checkpoint
 from femtotron.serialize.files import MANIFEST, CheckpointError, rank_file
+from femtotron.serialize.offline import reshard
 from femtotron.trainer import Trainer
 
 LAYERS = 4
@@ -136,7 +138,7 @@ def test_resume_on_another_mesh_continues_the_run(three_d, label):
 def test_a_resharded_resume_says_what_changed(three_d, capsys):
     tiny_config, _, saved = three_d
     trainer = Trainer(make(tiny_config, "says", steps=3), ParallelContext())
-    line = checkpoint.load(trainer, saved)
+    line, _ = checkpoint.load(trainer, saved)
     assert line.startswith(f"resumed from {saved / 'step-0000003'} at step 3 (48 samples")
     assert "resharded (dp 2 -> 1, tp 2 -> 1, pp 2 -> 1, zero_stage 1 -> 0)" in line
     assert "RNG states not restored" in line
@@ -212,7 +214,7 @@ def test_a_half_written_save_is_ignored_with_a_warning_and_the_previous_one_load
     (saved / ".tmp-step-0000006").mkdir()
     (saved / ".tmp-step-0000006" / rank_file(0)).write_bytes(b"partial")
     trainer = Trainer(make(tiny_config, "half-resume", steps=6), ParallelContext())
-    assert checkpoint.load(trainer, saved).startswith(f"resumed from {saved / 'step-0000004'} at step 4")
+    assert checkpoint.load(trainer, saved)[0].startswith(f"resumed from {saved / 'step-0000004'} at step 4")
     assert f"ignoring {saved / '.tmp-step-0000006'}: a save that did not finish" in capsys.readouterr().out
 
 
@@ -316,3 +318,47 @@ def test_a_resume_with_another_global_batch_or_other_data_warns(tiny_config, cap
     trainer = Trainer(make(tiny_config, "data-resume", f"data.dataset_folder={other}", steps=6), ParallelContext())
     checkpoint.load(trainer, saved)
     assert "the training data differs from the checkpoint's (8,400 tokens, now 14,000)" in capsys.readouterr().out
+
+
+def test_keep_last_n_after_a_rollback_keeps_the_new_checkpoint_and_leaves_later_ones(tiny_config):
+    saved = _checkpointed_run(tiny_config, "rollback")  # step-2 and step-4
+    config = make(tiny_config, "rollback", f"checkpoints.resume_checkpoint_path={saved / 'step-0000002'}",
+                  "checkpoints.checkpoint_interval=1", "checkpoints.keep_last_n=1", steps=3)
+    Trainer(config, ParallelContext(), log_to_console=False).train()
+    assert sorted(p.name for p in saved.iterdir()) == ["latest", "step-0000003", "step-0000004"]
+    assert (saved / "latest").read_text().strip() == "step-0000003"
+
+
+def _failing_write(rank, config):
+    ctx = ParallelContext(dp=2, collective_timeout_seconds=60)
+    trainer = Trainer(config, ctx, log_to_console=False)
+    if rank == 1:  # as safetensors reports a full disk: not an OSError
+        checkpoint.write_rank_file = lambda *a: (_ for _ in ()).throw(Exception("No space left on device"))
+    try:
+        checkpoint.save(trainer)
+    finally:
+        ctx.close()
+
+
+def test_a_rank_that_fails_to_write_stops_every_rank_at_once_with_its_reason(tiny_config):
+    config = make(tiny_config, "full", dp=2, steps=2)
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(_failing_write, 2, config, timeout=120)
+    assert time.monotonic() - start < 40  # not the 60 s collective timeout
+    assert "rank 1 could not write its part of checkpoint" in str(failed.value)
+    assert "No space left on device" in str(failed.value)
+
+
+def test_reshard_refuses_to_write_over_its_source(tiny_config):
+    saved = _checkpointed_run(tiny_config, "self")
+    with pytest.raises(CheckpointError, match="is the directory the checkpoint step-0000004 is in"):
+        reshard(saved, saved, ["parallelism.tp=2"])
+
+
+def test_a_bf16_checkpoint_resumed_in_fp16_starts_from_the_configured_loss_scale(tiny_config):
+    saved = _checkpointed_run(tiny_config, "to-fp16", "model.dtype=bfloat16")
+    trainer = Trainer(make(tiny_config, "fp16", "model.dtype=float16", steps=6), ParallelContext(),
+                      log_to_console=False)
+    checkpoint.load(trainer, saved)
+    assert trainer.scaler.scale == 2.0**16

@@ -65,6 +65,7 @@ class Comm:
         self._pending_events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.store: dist.Store | None = None  # set by ParallelContext with more than one process
         self._posted: dict[str, str] = {}
+        self._keys = 0
 
     @contextmanager
     def _record(self, kind: str, group: Group, tensor: torch.Tensor, peer: int | None, sent: float) -> Iterator[None]:
@@ -197,6 +198,11 @@ class Comm:
         with self._record("recv", group, tensor, src, 0):
             dist.recv(tensor, src=src, group=group.handle)
         return tensor
+
+    def fresh_key(self, prefix: str) -> str:
+        """A store key no earlier call used. Every rank calls it in the same order, so all get the same one."""
+        self._keys += 1
+        return f"{prefix}{self._keys}"
 
     def post(self, key: str, value: str) -> None:
         """Publish a string under `key` in the rendezvous store (a dict when there is one process)."""

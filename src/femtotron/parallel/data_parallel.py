@@ -11,8 +11,8 @@ produces gradients (a chunk's last layer first). When every parameter of a bucke
 gradient for the step's last micro-batch, the bucket's reduction starts asynchronously and overlaps
 the rest of backward; during the other micro-batches nothing is sent (what DDP calls no_sync).
 
-Each bucket is padded to a multiple of dp elements and split into dp equal shards; rank r owns shard
-r of every bucket. With ZeRO-1 (optim/zero.py) the gradients are reduce-scattered, so each rank
+Each bucket is padded to a multiple of dp * 64 elements and split into dp equal, aligned shards; rank
+r owns shard r of every bucket. With ZeRO-1 (optim/zero.py) the gradients are reduce-scattered, so each rank
 receives the summed gradients of the elements it owns, steps only those, and the updated parameters
 are all-gathered. Without ZeRO the gradients are all-reduced and every rank owns every element.
 """

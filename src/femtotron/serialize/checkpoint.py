@@ -120,45 +120,61 @@ def set_rng_state(reader: CheckpointReader, file: str) -> None:
     kind, keys, position, has_gauss, cached = states["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), position, has_gauss, cached))
     torch.set_rng_state(reader.extra(file, "rng/torch_cpu"))
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and "rng/torch_cuda" in reader.keys(file):  # absent when saved without GPUs
         torch.cuda.set_rng_state(reader.extra(file, "rng/torch_cuda"))
 
 
 def save(trainer: Trainer) -> Path:
-    """Write a checkpoint of the current step from every rank; return its directory once committed."""
+    """Write a checkpoint of the current step from every rank; return its directory once committed.
+
+    Any failure on any rank reaches rank 0 as a record in the store, and rank 0's verdict reaches every
+    rank, so all stop together with the reason instead of waiting for a timeout.
+    """
     ctx, config = trainer.ctx, trainer.config
     root = checkpoint_root(config)
     name = f"step-{trainer.step:07d}"
     tmp, final = root / f".tmp-{name}", root / name
+    key = ctx.comm.fresh_key("save")
+    prepared: Exception | None = None
     if ctx.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save of the same step
-        tmp.mkdir(parents=True)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save of the same step
+            tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            prepared = e
     ctx.comm.barrier(ctx.world_group)
-    trainer.saves += 1
-    key = f"save{trainer.saves}"
     try:
+        if prepared is not None:
+            raise prepared
         tmp.mkdir(parents=True, exist_ok=True)  # on another node of a shared file system it may show up late
         extra, metadata = rng_state()
         record = {**write_rank_file(tmp, ctx.rank, rank_slices(trainer), extra, metadata), "rng": True}
-        ctx.comm.post(f"{key}/rank{ctx.rank}", json.dumps(record))
-    except (OSError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever it is (disk full: SafetensorError), rank 0 must hear of it
         ctx.comm.post(f"{key}/rank{ctx.rank}", json.dumps({"error": f"{type(e).__name__}: {e}"}))
-        raise CheckpointError(f"rank {ctx.rank} could not write its part of checkpoint {final}: {e}. Check free "
-                              f"space and permissions under {root}.") from None
+        if ctx.rank != 0:
+            raise CheckpointError(f"rank {ctx.rank} could not write its part of checkpoint {final}: {e}. Check "
+                                  f"free space and permissions under {root}.") from None
+    else:
+        ctx.comm.post(f"{key}/rank{ctx.rank}", json.dumps(record))
     timeout = config.parallelism.collective_timeout_seconds
     if ctx.rank == 0:
         try:
-            commit(tmp, final, run_state(trainer), collect_records(trainer, key, final, timeout),
-                   config.checkpoints.keep_last_n)
-        except CheckpointError as e:
-            ctx.comm.post(f"{key}/commit", str(e))
-            raise
+            commit(tmp, final, run_state(trainer), collect_records(trainer, key, final, timeout))
+        except (CheckpointError, OSError) as e:
+            verdict = e if isinstance(e, CheckpointError) else CheckpointError(
+                f"checkpoint {final} was not committed: {type(e).__name__}: {e}. Check free space and "
+                f"permissions under {root}; the previous checkpoint is intact.")
+            ctx.comm.post(f"{key}/commit", str(verdict))
+            raise verdict from None
         ctx.comm.post(f"{key}/commit", "ok")
+        for warning in prune(root, config.checkpoints.keep_last_n, final):
+            trainer.log.warn(warning)
     else:
-        outcome = ctx.comm.collect([f"{key}/commit"], timeout).get(f"{key}/commit")
+        # Rank 0 may itself wait `timeout` for a slow rank before it commits.
+        outcome = ctx.comm.collect([f"{key}/commit"], 2 * timeout + 60).get(f"{key}/commit")
         if outcome != "ok":
             raise CheckpointError(f"rank {ctx.rank}: checkpoint {final} was not committed by rank 0: "
-                                  f"{outcome or f'no word from rank 0 within {timeout:g} s'}")
+                                  f"{outcome or f'no word from rank 0 within {2 * timeout + 60:g} s'}")
     return final
 
 
@@ -199,21 +215,37 @@ def run_state(trainer: Trainer) -> dict[str, Any]:
     }
 
 
-def commit(tmp: Path, final: Path, state: dict[str, Any], records: list[dict[str, Any]], keep: int | None) -> None:
-    """Write the manifest into the finished temporary directory, rename it into place, point `latest` at it
-    and delete checkpoints beyond the newest `keep`."""
+def commit(tmp: Path, final: Path, state: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """Write the manifest into the finished temporary directory, rename it into place and point `latest`
+    at it. A checkpoint of the same step already there (an abandoned run's) is moved aside first and
+    deleted only after the new one is in place."""
     rng = {str(rank): record["file"] for rank, record in enumerate(records) if record.get("rng")}
     write_synced(tmp / MANIFEST, json.dumps(build_manifest({**state, "rng": rng}, records), indent=1))
     fsync_directory(tmp)
+    replaced = final.parent / f".old-{final.name}"
     if final.exists():
-        shutil.rmtree(final)
+        shutil.rmtree(replaced, ignore_errors=True)
+        final.rename(replaced)
     tmp.rename(final)
     fsync_directory(final.parent)
     with atomic_path(final.parent / LATEST) as path:
         Path(path).write_text(final.name + "\n")
-    if keep:
-        for old in committed_checkpoints(final.parent)[:-keep]:
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def prune(root: Path, keep: int | None, newest: Path) -> list[str]:
+    """Delete the oldest checkpoints before `newest` so that `keep` remain; return warnings. Checkpoints of
+    later steps (left by a run that was rolled back) are not this run's to delete."""
+    if not keep:
+        return []
+    older = [p for p in committed_checkpoints(root) if p.name < newest.name]
+    warnings = []
+    for old in older[:max(len(older) - (keep - 1), 0)]:
+        try:
             shutil.rmtree(old)
+        except OSError as e:
+            warnings.append(f"could not delete old checkpoint {old} (checkpoints.keep_last_n={keep}): {e}")
+    return warnings
 
 
 def committed_checkpoints(root: Path) -> list[Path]:
@@ -255,29 +287,49 @@ def check_model_matches(manifest: dict[str, Any], config: Any, directory: Path) 
                               "start a new run without checkpoints.resume_checkpoint_path.")
 
 
-def load(trainer: Trainer, path: Path) -> str:
-    """Restore the run from the checkpoint at (or latest under) `path`; return a line for the log. Every
-    rank loads its own part; if any rank fails, all stop with the error."""
+def load(trainer: Trainer, path: Path) -> tuple[str, Path]:
+    """Restore the run from the checkpoint at (or latest under) `path`; return a line for the log and the
+    checkpoint's directory. Rank 0 decides which checkpoint `path` means (ranks reading `latest` on their
+    own could see different ones on a shared file system); every rank loads its own part and checks the
+    checksums of its share of the files; if any rank fails, all stop with the error."""
     ctx = trainer.ctx
     failure: CheckpointError | None = None
-    summary = ""
+    summary, directory, key = "", path, ctx.comm.fresh_key("resume")
     try:
-        directory, warnings = resolve(path)
-        for warning in warnings:
-            trainer.log.warn(warning)
+        if ctx.rank == 0:
+            try:
+                directory, warnings = resolve(path)
+            except CheckpointError as e:
+                ctx.comm.post(key, json.dumps({"error": str(e)}))
+                raise
+            ctx.comm.post(key, json.dumps({"directory": str(directory)}))
+            for warning in warnings:
+                trainer.log.warn(warning)
+        else:
+            decided = json.loads(ctx.comm.collect([key], ctx.collective_timeout_seconds).get(key, "{}"))
+            if "directory" not in decided:
+                raise CheckpointError(decided.get("error", f"rank {ctx.rank}: no word from rank 0 on which "
+                                                           "checkpoint to load"))
+            directory = Path(decided["directory"])
         with CheckpointReader(directory) as reader:
+            files = sorted(reader.manifest["files"])
+            for name in files[ctx.rank::ctx.world_size]:  # each file's checksum read by one rank only
+                reader.verify(name)
             check_model_matches(reader.manifest, trainer.config, directory)
             load_tensors(trainer, reader)
             summary = restore_counters(trainer, reader, directory)
     except CheckpointError as e:
         failure = e
+    except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks, or they wait for a timeout
+        failure = CheckpointError(f"rank {ctx.rank}: loading checkpoint {directory} failed: {type(e).__name__}: "
+                                  f"{e}")
     failed = torch.tensor(float(failure is not None), device=ctx.device)
     ctx.comm.all_reduce(failed, ctx.world_group, op="max")
     if failure is not None:
         raise failure
     if failed.item():
         raise CheckpointError(f"rank {ctx.rank}: another rank could not load the checkpoint; its error says why.")
-    return summary
+    return summary, directory
 
 
 def fill(target: torch.Tensor, param: torch.nn.Parameter, start: int, stop: int, reader: CheckpointReader,
@@ -315,7 +367,8 @@ def restore_counters(trainer: Trainer, reader: CheckpointReader, directory: Path
     trainer.batches.consumed_samples = int(manifest["consumed_samples"])
     trainer.consumed_tokens = int(manifest.get("consumed_tokens", 0))
     scale = manifest.get("loss_scale") or {}
-    if trainer.scaler.enabled and scale:
+    # Only an fp16 run's scale means anything; a bf16 or fp32 one is 1 (and would be fp16's minimum).
+    if trainer.scaler.enabled and scale and manifest["config"]["model"].get("dtype") == "float16":
         trainer.scaler.scale = float(scale["scale"])
         trainer.scaler.clean_steps, trainer.scaler.skipped_steps = int(scale["clean_steps"]), int(scale["skipped_steps"])
     saved, current = manifest["mesh"], mesh_of(trainer.config)

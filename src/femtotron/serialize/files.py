@@ -109,14 +109,18 @@ def build_manifest(state: dict[str, Any], files: list[dict[str, Any]]) -> dict[s
 
 
 class CheckpointReader:
-    """Reads slices of global tensors from a committed checkpoint directory, checking each file it opens
-    (size and sha256) first. Use as a context manager, or call `close`."""
+    """Reads slices of global tensors from a committed checkpoint directory, checking the size of each file
+    it opens first, and with `verify_all` its sha256 too (in a distributed load each rank `verify`s its
+    share of the files instead, so the checkpoint is hashed once, not once per reader). Use as a context
+    manager, or call `close`."""
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, verify_all: bool = False) -> None:
         self.directory = Path(directory)
         self.manifest = read_manifest(self.directory)
         self.tensors: dict[str, Any] = self.manifest["tensors"]
+        self.verify_all = verify_all
         self._open: dict[str, Any] = {}
+        self._verified: set[str] = set()
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -130,31 +134,48 @@ class CheckpointReader:
     def has(self, tensor: str) -> bool:
         return tensor in self.tensors
 
+    def _path(self, name: str) -> Path:
+        """The file `name`, after checking the manifest lists it, it exists and has the listed size."""
+        path = self.directory / name
+        expected = self.manifest["files"].get(name)
+        if expected is None:
+            raise CheckpointError(f"{self.directory / MANIFEST} names a slice in {name} but lists no such file: "
+                                  "the manifest is damaged. Resume from an earlier checkpoint.")
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing (the manifest lists it). Copy the whole "
+                                  "checkpoint directory again, or resume from an earlier checkpoint.")
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"checkpoint file {path} has {size:,} bytes but the manifest says "
+                                  f"{expected['bytes']:,}: it is truncated or was overwritten. Copy the "
+                                  "checkpoint again, or resume from an earlier checkpoint.")
+        return path
+
+    def verify(self, name: str) -> None:
+        """Check file `name`'s sha256 against the manifest."""
+        if name in self._verified:
+            return
+        path = self._path(name)
+        if sha256_of(path) != self.manifest["files"][name]["sha256"]:
+            raise CheckpointError(f"checkpoint file {path} fails its sha256 checksum (the manifest has "
+                                  f"{self.manifest['files'][name]['sha256'][:16]}...): its contents are corrupt. "
+                                  "Copy the checkpoint again, or resume from an earlier checkpoint.")
+        self._verified.add(name)
+
     def _file(self, name: str) -> Any:
         if name not in self._open:
-            path = self.directory / name
-            expected = self.manifest["files"].get(name)
-            if expected is None:
-                raise CheckpointError(f"{self.directory / MANIFEST} names a slice in {name} but lists no such file: "
-                                      "the manifest is damaged. Resume from an earlier checkpoint.")
-            if not path.is_file():
-                raise CheckpointError(f"checkpoint file {path} is missing (the manifest lists it). Copy the whole "
-                                      "checkpoint directory again, or resume from an earlier checkpoint.")
-            size = path.stat().st_size
-            if size != expected["bytes"]:
-                raise CheckpointError(f"checkpoint file {path} has {size:,} bytes but the manifest says "
-                                      f"{expected['bytes']:,}: it is truncated or was overwritten. Copy the "
-                                      "checkpoint again, or resume from an earlier checkpoint.")
-            if sha256_of(path) != expected["sha256"]:
-                raise CheckpointError(f"checkpoint file {path} fails its sha256 checksum (the manifest has "
-                                      f"{expected['sha256'][:16]}...): its contents are corrupt. Copy the "
-                                      "checkpoint again, or resume from an earlier checkpoint.")
+            path = self._path(name)
+            if self.verify_all:
+                self.verify(name)
             try:
                 self._open[name] = safe_open(str(path), framework="pt", device="cpu")
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"checkpoint file {path} cannot be read as safetensors ({e}). Resume from "
                                       "an earlier checkpoint.") from None
         return self._open[name]
+
+    def keys(self, name: str) -> list[str]:
+        return list(self._file(name).keys())
 
     def shape(self, tensor: str) -> tuple[int, ...]:
         return tuple(self._entry(tensor)["shape"])
@@ -193,7 +214,11 @@ class CheckpointReader:
         return self._file(name).metadata() or {}
 
     def extra(self, name: str, key: str) -> torch.Tensor:
-        return self._file(name).get_tensor(key)
+        try:
+            return self._file(name).get_tensor(key)
+        except SafetensorError as e:
+            raise CheckpointError(f"checkpoint file {self.directory / name}: cannot read {key} ({e}). Resume from "
+                                  "an earlier checkpoint.") from None
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

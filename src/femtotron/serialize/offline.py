@@ -14,6 +14,7 @@ the form of a finished run directory (`femtotron generate` reads it).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.context import coordinates_of
 from femtotron.parallel.tensor_parallel import TensorParallel
 from femtotron.serialize.checkpoint import commit, mesh_of, resolve, saved_slices
-from femtotron.serialize.files import CheckpointReader, write_rank_file
+from femtotron.serialize.files import CheckpointError, CheckpointReader, write_rank_file
 
 KINDS = ("model", "master", "exp_avg", "exp_avg_sq")
 
@@ -38,7 +39,10 @@ def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
     """Write the checkpoint at (or latest under) `source` into the checkpoints directory `out`, laid out
     for the config the checkpoint was saved with plus `overrides` (e.g. parallelism.tp=4)."""
     directory, _ = resolve(source)
-    with CheckpointReader(directory) as reader:
+    if out.resolve() == directory.parent.resolve():
+        raise CheckpointError(f"--out {out} is the directory the checkpoint {directory.name} is in: resharding "
+                              "there would replace the checkpoint it reads. Choose another --out.")
+    with CheckpointReader(directory, verify_all=True) as reader:
         manifest = reader.manifest
         config = load_config_dict(manifest["config"], overrides=overrides)
         tmp, final = out / f".tmp-{directory.name}", out / directory.name
@@ -50,7 +54,7 @@ def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
                                                 "lr_schedule", "loss_scale", "global_batch_size", "data")
                  if key in manifest}
         state.update(mesh=mesh_of(config), world_size=len(records), config=config.to_dict())
-        commit(tmp, final, state, records, keep=None)
+        commit(tmp, final, state, records)
     return final
 
 
@@ -71,20 +75,23 @@ def consolidate(source: Path, out: Path, with_optimizer: bool = False) -> Path:
     """Full-shape weights (`model.safetensors`) and `config.yaml` in `out`; with `with_optimizer` also the fp32
     master weights and Adam moments at full shape (`optimizer.safetensors`, keys `<kind>/<name>`)."""
     directory, _ = resolve(source)
-    with CheckpointReader(directory) as reader:
+    out.mkdir(parents=True, exist_ok=True)
+    with CheckpointReader(directory, verify_all=True) as reader:
         def full(tensor: str) -> torch.Tensor:
             shape = reader.shape(tensor)
             return reader.read(tensor, ((0,) * len(shape), shape))
 
-        weights = {name.removeprefix("model/"): full(name) for name in reader.tensors if name.startswith("model/")}
-        optimizer = {name: full(name) for name in reader.tensors if not name.startswith("model/")}
+        step = str(reader.manifest["step"])
+        files = {"model.safetensors": lambda name: name.startswith("model/")}
+        if with_optimizer:
+            files["optimizer.safetensors"] = lambda name: not name.startswith("model/")
+        for file, wanted in files.items():  # one file's tensors in memory at a time
+            tensors = {name.removeprefix("model/"): full(name) for name in reader.tensors if wanted(name)}
+            with atomic_path(out / file) as tmp:
+                save_file(tensors, tmp, metadata={"step": step})
         config = reader.manifest["config"]
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / "model.safetensors") as tmp:
-        save_file(weights, tmp, metadata={"step": str(reader.manifest["step"])})
-    if with_optimizer:
-        with atomic_path(out / "optimizer.safetensors") as tmp:
-            save_file(optimizer, tmp)
     with atomic_path(out / "config.yaml") as tmp:
         Path(tmp).write_text(yaml.safe_dump(config, sort_keys=False))
+    with atomic_path(out / "model-parts.json") as tmp:  # replaces the parts list of an earlier pp run there
+        Path(tmp).write_text(json.dumps({"parts": ["model.safetensors"]}))
     return out
