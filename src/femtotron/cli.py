@@ -11,7 +11,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from femtotron.errors import ConfigError, FemtotronError
+from femtotron.errors import FemtotronError
 
 if TYPE_CHECKING:
     from femtotron.config import Config
@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         # A verb returns an exit code only when it has one to pass on (the local launcher's).
         return args.run(args) or 0
     except FemtotronError as e:
-        # Every rank checks the config and fails alike; one copy of the message is enough.
-        if not isinstance(e, ConfigError) or os.environ.get("RANK", "0") == "0":
+        # Every rank checks the config (or stops on a signal) alike; one copy of the message is enough.
+        if not e.same_on_every_rank or os.environ.get("RANK", "0") == "0":
             print(f"femtotron: error: {e}", file=sys.stderr)
         return e.exit_code
     except OSError as e:  # a path the user gave that cannot be read or written

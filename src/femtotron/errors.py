@@ -5,12 +5,14 @@ class FemtotronError(Exception):
     """A problem with what the user asked for, explained with the field or file and the fix."""
 
     exit_code = 1
+    same_on_every_rank = False  # True: every rank raises it alike, and only rank 0 prints it
 
 
 class ConfigError(FemtotronError):
     """The configuration breaks a rule; the message lists every problem found."""
 
     exit_code = 2
+    same_on_every_rank = True
 
 
 class DataError(FemtotronError):

@@ -57,6 +57,7 @@ class TrainingInterrupted(FemtotronError):
     """SIGTERM or SIGUSR1 (what schedulers send before preemption): a checkpoint was saved, then the run stopped."""
 
     exit_code = 7
+    same_on_every_rank = True
 
 
 @dataclass
