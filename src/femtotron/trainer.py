@@ -28,6 +28,7 @@ from femtotron.config.config import pipeline_bubble
 from femtotron.data.indexed import resolve_dataset_prefixes
 from femtotron.data.nanoset import MicroBatchIterator, Nanoset
 from femtotron.data.tokenizer import load_tokenizer
+from femtotron.diagnostics.nan_origin import NonFinite, earliest_over_ranks, watch
 from femtotron.errors import ConfigError, DataError, FemtotronError
 from femtotron.layout import DTYPES, build_rank_model
 from femtotron.metrics import RunLog, memory_gib, model_flops_per_token, peak_flops
@@ -51,6 +52,7 @@ PARTS_FILE = "model-parts.json"  # which safetensors files hold the final weight
 
 class TrainingDiverged(FemtotronError):
     exit_code = 5
+    same_on_every_rank = True
 
 
 class TrainingInterrupted(FemtotronError):
@@ -146,6 +148,7 @@ class Trainer:
         self.last_saved_step: int | None = None
         self.last_checkpoint: Path | None = None
         self.stop_signal: int | None = None
+        self.non_finite_skips = 0
         self.flops_per_token = model_flops_per_token(mcfg, tokens.sequence_length)
         largest = max(mcfg.intermediate_size, mcfg.vocab_size)
         # Measure the matmul the model really runs: fp32 where low precision is upcast (models/llama.py).
@@ -334,7 +337,7 @@ class Trainer:
         grad_norm = clip_grads_(grads, self.config.optimizer.clip_grad, self.ctx, self.counted_pieces,
                                 self.norm_groups).item()
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            raise self.diverged(loss, grad_norm)
+            return self.non_finite_step(loss, grad_norm, tokens, lr, start)
         self.optimizer.step(lr)
         self.optimizer.zero_grad()
         self.scaler.update(overflow=False)
@@ -342,12 +345,42 @@ class Trainer:
         return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start, self.ctx.comm.take_seconds(),
                           loss_scale=self.scaler.scale if self.scaler.enabled else None)
 
+    def non_finite_step(self, loss: float, grad_norm: float, tokens: int, lr: float, start: float) -> StepResult:
+        """The loss or gradient norm is inf/NaN: find the module it came from, then stop (or, with
+        optimizer.on_non_finite=skip, drop the step and go on). The weights are left as they were."""
+        origin = self.locate_non_finite()
+        where = origin.describe() if origin else "no module produced it when the step was run again"
+        if self.config.optimizer.on_non_finite == "stop":
+            raise self.diverged(loss, grad_norm, where)
+        self.non_finite_skips += 1
+        self.log.warn(f"step {self.step + 1}: loss {loss} / grad norm {grad_norm} is not finite: {where}; step "
+                      f"skipped (optimizer.on_non_finite=skip; {self.non_finite_skips} skipped so far)")
+        return StepResult(loss, math.inf, lr, tokens, time.perf_counter() - start, self.ctx.comm.take_seconds(),
+                          skipped=True)
+
+    def locate_non_finite(self) -> NonFinite | None:
+        """Run the step's micro-batches again, from the same weights, with a hook on every module (every rank
+        does, as it is a whole pipeline step); the earliest module over all ranks that went non-finite."""
+        micro_batches, global_tokens = self.last_inputs
+        self.optimizer.zero_grad()
+
+        def where() -> tuple[int, int]:
+            action = self.pipeline.current
+            return action.micro_batch, self.pipeline.stage_of(action.chunk)
+
+        with watch(self.chunks, where, self.ctx.rank) as found:
+            self.pipeline.train_step(micro_batches, global_tokens)
+        self.data_parallel.finish_reduction()
+        self.optimizer.zero_grad()
+        return earliest_over_ranks(self.ctx.comm, self.ctx.rank, self.ctx.world_size, found[0] if found else None,
+                                   self.config.parallelism.collective_timeout_seconds)
+
     def skip_step(self, loss: float, tokens: int, lr: float, start: float) -> StepResult:
         """fp16 gradients overflowed: drop them, lower the loss scale, leave the weights as they are."""
         scale = self.scaler.scale
         if self.scaler.at_minimum:
             raise TrainingDiverged(
-                f"{self.ctx.log_prefix} step {self.step + 1}: fp16 gradients overflowed at loss scale {scale:g}, "
+                f"step {self.step + 1}: fp16 gradients overflowed at loss scale {scale:g}, "
                 f"which is optimizer.loss_scale.min_scale={self.scaler.min_scale:g} ({self.scaler.skipped_steps} "
                 f"steps skipped so far): the loss ({loss:.4f}) is finite, but the gradients do not fit fp16 even at "
                 "the smallest allowed scale, so training stopped.\nFixes: use model.dtype=bfloat16 (fp32's range), or float32; "
@@ -375,7 +408,8 @@ class Trainer:
         global_tokens = torch.tensor(float(local_tokens), device=self.ctx.device)
         self.ctx.comm.all_reduce(global_tokens, self.ctx.dp_group)
         # fp16: dividing by global_tokens / scale multiplies the loss, so every gradient, by the loss scale.
-        loss_sum = self.pipeline.train_step(micro_batches, global_tokens / self.scaler.scale)
+        self.last_inputs = (micro_batches, global_tokens / self.scaler.scale)  # to run the step again (NaN origin)
+        loss_sum = self.pipeline.train_step(*self.last_inputs)
         grads = self.reduce_gradients()
         # Only the last stage computed the loss: summed over pp, every rank logs the same number (P3).
         self.ctx.comm.all_reduce(loss_sum, self.ctx.pp_group)
@@ -439,13 +473,15 @@ class Trainer:
         torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads,
                                                                    strict=True)])
 
-    def diverged(self, loss: float, grad_norm: float) -> TrainingDiverged:
+    def diverged(self, loss: float, grad_norm: float, where: str) -> TrainingDiverged:
         recent = ", ".join(f"step {s}: lr {lr:.2e} grad_norm {g:.3g}" for s, lr, g in self.history) or "none"
         return TrainingDiverged(
-            f"{self.ctx.log_prefix} step {self.step + 1}: loss {loss} / grad norm {grad_norm} is not finite; the "
-            f"optimizer step was skipped and training stopped.\nRecent steps: {recent}\n"
+            f"step {self.step + 1}: loss {loss} / grad norm {grad_norm} is not finite; the optimizer step was "
+            f"skipped and training stopped.\nWhere: {where}.\nRecent steps: {recent}\n"
             "Fixes: lower optimizer.learning_rate_scheduler.learning_rate (e.g. by 3x), keep "
-            "optimizer.clip_grad at 1.0, keep model.dtype=bfloat16, model.init_method.std=0.02."
+            "optimizer.clip_grad at 1.0, keep model.dtype=bfloat16, model.init_method.std=0.02; if the module "
+            "above is the first layers' or the data looks odd, check the data (`femtotron inspect-data`). "
+            "optimizer.on_non_finite=skip drops such steps instead of stopping."
         )
 
     def log_step(self, result: StepResult) -> None:

@@ -163,6 +163,7 @@ class OptimizerArgs(_Section):
     zero_stage: NonNegativeInt = 0  # 0 or 1; 2 and 3 are refused by a rule
     weight_decay: NonNegativeFloat = 0.01
     clip_grad: PositiveFloat | None = 1.0  # None: no gradient clipping
+    on_non_finite: Literal["stop", "skip"] = "stop"  # a non-finite loss or grad norm: stop, or drop the step
     accumulate_grad_in_fp32: bool = True
     learning_rate_scheduler: LRSchedulerArgs = Field(default_factory=LRSchedulerArgs)
     optimizer_factory: AdamWArgs = Field(default_factory=AdamWArgs)

@@ -98,6 +98,7 @@ class Pipeline:
     def __init__(self, chunks: list[nn.Module], engine: str, pp: int, pp_rank: int, p2p: PipelineP2P) -> None:
         self.chunks, self.engine, self.pp, self.pp_rank, self.p2p = chunks, engine, pp, pp_rank, p2p
         self.stages = pp * len(chunks)
+        self.current = Action("F", 0, 0)
         # Stage s talks to stages s - 1 and s + 1: with interleaving that wraps around the pp ranks.
         neighbours = [pp_rank - 1, pp_rank + 1] if len(chunks) == 1 else [(pp_rank - 1) % pp, (pp_rank + 1) % pp]
         p2p.handshake([p for p in neighbours if 0 <= p < pp])
@@ -123,6 +124,7 @@ class Pipeline:
         action's receive (see p2p.py), so the receive is already under way when that action starts."""
         received = self.p2p.exchange(None, self.receive_for(actions[0])) if actions else None
         for i, action in enumerate(actions):
+            self.current = action  # for diagnostics: the micro-batch and chunk being computed
             send = step(action, received)
             received = self.p2p.exchange(send, self.receive_for(actions[i + 1]) if i + 1 < len(actions) else None)
         self.p2p.wait_sends()

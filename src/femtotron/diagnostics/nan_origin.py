@@ -1,0 +1,103 @@
+"""Where a non-finite loss or gradient came from (N1, N2): the first module that produced it.
+
+When a step's loss or gradient norm is not finite, the trainer runs the same micro-batches through
+the same weights again with a hook on every module: in forward, the first module whose output holds
+inf or NaN while its inputs did not is where the values broke; if forward stayed finite, backward
+is watched through hooks on the module outputs, and the first output whose gradient is not finite
+says where the gradients broke (inside the module that consumes that output). Every rank runs the
+re-run (it is a whole pipeline step), and the earliest finding over all ranks is reported.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from femtotron.parallel.comm import Comm
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    phase: str  # "forward" or "backward"
+    module: str  # its name in the whole model, e.g. "layers.1.mlp.down_proj"
+    micro_batch: int
+    stage: int
+    rank: int
+
+    def describe(self) -> str:
+        where = f"micro-batch {self.micro_batch}, pipeline stage {self.stage}, rank {self.rank}"
+        if self.phase == "forward":
+            return f"the forward output of {self.module} is the first non-finite value (its inputs were finite; {where})"
+        return (f"forward was finite; in backward the first non-finite gradient reached the output of {self.module} "
+                f"(so it arose in the module that consumes that output; {where})")
+
+    def order(self) -> tuple:
+        """Earlier in the data flow first: forward before backward; forward from the first stage on,
+        backward from the last stage back."""
+        stage = self.stage if self.phase == "forward" else -self.stage
+        return (self.phase != "forward", self.micro_batch, stage)
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _finite(tensors: list[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+@contextmanager
+def watch(chunks: list[nn.Module], where: Callable[[], tuple[int, int]], rank: int) -> Iterator[list[NonFinite]]:
+    """Hooks on every module of `chunks` while the block runs; yields the findings (forward first, in
+    time order). `where()` gives the (micro-batch, stage) being computed."""
+    found: list[NonFinite] = []
+    backward: list[NonFinite] = []
+
+    def on_gradient(name: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if not backward and not _finite([grad]):
+                backward.append(NonFinite("backward", name, *where(), rank))
+        return hook
+
+    def on_forward(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: object, output: object) -> None:
+            outputs = _tensors(output)
+            if not found and not _finite(outputs) and _finite(_tensors(inputs)):
+                found.append(NonFinite("forward", name, *where(), rank))
+            for tensor in outputs:
+                if tensor.requires_grad:
+                    tensor.register_hook(on_gradient(name))
+        return hook
+
+    handles = [module.register_forward_hook(on_forward(name))
+               for chunk in chunks for name, module in chunk.named_modules() if name]
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+        found.extend(backward)
+
+
+def earliest_over_ranks(comm: Comm, rank: int, world_size: int, mine: NonFinite | None,
+                        timeout: float) -> NonFinite | None:
+    """Every rank's finding to rank 0 through the store; rank 0 picks the earliest and every rank gets it."""
+    key = comm.fresh_key("nan")
+    comm.post(f"{key}/rank{rank}", json.dumps(asdict(mine) if mine else None))
+    if rank == 0:
+        got = comm.collect([f"{key}/rank{r}" for r in range(world_size)], timeout, remove=True)
+        findings = [NonFinite(**f) for f in map(json.loads, got.values()) if f]
+        first = min(findings, key=NonFinite.order, default=None)
+        comm.post(f"{key}/verdict", json.dumps(asdict(first) if first else None))
+        return first
+    verdict = comm.collect([f"{key}/verdict"], 2 * timeout).get(f"{key}/verdict", "null")
+    return NonFinite(**json.loads(verdict)) if json.loads(verdict) else None
