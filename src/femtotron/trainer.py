@@ -28,6 +28,7 @@ from femtotron.config.config import pipeline_bubble
 from femtotron.data.indexed import resolve_dataset_prefixes
 from femtotron.data.nanoset import MicroBatchIterator, Nanoset
 from femtotron.data.tokenizer import load_tokenizer
+from femtotron.diagnostics.loss_spikes import LossSpikes
 from femtotron.diagnostics.nan_origin import NonFinite, earliest_over_ranks, watch
 from femtotron.errors import ConfigError, DataError, FemtotronError
 from femtotron.layout import DTYPES, build_rank_model
@@ -149,6 +150,7 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.stop_signal: int | None = None
         self.non_finite_skips = 0
+        self.spikes = LossSpikes()
         self.flops_per_token = model_flops_per_token(mcfg, tokens.sequence_length)
         largest = max(mcfg.intermediate_size, mcfg.vocab_size)
         # Measure the matmul the model really runs: fp32 where low precision is upcast (models/llama.py).
@@ -270,6 +272,9 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.3f}")
                 self.log_step(result)
+                spike = self.spikes.observe(self.step, result.loss) if math.isfinite(result.loss) else None
+                if spike:
+                    self.log.warn(spike)
                 interval = self.config.tokens.val_check_interval
                 if self.val_data is not None and interval and self.step % interval == 0:
                     self.log_validation()
