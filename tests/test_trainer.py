@@ -6,6 +6,7 @@ import torch
 from distributed import run_ranks
 
 from femtotron.errors import ConfigError, DataError
+from femtotron.models.llama import IGNORE_INDEX
 from femtotron.parallel.context import ParallelContext
 from femtotron.trainer import Trainer, TrainingDiverged
 
@@ -110,12 +111,29 @@ def test_zero_stages_2_and_3_are_refused_not_treated_as_1(tiny_config, stage):
         tiny_config(f"optimizer.zero_stage={stage}")
 
 
-def test_token_ids_beyond_the_vocabulary_are_reported_not_crashed_on(tiny_config):
+def test_N3_token_ids_beyond_the_vocabulary_name_the_dataset_file_before_the_model_is_built(tiny_config, tiny_dataset):
     config = tiny_config("model.model_config.vocab_size=128")  # the data uses ids up to 255
-    trainer = Trainer(config, ParallelContext(), log_to_console=False)
-    with pytest.raises(DataError, match=r"token id 2\d\d, but model.model_config.vocab_size=128") as info:
+    with pytest.raises(DataError) as info:
+        Trainer(config, ParallelContext(), log_to_console=False)
+    message = str(info.value)
+    assert message.startswith(f"{tiny_dataset}.bin (data.dataset_folder) holds token id 2")
+    assert "model.model_config.vocab_size=128 allows ids 0..127" in message and "femtotron preprocess" in message
+
+
+def test_N3_a_batch_with_an_empty_loss_mask_is_an_error(tiny_config):
+    trainer = Trainer(tiny_config(), ParallelContext(), log_to_console=False)
+    trainer.batches.next_step = lambda: [torch.full((4, 33), IGNORE_INDEX)]
+    with pytest.raises(DataError, match="step 1: no target token of the whole batch counts in the loss"):
         trainer.train_step()
-    assert "vocab_size >= 2" in str(info.value) and "femtotron preprocess" in str(info.value)
+
+
+def test_N3_a_first_loss_far_from_ln_vocab_is_a_warning(tiny_config, capsys):
+    Trainer(tiny_config("tokens.train_steps=2", "model.init_method.std=2.0"), ParallelContext()).train()
+    out = capsys.readouterr().out
+    assert "step 1: loss" in out and "should start near ln(vocab_size) = ln(256) = 5.545" in out
+    assert "far above: the initialisation is too large" in out
+    Trainer(tiny_config("tokens.train_steps=2", "general.run=ok"), ParallelContext()).train()
+    assert "should start near ln(vocab_size)" not in capsys.readouterr().out
 
 
 def weights(trainer):

@@ -1,4 +1,4 @@
-"""`femtotron <verb>`: train, check-tp, generate, reshard, consolidate, preprocess, train-tokenizer.
+"""`femtotron <verb>`: train, check-tp, generate, inspect-data, reshard, consolidate, preprocess, train-tokenizer.
 
 Every problem a user can fix arrives as a FemtotronError and is printed as plain text with its
 exit code (2 for config errors); a traceback means a bug in femtotron.
@@ -96,6 +96,20 @@ def cmd_consolidate(args: argparse.Namespace) -> None:
           + (f" and {out / 'optimizer.safetensors'}" if args.with_optimizer else ""))
 
 
+def cmd_inspect_data(args: argparse.Namespace) -> None:
+    from femtotron.config import load_config
+    from femtotron.data.tokenizer import load_tokenizer
+    from femtotron.diagnostics.data_check import inspect_samples
+    from femtotron.models.llama import IGNORE_INDEX
+    from femtotron.trainer import open_nanoset
+
+    config = load_config(args.config, args.overrides)
+    nanoset = open_nanoset(config.data.dataset_folder, config.tokens.sequence_length, config.data.seed)
+    path = config.tokenizer.tokenizer_name_or_path
+    tokenizer = load_tokenizer(path) if path else None
+    print(inspect_samples(nanoset, tokenizer, config.tokens.sequence_length, args.n, IGNORE_INDEX))
+
+
 def cmd_preprocess(args: argparse.Namespace) -> None:
     from femtotron.data.preprocess import preprocess
 
@@ -140,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(run=cmd_generate)
+
+    ins = verbs.add_parser("inspect-data", help="decode the first training samples, with the positions that count "
+                                                "in the loss")
+    ins.add_argument("config", help="YAML config, e.g. examples/debug.yaml")
+    ins.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.dataset_folder=other/prefix")
+    ins.add_argument("--n", type=int, default=3, help="how many samples")
+    ins.set_defaults(run=cmd_inspect_data)
 
     re = verbs.add_parser("reshard", help="rewrite a checkpoint for another mesh (one process, no cluster)")
     re.add_argument("checkpoint", help="a step-NNNNNNN checkpoint, or a checkpoints directory (its latest)")

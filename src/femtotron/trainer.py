@@ -28,6 +28,7 @@ from femtotron.config.config import pipeline_bubble
 from femtotron.data.indexed import resolve_dataset_prefixes
 from femtotron.data.nanoset import MicroBatchIterator, Nanoset
 from femtotron.data.tokenizer import load_tokenizer
+from femtotron.diagnostics.data_check import check_token_range, first_loss_warning
 from femtotron.diagnostics.loss_spikes import LossSpikes
 from femtotron.diagnostics.nan_origin import NonFinite, earliest_over_ranks, watch
 from femtotron.errors import ConfigError, DataError, FemtotronError
@@ -116,6 +117,9 @@ class Trainer:
         self.val_data = (open_nanoset(config.data.validation_folder, tokens.sequence_length, config.data.seed)
                          if config.data.validation_folder is not None else None)
         self.tokenizer = self.check_tokenizer()
+        check_token_range(self.train_data, mcfg.vocab_size)
+        if self.val_data is not None:
+            check_token_range(self.val_data, mcfg.vocab_size, key="data.validation_folder")
         self.batches = MicroBatchIterator(self.train_data, tokens.micro_batch_size,
                                           tokens.batch_accumulation_per_replica, ctx.dp_rank, ctx.dp)
         self.dtype = DTYPES[config.model.dtype]
@@ -272,6 +276,9 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.3f}")
                 self.log_step(result)
+                vocab = self.config.model.model_config_.vocab_size
+                if self.step == 1 and (warning := first_loss_warning(result.loss, vocab)):
+                    self.log.warn(warning)
                 spike = self.spikes.observe(self.step, result.loss) if math.isfinite(result.loss) else None
                 if spike:
                     self.log.warn(spike)
@@ -412,6 +419,10 @@ class Trainer:
         local_tokens = sum(int((mb[:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
         global_tokens = torch.tensor(float(local_tokens), device=self.ctx.device)
         self.ctx.comm.all_reduce(global_tokens, self.ctx.dp_group)
+        if global_tokens.item() == 0:
+            raise DataError(f"step {self.step + 1}: no target token of the whole batch counts in the loss (every "
+                            f"position is {IGNORE_INDEX}): the loss mask is empty, so there is nothing to learn. "
+                            "Check the data with `femtotron inspect-data CONFIG`.")
         # fp16: dividing by global_tokens / scale multiplies the loss, so every gradient, by the loss scale.
         self.last_inputs = (micro_batches, global_tokens / self.scaler.scale)  # to run the step again (NaN origin)
         loss_sum = self.pipeline.train_step(*self.last_inputs)

@@ -1,0 +1,65 @@
+"""Is the model trained on what the user thinks (N3)? Token range at start, the first loss against
+ln(vocab), and `femtotron inspect-data`: samples decoded with the positions that count in the loss."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from femtotron.data.nanoset import MicroBatchIterator, Nanoset
+from femtotron.errors import DataError
+
+SCANNED_TOKENS = 1 << 24  # per dataset at start: ~30 ms; later tokens are checked batch by batch
+
+
+def check_token_range(nanoset: Nanoset, vocab_size: int, key: str = "data.dataset_folder") -> None:
+    """Token ids must be < vocab_size: the start of every dataset file is scanned before the model is built."""
+    for dataset in nanoset.datasets:
+        head = dataset.tokens(0, min(dataset.num_tokens, SCANNED_TOKENS))
+        largest = int(head.max()) if head.size else 0
+        if largest >= vocab_size:
+            position = int(np.argmax(head >= vocab_size))
+            raise DataError(
+                f"{dataset.path_prefix}.bin ({key}) holds token id {largest} (first out-of-range id at token "
+                f"{position:,}), but model.model_config.vocab_size={vocab_size} allows ids 0..{vocab_size - 1}: it "
+                f"was tokenized with a larger vocabulary. Set model.model_config.vocab_size >= {largest + 1}, or "
+                "re-run `femtotron preprocess` with the tokenizer this model is meant for.")
+
+
+def first_loss_warning(loss: float, vocab_size: int) -> str | None:
+    """A freshly initialised model predicts nearly uniformly: its first loss is close to ln(vocab_size)."""
+    expected = math.log(vocab_size)
+    if abs(loss - expected) <= max(1.0, 0.25 * expected):
+        return None
+    why = ("far below: the targets are too easy to predict (repeated or constant data, or inputs leaking into "
+           "the targets)" if loss < expected else
+           "far above: the initialisation is too large (model.init_method.std, usually 0.02) or the logits are "
+           "scaled wrongly")
+    return (f"step 1: loss {loss:.3f}, but a freshly initialised model should start near ln(vocab_size) = "
+            f"ln({vocab_size}) = {expected:.3f}; {why}. Look at the data with `femtotron inspect-data CONFIG`.")
+
+
+def inspect_samples(nanoset: Nanoset, tokenizer: Tokenizer | None, sequence_length: int, n: int,
+                    ignore_index: int) -> str:
+    """The first `n` samples of training, as the model sees them: where each comes from, the decoded input,
+    and which target positions count in the loss."""
+    lines = []
+    batches = MicroBatchIterator(nanoset, micro_batch_size=n, batch_accumulation=1, dp_rank=0, dp_size=1)
+    for g, sample in enumerate(batches.next_step()[0].tolist()):
+        dataset, index = nanoset.locate(g)
+        targets = sample[1:]
+        counted = sum(t != ignore_index for t in targets)
+        lines.append(f"sample {g}: {nanoset.datasets[dataset].path_prefix}, sample {index} of that dataset, "
+                     f"{sequence_length} input tokens; {counted} of {len(targets)} target positions count in the "
+                     "loss" + ("" if counted == len(targets) else " (masked positions shown as [masked])"))
+        lines.append(f"  token ids: {sample[:16]}{' ...' if len(sample) > 16 else ''}")
+        if tokenizer is not None:
+            pieces = [tokenizer.decode([t]) if t != ignore_index else "[masked]" for t in sample]
+            lines.append("  text: " + repr("".join(pieces))[:2000])
+        if counted == 0:
+            lines.append("  WARNING: no target position counts in the loss: this sample teaches nothing")
+    if tokenizer is None:
+        lines.append("(set tokenizer.tokenizer_name_or_path to see the text)")
+    return "\n".join(lines)
