@@ -190,3 +190,11 @@ def test_srun_style_tasks_train_together(config, tmp_path):
     assert "starting them on this machine" not in outputs[0][1] + outputs[1][1]
     assert "layout: dp=2 tp=1 pp=1 on 2 process(es)" in outputs[0][0]
     assert len(losses(tmp_path / "runs" / "srun")) == 2
+
+
+def test_D3_debug_sets_the_distributed_debug_variables_and_every_rank_logs(config):
+    result = femtotron("train", config, "parallelism.dp=2", "tokens.train_steps=2", "--debug")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] --debug: NCCL_DEBUG=INFO TORCH_DISTRIBUTED_DEBUG=DETAIL" in result.stderr
+        assert f"[rank {rank} dp{rank} tp0 pp0] step 2/2 | loss" in result.stdout

@@ -21,8 +21,12 @@ def cmd_train(args: argparse.Namespace) -> int | None:
     from femtotron.config import check_world_size, load_config
     from femtotron.launch import launched_by_torchrun
 
-    config = load_config(args.config, args.overrides)
+    # --debug: every rank logs everything, rank-prefixed (D3).
+    config = load_config(args.config, [*args.overrides, *(["logging.log_level=debug"] if args.debug else [])])
     par = config.parallelism
+    if config.general.cuda_expandable_segments and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        # M2: fewer fragmentation OOMs; must be set before CUDA starts (children inherit it).
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if par.dp * par.tp * par.pp > 1 and not launched_by_torchrun():
         return launch_train(args, config)
     # L1: checked on every rank, from the environment alone, before any process group exists.

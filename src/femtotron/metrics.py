@@ -108,12 +108,13 @@ class RunLog:
             self.metrics_path.write_text("")
 
     def info(self, message: str, every_rank: bool = False) -> None:
-        """Print on the main rank (or on every rank); tqdm.write keeps the progress bar intact."""
-        if self.console and self.level in ("debug", "info") and (self.is_main or every_rank):
+        """Print on the main rank (on every rank with `every_rank` or at level debug); tqdm.write keeps the
+        progress bar intact."""
+        if self.console and self.level in ("debug", "info") and (self.is_main or every_rank or self.level == "debug"):
             self._write(message)
 
     def warn(self, message: str) -> None:
-        if self.console and self.level != "error" and self.is_main:
+        if self.console and self.level != "error" and (self.is_main or self.level == "debug"):
             self._write(f"WARNING: {message}")
 
     def _write(self, message: str) -> None:

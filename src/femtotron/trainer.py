@@ -57,6 +57,10 @@ class TrainingDiverged(FemtotronError):
     same_on_every_rank = True
 
 
+class OutOfMemory(FemtotronError):
+    exit_code = 8
+
+
 class TrainingInterrupted(FemtotronError):
     """SIGTERM or SIGUSR1 (what schedulers send before preemption): a checkpoint was saved, then the run stopped."""
 
@@ -340,7 +344,10 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         start = time.perf_counter()
-        loss, tokens, grads = self.compute_gradients()
+        try:
+            loss, tokens, grads = self.compute_gradients()
+        except torch.OutOfMemoryError as e:
+            raise self.out_of_memory(e) from None
         lr = lr_at(self.step, self.config.optimizer.learning_rate_scheduler, self.config.tokens.train_steps)
         # fp16: back to true units before clipping; an overflow (agreed by every rank) with a finite loss
         # skips the step. A non-finite loss is a real divergence and stops below.
@@ -488,6 +495,31 @@ class Trainer:
         flat = self.ctx.comm.all_reduce(torch.cat([g.flatten() for g in grads]), group)
         torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads,
                                                                    strict=True)])
+
+    def out_of_memory(self, error: Exception) -> OutOfMemory:
+        """M1/M2: where it ran out, what the model state takes, the allocator's view, and the knobs."""
+        action = self.pipeline.current
+        plan = self.optimizer.memory_plan()
+        state = ", ".join(f"{key.replace('_', ' ')} {value / 2**30:.2f} GiB" for key, value in plan.items())
+        memory = ", ".join(f"{k.removeprefix('mem_').removesuffix('_gib')} {v:.2f} GiB"
+                           for k, v in memory_gib(self.ctx.device).items())
+        tokens, par = self.config.tokens, self.config.parallelism
+        fixes = [f"tokens.micro_batch_size={max(tokens.micro_batch_size // 2, 1)} (activations scale with it; raise "
+                 "batch_accumulation_per_replica to keep the batch)" if tokens.micro_batch_size > 1 else
+                 f"tokens.sequence_length={tokens.sequence_length // 2} (activations scale with it)"]
+        if not par.recompute_layer:
+            fixes.append("parallelism.recompute_layer=true (76-90% fewer saved activations, ~25% more compute)")
+        if self.config.optimizer.zero_stage == 0 and self.ctx.dp > 1:
+            fixes.append(f"optimizer.zero_stage=1 (master weights and Adam moments / dp={self.ctx.dp})")
+        fixes.append(f"parallelism.tp={par.tp * 2} or parallelism.pp={par.pp * 2} (fewer parameters per rank)")
+        gap = "" if self.ctx.device.type != "cuda" else (
+            " A large gap between reserved and allocated is fragmentation: keep general.cuda_expandable_segments "
+            "on (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).")
+        return OutOfMemory(
+            f"step {self.step + 1}: out of memory on rank {self.ctx.rank} in the {'forward' if action.kind == 'F' else 'backward'} "
+            f"of micro-batch {action.micro_batch}, pipeline stage {self.pipeline.stage_of(action.chunk)} "
+            f"({str(error).splitlines()[0][:200]}).\nThis rank's model state: {state}; memory now: {memory}.{gap}\n"
+            "Fixes, in the usual order: " + "; ".join(fixes) + ".")
 
     def diverged(self, loss: float, grad_norm: float, where: str) -> TrainingDiverged:
         recent = ", ".join(f"step {s}: lr {lr:.2e} grad_norm {g:.3g}" for s, lr, g in self.history) or "none"

@@ -65,6 +65,8 @@ class GeneralArgs(_Section):
     project: str = "femtotron"
     run: str = "run"
     seed: NonNegativeInt = 42
+    # M2: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless that variable is set already
+    cuda_expandable_segments: bool = True
 
 
 class LlamaConfig(_Section):

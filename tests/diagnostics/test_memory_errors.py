@@ -1,0 +1,64 @@
+"""M1/M2: out-of-memory errors are explained; the CUDA allocator is set up against fragmentation."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import yaml
+from distributed import run_ranks
+
+from femtotron.cli import main
+from femtotron.parallel.context import ParallelContext
+from femtotron.trainer import OutOfMemory, Trainer
+
+
+def raise_oom(module, inputs, output):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_M1_an_out_of_memory_error_says_where_what_the_state_takes_and_the_fixes(tiny_config):
+    trainer = Trainer(tiny_config("tokens.micro_batch_size=4"), ParallelContext(), log_to_console=False)
+    dict(trainer.chunks[0].named_modules())["layers.1.mlp"].register_forward_hook(raise_oom)
+    with pytest.raises(OutOfMemory) as info:
+        trainer.train_step()
+    message = str(info.value)
+    assert message.startswith("step 1: out of memory on rank 0 in the forward of micro-batch 0, pipeline stage 0 "
+                              "(CUDA out of memory. Tried to allocate 2.00 GiB)")
+    assert "This rank's model state: params 0.00 GiB, grads 0.00 GiB, master weights 0.00 GiB, adam moments" in message
+    assert "tokens.micro_batch_size=2" in message and "parallelism.recompute_layer=true" in message
+    assert info.value.exit_code == 8
+
+
+def _oom_with_dp(rank, config):
+    ctx = ParallelContext(dp=2, collective_timeout_seconds=30)
+    trainer = Trainer(config, ctx, log_to_console=False)
+    dict(trainer.chunks[0].named_modules())["layers.0"].register_forward_hook(raise_oom)
+    try:
+        trainer.train_step()
+    except OutOfMemory as e:
+        return str(e)
+    finally:
+        ctx.close()
+
+
+def test_M1_with_data_parallelism_the_advice_includes_zero_stage_1(tiny_config):
+    messages = run_ranks(_oom_with_dp, 2, tiny_config("parallelism.dp=2", "tokens.micro_batch_size=1"))
+    assert all("optimizer.zero_stage=1 (master weights and Adam moments / dp=2)" in m for m in messages)
+    assert "tokens.sequence_length=16" in messages[0]  # micro_batch_size is 1 already
+
+
+@pytest.mark.parametrize("user_value, switch, expected", [
+    (None, "true", "expandable_segments:True"), ("max_split_size_mb:128", "true", "max_split_size_mb:128"),
+    (None, "false", None)])
+def test_M2_expandable_segments_are_set_unless_the_user_chose(tiny_config, tmp_path, monkeypatch, user_value, switch,
+                                                               expected):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    if user_value:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user_value)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_config().to_dict()))
+    assert main(["train", str(path), "tokens.train_steps=2", f"general.cuda_expandable_segments={switch}",
+                 "optimizer.learning_rate_scheduler.lr_warmup_steps=0"]) == 0
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == expected
