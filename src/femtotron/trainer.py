@@ -31,6 +31,7 @@ from femtotron.data.tokenizer import load_tokenizer
 from femtotron.diagnostics.data_check import check_token_range, first_loss_warning
 from femtotron.diagnostics.loss_spikes import LossSpikes
 from femtotron.diagnostics.nan_origin import NonFinite, earliest_over_ranks, watch
+from femtotron.diagnostics.watchdog import Watchdog
 from femtotron.errors import ConfigError, DataError, FemtotronError
 from femtotron.layout import DTYPES, build_rank_model
 from femtotron.metrics import RunLog, memory_gib, model_flops_per_token, peak_flops
@@ -254,6 +255,20 @@ class Trainer:
                 "same number of processes on every node); use dp or pp across nodes."]
 
     def train(self) -> list[StepResult]:
+        watchdog = Watchdog(self.ctx.comm, self.ctx.rank, self.ctx.world_size,
+                            self.config.parallelism.hang_timeout_seconds, self.whereabouts).start()
+        try:
+            return self.train_until_done()
+        finally:
+            watchdog.stop()
+
+    def whereabouts(self) -> str:
+        """Where this rank is in training, for hang reports (read from the watchdog thread)."""
+        action = self.pipeline.current
+        return (f"step {self.step + 1}, pipeline {'forward' if action.kind == 'F' else 'backward'} of micro-batch "
+                f"{action.micro_batch} on stage {self.pipeline.stage_of(action.chunk)}")
+
+    def train_until_done(self) -> list[StepResult]:
         ckpt = self.config.checkpoints
         if ckpt.resume_checkpoint_path is not None:
             summary, self.last_checkpoint = checkpoint.load(self, Path(ckpt.resume_checkpoint_path))

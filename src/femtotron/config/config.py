@@ -122,6 +122,8 @@ class ParallelismArgs(_Section):
     dp_bucket_size_mb: PositiveFloat = 25  # gradients reduced over dp in buckets of about this size
     init_timeout_seconds: PositiveFloat = 300
     collective_timeout_seconds: PositiveFloat = 600
+    # an op in flight this long on any rank: every rank's state is gathered into one report and the job stops
+    hang_timeout_seconds: PositiveFloat = 300
 
 
 class TokensArgs(_Section):

@@ -186,12 +186,13 @@ class Comm:
                 dist.P2POp(dist.isend if op == "send" else dist.irecv, t, peer=p, group=group.handle, tag=tag)
                 for op, t, p, tag in ops])
 
-    def wait(self, work: dist.Work | None, group: Group, tensor: torch.Tensor, peer: int | None = None) -> None:
+    def wait(self, work: dist.Work | None, group: Group, tensor: torch.Tensor, peer: int | None = None,
+             kind: str = "wait") -> None:
         """Wait for an op started by `batch_p2p` or a `start_*` method to finish (the time spent here is time
-        spent idle)."""
+        spent idle). `kind` names what is awaited in the op record ("recv", "send"), for hang reports."""
         if work is None:
             return
-        with self._record("wait", group, tensor, peer, 0):
+        with self._record(kind, group, tensor, peer, 0):
             work.wait()
 
     def recv(self, tensor: torch.Tensor, group: Group, src: int) -> torch.Tensor:

@@ -110,7 +110,7 @@ class PipelineP2P:
         return PendingRecv(works[-1], buffer, ops[-1][2]) if recv is not None else None
 
     def take(self, pending: PendingRecv) -> torch.Tensor:
-        self.comm.wait(pending.work, self.group, pending.buffer, pending.src)
+        self.comm.wait(pending.work, self.group, pending.buffer, pending.src, kind="recv")
         return pending.buffer
 
     def release_finished_sends(self) -> None:
@@ -126,5 +126,5 @@ class PipelineP2P:
 
     def wait_sends(self) -> None:
         for work, tensor, dst in self.pending:
-            self.comm.wait(work, self.group, tensor, dst)
+            self.comm.wait(work, self.group, tensor, dst, kind="send")
         self.pending.clear()
