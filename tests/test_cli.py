@@ -56,7 +56,7 @@ def corpus_and_tokenizer(tmp_path_factory):
     return root, str(prefix), str(tokenizer)
 
 
-def test_train_then_generate(corpus_and_tokenizer, tmp_path):
+def test_D2_train_on_one_cpu_process_then_generate(corpus_and_tokenizer, tmp_path):
     root, prefix, tokenizer = corpus_and_tokenizer
     config = write_config(tmp_path / "cfg.yaml", prefix, tokenizer, tmp_path / "runs")
     result = femtotron("train", str(config), "tokens.train_steps=4", "--debug")
@@ -88,14 +88,14 @@ def test_config_errors_exit_2_without_traceback(tmp_path):
         assert expected in result.stderr
 
 
-def test_world_size_mismatch_is_caught_before_any_process_group(tmp_path):
+def test_L1_world_size_mismatch_is_caught_before_any_process_group(tmp_path):
     config = write_config(tmp_path / "cfg.yaml", "x", None, tmp_path / "runs")
     result = femtotron("train", str(config), env={"WORLD_SIZE": "4", "RANK": "0", "MASTER_PORT": "1"})
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "WORLD_SIZE=4" in result.stderr and "dp=4 tp=1 pp=1" in result.stderr and "dp=2 tp=2 pp=1" in result.stderr
 
 
-def test_missing_dataset_names_the_path_and_the_command(tmp_path):
+def test_L3_missing_dataset_names_the_path_and_the_command(tmp_path):
     config = write_config(tmp_path / "cfg.yaml", str(tmp_path / "missing"), None, tmp_path / "runs")
     result = femtotron("train", str(config))
     assert result.returncode == 3 and "Traceback" not in result.stderr

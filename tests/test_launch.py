@@ -112,12 +112,12 @@ def test_pipeline_run_matches_one_process_and_its_weights_generate(config, tmp_p
 
 
 def test_a_failing_rank_exit_code_reaches_the_caller_without_launcher_noise(config):
-    # Only the ranks see this: the token ids are checked against the vocabulary while training.
+    # Only the ranks see this: the token ids are checked against the vocabulary when each rank opens the data.
     result = femtotron("train", config, "parallelism.dp=2", "tokens.train_steps=2",
                        "model.model_config.vocab_size=128")
     assert result.returncode == 3, result.stderr[-3000:]
     assert LAUNCH_LINE in result.stderr
-    assert "femtotron: error: step 1: the training data holds token id" in result.stderr
+    assert "(data.dataset_folder) holds token id 2" in result.stderr
     for noise in ("Traceback", "ChildFailedError", "failed (exitcode"):
         assert noise not in result.stderr
 

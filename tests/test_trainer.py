@@ -16,7 +16,7 @@ def train(config):
     return trainer, trainer.train()
 
 
-def test_loss_decreases_and_metrics_are_written(tiny_config):
+def test_D4_loss_decreases_and_metrics_are_written(tiny_config):
     trainer, results = train(tiny_config("tokens.train_steps=40", "logging.iteration_step_info_interval=5"))
     losses = [r.loss for r in results]
     assert losses[0] == pytest.approx(math.log(256), rel=0.05)  # an untrained model is uniform over the vocab
@@ -77,7 +77,7 @@ def test_bf16_parameters_train_with_fp32_master_weights(tiny_config):
     assert results[-1].loss < results[0].loss
 
 
-def test_non_finite_loss_stops_with_history_and_advice(tiny_config):
+def test_N2_non_finite_loss_stops_with_history_and_advice(tiny_config):
     trainer = Trainer(tiny_config("tokens.train_steps=5"), ParallelContext(), log_to_console=False)
     trainer.train_step()
     trainer.step = 1
@@ -141,7 +141,7 @@ def weights(trainer):
         [m.detach().clone() for m in trainer.optimizer.full_masters()]
 
 
-def test_fp16_overflow_skips_the_step_and_lowers_the_loss_scale(tiny_config, capsys):
+def test_N1_fp16_overflow_skips_the_step_and_lowers_the_loss_scale(tiny_config, capsys):
     config = tiny_config("model.dtype=float16", "tokens.train_steps=20")
     trainer = Trainer(config, ParallelContext())
     assert trainer.scaler.enabled and trainer.scaler.scale == 2.0**16

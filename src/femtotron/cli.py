@@ -1,4 +1,5 @@
-"""`femtotron <verb>`: train, check-tp, generate, inspect-data, reshard, consolidate, preprocess, train-tokenizer.
+"""`femtotron <verb>`: train, doctor, check-tp, generate, inspect-data, reshard, consolidate, preprocess,
+train-tokenizer.
 
 Every problem a user can fix arrives as a FemtotronError and is printed as plain text with its
 exit code (2 for config errors); a traceback means a bug in femtotron.
@@ -11,7 +12,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from femtotron.errors import FemtotronError
+from femtotron.errors import ConfigError, FemtotronError
 
 if TYPE_CHECKING:
     from femtotron.config import Config
@@ -100,6 +101,19 @@ def cmd_consolidate(args: argparse.Namespace) -> None:
           + (f" and {out / 'optimizer.safetensors'}" if args.with_optimizer else ""))
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from femtotron.config import load_config
+    from femtotron.diagnostics.doctor import diagnose
+
+    config = load_config(args.config, args.overrides)
+    try:
+        report, fits = diagnose(config, args.world_size, args.device, args.device_memory, args.gpus_per_node)
+    except ValueError as e:  # an unknown --device
+        raise ConfigError(str(e)) from None
+    print(report)
+    return 0 if fits else 1
+
+
 def cmd_inspect_data(args: argparse.Namespace) -> None:
     from femtotron.config import load_config
     from femtotron.data.tokenizer import load_tokenizer
@@ -158,6 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(run=cmd_generate)
+
+    doc = verbs.add_parser("doctor", help="check a config without launching: rules, world size, stage map, "
+                                          "communication, and memory per rank against the device")
+    doc.add_argument("config", help="YAML config, e.g. examples/llama_8b_gpu.yaml")
+    doc.add_argument("overrides", nargs="*", help="dotted overrides, e.g. tokens.micro_batch_size=2")
+    doc.add_argument("--world-size", type=int, default=None, help="the number of processes you will launch (L1)")
+    where = doc.add_mutually_exclusive_group()
+    where.add_argument("--device", default=None, help="H100, H200, A100-80GB, A100-40GB, L40S, V100-32GB or CPU")
+    where.add_argument("--device-memory", type=float, default=None, help="GiB per device")
+    doc.add_argument("--gpus-per-node", type=int, default=8, help="for the tp-within-a-node check (T3)")
+    doc.set_defaults(run=cmd_doctor)
 
     ins = verbs.add_parser("inspect-data", help="decode the first training samples, with the positions that count "
                                                 "in the loss")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 import torch.nn.functional as F
 
@@ -9,6 +11,11 @@ from femtotron.metrics import cpu_has_bf16_matmul
 
 # Read once: /proc/cpuinfo does not change while we run.
 CPU_MULTIPLIES_BF16 = cpu_has_bf16_matmul()
+
+
+# Memory estimates run the model on the meta device; set while estimating for this CPU, so that they
+# make the same fp32 copies the CPU run makes (diagnostics/memory.py).
+ESTIMATING_FOR_THIS_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar("estimating_for_cpu", default=False)
 
 
 def emulated_low_precision(x: torch.Tensor) -> bool:
@@ -19,7 +26,8 @@ def emulated_low_precision(x: torch.Tensor) -> bool:
     gives what a GPU tensor core computes anyway (low-precision inputs, fp32 accumulation, output
     rounded back) at fp32 speed.
     """
-    return x.dtype != torch.float32 and x.device.type == "cpu" and not CPU_MULTIPLIES_BF16
+    on_this_cpu = x.device.type == "cpu" or (x.is_meta and ESTIMATING_FOR_THIS_CPU.get())
+    return x.dtype != torch.float32 and on_this_cpu and not CPU_MULTIPLIES_BF16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -29,8 +37,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    gqa = k.shape[1] != q.shape[1]
     if emulated_low_precision(q):
-        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
-                                              enable_gqa=gqa).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return _causal_attention(q.float(), k.float(), v.float()).to(q.dtype)
+    return _causal_attention(q, k, v)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    if q.is_meta:  # memory estimates: keep what a fused kernel keeps (output, log-sum-exp), as on GPUs and CPUs
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])

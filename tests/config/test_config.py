@@ -136,14 +136,14 @@ def test_heads_divisible_by_kv_heads():
     assert "num_key_value_heads one of 1, 2, 4" in p.message
 
 
-def test_t2_heads_divisible_by_tp_lists_working_tp():
+def test_T2_heads_divisible_by_tp_lists_working_tp():
     p = only_problem(tiny(**{M + "num_key_value_heads": 4, M + "intermediate_size": 128, "parallelism.tp": 8}))
     assert p.fields == (M + "num_attention_heads", M + "num_key_value_heads", "parallelism.tp")
     assert "num_attention_heads=4 and num_key_value_heads=4 must both be divisible by tp=8" in p.message
     assert "tp values that would work: 1, 2, 4" in p.message
 
 
-def test_t2_kv_heads_limit_tp():
+def test_T2_kv_heads_limit_tp():
     p = only_problem(tiny(**{"parallelism.tp": 4}))  # 4 heads but only 2 kv heads
     assert "num_key_value_heads=2" in p.message and "tp values that would work: 1, 2." in p.message
 
@@ -182,7 +182,7 @@ def test_interleaved_pipeline_rules():
     assert "pp must be >= 2" in p.message
 
 
-def test_few_micro_batches_for_the_pipeline_warn_with_the_bubble():
+def test_P2_few_micro_batches_for_the_pipeline_warn_with_the_bubble():
     config = load_config_dict(tiny(**{"parallelism.pp": 2, "tokens.batch_accumulation_per_replica": 2}))
     (w,) = config_warnings(config)
     assert "idles for about 33% of each step (P2)" in w and "at least 4 * pp = 8 micro-batches" in w
@@ -235,7 +235,7 @@ def test_all_rule_violations_reported_together():
 # --- L1: world size ---
 
 
-def test_world_size_mismatch_lists_valid_layouts():
+def test_L1_world_size_mismatch_lists_valid_layouts():
     cfg = load_config_dict(tiny(**{"parallelism.tp": 2}))  # 4 heads, 2 kv heads, 2 layers
     with pytest.raises(ConfigError) as info:
         check_world_size(cfg, 4)
@@ -259,25 +259,25 @@ def test_default_config_has_no_warnings():
     assert config_warnings(load_config_dict(TINY)) == []
 
 
-def test_warns_when_clipping_off():
+def test_N2_warns_when_clipping_off():
     (w,) = config_warnings(load_config_dict(tiny(**{"optimizer.clip_grad": None})))
     assert "optimizer.clip_grad" in w and "clip_grad: 1.0" in w
 
 
-def test_warns_on_huge_and_tiny_learning_rate():
+def test_N2_warns_on_huge_and_tiny_learning_rate():
     (w,) = config_warnings(load_config_dict(tiny(**{"optimizer.learning_rate_scheduler.learning_rate": 0.5})))
     assert "learning_rate=0.5" in w and "0.003" in w
     (w,) = config_warnings(load_config_dict(tiny(**{"optimizer.learning_rate_scheduler.learning_rate": 1e-8})))
     assert "barely" in w
 
 
-def test_warns_on_fp16_and_large_init():
+def test_N1_warns_on_fp16_and_large_init():
     warnings = config_warnings(load_config_dict(tiny(**{"model.dtype": "float16", "model.init_method.std": 0.5})))
     assert any("float16" in w and "bfloat16" in w for w in warnings)
     assert any("init_method.std=0.5" in w and "0.02" in w for w in warnings)
 
 
-def test_debug_example_loads_without_warnings():
+def test_D1_debug_example_loads_without_warnings():
     cfg = load_config(REPO / "examples" / "debug.yaml")
     assert cfg.general.run == "debug" and cfg.model.model_config_.num_hidden_layers == 2
     assert config_warnings(cfg) == []

@@ -64,7 +64,7 @@ def test_guide_snippet_style_loads(tmp_path):
     assert cfg.model.model_config_.num_hidden_layers == 2 and cfg.model.model_config_.hidden_size == 256
 
 
-def test_wrong_type_names_path_line_and_value(tmp_path):
+def test_L2_wrong_type_names_path_line_and_value(tmp_path):
     error = errors(tmp_path, GOOD.replace("tp: 1", "tp: two"))
     assert find(error, "parallelism.tp") == (
         "parallelism.tp (line 12): must be a valid integer, unable to parse string as an integer; got 'two' (str)"
@@ -113,7 +113,7 @@ def test_unknown_key_without_close_match_lists_valid_keys(tmp_path):
     assert "valid keys here: output_dir, iteration_step_info_interval, log_level" in find(error, "logging.wandb")
 
 
-def test_several_problems_reported_at_once(tmp_path):
+def test_L2_several_problems_reported_at_once(tmp_path):
     text = (GOOD.replace("tp: 1", "tp: two").replace("hidden_size: 64", "hiden_size: 64")
             .replace("pp: 1", "pp: 4").replace("train_steps: 10", "train_steps: 1.5"))
     error = errors(tmp_path, text)

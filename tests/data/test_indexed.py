@@ -161,7 +161,7 @@ CORRUPTIONS = {
 
 
 @pytest.mark.parametrize("case", CORRUPTIONS)
-def test_corrupt_files_are_named(prefix, case):
+def test_L3_corrupt_files_are_named(prefix, case):
     corrupt, suffix, problem = CORRUPTIONS[case]
     corrupt(prefix)
     with pytest.raises(DataError, match=problem) as error:
@@ -175,7 +175,7 @@ def test_corrupt_files_are_named(prefix, case):
 
 
 @pytest.mark.parametrize("present", [".bin", ".idx"])
-def test_half_a_pair_says_which_half(prefix, present):
+def test_L3_half_a_pair_says_which_half(prefix, present):
     missing = ".idx" if present == ".bin" else ".bin"
     os.remove(f"{prefix}{missing}")
     with pytest.raises(DataError) as error:
@@ -200,7 +200,7 @@ def test_missing_directory_is_named(tmp_path):
         resolve_dataset_prefixes(tmp_path / "nowhere" / "corpus")
 
 
-def test_directory_with_zero_pairs(tmp_path):
+def test_L3_directory_with_zero_pairs(tmp_path):
     (tmp_path / "lonely.bin").write_bytes(b"")
     with pytest.raises(DataError) as error:
         resolve_dataset_prefixes(tmp_path)

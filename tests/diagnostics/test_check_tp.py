@@ -47,7 +47,7 @@ def _correct(rank, configs):
     return reports
 
 
-def test_a_correct_model_matches_in_both_modes_module_by_module(tiny_config):
+def test_T1_a_correct_model_matches_in_both_modes_module_by_module(tiny_config):
     # vocab 257 (the data's ids stay below 256): the vocabulary is padded to 258 for tp=2.
     cases = [("ALL_REDUCE", "float32", False), ("ALL_REDUCE", "bfloat16", False),
              ("REDUCE_SCATTER", "float32", True), ("REDUCE_SCATTER", "bfloat16", True)]
@@ -113,7 +113,7 @@ def _broken(rank, config, breakage):
      "reduce-scatter"),
     ("REDUCE_SCATTER", "weight gradient", "layers.1.self_attn.o_proj", "weight gradient", "o_proj.weight"),
 ])
-def test_the_first_divergent_module_is_named(tiny_config, mode, breakage, module, where, advice):
+def test_T1_the_first_divergent_module_is_named(tiny_config, mode, breakage, module, where, advice):
     config = tiny_config("parallelism.tp=2", f"parallelism.tp_mode={mode}")
     report = run_ranks(_broken, 2, config, breakage)[0]
     text = format_report(report)

@@ -8,7 +8,7 @@ from femtotron.errors import DistributedError
 from femtotron.parallel.context import ParallelContext, coordinates_of, rank_of
 
 
-def test_rank_layout_is_tp_innermost_pp_outermost():
+def test_T3_rank_layout_is_tp_innermost_pp_outermost():
     dp, tp, pp = 2, 2, 2
     assert [rank_of(0, 0, t, dp, tp) for t in range(tp)] == [0, 1]
     assert [rank_of(0, d, 0, dp, tp) for d in range(dp)] == [0, 2]
@@ -18,7 +18,7 @@ def test_rank_layout_is_tp_innermost_pp_outermost():
         assert rank_of(c.pp_rank, c.dp_rank, c.tp_rank, dp, tp) == rank
 
 
-def test_world_of_one_needs_no_launcher(monkeypatch):
+def test_D2_world_of_one_needs_no_launcher(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     ctx = ParallelContext()
@@ -101,14 +101,14 @@ def _only_rank_zero_arrives(rank):
     return str(info.value)
 
 
-def test_init_timeout_names_missing_ranks_and_interfaces():
+def test_L4_init_timeout_names_missing_ranks_and_interfaces():
     message = run_ranks(_only_rank_zero_arrives, 2, timeout=60)[0]
     assert "ranks 0 joined" in message and "ranks 1 never did" in message
     assert "NCCL_SOCKET_IFNAME" in message and "GLOO_SOCKET_IFNAME" in message
     assert "127.0.0.1:" in message and "gloo" in message
 
 
-def test_mismatched_world_size_is_refused_before_init(monkeypatch):
+def test_L1_mismatched_world_size_is_refused_before_init(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(DistributedError, match=r"dp\*tp\*pp = 1\*2\*1 = 2 but WORLD_SIZE = 4"):

@@ -188,7 +188,7 @@ def _start_report(rank, config):
     return out
 
 
-def test_start_reports_padding_and_warns_when_a_tp_group_spans_hosts(tiny_config):
+def test_T3_start_reports_padding_and_warns_when_a_tp_group_spans_hosts(tiny_config):
     summary, warnings = run_ranks(_start_report, 2, tiny_config("parallelism.tp=2",
                                                                 "model.model_config.vocab_size=257"))[0]
     assert "vocabulary padded from 257 to 258 rows to split evenly over tp=2" in summary

@@ -74,7 +74,7 @@ def merged(per_rank, index):
     return per_rank[0][index]["losses"], weights, masters, {s: sorted(rows) for s, rows in seen.items()}
 
 
-def test_resume_on_one_rank_is_bit_exact(tiny_config):
+def test_C3_resume_on_one_rank_is_bit_exact(tiny_config):
     for dtype in ("float32", "bfloat16"):
         whole = train(make(tiny_config, f"whole-{dtype}", f"model.dtype={dtype}"), ParallelContext())
         first = make(tiny_config, f"first-{dtype}", f"model.dtype={dtype}", "checkpoints.checkpoint_interval=3",
@@ -102,7 +102,7 @@ def three_d(tmp_path_factory):
     return tiny_config, run_ranks(ranks_train, 8, configs, timeout=600), saved
 
 
-def test_resume_on_2x2x2_with_zero1_is_bit_exact(three_d):
+def test_C3_resume_on_2x2x2_with_zero1_is_bit_exact(three_d):
     _, per_rank, _ = three_d
     losses, weights, masters, seen = merged(per_rank, 0)
     first_losses, _, _, first_seen = merged(per_rank, 1)
@@ -119,7 +119,7 @@ RESHARDED = {"dp2-tp1-pp4-zero0": dict(dp=2, tp=1, pp=4, zero=0), "dp1-tp1-pp1":
 
 
 @pytest.mark.parametrize("label", list(RESHARDED))
-def test_resume_on_another_mesh_continues_the_run(three_d, label):
+def test_C1_resume_on_another_mesh_continues_the_run(three_d, label):
     """Saved at dp2 x tp2 x pp2 with ZeRO-1: the next 3 steps on another layout have the uninterrupted run's
     losses (up to summation order) and read exactly its samples, none skipped or repeated."""
     tiny_config, per_rank, saved = three_d
@@ -275,7 +275,7 @@ sys.exit(main(["train", sys.argv[1]]))
 """
 
 
-def test_a_save_killed_part_way_leaves_the_previous_checkpoint_and_the_run_resumes(tiny_config, tmp_path):
+def test_C2_a_save_killed_part_way_leaves_the_previous_checkpoint_and_the_run_resumes(tiny_config, tmp_path):
     whole = train(make(tiny_config, "whole"), ParallelContext())
     config = make(tiny_config, "killed", "checkpoints.checkpoint_interval=2")
     died = subprocess.run([sys.executable, "-c", KILL_DURING_SECOND_SAVE, write_yaml(config, tmp_path / "c.yaml")],

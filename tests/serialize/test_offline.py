@@ -37,7 +37,7 @@ def consolidated(checkpoint, out):
     return load_file(str(out / "model.safetensors")), load_file(str(out / "optimizer.safetensors"))
 
 
-def test_reshard_then_consolidate_gives_the_same_tensors(saved, tmp_path):
+def test_C1_reshard_then_consolidate_gives_the_same_tensors(saved, tmp_path):
     checkpoints, _ = saved
     weights, optimizer = consolidated(checkpoints, tmp_path / "original")
     assert weights["embed_tokens.weight"].dtype == torch.bfloat16 and "lm_head.weight" not in weights  # tied

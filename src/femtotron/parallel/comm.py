@@ -99,8 +99,9 @@ class Comm:
         return seconds
 
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
-        """In-place reduction across `group`; `op` is "sum", "max" or "avg"."""
-        if group.size == 1:
+        """In-place reduction across `group`; `op` is "sum", "max" or "avg". On the meta device (memory
+        estimates: shapes without data) every collective only produces its output's shape."""
+        if group.size == 1 or tensor.is_meta:
             return tensor
         n = group.size
         with self._record("all_reduce", group, tensor, None, 2 * (n - 1) / n * _nbytes(tensor)):
@@ -117,6 +118,8 @@ class Comm:
             return tensor
         n = group.size
         parts = [torch.empty_like(tensor) for _ in range(n)]
+        if tensor.is_meta:
+            return torch.cat(parts, dim=dim)
         with self._record("all_gather", group, tensor, None, (n - 1) * _nbytes(tensor)):
             dist.all_gather(parts, tensor.contiguous(), group=group.handle)
         return torch.cat(parts, dim=dim)
@@ -128,13 +131,15 @@ class Comm:
         n = group.size
         chunks = [c.contiguous() for c in tensor.chunk(n, dim=dim)]
         out = torch.empty_like(chunks[0])
+        if tensor.is_meta:
+            return out
         with self._record("reduce_scatter", group, tensor, None, (n - 1) / n * _nbytes(tensor)):
             dist.reduce_scatter(out, chunks, group=group.handle)
         return out
 
     def start_all_reduce(self, tensor: torch.Tensor, group: Group) -> dist.Work | None:
         """Start an in-place sum over `group` and return at once; `wait` for the result (None: nothing to wait for)."""
-        if group.size == 1:
+        if group.size == 1 or tensor.is_meta:
             return None
         n = group.size
         with self._record("all_reduce", group, tensor, None, 2 * (n - 1) / n * _nbytes(tensor)):
@@ -143,7 +148,7 @@ class Comm:
     def start_reduce_scatter(self, shard: torch.Tensor, tensor: torch.Tensor, group: Group) -> dist.Work | None:
         """Start summing `tensor` over `group` into `shard`, this rank's equal part of it (`shard` may be a view
         of that part of `tensor`: the reduction is then in place)."""
-        if group.size == 1:
+        if group.size == 1 or tensor.is_meta:
             return None
         n = group.size
         with self._record("reduce_scatter", group, tensor, None, (n - 1) / n * _nbytes(tensor)):
@@ -152,7 +157,7 @@ class Comm:
     def start_all_gather(self, tensor: torch.Tensor, shard: torch.Tensor, group: Group) -> dist.Work | None:
         """Start filling `tensor` with every rank's `shard` in group-rank order (`shard` may be a view of this
         rank's part of `tensor`)."""
-        if group.size == 1:
+        if group.size == 1 or shard.is_meta:
             return None
         n = group.size
         with self._record("all_gather", group, shard, None, (n - 1) * _nbytes(shard)):

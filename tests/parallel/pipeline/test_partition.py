@@ -39,13 +39,13 @@ def test_partition_is_contiguous_complete_and_optimal(layers, stages, vocab):
     assert max(s.cost for s in result) == pytest.approx(brute_force_best(cfg, 128, stages))
 
 
-def test_a_large_vocabulary_moves_layers_off_the_last_stage():
+def test_M3_a_large_vocabulary_moves_layers_off_the_last_stage():
     small, large = partition(model(8, 256), 128, 2), partition(model(8, 128000), 128, 2)
     assert len(small[0].layers) == len(small[1].layers) == 4
     assert len(large[0].layers) > len(large[1].layers)
 
 
-def test_stage_map_names_every_stage_and_warns_on_imbalance():
+def test_M3_stage_map_names_every_stage_and_warns_on_imbalance():
     text, warning = stage_map(partition(model(4), 128, 4), 2)
     assert "stage 0 (pp rank 0, chunk 0): embedding + layer 0" in text
     assert "stage 3 (pp rank 1, chunk 1): layer 3 + final norm + LM head" in text

@@ -69,7 +69,7 @@ PP_CASES = {
 
 
 @pytest.mark.parametrize("pp, tp", list(PP_CASES))
-def test_pipeline_equals_one_process(tiny_config, pp, tp):
+def test_P3_pipeline_equals_one_process(tiny_config, pp, tp):
     """Every schedule at pp = 2 and 4 (interleaved with 2 virtual stages), layer counts that do and do not
     divide pp, tied and untied embeddings, and pp x tp = 2 x 2: the loss and full-shape gradients of one
     step, then losses, grad norms and weight changes over 3 steps equal one process."""
@@ -138,7 +138,7 @@ def _mismatch(rank):
         ctx.close()
 
 
-def test_ranks_that_disagree_on_the_transfer_shape_stop_before_the_first_step():
+def test_P1_ranks_that_disagree_on_the_transfer_shape_stop_before_the_first_step():
     with pytest.raises(RankFailed) as failed:
         run_ranks(_mismatch, 2, timeout=60)
     message = str(failed.value)

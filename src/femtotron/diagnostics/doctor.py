@@ -1,0 +1,118 @@
+"""`femtotron doctor CONFIG`: everything that can be known before launching (L1, M1, M3, P2, T3).
+
+The config rules and warnings, the world size, the pipeline's stage map and bubble, the bytes each
+rank communicates per step, and a per-rank memory estimate for every pipeline stage (diagnostics/
+memory.py) against the device; when it does not fit, the usual fixes, each with the estimate it gives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from femtotron.config import check_world_size, config_warnings
+from femtotron.config.config import pipeline_bubble, rule_problems
+from femtotron.diagnostics.memory import GIB, RankEstimate, device_budget, estimate_rank, human, with_changes
+from femtotron.layout import DTYPES
+from femtotron.parallel.pipeline.partition import partition, stage_map
+
+
+def worst_stage(config: Any, on_cpu: bool) -> RankEstimate:
+    return max((estimate_rank(config, p, on_cpu) for p in range(config.parallelism.pp)), key=lambda e: e.total)
+
+
+def fixes(config: Any, budget: float, on_cpu: bool) -> list[str]:
+    """The guide's knobs against OOM, each tried on its own, with the largest rank's estimate it gives."""
+    tokens, par = config.tokens, config.parallelism
+    candidates: list[tuple[str, Any]] = []
+    if tokens.micro_batch_size > 1:
+        half = tokens.micro_batch_size // 2
+        candidates.append((f"tokens.micro_batch_size={half} (and batch_accumulation_per_replica="
+                           f"{tokens.batch_accumulation_per_replica * 2} to keep the batch)",
+                           with_changes(config, micro_batch_size=half,
+                                        batch_accumulation_per_replica=tokens.batch_accumulation_per_replica * 2)))
+    candidates.append((f"tokens.sequence_length={tokens.sequence_length // 2}",
+                       with_changes(config, sequence_length=tokens.sequence_length // 2)))
+    if config.optimizer.zero_stage == 0 and par.dp > 1:
+        candidates.append(("optimizer.zero_stage=1", with_changes(config, zero_stage=1)))
+    if not par.recompute_layer:
+        candidates.append(("parallelism.recompute_layer=true", with_changes(config, recompute=True)))
+    for key in ("tp", "pp"):
+        bigger = config.model_copy(update={"parallelism": par.model_copy(update={key: getattr(par, key) * 2})})
+        if not rule_problems(bigger):
+            candidates.append((f"parallelism.{key}={getattr(par, key) * 2} (twice the processes, or dp halved)", bigger))
+    lines = []
+    for label, changed in candidates:
+        total = worst_stage(changed, on_cpu).total
+        verdict = "fits" if total <= budget else "still too much"
+        lines.append(f"  {label}: {human(total)} per rank ({verdict})")
+    return lines
+
+
+def communication(config: Any) -> list[str]:
+    """Bytes each rank sends per step (ring algorithms), by dimension."""
+    mcfg, par, tokens = config.model.model_config_, config.parallelism, config.tokens
+    size = DTYPES[config.model.dtype].itemsize
+    micro = tokens.batch_accumulation_per_replica
+    activation = tokens.micro_batch_size * tokens.sequence_length * mcfg.hidden_size * size
+    lines = []
+    if par.dp > 1:
+        grads = estimate_rank(config, 0).state["grads"]
+        share = (par.dp - 1) / par.dp
+        if config.optimizer.zero_stage == 1:
+            gathered = estimate_rank(config, 0).state["params"]
+            lines.append(f"  dp: reduce-scatter {human(share * grads)} + all-gather {human(share * gathered)} per step")
+        else:
+            lines.append(f"  dp: all-reduce {human(2 * share * grads)} per step")
+    if par.tp > 1:
+        layers = mcfg.num_hidden_layers / par.pp
+        # Per layer and micro-batch: 2 collectives in forward and 2 in backward on the whole activation.
+        volume = 4 * layers * micro * 2 * (par.tp - 1) / par.tp * activation
+        lines.append(f"  tp: {human(volume)} per step ({par.tp_mode}; inside a node: NVLink)")
+    if par.pp > 1:
+        lines.append(f"  pp: {human(2 * micro * activation / (par.tp if par.tp_mode == 'REDUCE_SCATTER' else 1))} "
+                     "per step and stage boundary (activations forward, gradients back)")
+    return lines or ["  none (one process)"]
+
+
+def diagnose(config: Any, world_size: int | None, device: str | None, device_memory: float | None,
+             gpus_per_node: int) -> tuple[str, bool]:
+    """The report, and whether everything fits."""
+    par = config.parallelism
+    world = par.dp * par.tp * par.pp
+    if world_size is not None:
+        check_world_size(config, world_size)  # L1: raises with the valid layouts
+    lines = [f"config: every rule holds; layout dp={par.dp} tp={par.tp} pp={par.pp} = {world} process(es)"]
+    lines += [f"warning: {w}" for w in config_warnings(config)]
+    if par.tp > gpus_per_node:
+        lines.append(f"warning: tp={par.tp} > {gpus_per_node} GPUs per node: every layer's tp collectives cross the "
+                     "network between nodes (T3). Keep tp <= GPUs per node; use dp or pp across nodes.")
+    if par.pp > 1:
+        bubble = pipeline_bubble(par.pp, config.tokens.batch_accumulation_per_replica, par.pp_virtual_stages)
+        lines.append(f"pipeline: {par.pp_engine}, each stage idles {bubble:.0%} of a step in theory (P2)")
+        text, imbalance = stage_map(partition(config.model.model_config_, config.tokens.sequence_length,
+                                              par.pp * par.pp_virtual_stages), par.pp)
+        lines.append(text)
+        if imbalance:
+            lines.append(f"warning: {imbalance}")
+    lines.append("communication per rank:")
+    lines += communication(config)
+    where, budget = device_budget(device, device_memory)
+    on_cpu = (device or "").lower() == "cpu"
+    lines.append(f"memory per rank (estimate; device: {where}):")
+    estimates = [estimate_rank(config, p, on_cpu) for p in range(par.pp)]
+    for e in estimates:
+        state = " + ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in e.state.items())
+        lines.append(f"  pp rank {e.pp_rank}: {human(e.total)} = {state} + activations: one micro-batch "
+                     f"{human(e.micro_batch_peak)} at its peak, {e.micro_batches_held} held at most "
+                     f"(+{human(e.waiting)})")
+    worst = max(estimates, key=lambda e: e.total)
+    fits = budget is None or worst.total <= budget
+    if budget is not None:
+        if fits:
+            lines.append(f"fits: the largest rank needs {human(worst.total)} of {budget / GIB:.1f} GiB "
+                         f"({worst.total / budget:.0%})")
+        else:
+            lines.append(f"does NOT fit (M1): pp rank {worst.pp_rank} needs {human(worst.total)}, the device has "
+                         f"{budget / GIB:.1f} GiB. Fixes, each on its own:")
+            lines += fixes(config, budget, on_cpu)
+    return "\n".join(lines), fits

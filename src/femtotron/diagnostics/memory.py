@@ -1,0 +1,167 @@
+"""Per-rank memory: estimated before launch (M1, `femtotron doctor`), and measured during a step.
+
+Both count the same thing, the bytes of tensor storage alive at once:
+
+- the **model state** is exact: each rank's part of the model is built on the meta device (layout.py:
+  shapes, no memory), and its flat buffers give parameters, gradients, fp32 master weights and Adam
+  moments (with or without ZeRO-1, padding included);
+- the **step** is simulated on the meta device: one micro-batch's forward and backward through this
+  rank's stage(s), every tensor op tracked by `LiveMemory`, gives what a micro-batch keeps for backward
+  (its saved activations) and the peak while it runs (activations, logits, their gradients, transient
+  buffers); the pipeline schedule says how many micro-batches each stage holds at once.
+
+`LiveMemory` tracks every storage a tensor op creates until it is freed (not the ones that existed
+before, nor outputs that alias an input: views and in-place ops), on real tensors as on meta ones,
+so the estimate is checked against a real step's peak on CPU (tests/diagnostics/test_memory.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from femtotron.layout import DTYPES, build_rank_model
+from femtotron.parallel.comm import Comm, Group
+from femtotron.parallel.pipeline.schedules import schedule
+from femtotron.parallel.tensor_parallel import TensorParallel
+from femtotron.precision import ESTIMATING_FOR_THIS_CPU
+
+GIB = 2**30
+# Usable memory per device: what the driver reports, less what the CUDA context keeps (~0.5-1 GiB).
+DEVICES = {"H100": 79.1, "H200": 139.8, "A100-80GB": 79.1, "A100-40GB": 39.4, "L40S": 44.4, "V100-32GB": 31.7,
+           "CPU": None}
+
+
+class LiveMemory(TorchDispatchMode):
+    """While active: bytes of tensor storage created by tensor ops and still alive (`live`), and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._alive: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for tensor in tree_flatten(out)[0]:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = id(storage)
+            if key in inputs or key in self._alive:  # a view or an in-place result: nothing new
+                continue
+            self._alive.add(key)
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._freed, key, storage.nbytes())
+        return out
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._alive.discard(key)
+        self.live -= nbytes
+
+
+@dataclass
+class RankEstimate:
+    pp_rank: int
+    state: dict[str, int]  # params, grads, master_weights, adam_moments
+    saved_per_micro_batch: list[int]  # per model chunk: the activations a micro-batch keeps until its backward
+    micro_batch_peak: int  # the most alive while one micro-batch runs forward and backward
+    waiting: int  # the activations of the other micro-batches held meanwhile (1F1B: up to pp - pp_rank - 1)
+    micro_batches_held: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.state.values()) + self.waiting + self.micro_batch_peak
+
+
+def schedule_peak(engine: str, pp: int, pp_rank: int, micro_batches: int, saved: list[int]) -> tuple[int, int]:
+    """The most activation bytes this rank holds for micro-batches whose backward has not run, and the most
+    micro-batches at once, walking its action list."""
+    held: dict[tuple[int, int], int] = {}
+    worst = most = 0
+    for action in schedule(engine, pp, pp_rank, micro_batches, len(saved)):
+        if action.kind == "F":
+            held[action.micro_batch, action.chunk] = saved[action.chunk]
+        else:
+            held.pop((action.micro_batch, action.chunk))
+        worst, most = max(worst, sum(held.values())), max(most, len(held))
+    return worst, most
+
+
+def with_changes(config: Any, zero_stage: int | None = None, recompute: bool | None = None, **tokens: int) -> Any:
+    """`config` with other optimizer.zero_stage, parallelism.recompute_layer or tokens.* values (fixes to try)."""
+    changes: dict[str, Any] = {}
+    if zero_stage is not None:
+        changes["optimizer"] = config.optimizer.model_copy(update={"zero_stage": zero_stage})
+    if recompute is not None:
+        changes["parallelism"] = config.parallelism.model_copy(update={"recompute_layer": recompute})
+    if tokens:
+        changes["tokens"] = config.tokens.model_copy(update=tokens)
+    return config.model_copy(update=changes)
+
+
+def estimate_rank(config: Any, pp_rank: int, on_this_cpu: bool = False) -> RankEstimate:
+    """The memory of a rank at pipeline position `pp_rank` (every tp and dp rank there is alike), on GPUs,
+    or with `on_this_cpu` on this machine's CPU (which may compute bf16 matmuls on fp32 copies)."""
+    token = ESTIMATING_FOR_THIS_CPU.set(on_this_cpu)
+    try:
+        return _estimate_rank(config, pp_rank)
+    finally:
+        ESTIMATING_FOR_THIS_CPU.reset(token)
+
+
+def _estimate_rank(config: Any, pp_rank: int) -> RankEstimate:
+    par, tokens = config.parallelism, config.tokens
+    meta = torch.device("meta")
+    tp = TensorParallel(Comm(), Group("tp", tuple(range(par.tp))), 0, sequence_parallel=par.tp_mode == "REDUCE_SCATTER")
+    model = build_rank_model(config, tp, par.pp, pp_rank, Comm(), Group("dp", tuple(range(par.dp))), 0, meta)
+    data_parallel = model.data_parallel
+    owned = sum(p.end - p.start for p in data_parallel.pieces)
+    fp32 = data_parallel.flat_params.dtype == torch.float32
+    state = {"params": data_parallel.flat_params.nbytes, "grads": data_parallel.flat_grads.nbytes,
+             "master_weights": 0 if fp32 else 4 * owned, "adam_moments": 8 * owned}
+    sequence = tokens.sequence_length // (par.tp if tp.sequence_parallel else 1)
+    saved, peaks = [], []
+    for chunk_index, chunk in enumerate(model.chunks):
+        stage = chunk_index * par.pp + pp_rank
+        batch = torch.zeros(tokens.micro_batch_size, tokens.sequence_length + 1, dtype=torch.int64, device=meta)
+        with LiveMemory() as memory:
+            if stage == 0:
+                inputs = batch[:, :-1]
+            else:  # what the previous stage sends; received into a new buffer
+                inputs = torch.empty(tokens.micro_batch_size, sequence, config.model.model_config_.hidden_size,
+                                     dtype=DTYPES[config.model.dtype], device=meta).requires_grad_()
+            output = chunk.run_stage(inputs, batch[:, 1:])
+            saved.append(memory.live)
+            if stage == par.pp * par.pp_virtual_stages - 1:
+                output.backward()
+            else:
+                torch.autograd.backward(output, torch.empty_like(output))
+            del inputs, output
+        peaks.append(memory.peak)
+    held_bytes, held = schedule_peak(par.pp_engine, par.pp, pp_rank, tokens.batch_accumulation_per_replica, saved)
+    waiting = held_bytes - max(saved) if held > 1 else 0  # the others, while the largest one runs
+    return RankEstimate(pp_rank, state, saved, max(peaks), waiting, held)
+
+
+def human(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def device_budget(device: str | None, device_memory: float | None) -> tuple[str, float | None]:
+    if device_memory is not None:
+        return f"{device_memory:g} GiB per device", device_memory * GIB
+    if device is None:
+        return "no device given (--device or --device-memory)", None
+    name = next((k for k in DEVICES if k.lower() == device.lower()), None)
+    if name is None:
+        raise ValueError(f"unknown device {device!r}; known: {', '.join(DEVICES)}, or give --device-memory GIB")
+    memory = DEVICES[name]
+    return (f"{name} ({memory:g} GiB usable)" if memory else name), (memory * GIB if memory else None)
+

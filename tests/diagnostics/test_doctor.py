@@ -1,0 +1,42 @@
+"""`femtotron doctor`: a config checked without launching (L1, M1, M3, P2, T3)."""
+
+from __future__ import annotations
+
+import yaml
+
+from femtotron.cli import main
+
+
+def write(tiny_config, tmp_path, *overrides):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(*overrides).to_dict()))
+    return str(path)
+
+
+def test_M1_doctor_says_what_does_not_fit_and_what_each_fix_gives(tiny_config, tmp_path, capsys):
+    config = write(tiny_config, tmp_path, "parallelism.dp=2", "tokens.micro_batch_size=8")
+    assert main(["doctor", config, "--device-memory", "0.002"]) == 1
+    out = capsys.readouterr().out
+    assert "config: every rule holds; layout dp=2 tp=1 pp=1 = 2 process(es)" in out
+    assert "dp: all-reduce" in out and "memory per rank (estimate; device: 0.002 GiB per device):" in out
+    assert "does NOT fit (M1): pp rank 0 needs" in out
+    for fix in ("tokens.micro_batch_size=4 (and batch_accumulation_per_replica=2 to keep the batch)",
+                "tokens.sequence_length=16", "optimizer.zero_stage=1", "parallelism.recompute_layer=true"):
+        assert f"  {fix}: " in out
+    assert main(["doctor", config, "--device", "H100"]) == 0
+    assert "fits: the largest rank needs" in capsys.readouterr().out
+
+
+def test_L1_doctor_checks_the_world_size_without_launching(tiny_config, tmp_path, capsys):
+    config = write(tiny_config, tmp_path, "parallelism.dp=2")
+    assert main(["doctor", config, "--world-size", "3"]) == 2
+    assert "WORLD_SIZE=3" in capsys.readouterr().err
+
+
+def test_P2_T3_M3_doctor_prints_the_bubble_the_stage_map_and_the_tp_placement(tiny_config, tmp_path, capsys):
+    config = write(tiny_config, tmp_path, "parallelism.pp=2", "parallelism.tp=2", "tokens.batch_accumulation_per_replica=2")
+    assert main(["doctor", config, "--gpus-per-node", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 1f1b, each stage idles 33% of a step in theory (P2)" in out
+    assert "stage 0 (pp rank 0" in out and "pp rank 1: " in out
+    assert "tp=2 > 1 GPUs per node" in out and "pp: " in out and "tp: " in out

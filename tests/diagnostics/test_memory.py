@@ -1,0 +1,46 @@
+"""M1: the memory estimate (meta-device simulation, no memory used) against a real step's peak on CPU."""
+
+from __future__ import annotations
+
+import pytest
+from distributed import run_ranks
+
+from femtotron.diagnostics.memory import LiveMemory, estimate_rank
+from femtotron.parallel.context import ParallelContext
+from femtotron.trainer import Trainer
+
+BASE = ("model.model_config.num_hidden_layers=4", "model.model_config.num_key_value_heads=4",
+        "model.model_config.vocab_size=2048", "tokens.sequence_length=64")
+LAYOUTS = {
+    "one process, fp32": (),
+    "one process, bf16, recompute": ("model.dtype=bfloat16", "parallelism.recompute_layer=true"),
+    "tp=2 sequence parallel": ("parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"),
+    "pp=2 1F1B, 4 micro-batches": ("parallelism.pp=2", "tokens.batch_accumulation_per_replica=4"),
+    "dp=2 ZeRO-1 bf16": ("parallelism.dp=2", "optimizer.zero_stage=1", "model.dtype=bfloat16"),
+}
+
+
+def measured_and_estimated(rank, config):
+    """This rank's real peak during a (second) training step: the model state it holds plus the peak of the
+    storage the step allocates; and the estimate for its pipeline position."""
+    par = config.parallelism
+    ctx = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp, collective_timeout_seconds=60)
+    trainer = Trainer(config, ctx, log_to_console=False)
+    trainer.train_step()  # Adam's moments exist from here on
+    trainer.step = 1
+    with LiveMemory() as memory:
+        trainer.train_step()
+    measured = sum(trainer.optimizer.memory_plan().values()) + memory.peak
+    estimated = estimate_rank(config, ctx.pp_rank, on_this_cpu=True).total
+    ctx.close()
+    return measured, estimated
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_M1_the_estimate_is_within_10_percent_of_the_measured_peak(tiny_config, layout):
+    config = tiny_config(*BASE, *LAYOUTS[layout], "tokens.micro_batch_size=4", "tokens.batch_accumulation_per_replica=2"
+                         if "micro-batches" not in layout else "tokens.micro_batch_size=4")
+    world = config.parallelism.dp * config.parallelism.tp * config.parallelism.pp
+    results = [measured_and_estimated(0, config)] if world == 1 else run_ranks(measured_and_estimated, world, config)
+    for measured, estimated in results:
+        assert estimated == pytest.approx(measured, rel=0.10), (layout, measured, estimated)
