@@ -30,6 +30,7 @@ from femtotron.data.nanoset import MicroBatchIterator, Nanoset
 from femtotron.data.tokenizer import load_tokenizer
 from femtotron.diagnostics.data_check import check_token_range, first_loss_warning
 from femtotron.diagnostics.loss_spikes import LossSpikes
+from femtotron.diagnostics.memory import human
 from femtotron.diagnostics.nan_origin import NonFinite, earliest_over_ranks, watch
 from femtotron.diagnostics.watchdog import Watchdog
 from femtotron.errors import ConfigError, DataError, FemtotronError
@@ -515,7 +516,7 @@ class Trainer:
         """M1/M2: where it ran out, what the model state takes, the allocator's view, and the knobs."""
         action = self.pipeline.current
         plan = self.optimizer.memory_plan()
-        state = ", ".join(f"{key.replace('_', ' ')} {value / 2**30:.2f} GiB" for key, value in plan.items())
+        state = ", ".join(f"{key.replace('_', ' ')} {human(value)}" for key, value in plan.items())
         memory = ", ".join(f"{k.removeprefix('mem_').removesuffix('_gib')} {v:.2f} GiB"
                            for k, v in memory_gib(self.ctx.device).items())
         tokens, par = self.config.tokens, self.config.parallelism
@@ -542,8 +543,8 @@ class Trainer:
             f"step {self.step + 1}: loss {loss} / grad norm {grad_norm} is not finite; the optimizer step was "
             f"skipped and training stopped.\nWhere: {where}.\nRecent steps: {recent}\n"
             "Fixes: lower optimizer.learning_rate_scheduler.learning_rate (e.g. by 3x), keep "
-            "optimizer.clip_grad at 1.0, keep model.dtype=bfloat16, model.init_method.std=0.02; if the module "
-            "above is the first layers' or the data looks odd, check the data (`femtotron inspect-data`). "
+            "optimizer.clip_grad at 1.0, keep model.dtype=bfloat16, model.init_method.std=0.02; if it starts at "
+            "the embedding or the first layer, look at the data (`femtotron inspect-data CONFIG`). "
             "optimizer.on_non_finite=skip drops such steps instead of stopping."
         )
 

@@ -26,7 +26,7 @@ def test_M1_an_out_of_memory_error_says_where_what_the_state_takes_and_the_fixes
     message = str(info.value)
     assert message.startswith("step 1: out of memory on rank 0 in the forward of micro-batch 0, pipeline stage 0 "
                               "(CUDA out of memory. Tried to allocate 2.00 GiB)")
-    assert "This rank's model state: params 0.00 GiB, grads 0.00 GiB, master weights 0.00 GiB, adam moments" in message
+    assert "This rank's model state: params 0.4 MiB, grads 0.4 MiB, master weights 0.0 MiB, adam moments 0.8 MiB" in message
     assert "tokens.micro_batch_size=2" in message and "parallelism.recompute_layer=true" in message
     assert info.value.exit_code == 8
 
