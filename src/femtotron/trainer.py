@@ -1,6 +1,6 @@
 """Build everything from a config, then train: batch -> forward/backward -> reduce -> clip -> step -> log.
 
-Read `Trainer.train_step` top to bottom to follow one optimizer step.
+Read `Trainer.one_step` top to bottom to follow one optimizer step.
 """
 
 from __future__ import annotations
@@ -96,9 +96,15 @@ def open_nanoset(folders: str | list[str] | dict[str, float], sequence_length: i
 
 
 def check_supported(config: Config) -> None:
+    if torch.cuda.is_available():
+        refuse_on_gpus(config)
+
+
+def refuse_on_gpus(config: Config) -> None:
+    """What this version cannot run on GPUs (also checked by `femtotron doctor --device`)."""
     problems = []
     par = config.parallelism
-    if par.pp > 1 and par.pp_engine == "interleaved-1f1b" and torch.cuda.is_available():
+    if par.pp > 1 and par.pp_engine == "interleaved-1f1b":
         # NCCL pairs transfers between two ranks in issue order on one stream; with the batched
         # send/receive pairs of parallel/pipeline/p2p.py the interleaved order deadlocks there from
         # 2 * pp micro-batches on (tests/parallel/pipeline/test_schedules.py models it). Gloo is fine.
@@ -259,9 +265,14 @@ class Trainer:
         watchdog = Watchdog(self.ctx.comm, self.ctx.rank, self.ctx.world_size,
                             self.config.parallelism.hang_timeout_seconds, self.whereabouts).start()
         try:
-            return self.train_until_done()
-        finally:
-            watchdog.stop()
+            results = self.train_until_done()
+            # Every rank is done before any stops watching: the first to exit may take the store with it.
+            self.ctx.comm.barrier(self.ctx.world_group)
+        except BaseException:
+            watchdog.stop(failed=True)
+            raise
+        watchdog.stop()
+        return results
 
     def whereabouts(self) -> str:
         """Where this rank is in training, for hang reports (read from the watchdog thread)."""
@@ -359,11 +370,15 @@ class Trainer:
             f"Resume with checkpoints.resume_checkpoint_path={path.parent} (its latest checkpoint).")
 
     def train_step(self) -> StepResult:
-        start = time.perf_counter()
+        """One optimizer step; running out of memory anywhere in it is reported with where and what to change."""
         try:
-            loss, tokens, grads = self.compute_gradients()
+            return self.one_step()
         except torch.OutOfMemoryError as e:
             raise self.out_of_memory(e) from None
+
+    def one_step(self) -> StepResult:
+        start = time.perf_counter()
+        loss, tokens, grads = self.compute_gradients()
         lr = lr_at(self.step, self.config.optimizer.learning_rate_scheduler, self.config.tokens.train_steps)
         # fp16: back to true units before clipping; an overflow (agreed by every rank) with a finite loss
         # skips the step. A non-finite loss is a real divergence and stops below.

@@ -123,7 +123,7 @@ class ParallelismArgs(_Section):
     init_timeout_seconds: PositiveFloat = 300
     collective_timeout_seconds: PositiveFloat = 600
     # an op in flight this long on any rank: every rank's state is gathered into one report and the job stops
-    hang_timeout_seconds: PositiveFloat = 300
+    hang_timeout_seconds: PositiveFloat = 600
 
 
 class TokensArgs(_Section):

@@ -14,6 +14,7 @@ from femtotron.config.config import pipeline_bubble, rule_problems
 from femtotron.diagnostics.memory import GIB, RankEstimate, device_budget, estimate_rank, human, with_changes
 from femtotron.layout import DTYPES
 from femtotron.parallel.pipeline.partition import partition, stage_map
+from femtotron.trainer import refuse_on_gpus
 
 
 def worst_stage(config: Any, on_cpu: bool) -> RankEstimate:
@@ -81,6 +82,8 @@ def diagnose(config: Any, world_size: int | None, device: str | None, device_mem
     world = par.dp * par.tp * par.pp
     if world_size is not None:
         check_world_size(config, world_size)  # L1: raises with the valid layouts
+    if device is not None and device.lower() != "cpu":
+        refuse_on_gpus(config)
     lines = [f"config: every rule holds; layout dp={par.dp} tp={par.tp} pp={par.pp} = {world} process(es)"]
     lines += [f"warning: {w}" for w in config_warnings(config)]
     if par.tp > gpus_per_node:
@@ -110,7 +113,8 @@ def diagnose(config: Any, world_size: int | None, device: str | None, device_mem
     if budget is not None:
         if fits:
             lines.append(f"fits: the largest rank needs {human(worst.total)} of {budget / GIB:.1f} GiB "
-                         f"({worst.total / budget:.0%})")
+                         f"({worst.total / budget:.0%})" + ("; within 2 GiB of the device: NCCL buffers and the "
+                         "allocator's slack (not in the estimate) may not fit" if budget - worst.total < 2 * GIB else ""))
         else:
             lines.append(f"does NOT fit (M1): pp rank {worst.pp_rank} needs {human(worst.total)}, the device has "
                          f"{budget / GIB:.1f} GiB. Fixes, each on its own:")

@@ -42,52 +42,61 @@ class Watchdog:
         self.seen: dict[int, tuple[int, float]] = {}  # rank -> (its heartbeat, when it last changed here)
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="femtotron-watchdog", daemon=True)
+        self.keys = [f"{comm.key_prefix}state/{r}" for r in range(world_size)]
+        self.store: Any = None
 
     def start(self) -> Watchdog:
         self.started_at = time.monotonic()
-        if self.comm.store is not None and self.world_size > 1:
+        if self.comm.store_address is not None and self.world_size > 1:
+            self.store = self.comm.new_store_client()  # its own connection: the main thread may wait on the store
             self.thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop watching, and tell the others this rank is done (not silent) from now on."""
+    def stop(self, failed: bool = False) -> None:
+        """Stop watching, and tell the others this rank is done (or failed: its own error says why)."""
         self.stopped.set()
         if self.thread.is_alive():
             self.thread.join(timeout=2 * self.interval)
-            self.comm.store.set(f"femtotron/state/{self.rank}", json.dumps({**self.state(), "done": True}))
+            try:
+                self.store.set(self.keys[self.rank], json.dumps({**self.state(), "failed" if failed else "done": True}))
+            except (RuntimeError, OSError):  # the store's server is gone too; nothing left to tell
+                pass
 
     def state(self) -> dict[str, Any]:
-        op = self.comm.in_flight
-        return {"rank": self.rank, "beat": self.beats, "where": self.where(),
-                "op": None if op is None else {"kind": op.kind, "group": op.group, "peer": op.peer,
-                                               "shape": list(op.shape), "dtype": op.dtype,
-                                               "seconds": round(time.monotonic() - op.started, 1)}}
+        op, last = self.comm.in_flight, self.comm.last_op
+        return {"rank": self.rank, "beat": self.beats, "where": self.where(), "op": _op(op),
+                "last_op": None if last is None or op is not None else _op(last)}
 
     def _run(self) -> None:
         while not self.stopped.is_set():
             self.beats += 1
             try:
-                self.comm.store.set(f"femtotron/state/{self.rank}", json.dumps(self.state()))
+                self.store.set(self.keys[self.rank], json.dumps(self.state()))
                 states = self._states()
             except (RuntimeError, OSError) as e:  # the store is gone: whoever served it has died
-                self._end(f"the rendezvous store stopped answering ({str(e).splitlines()[0][:200]}): the process "
-                          "serving it (rank 0, or the launcher) has died. Look for its error or an out-of-memory kill "
-                          "(exit code 137) in its log.")
+                if not self.stopped.is_set():
+                    self._end(f"the rendezvous store stopped answering ({str(e).splitlines()[0][:200]}): the "
+                              "process serving it (rank 0, or the launcher) has died. Look for its error or an "
+                              "out-of-memory kill (exit code 137) in its log.")
                 return
             now = time.monotonic()
             silent = []
             for rank, state in states.items():
                 if state.get("done"):
                     continue
+                if state.get("failed"):
+                    silent.append(rank)
+                    continue
                 beat, since = self.seen.get(rank, (-1, now))
                 if state["beat"] != beat:
                     self.seen[rank] = (state["beat"], now)
                 elif now - since > self.silent_seconds:
                     silent.append(rank)
-            missing = [r for r in range(self.world_size) if r not in states and now - self.started_at > self.silent_seconds]
+            missing = [r for r in range(self.world_size)
+                       if r not in states and now - self.started_at > self.silent_seconds]
             op = self.comm.in_flight
             if silent or missing:
-                self._end(self.report(states, silent + missing, "stopped responding (its process died or froze)"))
+                self._end(self.report(states, silent + missing, "stopped (failed, died or froze)"))
                 return
             if op is not None and now - op.started > self.hang_timeout:
                 self._end(self.report(states, [], f"has waited in {op.kind} on {op.group} for "
@@ -97,8 +106,9 @@ class Watchdog:
             self.stopped.wait(self.interval)
 
     def _states(self) -> dict[int, dict[str, Any]]:
-        keys = [f"femtotron/state/{r}" for r in range(self.world_size)]
-        return {r: json.loads(self.comm.store.get(k).decode()) for r, k in enumerate(keys) if self.comm.store.check([k])}
+        if self.store.check(self.keys):  # one request for all once every rank has reported
+            return {r: json.loads(v.decode()) for r, v in enumerate(self.store.multi_get(self.keys))}
+        return {r: json.loads(self.store.get(k).decode()) for r, k in enumerate(self.keys) if self.store.check([k])}
 
     def report(self, states: dict[int, dict[str, Any]], silent: list[int], problem: str, stuck: bool = False) -> str:
         lines = [f"hang report from rank {self.rank}: " + (f"rank {self.rank} {problem}" if stuck else
@@ -108,7 +118,8 @@ class Watchdog:
             if state is None:
                 lines.append(f"  rank {rank}: never reported" + (" <- silent" if rank in silent else ""))
                 continue
-            lines.append(f"  rank {rank}: {describe(state)}" + (" <- silent" if rank in silent else ""))
+            lines.append(f"  rank {rank}: {describe(state)}" + (" <- " + ("failed" if state.get("failed") else "silent")
+                                                                  if rank in silent else ""))
         lines += mismatches(states)
         lines.append("A rank that took another code path (a different config, data, or an exception it swallowed) is "
                      "the usual cause; its own log says more. The job is stopped rather than left waiting.")
@@ -119,11 +130,22 @@ class Watchdog:
         os._exit(EXIT_CODE)
 
 
+def _op(op: Any) -> dict[str, Any] | None:
+    if op is None:
+        return None
+    return {"kind": op.kind, "group": op.group, "peer": op.peer, "shape": list(op.shape), "dtype": op.dtype,
+            "seconds": round(time.monotonic() - op.started, 1)}
+
+
 def describe(state: dict[str, Any]) -> str:
-    op = state.get("op")
-    doing = "computing (no communication in flight)" if op is None else (
-        f"in {op['kind']} on {op['group']}" + (f" with rank {op['peer']}" if op["peer"] is not None else "")
-        + f" for a {tuple(op['shape'])} {op['dtype']} tensor, {op['seconds']:g} s so far")
+    op, last = state.get("op"), state.get("last_op")
+    if op is not None:
+        doing = (f"in {op['kind']} on {op['group']}" + (f" with rank {op['peer']}" if op["peer"] is not None else "")
+                 + f" for a {tuple(op['shape'])} {op['dtype']} tensor, {op['seconds']:g} s so far")
+    else:  # on GPUs a collective returns once queued: what was issued last is then the best clue
+        doing = "no communication in flight" + ("" if last is None else (
+            f" (the last issued: {last['kind']} on {last['group']}"
+            + (f" with rank {last['peer']}" if last["peer"] is not None else "") + f", {last['seconds']:g} s ago)"))
     return f"{doing}; {state['where']}"
 
 

@@ -64,13 +64,19 @@ class Comm:
         self._seconds: Counter[str] = Counter()  # group kind -> seconds in collectives
         self._pending_events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.store: dist.Store | None = None  # set by ParallelContext with more than one process
+        self.store_address: tuple[str, int] | None = None
         self._posted: dict[str, str] = {}
         self._keys = 0
+        # torchrun's store outlives a worker restart: keys carry the attempt, so none is read from the last one
+        self.key_prefix = f"femtotron/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.last_op: OpInFlight | None = None  # the op issued last, finished or not (on GPUs most return at once)
+        self.ops_issued = 0
 
     @contextmanager
     def _record(self, kind: str, group: Group, tensor: torch.Tensor, peer: int | None, sent: float) -> Iterator[None]:
         op = OpInFlight(kind, group.name, peer, tuple(tensor.shape), str(tensor.dtype), time.monotonic())
-        self.in_flight = op
+        self.in_flight = self.last_op = op
+        self.ops_issued += 1
         # On CUDA the call returns before the transfer ends: time it with events on the stream.
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if tensor.is_cuda else None
         if events:
@@ -78,7 +84,11 @@ class Comm:
         start = time.perf_counter()
         try:
             yield
+        except torch.OutOfMemoryError:
+            self.in_flight = None
+            raise
         except RuntimeError as e:  # torch's DistBackendError and gloo's transport errors are RuntimeErrors
+            self.in_flight = None
             raise collective_failed(op, e) from None
         if events:
             events[1].record()
@@ -210,12 +220,18 @@ class Comm:
         self._keys += 1
         return f"{prefix}{self._keys}"
 
+    def new_store_client(self) -> dist.Store:
+        """Another connection to the rendezvous store: a client serves one request at a time, so a thread that
+        must get through while the main thread waits on the store (the watchdog) needs its own."""
+        host, port = self.store_address
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
+
     def post(self, key: str, value: str) -> None:
         """Publish a string under `key` in the rendezvous store (a dict when there is one process)."""
         if self.store is None:
             self._posted[key] = value
         else:
-            self.store.set(f"femtotron/post/{key}", value)
+            self.store.set(f"{self.key_prefix}post/{key}", value)
 
     def collect(self, keys: list[str], timeout: float, remove: bool = False) -> dict[str, str]:
         """Wait up to `timeout` seconds for every key to be posted; return those that were (all of them,
@@ -223,7 +239,7 @@ class Comm:
         (when only this rank reads them), so a long run does not pile them up."""
         if self.store is None:
             return {k: (self._posted.pop if remove else self._posted.get)(k) for k in keys if k in self._posted}
-        full = [f"femtotron/post/{k}" for k in keys]
+        full = [f"{self.key_prefix}post/{k}" for k in keys]
         try:
             self.store.wait(full, timedelta(seconds=timeout))
         except (RuntimeError, OSError):  # a timeout: some key never came
@@ -231,7 +247,7 @@ class Comm:
         got = {k: self.store.get(f).decode() for k, f in zip(keys, full, strict=True) if self.store.check([f])}
         if remove:
             for key in got:
-                self.store.delete_key(f"femtotron/post/{key}")
+                self.store.delete_key(f"{self.key_prefix}post/{key}")
         return got
 
     def barrier(self, group: Group) -> None:
@@ -275,7 +291,8 @@ def rendezvous(
             f"Could not reach the rendezvous store at {where} within {init_timeout:g} s: {e}.\n"
             f"{_NETWORK_ADVICE}"
         ) from None
-    keys = [f"femtotron/joined/{r}" for r in range(world_size)]
+    attempt = f"femtotron/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # torchrun restarts
+    keys = [f"{attempt}/joined/{r}" for r in range(world_size)]
     store.set(keys[rank], socket.gethostname())
     try:
         store.wait(keys, timedelta(seconds=init_timeout))
@@ -290,7 +307,7 @@ def rendezvous(
             "Raise parallelism.init_timeout_seconds if nodes start slowly."
         ) from None
     hosts = [store.get(k).decode() for k in keys]
-    dist.init_process_group(backend, store=dist.PrefixStore("femtotron/pg", store), rank=rank,
+    dist.init_process_group(backend, store=dist.PrefixStore(f"{attempt}/pg", store), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=collective_timeout))
     return hosts, store
 

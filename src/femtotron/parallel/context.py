@@ -68,6 +68,7 @@ class ParallelContext:
             port = int(os.environ.get("MASTER_PORT", "29500"))
             self.hosts, self.comm.store = comm.rendezvous(self.rank, self.world_size, host, port, self.backend,
                                                           init_timeout_seconds, collective_timeout_seconds)
+            self.comm.store_address = (host, port)
         coords = coordinates_of(self.rank, dp, tp)
         self.pp_rank, self.dp_rank, self.tp_rank = coords.pp_rank, coords.dp_rank, coords.tp_rank
         self._build_groups()
