@@ -63,7 +63,8 @@ def test_P1_a_rank_that_skips_a_send_ends_the_job_with_a_report_naming_the_pair(
                       "tokens.batch_accumulation_per_replica=4", "tokens.micro_batch_size=1")
     outputs = [rank.communicate(timeout=90)[1] for rank in ranks]
     assert time.monotonic() - start < 60  # not the 120 s collective timeout
-    assert [rank.returncode for rank in ranks] == [4, 4], outputs
+    # The rank that reports exits with 4; the other fails on the closed connection (or reports too).
+    assert 4 in [rank.returncode for rank in ranks] and all(rank.returncode for rank in ranks), outputs
     # The first rank to see its op pass the timeout reports and exits; the other then fails on the closed pair.
     report = next(output for output in outputs if "hang report" in output)
     assert re.search(r"hang report from rank (\d): rank \1 has waited in recv on pp\[0,1\] for \d+ s "

@@ -84,12 +84,10 @@ class Comm:
         start = time.perf_counter()
         try:
             yield
-        except torch.OutOfMemoryError:
-            self.in_flight = None
+        except torch.OutOfMemoryError:  # a RuntimeError too, but not the collective's fault
             raise
         except RuntimeError as e:  # torch's DistBackendError and gloo's transport errors are RuntimeErrors
-            self.in_flight = None
-            raise collective_failed(op, e) from None
+            raise collective_failed(op, e) from None  # `in_flight` keeps the failed op, for the reports
         if events:
             events[1].record()
             self._pending_events.append((group.kind, *events))
@@ -172,14 +170,6 @@ class Comm:
         n = group.size
         with self._record("all_gather", group, shard, None, (n - 1) * _nbytes(shard)):
             return _all_gather_single(tensor, shard, group=group.handle, async_op=True)
-
-    def broadcast(self, tensor: torch.Tensor, group: Group, src: int) -> torch.Tensor:
-        """Copy global rank `src`'s tensor to every rank of the group, in place."""
-        if group.size == 1:
-            return tensor
-        with self._record("broadcast", group, tensor, src, _nbytes(tensor) if dist.get_rank() == src else 0):
-            dist.broadcast(tensor, src=src, group=group.handle)
-        return tensor
 
     def send(self, tensor: torch.Tensor, group: Group, dst: int) -> None:
         with self._record("send", group, tensor, dst, _nbytes(tensor)):
