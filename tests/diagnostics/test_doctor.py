@@ -21,7 +21,7 @@ def test_M1_doctor_says_what_does_not_fit_and_what_each_fix_gives(tiny_config, t
     assert "dp: all-reduce" in out and "memory per rank (estimate; device: 0.002 GiB per device):" in out
     assert "does NOT fit (M1): pp rank 0 needs" in out
     for fix in ("tokens.micro_batch_size=4 (and batch_accumulation_per_replica=2 to keep the batch)",
-                "tokens.sequence_length=16", "optimizer.zero_stage=1", "parallelism.recompute_layer=true"):
+                "tokens.sequence_length=16", "with optimizer.zero_stage=1", "with parallelism.recompute_layer=true"):
         assert f"  {fix}: " in out
     assert main(["doctor", config, "--device", "H100"]) == 0
     assert "fits: the largest rank needs" in capsys.readouterr().out

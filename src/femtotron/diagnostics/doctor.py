@@ -22,7 +22,8 @@ def worst_stage(config: Any, on_cpu: bool) -> RankEstimate:
 
 
 def fixes(config: Any, budget: float, on_cpu: bool) -> list[str]:
-    """The guide's knobs against OOM, each tried on its own, with the largest rank's estimate it gives."""
+    """The guide's other knobs against OOM (ZeRO-1 and recomputation are in `variants`), each tried on its own,
+    with the largest rank's estimate it gives."""
     tokens, par = config.tokens, config.parallelism
     candidates: list[tuple[str, Any]] = []
     if tokens.micro_batch_size > 1:
@@ -33,10 +34,6 @@ def fixes(config: Any, budget: float, on_cpu: bool) -> list[str]:
                                         batch_accumulation_per_replica=tokens.batch_accumulation_per_replica * 2)))
     candidates.append((f"tokens.sequence_length={tokens.sequence_length // 2}",
                        with_changes(config, sequence_length=tokens.sequence_length // 2)))
-    if config.optimizer.zero_stage == 0 and par.dp > 1:
-        candidates.append(("optimizer.zero_stage=1", with_changes(config, zero_stage=1)))
-    if not par.recompute_layer:
-        candidates.append(("parallelism.recompute_layer=true", with_changes(config, recompute=True)))
     for key in ("tp", "pp"):
         bigger = config.model_copy(update={"parallelism": par.model_copy(update={key: getattr(par, key) * 2})})
         if not rule_problems(bigger):
@@ -46,6 +43,22 @@ def fixes(config: Any, budget: float, on_cpu: bool) -> list[str]:
         total = worst_stage(changed, on_cpu).total
         verdict = "fits" if total <= budget else "still too much"
         lines.append(f"  {label}: {human(total)} per rank ({verdict})")
+    return lines
+
+
+def variants(config: Any, budget: float | None, on_cpu: bool) -> list[str]:
+    """The same layout with ZeRO-1 and recomputation switched the other way, whether or not it fits."""
+    par = config.parallelism
+    toggles = [(f"parallelism.recompute_layer={str(not par.recompute_layer).lower()}",
+                with_changes(config, recompute=not par.recompute_layer))]
+    if par.dp > 1:
+        other = 1 - config.optimizer.zero_stage
+        toggles.insert(0, (f"optimizer.zero_stage={other}", with_changes(config, zero_stage=other)))
+    lines = []
+    for label, changed in toggles:
+        total = worst_stage(changed, on_cpu).total
+        verdict = "" if budget is None else (" (fits)" if total <= budget else " (does not fit)")
+        lines.append(f"  with {label}: {human(total)} per rank{verdict}")
     return lines
 
 
@@ -109,6 +122,7 @@ def diagnose(config: Any, world_size: int | None, device: str | None, device_mem
                      f"{human(e.micro_batch_peak)} at its peak, {e.micro_batches_held} held at most "
                      f"(+{human(e.waiting)})")
     worst = max(estimates, key=lambda e: e.total)
+    lines += variants(config, budget, on_cpu)
     fits = budget is None or worst.total <= budget
     if budget is not None:
         if fits:
@@ -117,6 +131,6 @@ def diagnose(config: Any, world_size: int | None, device: str | None, device_mem
                          "allocator's slack (not in the estimate) may not fit" if budget - worst.total < 2 * GIB else ""))
         else:
             lines.append(f"does NOT fit (M1): pp rank {worst.pp_rank} needs {human(worst.total)}, the device has "
-                         f"{budget / GIB:.1f} GiB. Fixes, each on its own:")
+                         f"{budget / GIB:.1f} GiB. More fixes, each on its own (ZeRO-1 and recomputation: above):")
             lines += fixes(config, budget, on_cpu)
     return "\n".join(lines), fits
