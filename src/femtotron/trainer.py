@@ -148,7 +148,6 @@ class Trainer:
         self.optimizer = ZeroAdamW(list(params), self.data_parallel, config.optimizer)
         # The grad norm sums the pieces this rank owns over the model-parallel group, and under ZeRO-1,
         # where each dp rank owns different pieces, over dp too.
-        self.counted_params = model.counted
         self.counted_pieces = [model.counted[piece.param] for piece in self.data_parallel.pieces]
         self.norm_groups = [ctx.mp_group] + ([ctx.dp_group] if self.data_parallel.sharded else [])
         # Under sequence parallelism each rank saw only its part of the sequence: the gradients of the

@@ -118,9 +118,9 @@ def diagnose(config: Any, world_size: int | None, device: str | None, device_mem
     estimates = [estimate_rank(config, p, on_cpu) for p in range(par.pp)]
     for e in estimates:
         state = " + ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in e.state.items())
-        lines.append(f"  pp rank {e.pp_rank}: {human(e.total)} = {state} + activations: one micro-batch "
-                     f"{human(e.micro_batch_peak)} at its peak, {e.micro_batches_held} held at most "
-                     f"(+{human(e.waiting)})")
+        lines.append(f"  pp rank {e.pp_rank}: {human(e.total)} = {state} + activations: a micro-batch keeps "
+                     f"{human(max(e.saved_per_micro_batch))} for its backward and peaks at {human(e.micro_batch_peak)}, "
+                     f"{e.micro_batches_held} held at most (+{human(e.waiting)})")
     worst = max(estimates, key=lambda e: e.total)
     lines += variants(config, budget, on_cpu)
     fits = budget is None or worst.total <= budget
