@@ -62,18 +62,18 @@ def variants(config: Any, budget: float | None, on_cpu: bool) -> list[str]:
     return lines
 
 
-def communication(config: Any) -> list[str]:
-    """Bytes each rank sends per step (ring algorithms), by dimension."""
+def communication(config: Any, state: dict[str, int]) -> list[str]:
+    """Bytes each rank sends per step (ring algorithms), by dimension; `state` is a rank's model-state bytes."""
     mcfg, par, tokens = config.model.model_config_, config.parallelism, config.tokens
     size = DTYPES[config.model.dtype].itemsize
     micro = tokens.batch_accumulation_per_replica
     activation = tokens.micro_batch_size * tokens.sequence_length * mcfg.hidden_size * size
     lines = []
     if par.dp > 1:
-        grads = estimate_rank(config, 0).state["grads"]
+        grads = state["grads"]
         share = (par.dp - 1) / par.dp
         if config.optimizer.zero_stage == 1:
-            gathered = estimate_rank(config, 0).state["params"]
+            gathered = state["params"]
             lines.append(f"  dp: reduce-scatter {human(share * grads)} + all-gather {human(share * gathered)} per step")
         else:
             lines.append(f"  dp: all-reduce {human(2 * share * grads)} per step")
@@ -110,12 +110,12 @@ def diagnose(config: Any, world_size: int | None, device: str | None, device_mem
         lines.append(text)
         if imbalance:
             lines.append(f"warning: {imbalance}")
-    lines.append("communication per rank:")
-    lines += communication(config)
     where, budget = device_budget(device, device_memory)
     on_cpu = (device or "").lower() == "cpu"
-    lines.append(f"memory per rank (estimate; device: {where}):")
     estimates = [estimate_rank(config, p, on_cpu) for p in range(par.pp)]
+    lines.append("communication per rank:")
+    lines += communication(config, estimates[0].state)
+    lines.append(f"memory per rank (estimate; device: {where}):")
     for e in estimates:
         state = " + ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in e.state.items())
         lines.append(f"  pp rank {e.pp_rank}: {human(e.total)} = {state} + activations: a micro-batch keeps "

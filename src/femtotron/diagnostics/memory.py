@@ -121,11 +121,7 @@ def _estimate_rank(config: Any, pp_rank: int) -> RankEstimate:
     meta = torch.device("meta")
     tp = TensorParallel(Comm(), Group("tp", tuple(range(par.tp))), 0, sequence_parallel=par.tp_mode == "REDUCE_SCATTER")
     model = build_rank_model(config, tp, par.pp, pp_rank, Comm(), Group("dp", tuple(range(par.dp))), 0, meta)
-    data_parallel = model.data_parallel
-    owned = sum(p.end - p.start for p in data_parallel.pieces)
-    fp32 = data_parallel.flat_params.dtype == torch.float32
-    state = {"params": data_parallel.flat_params.nbytes, "grads": data_parallel.flat_grads.nbytes,
-             "master_weights": 0 if fp32 else 4 * owned, "adam_moments": 8 * owned}
+    state = model.data_parallel.model_state_bytes()
     sequence = tokens.sequence_length // (par.tp if tp.sequence_parallel else 1)
     saved, peaks = [], []
     for chunk_index, chunk in enumerate(model.chunks):

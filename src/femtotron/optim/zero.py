@@ -102,9 +102,4 @@ class ZeroAdamW:
     def memory_plan(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients, fp32 master weights and Adam moments (the moments
         are allocated by the first step)."""
-        data_parallel = self.data_parallel
-        owned = sum(piece.end - piece.start for piece in self.pieces)
-        return {"params": data_parallel.flat_params.numel() * data_parallel.flat_params.element_size(),
-                "grads": data_parallel.flat_grads.numel() * data_parallel.flat_grads.element_size(),
-                "master_weights": 0 if self.masters is self.model_pieces else 4 * owned,
-                "adam_moments": 8 * owned}
+        return self.data_parallel.model_state_bytes()

@@ -168,6 +168,15 @@ class DataParallel:
         self.complete = [0] * len(self.complete)
         self.pending.clear()
 
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for the model state: parameters and gradients (the flat buffers, padding
+        included), and for the elements it owns fp32 master weights (none when the parameters are fp32: they
+        are their own masters) and Adam's two moments (optim/zero.py)."""
+        owned = sum(piece.end - piece.start for piece in self.pieces)
+        return {"params": self.flat_params.nbytes, "grads": self.flat_grads.nbytes,
+                "master_weights": 0 if self.flat_params.dtype == torch.float32 else 4 * owned,
+                "adam_moments": 8 * owned}
+
     def owned(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """This rank's pieces of a flat buffer (or of any tensor laid out like one), as 1-D views."""
         return [flat[piece.start:piece.end] for piece in self.pieces]
