@@ -306,12 +306,7 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.3f}")
                 self.log_step(result)
-                vocab = self.config.model.model_config_.vocab_size
-                if self.step == 1 and (warning := first_loss_warning(result.loss, vocab)):
-                    self.log.warn(warning)
-                spike = self.spikes.observe(self.step, result.loss) if math.isfinite(result.loss) else None
-                if spike:
-                    self.log.warn(spike)
+                self.warn_on_loss(result.loss)
                 interval = self.config.tokens.val_check_interval
                 if self.val_data is not None and interval and self.step % interval == 0:
                     self.log_validation()
@@ -327,6 +322,13 @@ class Trainer:
                 with atomic_path(self.run_dir / "tokenizer.json") as tmp:
                     self.tokenizer.save(tmp)
         return results
+
+    def warn_on_loss(self, loss: float) -> None:
+        """N3: a first loss far from ln(vocab); N4: spikes against the running median."""
+        warnings = [first_loss_warning(loss, self.config.model.model_config_.vocab_size) if self.step == 1 else None,
+                    self.spikes.observe(self.step, loss) if math.isfinite(loss) else None]
+        for warning in filter(None, warnings):
+            self.log.warn(warning)
 
     def save_checkpoint(self) -> Path:
         start = time.perf_counter()

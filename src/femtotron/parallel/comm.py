@@ -70,13 +70,11 @@ class Comm:
         # torchrun's store outlives a worker restart: keys carry the attempt, so none is read from the last one
         self.key_prefix = f"femtotron/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.last_op: OpInFlight | None = None  # the op issued last, finished or not (on GPUs most return at once)
-        self.ops_issued = 0
 
     @contextmanager
     def _record(self, kind: str, group: Group, tensor: torch.Tensor, peer: int | None, sent: float) -> Iterator[None]:
         op = OpInFlight(kind, group.name, peer, tuple(tensor.shape), str(tensor.dtype), time.monotonic())
         self.in_flight = self.last_op = op
-        self.ops_issued += 1
         # On CUDA the call returns before the transfer ends: time it with events on the stream.
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if tensor.is_cuda else None
         if events:
