@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 from distributed import run_ranks
+from helpers import BF16_PATHS, precision_path
 
 from femtotron.errors import ConfigError, DataError
 from femtotron.models.llama import IGNORE_INDEX
@@ -68,8 +69,10 @@ def test_data_parallel_matches_single_process(tiny_config):
         assert later == pytest.approx(single_later, rel=1e-4)
 
 
-def test_bf16_parameters_train_with_fp32_master_weights(tiny_config):
-    trainer, results = train(tiny_config("model.dtype=bfloat16", "tokens.train_steps=4"))
+@BF16_PATHS
+def test_bf16_parameters_train_with_fp32_master_weights(tiny_config, native):
+    with precision_path(native):
+        trainer, results = train(tiny_config("model.dtype=bfloat16", "tokens.train_steps=4"))
     assert all(p.dtype == torch.bfloat16 for p in trainer.chunks[0].parameters())
     assert all(m.dtype == torch.float32 for m in trainer.optimizer.full_masters())
     for p, m in zip(trainer.chunks[0].parameters(), trainer.optimizer.full_masters(), strict=True):

@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
 from femtotron.metrics import cpu_has_bf16_matmul
 
-# Read once: /proc/cpuinfo does not change while we run.
-CPU_MULTIPLIES_BF16 = cpu_has_bf16_matmul()
-
+# Whether bf16/fp16 matmuls run natively on this CPU: read once from /proc/cpuinfo, and forced either way
+# by `cpu_low_precision_path` (tests run both paths on every machine).
+NATIVE_ON_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar("native_on_cpu", default=cpu_has_bf16_matmul())
 
 # Memory estimates run the model on the meta device; set while estimating for this CPU, so that they
 # make the same fp32 copies the CPU run makes (diagnostics/memory.py).
 ESTIMATING_FOR_THIS_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar("estimating_for_cpu", default=False)
+
+
+@contextmanager
+def cpu_low_precision_path(native: bool) -> Iterator[None]:
+    """Run low-precision matmuls on the CPU natively (as on a CPU with bf16 units) or upcast to fp32 (as
+    without), whatever this CPU has. Processes forked inside the block inherit the choice."""
+    token = NATIVE_ON_CPU.set(native)
+    try:
+        yield
+    finally:
+        NATIVE_ON_CPU.reset(token)
 
 
 def emulated_low_precision(x: torch.Tensor) -> bool:
@@ -27,7 +40,7 @@ def emulated_low_precision(x: torch.Tensor) -> bool:
     rounded back) at fp32 speed.
     """
     on_this_cpu = x.device.type == "cpu" or (x.is_meta and ESTIMATING_FOR_THIS_CPU.get())
-    return x.dtype != torch.float32 and on_this_cpu and not CPU_MULTIPLIES_BF16
+    return x.dtype != torch.float32 and on_this_cpu and not NATIVE_ON_CPU.get()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from distributed import run_ranks
+from helpers import precision_path
 
 from femtotron.diagnostics.memory import LiveMemory, estimate_rank
 from femtotron.parallel.context import ParallelContext
@@ -11,12 +12,14 @@ from femtotron.trainer import Trainer
 
 BASE = ("model.model_config.num_hidden_layers=4", "model.model_config.num_key_value_heads=4",
         "model.model_config.vocab_size=2048", "tokens.sequence_length=64")
-LAYOUTS = {
-    "one process, fp32": (),
-    "one process, bf16, recompute": ("model.dtype=bfloat16", "parallelism.recompute_layer=true"),
-    "tp=2 sequence parallel": ("parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"),
-    "pp=2 1F1B, 4 micro-batches": ("parallelism.pp=2", "tokens.batch_accumulation_per_replica=4"),
-    "dp=2 ZeRO-1 bf16": ("parallelism.dp=2", "optimizer.zero_stage=1", "model.dtype=bfloat16"),
+LAYOUTS = {  # (overrides, bf16 path: native or upcast matmuls, None for fp32)
+    "one process, fp32": ((), None),
+    "one process, bf16 native, recompute": (("model.dtype=bfloat16", "parallelism.recompute_layer=true"), True),
+    "one process, bf16 upcast, recompute": (("model.dtype=bfloat16", "parallelism.recompute_layer=true"), False),
+    "tp=2 sequence parallel": (("parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"), None),
+    "pp=2 1F1B, 4 micro-batches": (("parallelism.pp=2", "tokens.batch_accumulation_per_replica=4"), None),
+    "dp=2 ZeRO-1 bf16 native": (("parallelism.dp=2", "optimizer.zero_stage=1", "model.dtype=bfloat16"), True),
+    "dp=2 ZeRO-1 bf16 upcast": (("parallelism.dp=2", "optimizer.zero_stage=1", "model.dtype=bfloat16"), False),
 }
 
 
@@ -38,9 +41,11 @@ def measured_and_estimated(rank, config):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_M1_the_estimate_is_within_10_percent_of_the_measured_peak(tiny_config, layout):
-    config = tiny_config(*BASE, *LAYOUTS[layout], "tokens.micro_batch_size=4", "tokens.batch_accumulation_per_replica=2"
+    overrides, native = LAYOUTS[layout]
+    config = tiny_config(*BASE, *overrides, "tokens.micro_batch_size=4", "tokens.batch_accumulation_per_replica=2"
                          if "micro-batches" not in layout else "tokens.micro_batch_size=4")
     world = config.parallelism.dp * config.parallelism.tp * config.parallelism.pp
-    results = [measured_and_estimated(0, config)] if world == 1 else run_ranks(measured_and_estimated, world, config)
+    with precision_path(native):  # the estimate follows the path too (fp32 copies of bf16 tensors, or none)
+        results = [measured_and_estimated(0, config)] if world == 1 else run_ranks(measured_and_estimated, world, config)
     for measured, estimated in results:
         assert estimated == pytest.approx(measured, rel=0.10), (layout, measured, estimated)

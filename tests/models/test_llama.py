@@ -2,6 +2,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import BF16_PATHS, precision_path
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from femtotron.models.hf_conversion import from_hf, to_hf
@@ -99,30 +100,32 @@ def test_parameters_carry_sharding_metadata_and_scaled_output_init():
     assert not hasattr(tied, "lm_head")
 
 
-def test_bf16_model_tracks_fp32_model():
+@BF16_PATHS
+def test_bf16_model_tracks_fp32_model(native):
     cfg = tiny_config()
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
+    with torch.no_grad(), precision_path(native):
         full = build(cfg).logits(ids)
         half = build(cfg, dtype=torch.bfloat16).logits(ids).float()
     assert (full - half).abs().max() < 0.05 * full.abs().max() + 1e-2
 
 
-def test_upcast_path_for_cpus_without_bf16_units_matches_native_bf16(monkeypatch):
-    from femtotron import precision
+def test_upcast_path_for_cpus_without_bf16_units_matches_native_bf16():
+    from femtotron.precision import cpu_low_precision_path
 
     cfg = tiny_config()
     model = build(cfg, dtype=torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
     results = {}
     for native in (True, False):
-        monkeypatch.setattr(precision, "CPU_MULTIPLIES_BF16", native)
         model.zero_grad()
-        loss_sum, count = model(ids[:, :-1], ids[:, 1:])
-        (loss_sum / count).backward()
+        with cpu_low_precision_path(native):
+            loss_sum, count = model(ids[:, :-1], ids[:, 1:])
+            (loss_sum / count).backward()
+            logits = model.logits(ids).float()
         grad = model.layers[0].self_attn.qkv_proj.weight.grad
         assert grad.dtype == torch.bfloat16
-        results[native] = (model.logits(ids).float(), grad.float())
+        results[native] = (logits, grad.float())
     (native_logits, native_grad), (upcast_logits, upcast_grad) = results[True], results[False]
     # Same maths, different accumulation: within a few bf16 ulps (2^-8 relative).
     torch.testing.assert_close(upcast_logits, native_logits, rtol=2e-2, atol=2e-2)

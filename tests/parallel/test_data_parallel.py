@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_config_maker, write_patterned_tokens
 from distributed import run_ranks
+from helpers import (
+    SMOOTH_ADAM,
+    assert_close_to_reference,
+    precision_path,
+    tiny_config_maker,
+    write_patterned_tokens,
+)
 
 from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.data_parallel import ALIGNMENT, DataParallel, plan_buckets
 from femtotron.trainer import Trainer
 
-BF16_EPS = 2.0**-7
 SMALL_BUCKETS = "parallelism.dp_bucket_size_mb=0.02"  # ~5k fp32 elements: the tiny model gets many buckets
 
 
@@ -56,10 +61,12 @@ def test_owned_pieces_cover_every_element_exactly_once_over_the_dp_ranks(dp, sha
     assert sum(owned) == copies * sum(numels) and max(owned) <= (total if not sharded else total // dp)
 
 
-def case(tiny_config, dtype, zero, dp=2, *more):
+def case(tiny_config, dtype, zero, native=None, dp=2, *more):
+    """`native` is the bf16 path of a bf16 case (None for fp32); its fp32 counterpart takes the same."""
     return tiny_config(f"model.dtype={dtype}", f"optimizer.zero_stage={zero}", f"parallelism.dp={dp}",
                        "tokens.micro_batch_size=2", f"tokens.batch_accumulation_per_replica={4 // dp}",
-                       "optimizer.clip_grad=0.5", SMALL_BUCKETS, f"general.run={dtype}-{zero}-{dp}", *more)
+                       "optimizer.clip_grad=0.5", SMALL_BUCKETS, f"general.run={dtype}-{zero}-{native}-{dp}",
+                       *([SMOOTH_ADAM] if native is not None else []), *more)
 
 
 def train_and_record(config, ctx):
@@ -89,41 +96,56 @@ def train_and_record(config, ctx):
 
 def _dp_cases(rank, configs):
     ctx = ParallelContext(dp=2, collective_timeout_seconds=60)
-    out = [train_and_record(config, ctx) for config in configs]
+    out = []
+    for config, (_, _, native) in zip(configs, CASES, strict=True):
+        with precision_path(native):
+            out.append(train_and_record(config, ctx))
     ctx.close()
     return out
 
 
-CASES = [("float32", 0), ("float32", 1), ("bfloat16", 0), ("bfloat16", 1)]
+# (dtype, zero_stage, bf16 path: native, upcast, or None for fp32)
+CASES = [("float32", 0, None), ("float32", 1, None), ("bfloat16", 0, True), ("bfloat16", 0, False),
+         ("bfloat16", 1, True), ("bfloat16", 1, False)]
+IDS = [f"{d}-zero{z}" + {None: "", True: "-native", False: "-upcast"}[n] for d, z, n in CASES]
 
 
 @pytest.fixture(scope="module")
 def dp_results(tmp_path_factory):
-    """dp=2 with zero_stage 0 and 1, fp32 and bf16, against one process with the same global batch."""
+    """dp=2 with zero_stage 0 and 1, fp32 and bf16, against one process with the same global batch (and for
+    bf16 the same process in fp32, the yardstick for bf16 rounding)."""
     root = tmp_path_factory.mktemp("dp")
     tiny_config = tiny_config_maker(root / "runs", write_patterned_tokens(root / "patterned"))
-    references = [train_and_record(case(tiny_config, dtype, zero, dp=1), ParallelContext()) for dtype, zero in CASES]
-    configs = [case(tiny_config, dtype, zero) for dtype, zero in CASES]
+    references = []
+    for dtype, zero, native in CASES:
+        with precision_path(native):
+            reference = train_and_record(case(tiny_config, dtype, zero, native, dp=1), ParallelContext())
+        exact = None if native is None else train_and_record(case(tiny_config, "float32", zero, native, dp=1),
+                                                             ParallelContext())
+        references.append((reference, exact))
+    configs = [case(tiny_config, dtype, zero, native) for dtype, zero, native in CASES]
     return configs, references, run_ranks(_dp_cases, 2, configs, timeout=300)
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{d}-zero{z}" for d, z in CASES])
+@pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_dp2_equals_one_process_over_three_steps_with_clipping(dp_results, index):
     configs, references, per_rank = dp_results
-    reference, fp32 = references[index], configs[index].model.dtype == "float32"
+    reference, exact = references[index]
     assert min(reference["norms"]) > 0.5  # clip_grad=0.5: clipping is active in every step
     for rank in per_rank:
         got = rank[index]
-        assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5 if fp32 else 4 * BF16_EPS)
+        assert_close_to_reference(got["losses"], reference["losses"], exact and exact["losses"], label="losses")
         # The global grad norm (summed over the dp shards under ZeRO-1) is the single-process norm.
-        assert got["norms"] == pytest.approx(reference["norms"], rel=1e-4 if fp32 else 4 * BF16_EPS)
+        assert_close_to_reference(got["norms"], reference["norms"], exact and exact["norms"], fp32_rel=1e-4,
+                                  label="grad norms")
         for name, ref in reference["updates"].items():
-            assert (got["updates"][name] - ref).norm() <= (1e-4 if fp32 else 16 * BF16_EPS) * ref.norm(), name
+            assert_close_to_reference(got["updates"][name], ref, exact and exact["updates"][name], fp32_rel=1e-4,
+                                      label=name)
     for name, param in per_rank[0][index]["params"].items():  # the replicas stay identical
         assert torch.equal(param, per_rank[1][index]["params"][name]), name
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{d}-zero{z}" for d, z in CASES])
+@pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_buckets_are_reduced_during_the_last_micro_batch_backward_only(dp_results, index):
     got = dp_results[2][0][index]
     per_micro_batch = got["parameters"]  # every parameter gets one gradient per micro-batch
@@ -135,13 +157,13 @@ def test_buckets_are_reduced_during_the_last_micro_batch_backward_only(dp_result
     assert got["launches"][0] < micro_batches * per_micro_batch - 2
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{d}-zero{z}" for d, z in CASES])
+@pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_dp_bytes_per_step_equal_the_analytic_count(dp_results, index):
     """zero_stage 0: one all-reduce of the fp32 gradients per bucket. zero_stage 1: a reduce-scatter of
     them and an all-gather of the model-dtype parameters per bucket. Besides: the step's token count,
     largest token id and loss (one fp32 number each), and under ZeRO-1 the grad norm's sum of squares."""
     configs, _, per_rank = dp_results
-    dtype, zero = CASES[index]
+    dtype, zero, _ = CASES[index]
     got, n = per_rank[0][index], 2
     elements, buckets = got["elements"], len(got["buckets"])
     scalars = 3 + zero

@@ -8,13 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from distributed import run_ranks
+from helpers import SMOOTH_ADAM, assert_close_to_reference, assert_steps_match, precision_path, record_steps
 
 from femtotron.models.llama import IGNORE_INDEX, Llama
 from femtotron.parallel.context import ParallelContext
-from femtotron.parallel.tensor_parallel import TensorParallel, full_gradients, full_tensor, shard_size
+from femtotron.parallel.tensor_parallel import TensorParallel, full_gradients, shard_size
 from femtotron.trainer import Trainer
-
-BF16_EPS = 2.0**-7  # bf16 keeps 8 significant bits
 
 
 def model_config(kv_heads: int, tied: bool, vocab: int = 251) -> SimpleNamespace:
@@ -39,61 +38,52 @@ def loss_and_grads(model: Llama, ids: torch.Tensor, targets: torch.Tensor, tp: T
     return (loss_sum / count).item(), model.logits(ids).detach().float(), grads
 
 
-def close(ours: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> bool:
-    """fp32: equal up to reduction order; bf16: within a few bf16 epsilons of the tensor's scale."""
-    scale = reference.abs().max().item() + 1e-12
-    bound = 1e-5 if dtype == torch.float32 else 4 * BF16_EPS
-    return (ours - reference).abs().max().item() <= bound * scale
+def _tp_and_reference(cfg, tp: TensorParallel, dtype: torch.dtype):
+    """(loss, logits, gradients) of the tp model and of the whole model, from the same weights and batch."""
+    ids, targets = batch(cfg.vocab_size)
+    kwargs = dict(std=0.02, seed=5, dtype=dtype, device=torch.device("cpu"))
+    reference = loss_and_grads(Llama(cfg, **kwargs), ids, targets, TensorParallel.single())
+    model = Llama(cfg, tp=tp, **kwargs)
+    assert model.padded_vocab_size == shard_size(cfg.vocab_size, tp.size) * tp.size
+    return loss_and_grads(model, ids, targets, tp), reference
+
+
+def _assert_same(ours, reference, exact, case: str) -> None:
+    (loss, logits, grads), (ref_loss, ref_logits, ref_grads) = ours, reference
+    assert_close_to_reference(loss, ref_loss, exact and exact[0], label=f"{case}: loss")
+    assert_close_to_reference(logits, ref_logits, exact and exact[1], label=f"{case}: logits")
+    for name, ref in ref_grads.items():
+        assert grads[name].shape == ref.shape, (case, name)
+        assert_close_to_reference(grads[name], ref, exact and exact[2][name], label=f"{case}: grad of {name}")
 
 
 def _compare_models(rank: int, tp_size: int, kv_heads: int):
     ctx = ParallelContext(tp=tp_size, collective_timeout_seconds=60)
-    failures = []
-    for mode, tied, dtype in itertools.product(["ALL_REDUCE", "REDUCE_SCATTER"], [False, True],
-                                               [torch.float32, torch.bfloat16]):
+    for mode, tied in itertools.product(["ALL_REDUCE", "REDUCE_SCATTER"], [False, True]):
         cfg = model_config(kv_heads, tied)
         tp = TensorParallel(ctx.comm, ctx.tp_group, ctx.tp_rank, sequence_parallel=mode == "REDUCE_SCATTER")
-        kwargs = dict(std=0.02, seed=5, dtype=dtype, device=torch.device("cpu"))
-        ids, targets = batch(cfg.vocab_size)
-        ref_loss, ref_logits, ref_grads = loss_and_grads(Llama(cfg, **kwargs), ids, targets, TensorParallel.single())
-        model = Llama(cfg, tp=tp, **kwargs)
-        assert model.padded_vocab_size == shard_size(cfg.vocab_size, tp_size) * tp_size
-        loss, logits, grads = loss_and_grads(model, ids, targets, tp)
-        case = f"{mode} tied={tied} {dtype}"
-        if abs(loss - ref_loss) > (1e-6 if dtype == torch.float32 else 4 * BF16_EPS) * ref_loss:
-            failures.append(f"{case}: loss {loss} vs {ref_loss}")
-        if not close(logits, ref_logits, dtype):
-            failures.append(f"{case}: logits differ by {(logits - ref_logits).abs().max():.3g}")
-        for name, ref in ref_grads.items():
-            if grads[name].shape != ref.shape or not close(grads[name], ref, dtype):
-                failures.append(f"{case}: grad of {name} differs")
+        ours, fp32_reference = _tp_and_reference(cfg, tp, torch.float32)
+        _assert_same(ours, fp32_reference, None, f"{mode} tied={tied} float32")
+        for native in (True, False):
+            with precision_path(native):
+                _assert_same(*_tp_and_reference(cfg, tp, torch.bfloat16), fp32_reference,
+                             f"{mode} tied={tied} bfloat16 native={native}")
     ctx.close()
-    return failures
 
 
 @pytest.mark.parametrize("tp_size, kv_heads", [(2, 2), (4, 4)])
 def test_tensor_parallel_model_equals_one_device(tp_size, kv_heads):
-    """8 query heads with 2 or 4 kv heads (GQA), both tp_modes, tied and untied, fp32 and bf16."""
-    for failures in run_ranks(_compare_models, tp_size, tp_size, kv_heads, timeout=240):
-        assert failures == []
-
-
-def train_three_steps(config, ctx):
-    trainer = Trainer(config, ctx, log_to_console=False)
-
-    def weights():  # the fp32 master weights, gathered to full shape
-        pairs = zip(trainer.named_parameters(), trainer.optimizer.full_masters(), strict=True)
-        return {n: full_tensor(master, p.shard, trainer.tp).clone() for (n, p), master in pairs}
-
-    initial = weights()
-    results = [trainer.train_step() for _ in range(3)]
-    updates = {n: w - initial[n] for n, w in weights().items()}
-    return [r.loss for r in results], [r.grad_norm for r in results], updates
+    """8 query heads with 2 or 4 kv heads (GQA), both tp_modes, tied and untied, fp32 and bf16 (native and
+    upcast): loss, logits and every gradient."""
+    run_ranks(_compare_models, tp_size, tp_size, kv_heads, timeout=240)
 
 
 def _train_cases(rank, cases):
     ctx = ParallelContext(tp=cases[0][0].parallelism.tp, collective_timeout_seconds=60)
-    out = [train_three_steps(config, ctx) for config, _ in cases]
+    out = []
+    for config, native in cases:
+        with precision_path(native):
+            out.append(record_steps(config, ctx))
     ctx.close()
     return out
 
@@ -101,33 +91,27 @@ def _train_cases(rank, cases):
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_three_optimizer_steps_equal_one_device(tiny_config, tp_size):
     """Losses, grad norms and weights over 3 AdamW steps (clipping active) equal tp=1: both modes, fp32
-    and bf16, tied and untied, a padded vocabulary."""
-    cases = []
-    for mode, tied, dtype in [("ALL_REDUCE", False, "float32"), ("REDUCE_SCATTER", True, "float32"),
-                              ("REDUCE_SCATTER", False, "bfloat16")]:
-        overrides = [f"model.model_config.tie_word_embeddings={tied}", f"model.dtype={dtype}",
-                     "model.model_config.num_key_value_heads=4", "model.model_config.vocab_size=257",
-                     "optimizer.clip_grad=0.5", f"general.run={mode}-{tied}-{dtype}"]
-        reference = train_three_steps(tiny_config(*overrides), ParallelContext())
-        config = tiny_config(*overrides, f"parallelism.tp={tp_size}", f"parallelism.tp_mode={mode}")
-        cases.append((config, reference))
+    and bf16 (on both CPU paths), tied and untied, a padded vocabulary."""
+    cases, references = [], []
+    for mode, tied, dtype, native in [("ALL_REDUCE", False, "float32", None), ("REDUCE_SCATTER", True, "float32", None),
+                                      ("REDUCE_SCATTER", False, "bfloat16", True),
+                                      ("REDUCE_SCATTER", False, "bfloat16", False)]:
+        overrides = [f"model.model_config.tie_word_embeddings={tied}", "model.model_config.num_key_value_heads=4",
+                     "model.model_config.vocab_size=257", "optimizer.clip_grad=0.5",
+                     f"general.run={mode}-{tied}-{dtype}-{native}", *([SMOOTH_ADAM] if native is not None else [])]
+        with precision_path(native):
+            reference = record_steps(tiny_config(*overrides, f"model.dtype={dtype}"), ParallelContext())
+        exact = record_steps(tiny_config(*overrides), ParallelContext()) if native is not None else None
+        references.append((reference, exact))
+        cases.append((tiny_config(*overrides, f"model.dtype={dtype}", f"parallelism.tp={tp_size}",
+                                  f"parallelism.tp_mode={mode}"), native))
     results = run_ranks(_train_cases, tp_size, cases, timeout=240)
-    for (config, (ref_losses, ref_norms, ref_updates)), (losses, norms, updates) in zip(cases, results[0],
-                                                                                       strict=True):
-        fp32 = config.model.dtype == "float32"
-        rel = 1e-5 if fp32 else 4 * BF16_EPS
-        assert losses == pytest.approx(ref_losses, rel=rel), config.general.run
-        assert norms == pytest.approx(ref_norms, rel=1e-4 if fp32 else 4 * BF16_EPS), config.general.run
-        # Compared: the change of the fp32 master weights over the 3 steps. Measured: fp32 within 3e-5
-        # relative; bf16 within 11% (its rounding differs with the split and Adam turns a near-zero
-        # gradient's sign flip into a full +-lr step). A wrong update is off by 100% or more.
-        bound = 1e-4 if fp32 else 16 * BF16_EPS
-        for name, ref in ref_updates.items():
-            assert (updates[name] - ref).norm() <= bound * ref.norm(), (config.general.run, name)
+    for (config, _), (reference, exact), got in zip(cases, references, results[0], strict=True):
+        assert_steps_match(got, reference, exact, label=config.general.run)
     # Every tp rank ends with the same full weights.
     for other in results[1:]:
-        for (_, _, w0), (_, _, w) in zip(results[0], other, strict=True):
-            assert all(torch.equal(w0[n], w[n]) for n in w0)
+        for mine, theirs in zip(results[0], other, strict=True):
+            assert all(torch.equal(mine.updates[n], theirs.updates[n]) for n in mine.updates)
 
 
 def _step_bytes(rank, config):
@@ -198,21 +182,17 @@ def test_T3_start_reports_padding_and_warns_when_a_tp_group_spans_hosts(tiny_con
 
 def _dp_tp(rank, config):
     ctx = ParallelContext(dp=2, tp=2, collective_timeout_seconds=60)
-    out = train_three_steps(config, ctx)
+    out = record_steps(config, ctx)
     ctx.close()
     return out
 
 
 def test_data_and_tensor_parallel_together_equal_one_process(tiny_config):
     """dp=2 x tp=2 on 4 ranks, sequence parallel: the same 3 steps as one process with accumulation."""
-    ref_losses, ref_norms, ref_updates = train_three_steps(
-        tiny_config("tokens.batch_accumulation_per_replica=2"), ParallelContext())
+    reference = record_steps(tiny_config("tokens.batch_accumulation_per_replica=2"), ParallelContext())
     config = tiny_config("parallelism.dp=2", "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER")
-    for losses, norms, updates in run_ranks(_dp_tp, 4, config, timeout=240):
-        assert losses == pytest.approx(ref_losses, rel=1e-5)
-        assert norms == pytest.approx(ref_norms, rel=1e-4)
-        for name, ref in ref_updates.items():
-            assert (updates[name] - ref).norm() <= 1e-4 * ref.norm(), name
+    for got in run_ranks(_dp_tp, 4, config, timeout=240):
+        assert_steps_match(got, reference)
 
 
 def _tiny_vocabulary(rank):

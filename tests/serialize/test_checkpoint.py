@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 import yaml
-from conftest import tiny_config_maker, write_patterned_tokens
 from distributed import RankFailed, run_ranks
+from helpers import precision_path, tiny_config_maker, write_patterned_tokens
 
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.tensor_parallel import full_tensor
@@ -74,8 +74,9 @@ def merged(per_rank, index):
     return per_rank[0][index]["losses"], weights, masters, {s: sorted(rows) for s, rows in seen.items()}
 
 
-def test_C3_resume_on_one_rank_is_bit_exact(tiny_config):
-    for dtype in ("float32", "bfloat16"):
+@pytest.mark.parametrize("dtype, native", [("float32", None), ("bfloat16", True), ("bfloat16", False)])
+def test_C3_resume_on_one_rank_is_bit_exact(tiny_config, dtype, native):
+    with precision_path(native):
         whole = train(make(tiny_config, f"whole-{dtype}", f"model.dtype={dtype}"), ParallelContext())
         first = make(tiny_config, f"first-{dtype}", f"model.dtype={dtype}", "checkpoints.checkpoint_interval=3",
                      steps=3)

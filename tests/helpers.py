@@ -1,0 +1,152 @@
+"""What many tests share: tiny data and configs, a few training steps recorded, and the rule for comparing a
+parallel run with one process in fp32 and in bf16 (on both of the CPU's bf16 paths)."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from femtotron.config import load_config_dict
+from femtotron.data.indexed import IndexedDatasetWriter
+from femtotron.parallel.tensor_parallel import full_tensor
+from femtotron.precision import cpu_low_precision_path
+from femtotron.trainer import Trainer
+
+TINY_VOCAB = 256
+
+# bf16 keeps 8 significant bits: rounding to bf16 changes a value by at most 2^-8 of it.
+BF16_ROUNDOFF = 2.0**-8
+# In bf16 comparisons Adam's epsilon is raised above the smallest gradients: with the default 1e-8 Adam moves
+# every element by about +-lr whatever its gradient's size, so a rounding that flips the sign of a near-zero
+# gradient flips a whole update. With 1e-3 the update is a smooth function of the gradient, and rounding
+# moves it by a rounding's worth.
+SMOOTH_ADAM = "optimizer.optimizer_factory.adam_eps=1e-3"
+# The CPU's two ways to compute bf16 (precision.py), forced either way so every machine runs both.
+BF16_PATHS = pytest.mark.parametrize("native", [True, False], ids=["native-bf16", "upcast-bf16"])
+
+
+def precision_path(native: bool | None) -> AbstractContextManager:
+    """Low-precision matmuls native (True) or upcast (False) on the CPU; None: as this CPU does them."""
+    return nullcontext() if native is None else cpu_low_precision_path(native)
+
+
+def write_patterned_tokens(prefix: Path, documents: int = 12, length: int = 700, seed: int = 0) -> str:
+    """Documents following t[i+1] = (5 t[i] + 3) mod V from a random start, with 10% noise: learnable fast."""
+    rng = np.random.default_rng(seed)
+    writer = IndexedDatasetWriter(str(prefix), np.uint16)
+    for _ in range(documents):
+        tokens = np.empty(length, dtype=np.int64)
+        tokens[0] = rng.integers(1, TINY_VOCAB)
+        for i in range(1, length):
+            tokens[i] = (5 * tokens[i - 1] + 3) % TINY_VOCAB
+        noise = rng.random(length) < 0.1
+        tokens[noise] = rng.integers(1, TINY_VOCAB, noise.sum())
+        writer.add_document(tokens.astype(np.uint16))
+    writer.finalize()
+    return str(prefix)
+
+
+def tiny_config_maker(runs_dir: Path, dataset: str):
+    """Configs for a ~100k-parameter fp32 model on the patterned data; overrides are dotted keys."""
+
+    def make(*overrides: str, **sections):
+        raw = {
+            "general": {"run": "tiny", "seed": 3},
+            "model": {"model_config": {"vocab_size": TINY_VOCAB, "hidden_size": 64, "intermediate_size": 128,
+                                       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                       "max_position_embeddings": 64},
+                      "dtype": "float32"},
+            "tokens": {"sequence_length": 32, "micro_batch_size": 4, "train_steps": 10},
+            "optimizer": {"learning_rate_scheduler": {"learning_rate": 3e-3, "lr_warmup_steps": 2}},
+            "data": {"dataset_folder": dataset},
+            "logging": {"output_dir": str(runs_dir)},
+        }
+        for section, values in sections.items():
+            raw[section] = {**raw.get(section, {}), **values}
+        return load_config_dict(raw, overrides=overrides)
+
+    return make
+
+
+@dataclass
+class Steps:
+    """A few optimizer steps of one run, everything by parameter name at full shape (from this rank's
+    stages): the first step's loss and gradients, then each step's loss and grad norm, and how much the fp32
+    master weights moved over the steps."""
+
+    loss: float
+    grads: dict[str, torch.Tensor]
+    losses: list[float]
+    norms: list[float]
+    updates: dict[str, torch.Tensor]
+    extra: dict = field(default_factory=dict)
+
+    def merge(self, other: Steps) -> Steps:
+        """The same run seen from another pipeline stage: its parameters added."""
+        return Steps(self.loss, {**self.grads, **other.grads}, self.losses, self.norms,
+                     {**self.updates, **other.updates}, self.extra)
+
+
+def record_steps(config, ctx, steps: int = 3) -> Steps:
+    """Gradients of one step (then dropped), then `steps` optimizer steps."""
+    trainer = Trainer(config, ctx, log_to_console=False)
+    named = trainer.named_parameters()
+
+    def full(tensors):
+        return {n: full_tensor(t, p.shard, trainer.tp).float().clone() for (n, p), t in zip(named, tensors, strict=True)}
+
+    loss, _, pieces = trainer.compute_gradients()
+    grads = full(trainer.data_parallel.full(pieces))  # per parameter, whole (assembled over dp under ZeRO-1)
+    trainer.optimizer.zero_grad()
+    initial = full(trainer.optimizer.full_masters())
+    results = [trainer.train_step() for _ in range(steps)]
+    updates = {n: w - initial[n] for n, w in full(trainer.optimizer.full_masters()).items()}
+    return Steps(loss, grads, [r.loss for r in results], [r.grad_norm for r in results], updates)
+
+
+def _distance(a, b) -> float:
+    return float((torch.as_tensor(a) - torch.as_tensor(b)).norm())
+
+
+def _size(a) -> float:
+    return float(torch.as_tensor(a).norm())
+
+
+def assert_close_to_reference(got, reference, exact=None, *, fp32_rel: float = 1e-5, label: str = "") -> None:
+    """`got` (a number, list or tensor from a parallel run) equals `reference` (one process).
+
+    fp32 (`exact` None): up to summation order, `fp32_rel` of the reference's size. bf16: `exact` is the same
+    single-process computation in fp32, and `reference - exact` is what bf16 rounding does to this very
+    computation on this CPU path. A correct layout rounds in other places but by as much, so it lies within
+    that distance of the exact result too: |got - reference| <= |got - exact| + |exact - reference|, with
+    room for twice the reference's rounding (a layout rounds partial sums separately), plus two roundings of
+    the value itself for a reference that happens to be nearly exact. A wrong layout is off by the size of
+    the value.
+    """
+    if exact is None:
+        bound = fp32_rel * _size(reference)
+    else:
+        bound = 3 * _distance(reference, exact) + 2 * BF16_ROUNDOFF * _size(reference)
+    assert _distance(got, reference) <= bound, (label, _distance(got, reference), bound)
+
+
+def assert_steps_match(got: Steps, reference: Steps, exact: Steps | None = None, label: str = "") -> None:
+    """A parallel run's `Steps` equal one process's (`exact`: the same single process in fp32 when the runs
+    are bf16). fp32 bounds: the loss 1e-5 relative, grad norms and weight changes 1e-4 (Adam's division by
+    sqrt(v) amplifies summation-order differences in small gradients), gradients 1e-5."""
+    assert got.grads.keys() == reference.grads.keys(), label  # every parameter lives on some stage
+    pairs = [("loss", got.loss, reference.loss, exact and exact.loss, 1e-5),
+             *[(f"loss of step {i + 1}", g, r, exact and exact.losses[i], 1e-5)
+               for i, (g, r) in enumerate(zip(got.losses, reference.losses, strict=True))],
+             *[(f"grad norm of step {i + 1}", g, r, exact and exact.norms[i], 1e-4)
+               for i, (g, r) in enumerate(zip(got.norms, reference.norms, strict=True))],
+             *[(f"gradient of {n}", got.grads[n], r, exact and exact.grads[n], 1e-5) for n, r in reference.grads.items()],
+             *[(f"update of {n}", got.updates[n], r, exact and exact.updates[n], 1e-4)
+               for n, r in reference.updates.items()]]
+    for what, ours, ref, fp32, rel in pairs:
+        assert_close_to_reference(ours, ref, fp32, fp32_rel=rel, label=f"{label}: {what}")
