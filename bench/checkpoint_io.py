@@ -72,12 +72,12 @@ def main() -> None:
         saved = None
         for repeat in range(args.repeats):
             times["baseline save"].append(timed(raw_save))
-            trainer.step = repeat + 1  # a new checkpoint directory each time
+            trainer.state.step = repeat + 1  # a new checkpoint directory each time
             start = time.perf_counter()
-            saved = checkpoint.save(trainer)
+            saved = checkpoint.save(trainer.parts)
             times["femtotron save"].append(time.perf_counter() - start)
             times["baseline load"].append(timed(lambda: [t.clone() for t in load_file(str(raw)).values()]))
-            times["femtotron load"].append(timed(lambda path=saved: checkpoint.load(trainer, path)))
+            times["femtotron load"].append(timed(lambda path=saved: checkpoint.load(trainer.parts, path)))
     print(f"shape {args.shape}, {args.dtype}: {size / 2**20:.1f} MiB of weights, master weights and moments; "
           f"medians of {args.repeats}")
     for key, values in times.items():

@@ -1,20 +1,18 @@
 """What the bench scripts share: random token data, a femtotron Trainer for a model shape, and ranks
-started as separate processes."""
+started as separate processes (by the tests' launcher, tests/distributed.py)."""
 
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import os
-import queue
-import socket
-import traceback
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' rank launcher
+from distributed import RankFailed, run_ranks  # noqa: E402
 
 from femtotron.config import load_config_dict
 from femtotron.data.indexed import IndexedDatasetWriter
@@ -51,55 +49,21 @@ def shape_trainer(shape: dict, dtype: str, data_prefix: Path, run_dir: Path, run
     return Trainer(config, ParallelContext(), log_to_console=False)
 
 
-def _rank_main(rank: int, port: int, layout: dict[str, int], rank_fn: Callable, cases: list, args: Any,
-               results: Any) -> None:
-    world_size = math.prod(layout.values())
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        ctx = ParallelContext(**layout, init_timeout_seconds=60, collective_timeout_seconds=300)
-        try:
-            rank_fn(ctx, cases, args, lambda index, value: results.put((rank, "ok", index, value)))
-        finally:
-            ctx.close()
-    except BaseException as e:  # noqa: BLE001 - the parent must hear of every failure
-        results.put((rank, "error", None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-
-
 def spawn_ranks(layout: dict[str, int], rank_fn: Callable, cases: list, args: Any,
                 on_case: Callable[[Any, list], None]) -> None:
-    """Start one process per rank of `layout` (ParallelContext's dp/tp/pp), each calling
-    `rank_fn(ctx, cases, args, report)`, where `report(case index, value)` sends a case's result home;
-    call `on_case(case, values by rank)` as each case completes on every rank. `rank_fn` must be a
-    module-level function (the processes are spawned); `args.timeout` bounds the wait for any report."""
-    world_size = math.prod(layout.values())
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank_main, args=(r, port, layout, rank_fn, cases, args, results), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    got: dict[int, dict[int, Any]] = {}
-    done = 0
+    """Run one process per rank of `layout` (ParallelContext's dp/tp/pp) with the tests' launcher, each calling
+    `rank_fn(ctx, cases, args, report)`, where `report(case index, value)` records a case's result; then call
+    `on_case(case, values by rank)` for every case. `args.timeout` bounds each case."""
+
+    def rank_main(rank: int) -> dict[int, Any]:
+        values: dict[int, Any] = {}
+        with ParallelContext(**layout, init_timeout_seconds=60, collective_timeout_seconds=300) as ctx:
+            rank_fn(ctx, cases, args, values.__setitem__)
+        return values
+
     try:
-        while done < len(cases):
-            try:
-                rank, status, index, value = results.get(timeout=args.timeout)
-            except queue.Empty:
-                raise SystemExit(f"{layout}: no rank reported for {args.timeout:g} s; giving up") from None
-            if status == "error":
-                raise SystemExit(f"{layout}: rank {rank} failed:\n{value}")
-            got.setdefault(index, {})[rank] = value
-            if len(got[index]) == world_size:
-                by_rank = got.pop(index)
-                on_case(cases[index], [by_rank[r] for r in range(world_size)])
-                done += 1
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        per_rank = run_ranks(rank_main, math.prod(layout.values()), timeout=args.timeout * len(cases))
+    except RankFailed as e:
+        raise SystemExit(f"{layout}: {e}") from None
+    for index, case in enumerate(cases):
+        on_case(case, [values[index] for values in per_rank])

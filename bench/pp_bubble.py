@@ -55,7 +55,8 @@ from common import spawn_ranks
 from torch import nn
 
 from femtotron.config import load_config
-from femtotron.config.config import pipeline_bubble
+from femtotron.config.rules import pipeline_bubble
+from femtotron.data.nanoset import MicroBatch
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.pipeline.p2p import PipelineP2P
 from femtotron.parallel.pipeline.schedules import Pipeline
@@ -139,7 +140,7 @@ def sleep_rank(ctx: ParallelContext, cases: list[Case], args: argparse.Namespace
                   for stage in (c * case.pp + ctx.pp_rank for c in range(case.v))]
         p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device, shape, torch.float32)
         pipeline = Pipeline(chunks, case.engine, case.pp, ctx.pp_rank, p2p)
-        micro_batches = [torch.zeros(mbs, seq + 1, dtype=torch.int64) for _ in range(case.m)]
+        micro_batches = [MicroBatch.from_tokens(torch.zeros(mbs, seq + 1, dtype=torch.int64)) for _ in range(case.m)]
         global_tokens = torch.tensor(float(mbs * seq * case.m))
         steps = []
         for _ in range(args.steps + 1):

@@ -28,7 +28,8 @@ import torch
 from common import shape_trainer, write_random_tokens
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from femtotron.metrics import cpu_has_bf16_matmul, matmul_flops_rate, model_flops_per_token
+from femtotron.metrics import matmul_flops_rate
+from femtotron.precision import cpu_has_bf16_matmul
 
 SHAPES = {
     # the debug model of examples/debug.yaml
@@ -90,7 +91,7 @@ def bench_case(name: str, precision: str, pairs: int, steps: int) -> None:
                           timed(theirs.train_step, steps, tokens_per_step)))
             print(f"  pair {pair + 1}: femtotron {rates[-1][0]:,.0f} tok/s, HF {rates[-1][1]:,.0f} tok/s", flush=True)
     ratios = [a / b for a, b in rates]
-    flops_per_token = model_flops_per_token(ours.config.model.model_config_, shape["sequence_length"])
+    flops_per_token = ours.config.model.model_config_.flops_per_token(shape["sequence_length"])
     gemm_dtype = torch.bfloat16 if precision == "bf16" and cpu_has_bf16_matmul() else torch.float32
     gemm = matmul_flops_rate(tokens_per_step, shape["intermediate_size"], shape["hidden_size"], gemm_dtype,
                              torch.device("cpu"), seconds=0.5)

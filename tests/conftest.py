@@ -1,5 +1,13 @@
+import os
+
 import pytest
 from helpers import tiny_config_maker, write_patterned_tokens
+
+
+@pytest.fixture(autouse=True, scope="session")
+def own_cache(tmp_path_factory):
+    """The MFU yardstick is cached per machine under XDG_CACHE_HOME (metrics.peak_flops): not the user's."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture
@@ -10,3 +18,11 @@ def tiny_dataset(tmp_path) -> str:
 @pytest.fixture
 def tiny_config(tmp_path, tiny_dataset):
     return tiny_config_maker(tmp_path / "runs", tiny_dataset)
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    """For tests of running *without* a launcher, even if pytest itself was started by torchrun or srun."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                 "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)

@@ -3,6 +3,9 @@ parallel run with one process in fp32 and in bf16 (on both of the CPU's bf16 pat
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,10 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
-from femtotron.config import load_config_dict
+from femtotron.config import LlamaConfig, load_config_dict
 from femtotron.data.indexed import IndexedDatasetWriter
-from femtotron.parallel.tensor_parallel import full_tensor
+from femtotron.data.nanoset import IGNORE_INDEX
+from femtotron.models.llama import Llama
+from femtotron.parallel.tensor_parallel import TensorParallel, full_gradients, full_tensor
 from femtotron.precision import cpu_low_precision_path
 from femtotron.trainer import Trainer
 
@@ -33,6 +39,57 @@ BF16_PATHS = pytest.mark.parametrize("native", [True, False], ids=["native-bf16"
 def precision_path(native: bool | None) -> AbstractContextManager:
     """Low-precision matmuls native (True) or upcast (False) on the CPU; None: as this CPU does them."""
     return nullcontext() if native is None else cpu_low_precision_path(native)
+
+
+def llama_config(**overrides) -> LlamaConfig:
+    """A tiny Llama for model-level tests: 8 query heads of 8 dims, 2 kv heads (GQA), and vocab 251, divisible
+    by neither 2 nor 4, so every tp pads the vocabulary."""
+    return LlamaConfig(**{"vocab_size": 251, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                          "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 32,
+                          "rms_norm_eps": 1e-5, **overrides})
+
+
+def build_llama(cfg: LlamaConfig, dtype: torch.dtype = torch.float32, seed: int = 5, **kwargs) -> Llama:
+    return Llama(cfg, std=0.02, seed=seed, dtype=dtype, device=torch.device("cpu"), **kwargs)
+
+
+def random_batch(vocab: int, size: int = 3, length: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input ids and next-token targets, the first 5 targets of sample 0 masked and the last target of the last
+    sample the vocabulary's last row (next to any tp padding)."""
+    ids = torch.randint(0, vocab, (size, length + 1), generator=torch.Generator().manual_seed(11))
+    targets = ids[:, 1:].clone()
+    targets[0, :5] = IGNORE_INDEX
+    targets[-1, -1] = vocab - 1
+    return ids[:, :-1], targets
+
+
+def loss_and_grads(model: Llama, ids: torch.Tensor, targets: torch.Tensor, tp: TensorParallel | None = None):
+    """The mean loss over valid targets, the full logits and every gradient at full shape (fp32)."""
+    loss_sum, count = model(ids, targets)
+    (loss_sum / count).backward()
+    grads = {name: grad.float() for name, grad in full_gradients(model, tp or TensorParallel.single()).items()}
+    return (loss_sum / count).item(), model.logits(ids).detach().float(), grads
+
+
+def hf_llama(cfg: LlamaConfig, weights: dict[str, torch.Tensor], **hf_options):
+    """Hugging Face's LlamaForCausalLM with femtotron's full-shape weights: the independent reference."""
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    from femtotron.models.hf_conversion import to_hf
+
+    hf = LlamaForCausalLM(HFLlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
+        attention_bias=False, mlp_bias=False, **hf_options,
+    )).float()
+    state = to_hf(weights, cfg)
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    hf.load_state_dict(state, strict=True)
+    return hf
 
 
 def write_patterned_tokens(prefix: Path, documents: int = 12, length: int = 700, seed: int = 0) -> str:
@@ -71,6 +128,37 @@ def tiny_config_maker(runs_dir: Path, dataset: str):
         return load_config_dict(raw, overrides=overrides)
 
     return make
+
+
+def write_yaml(config, path: Path) -> str:
+    """A loaded config written back as a YAML file, for the command line."""
+    path.write_text(yaml.safe_dump(config.to_dict()))
+    return str(path)
+
+
+def femtotron(*args: str, env: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
+    """`femtotron ARGS` in a process of its own, as a user runs it."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "femtotron.cli", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+
+
+def write_cli_config(path: Path, dataset: str, tokenizer: str | None, output_dir: Path, **tokens) -> Path:
+    """A YAML config for command-line tests: the tiny fp32 model (vocab 320) on `dataset`, run `cli`."""
+    config = {
+        "general": {"run": "cli"},
+        "model": {"model_config": {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+                                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                   "max_position_embeddings": 64},
+                  "dtype": "float32"},
+        "tokenizer": {"tokenizer_name_or_path": tokenizer},
+        "tokens": {"sequence_length": 32, "micro_batch_size": 4, "train_steps": 6, **tokens},
+        "optimizer": {"learning_rate_scheduler": {"learning_rate": 3e-3}},
+        "data": {"dataset_folder": dataset},
+        "logging": {"output_dir": str(output_dir), "iteration_step_info_interval": 2},
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 @dataclass

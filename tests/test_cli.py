@@ -8,33 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from distributed import free_port
+from helpers import femtotron
+from helpers import write_cli_config as write_config
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def femtotron(*args: str, env: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "femtotron.cli", *args], capture_output=True, text=True,
-                          env=full_env, timeout=timeout)
-
-
-def write_config(path: Path, dataset: str, tokenizer: str | None, output_dir: Path, **tokens) -> Path:
-    config = {
-        "general": {"run": "cli"},
-        "model": {"model_config": {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
-                                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                   "max_position_embeddings": 64},
-                  "dtype": "float32"},
-        "tokenizer": {"tokenizer_name_or_path": tokenizer},
-        "tokens": {"sequence_length": 32, "micro_batch_size": 4, "train_steps": 6, **tokens},
-        "optimizer": {"learning_rate_scheduler": {"learning_rate": 3e-3}},
-        "data": {"dataset_folder": dataset},
-        "logging": {"output_dir": str(output_dir), "iteration_step_info_interval": 2},
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 @pytest.fixture(scope="module")

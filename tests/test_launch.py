@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 from distributed import free_port
+from helpers import femtotron
+from helpers import write_cli_config as write_config
 from safetensors.torch import load_file
-from test_cli import femtotron, write_config
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from femtotron.errors import ConfigError
@@ -21,12 +22,7 @@ LAUNCH_LINE = ("femtotron: dp=2 tp=1 pp=1 needs 2 processes; starting them on th
                "torch.distributed.run (use torchrun or srun for several nodes)")
 
 
-@pytest.fixture(autouse=True)
-def no_launcher(monkeypatch):
-    """These tests are about running *without* a launcher, even if pytest itself was started by one."""
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                 "SLURM_PROCID", "SLURM_NTASKS"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("no_launcher")  # these tests are about running without a launcher
 
 
 @pytest.fixture
@@ -198,3 +194,22 @@ def test_D3_debug_sets_the_distributed_debug_variables_and_every_rank_logs(confi
     for rank in (0, 1):
         assert f"[rank {rank}] --debug: NCCL_DEBUG=INFO TORCH_DISTRIBUTED_DEBUG=DETAIL" in result.stderr
         assert f"[rank {rank} dp{rank} tp0 pp0] step 2/2 | loss" in result.stdout
+
+
+def test_sigterm_to_a_self_launched_run_saves_and_exits_7_as_under_torchrun(config, tmp_path):
+    """A scheduler signals the process it started: the launcher. The ranks must get it, save a checkpoint and
+    stop, and the launcher exit 7 (not torch's 143), so a requeue script sees the same code either way."""
+    run = subprocess.Popen([sys.executable, "-m", "femtotron", "train", config, "parallelism.dp=2",
+                            "tokens.train_steps=100000", "checkpoints.checkpoint_interval=1000",
+                            "logging.iteration_step_info_interval=1", "general.run=term"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in run.stdout:
+        if "step 2/" in line:  # training is under way
+            run.send_signal(signal.SIGTERM)
+            break
+    output = run.stdout.read()
+    assert run.wait(timeout=120) == 7, output[-3000:]
+    assert "SIGTERM received: stopped after step" in output
+    saved = tmp_path / "runs" / "term" / "checkpoints"
+    assert int((saved / "latest").read_text().strip().removeprefix("step-")) >= 2

@@ -1,23 +1,120 @@
-"""D4/D5: the code stays small and laid out as the guide's rooms, so reading it is how one debugs."""
+"""D4/D5: the code stays small and laid out as the guide's rooms, so reading it is how one debugs; and its
+imports run one way: no cycles, nothing but the command line imports the trainer, and only the door modules
+touch torch.distributed. Imports are read from the source (ast), so lazy imports inside functions count
+too; imports for type checking only do not."""
 
+from __future__ import annotations
+
+import ast
 from pathlib import Path
 
-import femtotron
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "femtotron"
+# The only modules that may call torch.distributed: collectives, process groups, store messages, the launcher.
+DISTRIBUTED_DOORS = {"femtotron.parallel.comm", "femtotron.parallel.context", "femtotron.parallel.store",
+                     "femtotron.launch"}
 
-SOURCE = Path(femtotron.__file__).parent
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(name: str) -> bool:
+    path = SRC.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def runtime_imports(tree: ast.Module) -> list[str]:
+    """Every module imported, skipping `if TYPE_CHECKING:` blocks; `from a import b` is a.b when b is a module."""
+    names: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                names.append(candidate if is_module(candidate) else node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {module_name(path): set(runtime_imports(ast.parse(path.read_text()))) for path in PACKAGE.rglob("*.py")}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each a cycle of imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in graph.get(node, ()):
+            if other not in graph:
+                continue
+            if other not in index:
+                connect(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph[node]:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_the_package_has_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_only_the_command_line_imports_the_trainer():
+    importers = {module for module, imports in import_graph().items() if "femtotron.trainer" in imports}
+    assert importers <= {"femtotron.cli"}, importers
+
+
+def test_only_the_door_modules_touch_torch_distributed():
+    touching = {module for module, imports in import_graph().items()
+                if any(name == "torch.distributed" or name.startswith("torch.distributed.") for name in imports)}
+    assert touching <= DISTRIBUTED_DOORS, touching - DISTRIBUTED_DOORS
 
 
 def test_D5_the_package_maps_onto_the_guides_rooms():
     for room in ("trainer.py", "parallel/context.py", "parallel/comm.py", "parallel/tensor_parallel.py",
                  "parallel/pipeline/schedules.py", "parallel/data_parallel.py", "models/llama.py", "optim/zero.py",
                  "config/config.py", "serialize/checkpoint.py"):
-        assert (SOURCE / room).is_file(), room
+        assert (PACKAGE / room).is_file(), room
 
 
 def test_D4_the_core_stays_small_enough_to_read():
     """Everything but diagnostics and the command line: code lines (not blank, not comments) near 5,000."""
     lines = 0
-    for path in SOURCE.rglob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         if "diagnostics" in path.parts or path.name == "cli.py":
             continue
         lines += sum(1 for line in path.read_text().splitlines() if line.strip() and not line.strip().startswith("#"))

@@ -6,10 +6,10 @@ import torch
 from distributed import run_ranks
 from helpers import BF16_PATHS, precision_path
 
-from femtotron.errors import ConfigError, DataError
-from femtotron.models.llama import IGNORE_INDEX
+from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch
+from femtotron.errors import ConfigError, DataError, TrainingDiverged
 from femtotron.parallel.context import ParallelContext
-from femtotron.trainer import Trainer, TrainingDiverged
+from femtotron.trainer import Trainer
 
 
 def train(config):
@@ -83,7 +83,6 @@ def test_bf16_parameters_train_with_fp32_master_weights(tiny_config, native):
 def test_N2_non_finite_loss_stops_with_history_and_advice(tiny_config):
     trainer = Trainer(tiny_config("tokens.train_steps=5"), ParallelContext(), log_to_console=False)
     trainer.train_step()
-    trainer.step = 1
     with torch.no_grad():
         trainer.chunks[0].norm.weight.fill_(float("nan"))
     with pytest.raises(TrainingDiverged) as info:
@@ -93,11 +92,14 @@ def test_N2_non_finite_loss_stops_with_history_and_advice(tiny_config):
     assert "learning_rate" in message and "clip_grad" in message
 
 
-def test_missing_dataset_is_reported_before_the_model_is_built(tiny_config, tmp_path):
+def test_missing_dataset_is_reported_before_the_model_is_built_and_leaves_the_metrics_alone(tiny_config, tmp_path):
+    trainer, _ = train(tiny_config("tokens.train_steps=2"))
+    metrics = (trainer.run_dir / "metrics.jsonl").read_text()
     config = tiny_config(f"data.dataset_folder={tmp_path / 'nowhere'}")
     with pytest.raises(DataError, match="nowhere") as info:
-        Trainer(config, ParallelContext(), log_to_console=False)
+        Trainer(config, ParallelContext(), log_to_console=False).train()
     assert "femtotron preprocess" in str(info.value)
+    assert (trainer.run_dir / "metrics.jsonl").read_text() == metrics  # the run never started: nothing changed
 
 
 def test_validation_loss_is_logged(tiny_config, tiny_dataset):
@@ -125,7 +127,8 @@ def test_N3_token_ids_beyond_the_vocabulary_name_the_dataset_file_before_the_mod
 
 def test_N3_a_batch_with_an_empty_loss_mask_is_an_error(tiny_config):
     trainer = Trainer(tiny_config(), ParallelContext(), log_to_console=False)
-    trainer.batches.next_step = lambda: [torch.full((4, 33), IGNORE_INDEX)]
+    trainer.batches.step_at = lambda consumed: [MicroBatch(torch.zeros(4, 32, dtype=torch.int64),
+                                                           torch.full((4, 32), IGNORE_INDEX))]
     with pytest.raises(DataError, match="step 1: no target token of the whole batch counts in the loss"):
         trainer.train_step()
 
@@ -161,7 +164,6 @@ def test_N1_fp16_overflow_skips_the_step_and_lowers_the_loss_scale(tiny_config, 
     assert not trainer.data_parallel.flat_grads.any()  # the bad gradients are dropped
     assert "step 1: fp16 gradients overflowed at loss scale 65536; step skipped, scale lowered to 32768" \
         in capsys.readouterr().out
-    trainer.step = 1
     trainer.log_step(skipped)
     results = trainer.train()  # steps 2..20: no more overflows, and fp16 learns
     losses = [skipped.loss] + [r.loss for r in results]
@@ -181,7 +183,6 @@ def test_fp16_loss_scale_too_large_for_fp16_backs_off_then_stops_at_min_scale(ti
     result = trainer.train_step()  # scaled by 2**40 the gradients really overflow fp16
     assert result.skipped and trainer.scaler.scale == 2.0**39
     assert all(torch.equal(a, b) for a, b in zip(before, weights(trainer), strict=True))
-    trainer.step = 1
     with pytest.raises(TrainingDiverged) as info:
         trainer.train_step()
     message = str(info.value)
@@ -211,7 +212,6 @@ def _fp16_dp_overflow_on_one_rank(rank, config):
     before = weights(trainer)
     first = trainer.train_step()
     unchanged = all(torch.equal(a, b) for a, b in zip(before, weights(trainer), strict=True))
-    trainer.step = 1
     second = trainer.train_step()
     ctx.close()
     return first.skipped, unchanged, trainer.scaler.scale, second.skipped, second.loss, weights(trainer)
@@ -227,7 +227,7 @@ def test_fp16_overflow_on_one_dp_rank_skips_the_step_on_both(tiny_config):
 
 
 def test_interleaved_pipeline_on_gpus_is_refused(tiny_config, monkeypatch):
-    from femtotron.trainer import check_supported
+    from femtotron.cli import refuse_where_unsupported as check_supported
 
     interleaved = tiny_config("parallelism.pp=2", "parallelism.pp_engine=interleaved-1f1b",
                               "parallelism.pp_virtual_stages=2", "model.model_config.num_hidden_layers=4",

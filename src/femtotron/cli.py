@@ -1,6 +1,6 @@
-"""`femtotron <verb>`: train, doctor, check-tp, generate, inspect-data, reshard, consolidate, preprocess,
-train-tokenizer.
+"""femtotron: pretrain LLaMA-style models with data, tensor and pipeline parallelism and ZeRO-1.
 
+Verbs: train, doctor, check-tp, generate, inspect-data, reshard, consolidate, preprocess, train-tokenizer.
 Every problem a user can fix arrives as a FemtotronError and is printed as plain text with its
 exit code (2 for config errors); a traceback means a bug in femtotron.
 """
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 def cmd_train(args: argparse.Namespace) -> int | None:
     from femtotron.config import check_world_size, load_config
     from femtotron.launch import launched_by_torchrun
+    from femtotron.serialize.checkpoint import already_done
 
     # --debug: every rank logs everything, rank-prefixed (D3).
     config = load_config(args.config, [*args.overrides, *(["logging.log_level=debug"] if args.debug else [])])
@@ -28,6 +29,11 @@ def cmd_train(args: argparse.Namespace) -> int | None:
     if config.general.cuda_expandable_segments and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         # M2: fewer fragmentation OOMs; must be set before CUDA starts (children inherit it).
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    done = already_done(config)
+    if done is not None:  # a requeued or repeated finished job: nothing to do, and nothing to overwrite
+        if os.environ.get("RANK", "0") == "0":
+            print(f"femtotron: {done}")
+        return 0
     if par.dp * par.tp * par.pp > 1 and not launched_by_torchrun():
         return launch_train(args, config)
     # L1: checked on every rank, from the environment alone, before any process group exists.
@@ -38,18 +44,22 @@ def cmd_train(args: argparse.Namespace) -> int | None:
         os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
         print(f"[rank {os.environ.get('RANK', '0')}] --debug: NCCL_DEBUG={os.environ['NCCL_DEBUG']} "
               f"TORCH_DISTRIBUTED_DEBUG={os.environ['TORCH_DISTRIBUTED_DEBUG']}", file=sys.stderr)
+    refuse_where_unsupported(config)  # before any process group exists, like every other config check
     from femtotron.parallel.context import ParallelContext
-    from femtotron.trainer import Trainer, check_supported
+    from femtotron.trainer import Trainer
 
-    check_supported(config)  # before any process group exists, like every other config check
-
-    ctx = ParallelContext(par.dp, par.tp, par.pp, init_timeout_seconds=par.init_timeout_seconds,
-                          collective_timeout_seconds=par.collective_timeout_seconds)
-    try:
+    with ParallelContext.from_config(config) as ctx:
         Trainer(config, ctx).train()
-    finally:
-        ctx.close()
     return None
+
+
+def refuse_where_unsupported(config: Config) -> None:
+    import torch
+
+    from femtotron.config.rules import refuse_on_gpus
+
+    if torch.cuda.is_available():
+        refuse_on_gpus(config)
 
 
 def launch_train(args: argparse.Namespace, config: Config) -> int:
@@ -59,10 +69,9 @@ def launch_train(args: argparse.Namespace, config: Config) -> int:
     rank after processes have started.
     """
     from femtotron.launch import check_local_devices, launch_local
-    from femtotron.trainer import check_supported
 
     par = config.parallelism
-    check_supported(config)
+    refuse_where_unsupported(config)
     check_local_devices(par.dp, par.tp, par.pp)
     argv = ["train", args.config, *args.overrides, *(["--debug"] if args.debug else [])]
     return launch_local(par.dp * par.tp * par.pp, argv, what=f"dp={par.dp} tp={par.tp} pp={par.pp}")
@@ -116,16 +125,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_inspect_data(args: argparse.Namespace) -> None:
     from femtotron.config import load_config
+    from femtotron.data.nanoset import open_nanoset
     from femtotron.data.tokenizer import load_tokenizer
     from femtotron.diagnostics.data_check import inspect_samples
-    from femtotron.models.llama import IGNORE_INDEX
-    from femtotron.trainer import open_nanoset
 
     config = load_config(args.config, args.overrides)
     nanoset = open_nanoset(config.data.dataset_folder, config.tokens.sequence_length, config.data.seed)
     path = config.tokenizer.tokenizer_name_or_path
     tokenizer = load_tokenizer(path) if path else None
-    print(inspect_samples(nanoset, tokenizer, config.tokens.sequence_length, args.n, IGNORE_INDEX))
+    print(inspect_samples(nanoset, tokenizer, config.tokens.sequence_length, args.n))
 
 
 def cmd_preprocess(args: argparse.Namespace) -> None:
@@ -143,7 +151,7 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="femtotron", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="femtotron", description=__doc__.split("\n\n")[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     train = verbs.add_parser("train", help="train a model from a YAML config; starts the dp*tp*pp processes "

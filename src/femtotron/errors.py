@@ -15,6 +15,12 @@ class ConfigError(FemtotronError):
     same_on_every_rank = True
 
 
+class UsageError(FemtotronError):
+    """A command-line argument is out of range (argparse's own errors exit 2 as well)."""
+
+    exit_code = 2
+
+
 class DataError(FemtotronError):
     """A dataset file is missing, mismatched or corrupt."""
 
@@ -25,3 +31,28 @@ class DistributedError(FemtotronError):
     """The process group could not be formed or a collective did not complete."""
 
     exit_code = 4
+
+
+class TrainingDiverged(FemtotronError):
+    """The loss or gradients went non-finite (or fp16 overflowed at the smallest scale): training stopped."""
+
+    exit_code = 5
+    same_on_every_rank = True
+
+
+class OutOfMemory(FemtotronError):
+    exit_code = 8
+
+
+class TrainingInterrupted(FemtotronError):
+    """SIGTERM or SIGUSR1 (what schedulers send before preemption): a checkpoint was saved, then the run stopped."""
+
+    exit_code = 7
+    same_on_every_rank = True
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch.OutOfMemoryError on GPUs; on the CPU an allocation failure is a plain RuntimeError
+    ("DefaultCPUAllocator: can't allocate memory")."""
+    return isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and (
+        type(error).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(error)))

@@ -2,49 +2,27 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
-from femtotron.config import Config, load_config
+from femtotron.config import Config
 from femtotron.data.tokenizer import eos_token_id, load_tokenizer
 from femtotron.errors import FemtotronError
 from femtotron.models.llama import Llama
+from femtotron.serialize.weights import CONFIG_FILE, TOKENIZER_FILE, load_weights
 
 
 def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Config, Llama]:
-    """The model of `run_dir` (written by `femtotron train`) with its trained weights, in fp32.
-
-    The weights are `model.safetensors`, or after pipeline-parallel training one file per stage,
-    listed in `model-parts.json`.
-    """
-    run_dir = Path(run_dir)
-    config_path, parts_path = run_dir / "config.yaml", run_dir / "model-parts.json"
+    """The model of `run_dir` (written by `femtotron train` or `consolidate`) with its trained weights, in fp32."""
+    config, weights = load_weights(Path(run_dir), device)
+    model = Llama(config.model.model_config_, std=config.model.init_method.std, seed=config.general.seed,
+                  dtype=torch.float32, device=torch.device(device))
     try:
-        parts = json.loads(parts_path.read_text())["parts"] if parts_path.is_file() else ["model.safetensors"]
-    except (ValueError, KeyError, TypeError):
-        raise FemtotronError(f"{parts_path} is not a list of weight files: re-run the training that wrote it.") from None
-    for path in (config_path, *(run_dir / part for part in parts)):
-        if not path.is_file():
-            raise FemtotronError(
-                f"{path} does not exist: {run_dir} is not a finished training run. Train first "
-                "(`femtotron train CONFIG`); the run directory is logging.output_dir/general.run."
-            )
-    config = load_config(config_path)
-    mcfg = config.model.model_config_
-    model = Llama(mcfg, std=config.model.init_method.std, seed=config.general.seed, dtype=torch.float32,
-                  device=torch.device(device))
-    try:
-        weights = {}
-        for part in parts:  # a tied embedding appears in the first and the last stage's part: equal
-            weights.update(load_file(str(run_dir / part), device=device))
         model.load_state_dict(weights, strict=True)
-    except (SafetensorError, RuntimeError) as e:
-        raise FemtotronError(f"the weights in {run_dir} ({', '.join(parts)}) do not hold this run's model "
-                             f"({config_path}): {str(e).splitlines()[0]}. Re-run the training that wrote them.") from None
+    except RuntimeError as e:
+        raise FemtotronError(f"the weights in {run_dir} do not hold this run's model ({Path(run_dir) / CONFIG_FILE}): "
+                             f"{str(e).splitlines()[0]}. Re-run the training that wrote them.") from None
     return config, model.eval()
 
 
@@ -76,7 +54,7 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, t
                   top_k: int | None = 50, seed: int = 0) -> str:
     config, model = load_run(run_dir)
     # Training copies the tokenizer into the run directory, so a run can be sampled from anywhere.
-    tokenizer_path = Path(run_dir) / "tokenizer.json"
+    tokenizer_path = Path(run_dir) / TOKENIZER_FILE
     if not tokenizer_path.is_file():
         if config.tokenizer.tokenizer_name_or_path is None:
             raise FemtotronError(f"{run_dir} has no tokenizer.json and its config.yaml no "

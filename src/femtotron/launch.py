@@ -88,7 +88,11 @@ def launch_local(nprocs: int, argv: list[str], what: str = "this run") -> int:
     # torchrun sets the same default (N ranks each threading over every core would oversubscribe the
     # CPU), but announces it with a four-line warning.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    args = torchrun.parse_args(["--standalone", "--nproc-per-node", str(nprocs), "-m", "femtotron", *argv])
+    forwarded = _forward_stop_signals()
+    # The signals torch's agent handles itself (by stopping the ranks): not SIGTERM when it is forwarded.
+    handled = "SIGINT,SIGHUP,SIGQUIT" if forwarded else "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    args = torchrun.parse_args(["--standalone", "--nproc-per-node", str(nprocs), "--signals-to-handle", handled,
+                                "-m", "femtotron", *argv])
     failure_log = logging.getLogger(_FAILURE_LOGGER)
     level = failure_log.level
     failure_log.setLevel(logging.CRITICAL)
@@ -101,7 +105,41 @@ def launch_local(nprocs: int, argv: list[str], what: str = "this run") -> int:
         return 128 + int(e.sigval)
     finally:
         failure_log.setLevel(level)
+        for sig, handler in forwarded.items():
+            signal.signal(sig, handler)
     return 0
+
+
+def _forward_stop_signals() -> dict[int, object]:
+    """SIGTERM and SIGUSR1 (a scheduler's "stop soon") go on to the ranks, which save a checkpoint and exit 7;
+    the launcher then passes that 7 on. (torch's agent would instead kill the ranks and exit 143; SIGUSR1 would
+    kill the launcher outright.) Needs /proc to find the ranks; elsewhere torch's handling stays."""
+    if not os.path.isdir("/proc/self"):
+        return {}
+
+    def forward(signum: int, _frame: object) -> None:
+        for pid in _child_processes():
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:  # exited meanwhile
+                pass
+
+    return {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+
+def _child_processes() -> list[int]:
+    """This process's children, from /proc (the ranks torch started, each in a session of its own)."""
+    me, children = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    # pid (comm) state ppid ...: comm may hold spaces, so split after its closing parenthesis
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        children.append(int(entry))
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                pass
+    return children
 
 
 def _first_failure_code(error: ChildFailedError) -> int:

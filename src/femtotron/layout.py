@@ -1,20 +1,21 @@
 """One rank's part of the model: its pipeline stages, model chunks and parameter buffers.
 
-Built the same way by the trainer (with real process groups) and by the offline checkpoint tools
-(one process, on the meta device: shapes and layout without memory or initialisation), so both agree
-on which slices of which tensors each rank of a mesh holds.
+Built the same way by the trainer (with real process groups) and, on the meta device, by the memory
+estimate and the offline checkpoint tools (shapes and layout without memory or initialisation), so all
+agree on which slices of which tensors each rank of a mesh holds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
+from femtotron.config import Config
 from femtotron.models.llama import Llama
 from femtotron.parallel.comm import Comm, Group
+from femtotron.parallel.context import ParallelContext, coordinates_of
 from femtotron.parallel.data_parallel import DataParallel
 from femtotron.parallel.pipeline.partition import Stage, partition
 from femtotron.parallel.sharding import split_dim
@@ -27,6 +28,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 class RankModel:
     stages: list[Stage]  # every virtual stage of the pipeline (this rank runs stage chunk * pp + pp_rank)
     chunks: list[Llama]  # this rank's model chunks (one unless interleaved)
+    tp: TensorParallel
     data_parallel: DataParallel
     replicated: list[bool]  # per parameter: every tp rank holds it whole (the norms)
     # Per parameter: this rank's copy is the one that counts, in the grad norm and in a checkpoint (a
@@ -39,27 +41,45 @@ class RankModel:
         return [item for chunk in self.chunks for item in chunk.named_parameters()]
 
 
-def build_rank_model(config: Any, tp: TensorParallel, pp: int, pp_rank: int, comm: Comm, dp_group: Group,
-                     dp_rank: int, device: torch.device) -> RankModel:
+def tensor_parallel(config: Config, comm: Comm, group: Group, rank: int) -> TensorParallel:
+    return TensorParallel(comm, group, rank, sequence_parallel=config.parallelism.tp_mode == "REDUCE_SCATTER")
+
+
+def build_rank_model(config: Config, ctx: ParallelContext) -> RankModel:
+    """This process's part of the model, on its device, talking over its groups."""
+    return _build(config, tensor_parallel(config, ctx.comm, ctx.tp_group, ctx.tp_rank), ctx.pp_rank, ctx.comm,
+                  ctx.dp_group, ctx.dp_rank, ctx.device)
+
+
+def meta_rank_model(config: Config, rank: int) -> RankModel:
+    """Rank `rank` of the config's mesh on the meta device, without a process group: shapes and layout only."""
+    par = config.parallelism
+    at = coordinates_of(rank, par.dp, par.tp)
+    tp = tensor_parallel(config, Comm(), Group("tp", tuple(range(par.tp))), at.tp_rank)
+    return _build(config, tp, at.pp_rank, Comm(), Group("dp", tuple(range(par.dp))), at.dp_rank, torch.device("meta"))
+
+
+def _build(config: Config, tp: TensorParallel, pp_rank: int, comm: Comm, dp_group: Group, dp_rank: int,
+           device: torch.device) -> RankModel:
     mcfg, par = config.model.model_config_, config.parallelism
     dtype = DTYPES[config.model.dtype]
     # Virtual stage s runs on pp rank s % pp as its chunk s // pp (one chunk unless interleaved).
-    stages = partition(mcfg, config.tokens.sequence_length, pp * par.pp_virtual_stages)
+    stages = partition(mcfg, config.tokens.sequence_length, par.pp * par.pp_virtual_stages)
     chunks = [Llama(mcfg, std=config.model.init_method.std, seed=config.general.seed, dtype=dtype, device=device,
-                    tp=tp, stage=stages[chunk * pp + pp_rank], recompute_layer=par.recompute_layer)
+                    tp=tp, stage=stages[chunk * par.pp + pp_rank], recompute_layer=par.recompute_layer)
               for chunk in range(par.pp_virtual_stages)]
     named = [item for chunk in chunks for item in chunk.named_parameters()]
     replicated = [split_dim(p.shard) is None for _, p in named]
     # A tied LM head on the last stage holds a copy of the first stage's embedding: its gradient is summed
     # with the original's, and it is counted (and saved) once.
-    tied_copy = [n == "embed_tokens.weight" and pp > 1 and mcfg.tie_word_embeddings for n, _ in named]
+    tied_copy = [n == "embed_tokens.weight" and par.pp > 1 and mcfg.tie_word_embeddings for n, _ in named]
     counted = [(tp.rank == 0 or not r) and not (c and pp_rank > 0) for r, c in zip(replicated, tied_copy, strict=True)]
     data_parallel = DataParallel(
         named, bucket_groups(chunks, tied_copy), comm, dp_group, dp_rank,
         micro_batches=config.tokens.batch_accumulation_per_replica, bucket_mb=par.dp_bucket_size_mb,
         grad_dtype=torch.float32 if config.optimizer.accumulate_grad_in_fp32 else dtype,
         sharded=config.optimizer.zero_stage == 1)
-    return RankModel(stages, chunks, data_parallel, replicated, counted,
+    return RankModel(stages, chunks, tp, data_parallel, replicated, counted,
                      tied_copy.index(True) if any(tied_copy) else None)
 
 

@@ -1,22 +1,22 @@
-"""What a training step costs: model FLOPs, the device's peak, memory, and the run's log.
+"""What a training step is measured against: the device's peak FLOP/s (for MFU) and its memory.
 
-Console lines carry the rank (`[rank 3 dp1 tp1 pp0]`); the same records go, one JSON object per
-line, to `metrics.jsonl` in the run directory.
+Model FLOPs per token come from the model config (`LlamaConfig.flops_per_token`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
-from tqdm import tqdm
+
+from femtotron.atomic import atomic_path
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (FLOP/s), matched by device name.
 PEAK_BF16_FLOPS = {
@@ -24,18 +24,6 @@ PEAK_BF16_FLOPS = {
     "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12,
     "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "MI300X": 1307e12, "MI250X": 383e12,
 }
-
-
-def model_flops_per_token(cfg: Any, sequence_length: int) -> float:
-    """Forward + backward FLOPs per trained token: 6 per matmul weight, plus causal attention.
-
-    Attention scores and the weighted sum cost 4·s·h per token per layer forward at full width;
-    causal masking halves it, and backward doubles the forward (×3 overall): 6·L·s·h.
-    """
-    h, kv = cfg.hidden_size, cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * cfg.intermediate_size
-    matmul_weights = cfg.num_hidden_layers * per_layer + h * cfg.vocab_size
-    return 6.0 * matmul_weights + 6.0 * cfg.num_hidden_layers * sequence_length * h
 
 
 def matmul_flops_rate(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
@@ -59,28 +47,44 @@ def matmul_flops_rate(m: int, n: int, k: int, dtype: torch.dtype, device: torch.
     return best
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype, gemm_shape: tuple[int, int, int]) -> tuple[float, str]:
-    """The FLOP/s to divide by for MFU, and where the number came from."""
+def peak_flops(device: torch.device, dtype: torch.dtype, gemm_shape: tuple[int, int, int],
+               cache: Path | None = None) -> tuple[float, str]:
+    """The FLOP/s to divide by for MFU, and where the number came from.
+
+    On GPUs the data sheet's peak. Elsewhere a matmul is timed, and a machine that is busy meanwhile only
+    makes it slower: so the fastest rate ever measured on this machine for this shape, dtype, thread count
+    and torch version is kept in `cache` (default: ~/.cache/femtotron/peak_flops.json) and used when higher.
+    """
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, flops in PEAK_BF16_FLOPS.items():
             if re.search(rf"\b{re.escape(key)}\b", name):  # whole words: "L4" is not "L40S"
                 return flops, f"{name} data-sheet bf16 peak"
-    # Tiny debug models' matmuls are dominated by call overhead and would give a "peak" below what
-    # the model itself achieves (MFU > 100%): measure at least 1024 in every dimension.
-    gemm_shape = tuple(max(n, 1024) for n in gemm_shape)
-    rate = matmul_flops_rate(*gemm_shape, dtype=dtype, device=device)
-    return rate, f"measured {dtype} matmul {gemm_shape[0]}x{gemm_shape[2]}x{gemm_shape[1]} on {device.type}"
+    # Tiny debug models' matmuls are dominated by call overhead and would give a "peak" below what the model
+    # itself achieves (MFU > 100%): at least 1024 in every dimension; at most 4096 (64 MiB per fp32 operand),
+    # which reaches the peak already, whatever the micro-batch.
+    m, n, k = (min(max(size, 1024), 4096) for size in gemm_shape)
+    measured = matmul_flops_rate(m, n, k, dtype=dtype, device=device)
+    what = f"{dtype} matmul {m}x{k}x{n} on {device.type} with {torch.get_num_threads()} thread(s)"
+    cache = cache or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "femtotron" / "peak_flops.json"
+    key = f"{_processor()} | {what} | torch {torch.__version__}"
+    try:
+        known = json.loads(cache.read_text()) if cache.is_file() else {}
+        best = max(measured, float(known.get(key, 0.0)))
+        if best > float(known.get(key, 0.0)):
+            with atomic_path(cache) as tmp:
+                Path(tmp).write_text(json.dumps({**known, key: best}, indent=1))
+    except (OSError, ValueError, TypeError, AttributeError):  # an unwritable home, a mangled file: measure only
+        return measured, f"{what}, measured now (no cache at {cache})"
+    return best, f"the fastest {what} measured on this machine (kept in {cache})"
 
 
-def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); without it bf16 is emulated."""
+def _processor() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
-        return True  # not Linux: no way to tell, so do not warn
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return platform.processor()
 
 
 def memory_gib(device: torch.device) -> dict[str, float]:
@@ -95,32 +99,3 @@ def memory_gib(device: torch.device) -> dict[str, float]:
     except OSError:  # not Linux: the peak is what the OS reports (bytes on macOS)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return {"mem_peak_rss_gib": peak / (2**30 if sys.platform == "darwin" else 2**20)}
-
-
-class RunLog:
-    """Rank-prefixed console lines, and metrics.jsonl, written by the rank that owns the logged loss."""
-
-    def __init__(self, prefix: str, run_dir: Path, is_main: bool, console: bool = True, level: str = "info") -> None:
-        self.prefix, self.is_main, self.console, self.level = prefix, is_main, console, level
-        self.metrics_path = run_dir / "metrics.jsonl"
-        if is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self.metrics_path.write_text("")
-
-    def info(self, message: str, every_rank: bool = False) -> None:
-        """Print on the main rank (on every rank with `every_rank` or at level debug); tqdm.write keeps the
-        progress bar intact."""
-        if self.console and self.level in ("debug", "info") and (self.is_main or every_rank or self.level == "debug"):
-            self._write(message)
-
-    def warn(self, message: str) -> None:
-        if self.console and self.level != "error" and (self.is_main or self.level == "debug"):
-            self._write(f"WARNING: {message}")
-
-    def _write(self, message: str) -> None:
-        tqdm.write("\n".join(f"{self.prefix} {line}" for line in message.splitlines()), file=sys.stdout)
-
-    def record(self, values: dict[str, Any]) -> None:
-        if self.is_main:
-            with self.metrics_path.open("a") as f:
-                f.write(json.dumps(values) + "\n")

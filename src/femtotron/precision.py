@@ -9,11 +9,20 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from femtotron.metrics import cpu_has_bf16_matmul
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); without it bf16 is emulated."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return True  # not Linux: no way to tell, so do not warn
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 # Whether bf16/fp16 matmuls run natively on this CPU: read once from /proc/cpuinfo, and forced either way
 # by `cpu_low_precision_path` (tests run both paths on every machine).
-NATIVE_ON_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar("native_on_cpu", default=cpu_has_bf16_matmul())
+CPU_MULTIPLIES_BF16 = cpu_has_bf16_matmul()
+NATIVE_ON_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar("native_on_cpu", default=CPU_MULTIPLIES_BF16)
 
 # Memory estimates run the model on the meta device; set while estimating for this CPU, so that they
 # make the same fp32 copies the CPU run makes (diagnostics/memory.py).

@@ -15,9 +15,9 @@ from femtotron.config import (
     config_warnings,
     load_config,
     load_config_dict,
-    parameter_count,
 )
 from femtotron.errors import ConfigError
+from femtotron.optim.lr_schedule import lr_at
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,7 +85,7 @@ def test_convenience_properties():
     assert cfg.global_batch_size == 2 * 3 * 2
     assert cfg.tokens_per_step == 12 * 32
     assert cfg.run_dir == Path("out") / "r1"
-    assert cfg.head_dim == 16
+    assert cfg.model.model_config_.head_dim == 16
 
 
 def test_parameter_count_matches_hand_count():
@@ -95,9 +95,9 @@ def test_parameter_count_matches_hand_count():
     attn = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64  # q, k, v (2 heads x 16), o
     mlp = 3 * 64 * 96
     layer = attn + mlp + 2 * 64
-    assert parameter_count(m) == embed + 2 * layer + 64 + 128 * 64
+    assert m.parameter_count == embed + 2 * layer + 64 + 128 * 64
     tied = m.model_copy(update={"tie_word_embeddings": True})
-    assert parameter_count(tied) == parameter_count(m) - 128 * 64
+    assert tied.parameter_count == m.parameter_count - 128 * 64
 
 
 def test_to_dict_round_trips_through_yaml(tmp_path):
@@ -182,6 +182,17 @@ def test_interleaved_pipeline_rules():
     assert "pp must be >= 2" in p.message
 
 
+def test_the_fix_for_too_few_layers_to_interleave_is_one_the_rules_accept():
+    """2 layers cannot give pp=2 ranks 2 chunks each: no pp_virtual_stages works, so the fix is no interleaving
+    (or more layers), never `pp_virtual_stages=1` alone, which the interleaving rule rejects."""
+    p = only_problem(tiny(**{**INTERLEAVED, M + "num_hidden_layers": 2}))
+    assert "Fix: pp_engine=1f1b with pp_virtual_stages=1 (no interleaving), or num_hidden_layers=4 or more." in p.message
+    load_config_dict(tiny(**{**INTERLEAVED, M + "num_hidden_layers": 2, "parallelism.pp_engine": "1f1b",
+                             "parallelism.pp_virtual_stages": 1}))
+    p = only_problem(tiny(**{**INTERLEAVED, M + "num_hidden_layers": 6, "parallelism.pp_virtual_stages": 4}))
+    assert "Fix: pp_virtual_stages=3, or num_hidden_layers=8 or more." in p.message
+
+
 def test_P2_few_micro_batches_for_the_pipeline_warn_with_the_bubble():
     config = load_config_dict(tiny(**{"parallelism.pp": 2, "tokens.batch_accumulation_per_replica": 2}))
     (w,) = config_warnings(config)
@@ -202,10 +213,14 @@ def test_reduce_scatter_needs_sequence_divisible_by_tp():
     assert "sequence_length=30 or 32" in p.message and "tp_mode=ALL_REDUCE" in p.message
 
 
-def test_warmup_within_train_steps():
-    p = only_problem(tiny(**{"optimizer.learning_rate_scheduler.lr_warmup_steps": 20}))
-    assert p.fields == ("optimizer.learning_rate_scheduler.lr_warmup_steps", "tokens.train_steps")
-    assert "lr_warmup_steps=20 must be <= train_steps=10" in p.message and "lr_warmup_steps=1" in p.message
+def test_a_warm_up_longer_than_a_short_try_is_cut_to_the_run_with_a_warning():
+    """examples/debug.yaml warms up for 20 steps: `tokens.train_steps=10` must still run."""
+    cfg = load_config_dict(tiny(**{"optimizer.learning_rate_scheduler.lr_warmup_steps": 20}))  # train_steps=10
+    (warning,) = [w for w in config_warnings(cfg) if "lr_warmup_steps" in w]
+    assert "lr_warmup_steps=20 is longer than tokens.train_steps=10" in warning
+    assert "set lr_warmup_steps below 10 (e.g. 1)" in warning
+    sched = cfg.optimizer.learning_rate_scheduler
+    assert [lr_at(step, sched, 10) for step in (0, 9)] == pytest.approx([sched.learning_rate / 10, sched.learning_rate])
 
 
 def test_min_decay_lr_at_most_learning_rate():

@@ -105,8 +105,13 @@ def test_blend_proportions_and_per_dataset_epochs(tmp_path):
     np.testing.assert_array_equal(ns[1], stream[s * L : s * L + L + 1])
 
 
+def _samples(micro_batch):
+    """A micro-batch's (batch, sequence + 1) samples: the inputs and the last target."""
+    return torch.cat([micro_batch.inputs, micro_batch.targets[:, -1:]], dim=1)
+
+
 def _steps(iterator, count):
-    return [[mb.clone() for mb in iterator.next_step()] for _ in range(count)]
+    return [[_samples(mb).clone() for mb in iterator.next_step()] for _ in range(count)]
 
 
 def test_micro_batches_shape_and_resume(tmp_path):
@@ -130,8 +135,8 @@ def test_union_of_a_step_does_not_depend_on_dp(tmp_path):
     single = MicroBatchIterator(ns, micro_batch_size=2, batch_accumulation=4, dp_rank=0, dp_size=1)
     ranks = [MicroBatchIterator(ns, 2, 2, dp_rank=r, dp_size=2) for r in range(2)]
     for _ in range(3):
-        expected = torch.cat(single.next_step())
-        got = torch.cat([mb for rank in ranks for mb in rank.next_step()])
+        expected = torch.cat([_samples(mb) for mb in single.next_step()])
+        got = torch.cat([_samples(mb) for rank in ranks for mb in rank.next_step()])
         assert torch.equal(expected, got)
     assert single.consumed_samples == ranks[1].consumed_samples == 24
 
@@ -152,3 +157,15 @@ def test_bad_weights_and_float_data(tmp_path, one):
         writer.add_document(np.ones(100))
     with pytest.raises(DataError, match=r"f\.bin holds float32 values"):
         Nanoset([str(tmp_path / "f")], None, L, seed=0)
+
+
+def test_a_micro_batch_predicts_the_next_token_and_step_at_needs_no_state(tmp_path):
+    prefix, _ = _dataset(tmp_path / "d", 40, seed=0)
+    batches = MicroBatchIterator(Nanoset([prefix], None, L, seed=2), 2, 2, dp_rank=0, dp_size=1)
+    later = batches.step_at(8)
+    assert batches.consumed_samples == 0  # asking for a step moves nothing
+    batches.consumed_samples = 8
+    for a, b in zip(later, batches.next_step(), strict=True):
+        assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
+    assert torch.equal(later[0].inputs[:, 1:], later[0].targets[:, :-1])
+    assert later[0].counted_targets == 2 * L

@@ -5,7 +5,7 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from femtotron.data.tokenizer import eos_token_id, load_tokenizer, train_tokenizer
-from femtotron.errors import DataError
+from femtotron.errors import DataError, UsageError
 
 
 def test_trained_tokenizer_round_trips_and_has_eos(tokenizer_path, texts):
@@ -32,9 +32,10 @@ def test_trains_from_txt_and_gzipped_jsonl(tmp_path, texts):
     assert load_tokenizer(out.parent).decode(tokenizer.encode(texts[25]).ids) == texts[25]
 
 
-def test_vocab_too_small_is_explained(tmp_path, texts):
-    with pytest.raises(DataError, match="at least 257"):
+def test_vocab_too_small_is_explained_as_a_bad_argument(tmp_path, texts):
+    with pytest.raises(UsageError, match="at least 257") as info:
         train_tokenizer([], vocab_size=100, output_path=tmp_path / "t.json")
+    assert info.value.exit_code == 2  # like argparse's own errors, not 3 (data)
 
 
 def test_missing_or_unreadable_tokenizer_names_the_file(tmp_path):

@@ -9,9 +9,8 @@ import sys
 
 import pytest
 import torch
-import yaml
 from distributed import run_ranks
-from helpers import precision_path
+from helpers import precision_path, write_yaml
 
 import femtotron.launch
 from femtotron.diagnostics.check_tp import (
@@ -155,12 +154,6 @@ def test_a_model_that_crashes_is_explained_by_the_first_wrong_shape(tiny_config)
     assert "reduce-scatter (REDUCE_SCATTER) after the layer is missing" in message
 
 
-def write_yaml(tmp_path, config) -> str:
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config.to_dict()))
-    return str(path)
-
-
 def _command(rank, path, overrides, break_row_parallel):
     if break_row_parallel:  # in this forked process only; at tp=1 the reduction is a no-op anyway
         RowParallelLinear.forward = lambda self, x: linear(x, self.weight)
@@ -172,7 +165,7 @@ def _command(rank, path, overrides, break_row_parallel):
 
 @pytest.mark.parametrize("mode, broken", [("REDUCE_SCATTER", False), ("ALL_REDUCE", True)])
 def test_the_command_prints_on_rank_0_and_exits_1_on_divergence(tiny_config, tmp_path, mode, broken):
-    path = write_yaml(tmp_path, tiny_config())  # tp=1 in the file: --tp 2 sets the layout
+    path = write_yaml(tiny_config(), tmp_path / "config.yaml")  # tp=1 in the file: --tp 2 sets the layout
     (code0, text0), (code1, text1) = run_ranks(_command, 2, path, [f"parallelism.tp_mode={mode}"], broken)
     assert (code0, code1) == ((DIVERGES_EXIT_CODE,) * 2 if broken else (0, 0)) and DIVERGES_EXIT_CODE == 1
     assert text1 == ""
@@ -184,14 +177,8 @@ def test_the_command_prints_on_rank_0_and_exits_1_on_divergence(tiny_config, tmp
     assert verdict in text0
 
 
-@pytest.fixture
-def no_launcher(monkeypatch):
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def test_the_command_starts_its_tp_processes_and_passes_a_correct_model(tiny_config, tmp_path, no_launcher):
-    path = write_yaml(tmp_path, tiny_config("parallelism.tp_mode=REDUCE_SCATTER"))
+    path = write_yaml(tiny_config("parallelism.tp_mode=REDUCE_SCATTER"), tmp_path / "config.yaml")
     result = subprocess.run([sys.executable, "-m", "femtotron", "check-tp", path, "--tp", "2",
                              "tokens.micro_batch_size=2"], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -203,7 +190,7 @@ def test_the_command_starts_its_tp_processes_and_passes_a_correct_model(tiny_con
 def test_config_and_data_mistakes_are_reported_before_any_process_starts(tiny_config, tmp_path, monkeypatch,
                                                                      no_launcher):
     monkeypatch.setattr(femtotron.launch, "launch_local", lambda *a, **k: pytest.fail("must not launch"))
-    path = write_yaml(tmp_path, tiny_config())
+    path = write_yaml(tiny_config(), tmp_path / "config.yaml")
     with pytest.raises(ConfigError, match=r"parallelism.tp=1 and no --tp .* one of: 2\."):
         run_check_tp(path)
     with pytest.raises(ConfigError, match="num_key_value_heads=2 must both be divisible by tp=4"):

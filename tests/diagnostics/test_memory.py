@@ -30,7 +30,6 @@ def measured_and_estimated(rank, config):
     ctx = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp, collective_timeout_seconds=60)
     trainer = Trainer(config, ctx, log_to_console=False)
     trainer.train_step()  # Adam's moments exist from here on
-    trainer.step = 1
     with LiveMemory() as memory:
         trainer.train_step()
     measured = sum(trainer.optimizer.memory_plan().values()) + memory.peak

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,8 +12,9 @@ import yaml
 from distributed import run_ranks
 
 from femtotron.cli import main
+from femtotron.errors import OutOfMemory
 from femtotron.parallel.context import ParallelContext
-from femtotron.trainer import OutOfMemory, Trainer
+from femtotron.trainer import Trainer
 
 
 def raise_oom(module, inputs, output):
@@ -29,6 +32,46 @@ def test_M1_an_out_of_memory_error_says_where_what_the_state_takes_and_the_fixes
     assert "This rank's model state: params 0.4 MiB, grads 0.4 MiB, master weights 0.0 MiB, adam moments 0.8 MiB" in message
     assert "tokens.micro_batch_size=2" in message and "parallelism.recompute_layer=true" in message
     assert info.value.exit_code == 8
+
+
+def test_M1_running_out_of_memory_on_the_cpu_is_the_same_report(tiny_config):
+    """On the CPU an allocation failure is a plain RuntimeError, not torch.OutOfMemoryError."""
+    trainer = Trainer(tiny_config(), ParallelContext(), log_to_console=False)
+
+    def cpu_allocation_fails(module, inputs, output):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you "
+                           "tried to allocate 2147483648 bytes. Error code 12 (Cannot allocate memory)")
+
+    dict(trainer.chunks[0].named_modules())["layers.0.mlp"].register_full_backward_hook(
+        lambda module, grad_in, grad_out: cpu_allocation_fails(module, grad_in, grad_out))
+    with pytest.raises(OutOfMemory) as info:
+        trainer.train_step()
+    assert str(info.value).startswith("step 1: out of memory on rank 0 in the backward of micro-batch 0, pipeline "
+                                      "stage 0 ([enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't "
+                                      "allocate memory")
+
+
+# `femtotron train` with 1 GiB of address space left after torch is loaded, and a micro-batch that needs more.
+SHORT_OF_MEMORY = """
+import resource, sys
+import torch
+from femtotron.cli import main
+with open("/proc/self/status") as f:
+    size = next(int(line.split()[1]) for line in f if line.startswith("VmSize")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + 2**30, resource.RLIM_INFINITY))
+sys.exit(main(["train", sys.argv[1], "tokens.micro_batch_size=16384", "tokens.train_steps=2"]))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the address space size from /proc")
+def test_M1_a_real_cpu_allocation_failure_exits_8_with_the_report_not_a_traceback(tiny_config, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_config().to_dict()))
+    run = subprocess.run([sys.executable, "-c", SHORT_OF_MEMORY, str(path)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 8, run.stderr[-3000:]
+    assert "femtotron: error: step 1: out of memory on rank 0" in run.stderr and "Traceback" not in run.stderr
+    assert "Fixes, in the usual order: tokens.micro_batch_size=8192" in run.stderr
 
 
 def _oom_with_dp(rank, config):

@@ -6,8 +6,9 @@ import pytest
 import torch
 from distributed import RankFailed, run_ranks
 
+from femtotron.errors import TrainingDiverged
 from femtotron.parallel.context import ParallelContext
-from femtotron.trainer import Trainer, TrainingDiverged
+from femtotron.trainer import Trainer
 
 
 def poison_forward(trainer, name):
@@ -22,7 +23,6 @@ def test_N1_an_injected_nan_in_one_layers_output_is_reported_with_that_layers_na
     trainer = Trainer(tiny_config("tokens.train_steps=5", "tokens.batch_accumulation_per_replica=2"),
                       ParallelContext(), log_to_console=False)
     trainer.train_step()
-    trainer.step = 1
     poison_forward(trainer, "layers.1.mlp.down_proj")
     before = [p.detach().clone() for _, p in trainer.named_parameters()]
     with pytest.raises(TrainingDiverged) as info:
@@ -77,8 +77,7 @@ def test_N1_on_non_finite_skip_drops_the_step_and_training_goes_on(tiny_config, 
     before = [p.detach().clone() for _, p in trainer.named_parameters()]
     skipped = trainer.train_step()
     handle.remove()
-    assert skipped.skipped and trainer.non_finite_skips == 1
+    assert skipped.skipped and trainer.state.non_finite_skips == 1
     assert all(torch.equal(a, p) for a, (_, p) in zip(before, trainer.named_parameters(), strict=True))
     assert "step skipped (optimizer.on_non_finite=skip; 1 skipped so far)" in capsys.readouterr().out
-    trainer.step = 1
     assert not trainer.train_step().skipped

@@ -12,6 +12,10 @@ import time
 import yaml
 from distributed import free_port
 
+from femtotron.diagnostics.watchdog import Watchdog
+from femtotron.parallel.comm import Comm
+from femtotron.parallel.store import Store
+
 # One rank of a job, started the way torchrun or srun would. `how` breaks it: "skip-send" drops rank 0's
 # pipeline send of micro-batch 1; "freeze" stops rank 1 (SIGSTOP) after its first step.
 RANK = """
@@ -27,7 +31,7 @@ rank = int(os.environ["RANK"])
 if how == "skip-send" and rank == 0:
     exchange = trainer.pipeline.p2p.exchange
     def dropping(send, recv):
-        if send is not None and trainer.pipeline.current.micro_batch == 1 and trainer.step == 0:
+        if send is not None and trainer.pipeline.current.micro_batch == 1 and trainer.state.step == 0:
             send = None
         return exchange(send, recv)
     trainer.pipeline.p2p.exchange = dropping
@@ -35,7 +39,7 @@ if how == "freeze" and rank == 1:
     step = trainer.train_step
     def freezing():
         result = step()
-        if trainer.step == 1:
+        if trainer.state.step == 1:
             os.kill(os.getpid(), signal.SIGSTOP)
         return result
     trainer.train_step = freezing
@@ -69,7 +73,8 @@ def test_P1_a_rank_that_skips_a_send_ends_the_job_with_a_report_naming_the_pair(
     report = next(output for output in outputs if "hang report" in output)
     assert re.search(r"hang report from rank (\d): rank \1 has waited in recv on pp\[0,1\] for \d+ s "
                      r"\(parallelism.hang_timeout_seconds=4\)", report), report
-    assert "rank 0: in recv on pp[0,1] with rank 1" in report and "rank 1: in recv on pp[0,1] with rank 0" in report
+    assert re.search(r"rank 0 \(as of \d+ s ago\): in recv on pp\[0,1\] with rank 1", report), report
+    assert re.search(r"rank 1 \(as of \d+ s ago\): in recv on pp\[0,1\] with rank 0", report), report
     assert ("deadlock: rank 0 and rank 1 each wait to receive from the other (step 1, pipeline backward of "
             "micro-batch 1 on stage 0; step 1, pipeline forward of micro-batch 1 on stage 1): one of them skipped or "
             "reordered a send") in report
@@ -85,4 +90,19 @@ def test_P1_a_frozen_rank_ends_the_job_on_the_others_within_60_s(tiny_config, tm
         ranks[1].send_signal(signal.SIGKILL)
         ranks[1].communicate()
     assert "hang report from rank 0: rank 1 stopped (failed, died or froze)" in report
-    assert "rank 1: " in report and "<- silent" in report
+    assert re.search(r"rank 1 \(as of (\d+) s ago\): .*<- silent", report), report
+    assert int(re.search(r"rank 1 \(as of (\d+) s ago\)", report).group(1)) >= 4  # silent for 4 s at least
+
+
+def test_the_report_says_how_old_each_rank_s_state_is():
+    """A frozen rank's last published state can be far behind: the report gives its age, as seen by the
+    reporting rank (the time since that rank's heartbeat last changed), so "step 1" is not read as now."""
+    dog = Watchdog(Comm(), Store(), rank=0, world_size=2, hang_timeout=600, where=lambda: "step 9")
+    states = {0: {"rank": 0, "beat": 50, "where": "step 9, pipeline forward of micro-batch 0 on stage 0", "op": None,
+                  "last_op": None},
+              1: {"rank": 1, "beat": 3, "where": "step 1, pipeline forward of micro-batch 0 on stage 0", "op": None,
+                  "last_op": None}}
+    dog.seen = {0: (50, 99.0), 1: (3, 62.0)}
+    report = dog.report(states, [1], "stopped (failed, died or froze)", now=100.0)
+    assert "  rank 0 (as of 0 s ago): no communication in flight; step 9" in report  # the reporter's own: now
+    assert "  rank 1 (as of 38 s ago): no communication in flight; step 1, pipeline forward" in report

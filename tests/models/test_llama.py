@@ -1,39 +1,21 @@
-from types import SimpleNamespace
-
 import pytest
 import torch
-from helpers import BF16_PATHS, precision_path
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import BF16_PATHS, build_llama, hf_llama, llama_config, precision_path
 
-from femtotron.models.hf_conversion import from_hf, to_hf
-from femtotron.models.llama import Llama
+from femtotron.models.hf_conversion import from_hf
 
 
 def tiny_config(**overrides):
-    cfg = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-5,
-               tie_word_embeddings=False)
-    cfg.update(overrides)
-    return SimpleNamespace(**cfg)
+    return llama_config(**{"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+                           "num_key_value_heads": 2, "max_position_embeddings": 64, **overrides})
 
 
 def build(cfg, seed=7, dtype=torch.float32):
-    return Llama(cfg, std=0.02, seed=seed, dtype=dtype, device=torch.device("cpu"))
+    return build_llama(cfg, dtype, seed)
 
 
 def hf_twin(model, cfg):
-    hf = LlamaForCausalLM(LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
-        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
-        attention_bias=False, mlp_bias=False,
-    )).float().eval()
-    hf_state = to_hf(dict(model.named_parameters()), cfg)
-    if cfg.tie_word_embeddings:
-        hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"]
-    hf.load_state_dict(hf_state, strict=True)
-    return hf
+    return hf_llama(cfg, dict(model.named_parameters())).eval()
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -9,53 +9,41 @@ no randomness), so every saved tensor it restores is bitwise the one it dropped.
 from __future__ import annotations
 
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import precision_path
+from helpers import build_llama, llama_config, loss_and_grads, precision_path, random_batch
 
 from femtotron.diagnostics.activation_memory import saved_activation_bytes
-from femtotron.models.llama import IGNORE_INDEX, Llama
+from femtotron.models.llama import Llama
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.tensor_parallel import TensorParallel
 from femtotron.trainer import Trainer
 
 
-def model_config(layers: int = 2, tied: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(vocab_size=251, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                           num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32,
-                           rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied)
-
-
-def batch(vocab: int, size: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, vocab, (size, 17), generator=torch.Generator().manual_seed(11))
-    targets = ids[:, 1:].clone()
-    targets[0, :5] = IGNORE_INDEX
-    return ids[:, :-1], targets
+def model_config(layers: int = 2, tied: bool = False):
+    return llama_config(num_hidden_layers=layers, tie_word_embeddings=tied)
 
 
 def build(cfg, recompute: bool, dtype=torch.float32, tp: TensorParallel | None = None) -> Llama:
-    return Llama(cfg, std=0.02, seed=5, dtype=dtype, device=torch.device("cpu"), tp=tp, recompute_layer=recompute)
+    return build_llama(cfg, dtype, tp=tp, recompute_layer=recompute)
 
 
-def loss_and_grads(model: Llama, ids: torch.Tensor, targets: torch.Tensor):
-    loss_sum, count = model(ids, targets)
-    loss = loss_sum / count
-    loss.backward()
-    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+def losses_and_grads(model: Llama, ids: torch.Tensor, targets: torch.Tensor, tp: TensorParallel | None = None):
+    loss, _, grads = loss_and_grads(model, ids, targets, tp)
+    return loss, grads
 
 
 @pytest.mark.parametrize("tied, dtype, native", [(False, torch.float32, None), (True, torch.float32, None),
                                                  (False, torch.bfloat16, True), (False, torch.bfloat16, False)])
 def test_recompute_gives_identical_loss_and_gradients(tied, dtype, native):
     cfg = model_config(layers=3, tied=tied)
-    ids, targets = batch(cfg.vocab_size)
+    ids, targets = random_batch(cfg.vocab_size)
     with precision_path(native):
-        loss_off, grads_off = loss_and_grads(build(cfg, False, dtype), ids, targets)
-        loss_on, grads_on = loss_and_grads(build(cfg, True, dtype), ids, targets)
-    assert torch.equal(loss_on, loss_off)
+        loss_off, grads_off = losses_and_grads(build(cfg, False, dtype), ids, targets)
+        loss_on, grads_on = losses_and_grads(build(cfg, True, dtype), ids, targets)
+    assert loss_on == loss_off
     assert grads_on.keys() == grads_off.keys()
     for name, grad in grads_off.items():
         assert torch.equal(grads_on[name], grad), name
@@ -64,14 +52,14 @@ def test_recompute_gives_identical_loss_and_gradients(tied, dtype, native):
 def test_recompute_is_off_without_gradients():
     """Evaluation (no_grad) runs the layers plainly: same logits, nothing to recompute."""
     cfg = model_config()
-    ids, _ = batch(cfg.vocab_size)
+    ids, _ = random_batch(cfg.vocab_size)
     with torch.no_grad():
         assert torch.equal(build(cfg, True).logits(ids), build(cfg, False).logits(ids))
 
 
 def test_recompute_cuts_saved_activation_bytes():
     cfg = model_config(layers=4)
-    ids, targets = batch(cfg.vocab_size, size=4)
+    ids, targets = random_batch(cfg.vocab_size, size=4)
     off = saved_activation_bytes(build(cfg, False), ids, targets, backward=True)
     on = saved_activation_bytes(build(cfg, True), ids, targets, backward=True)
     # On, each layer keeps exactly its fp32 input: (batch, sequence, hidden).
@@ -86,17 +74,17 @@ def _compare_on_ranks(rank: int, layers: int):
     for mode in ["ALL_REDUCE", "REDUCE_SCATTER"]:
         tp = TensorParallel(ctx.comm, ctx.tp_group, ctx.tp_rank, sequence_parallel=mode == "REDUCE_SCATTER")
         cfg = model_config(layers=layers)
-        ids, targets = batch(cfg.vocab_size, size=4)
+        ids, targets = random_batch(cfg.vocab_size, size=4)
         calls = []
         results = []
         for recompute in (False, True):
             before = Counter(ctx.comm.calls)
-            results.append(loss_and_grads(build(cfg, recompute, tp=tp), ids, targets))
+            results.append(losses_and_grads(build(cfg, recompute, tp=tp), ids, targets, tp))
             calls.append({op: n - before[kind, op] for (kind, op), n in ctx.comm.calls.items()
                           if kind == "tp" and n != before[kind, op]})
         (loss_off, grads_off), (loss_on, grads_on) = results
-        if not torch.equal(loss_on, loss_off):
-            failures.append(f"{mode}: loss {loss_on.item()} vs {loss_off.item()}")
+        if loss_on != loss_off:
+            failures.append(f"{mode}: loss {loss_on} vs {loss_off}")
         failures += [f"{mode}: grad of {name} differs" for name, g in grads_off.items()
                      if not torch.equal(grads_on[name], g)]
         extra = {op: calls[1].get(op, 0) - calls[0].get(op, 0) for op in calls[0].keys() | calls[1].keys()}

@@ -87,3 +87,8 @@ def test_a_section_built_outside_a_config_resolves_the_same_defaults():
     assert raw.lr_decay_steps is None and raw.lr_decay_starting_step is None
     resolved = lrs(TRAIN_STEPS, lr_warmup_steps=WARMUP)
     assert [lr_at(step, raw, TRAIN_STEPS) for step in range(TRAIN_STEPS)] == pytest.approx(resolved, rel=1e-12)
+
+
+@pytest.mark.parametrize("style", ["cosine", "linear", "1-sqrt"])
+def test_a_decay_of_one_step_reaches_the_floor(style):
+    assert lrs(3, lr_warmup_steps=2, lr_decay_style=style) == pytest.approx([PEAK / 2, PEAK, FLOOR])

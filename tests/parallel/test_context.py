@@ -62,13 +62,13 @@ def _collectives(rank):
     summed = ctx.comm.all_reduce(x.clone(), g)
     gathered = ctx.comm.all_gather(torch.tensor([float(rank)]), g)
     scattered = ctx.comm.reduce_scatter(torch.arange(8.0), g)
-    if rank == 0:
-        ctx.comm.send(torch.tensor([42.0]), g, dst=1)
-        received = None
-    elif rank == 1:
-        received = ctx.comm.recv(torch.zeros(1), g, src=0).item()
-    else:
-        received = None
+    received = None
+    if rank in (0, 1):  # a point-to-point pair, as the pipeline sends (parallel/pipeline/p2p.py)
+        buffer = torch.zeros(1)
+        op = ("send", torch.tensor([42.0]), 1, 0) if rank == 0 else ("recv", buffer, 0, 0)
+        (work,) = ctx.comm.batch_p2p([op], g)
+        ctx.comm.wait(work, g, buffer, peer=1 - rank)
+        received = buffer.item() if rank == 1 else None
     ctx.comm.barrier(g)
     seconds = ctx.comm.take_seconds()
     assert seconds.keys() == {"dp"} and seconds["dp"] > 0 and ctx.comm.take_seconds() == {}
@@ -82,7 +82,7 @@ def test_collectives_and_byte_accounting():
     results = run_ranks(_collectives, 4)
     for rank, (summed, gathered, scattered, _received, sent, in_flight, calls) in enumerate(results):
         assert calls["dp", "all_reduce"] == calls["dp", "all_gather"] == calls["dp", "reduce_scatter"] == 1
-        assert calls["dp", "barrier"] == 1
+        assert calls["dp", "barrier"] == 1 and calls.get(("dp", "wait"), 0) == (1 if rank < 2 else 0)
         assert summed == 1 + 2 + 3 + 4
         assert gathered == [0.0, 1.0, 2.0, 3.0]
         assert scattered == [4 * (2 * rank), 4 * (2 * rank + 1)]

@@ -3,47 +3,33 @@
 from __future__ import annotations
 
 import itertools
-from types import SimpleNamespace
 
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import SMOOTH_ADAM, assert_close_to_reference, assert_steps_match, precision_path, record_steps
+from helpers import (
+    SMOOTH_ADAM,
+    assert_close_to_reference,
+    assert_steps_match,
+    build_llama,
+    llama_config,
+    loss_and_grads,
+    precision_path,
+    random_batch,
+    record_steps,
+)
 
-from femtotron.models.llama import IGNORE_INDEX, Llama
+from femtotron.diagnostics import start_report
 from femtotron.parallel.context import ParallelContext
-from femtotron.parallel.tensor_parallel import TensorParallel, full_gradients, shard_size
+from femtotron.parallel.tensor_parallel import TensorParallel, shard_size
 from femtotron.trainer import Trainer
-
-
-def model_config(kv_heads: int, tied: bool, vocab: int = 251) -> SimpleNamespace:
-    # vocab 251 is divisible by neither 2 nor 4: every case runs with a padded vocabulary.
-    return SimpleNamespace(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                           num_attention_heads=8, num_key_value_heads=kv_heads, max_position_embeddings=32,
-                           rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied)
-
-
-def batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, vocab, (3, 17), generator=torch.Generator().manual_seed(11))
-    targets = ids[:, 1:].clone()
-    targets[0, :5] = IGNORE_INDEX
-    targets[2, -1] = vocab - 1  # the last real row, next to the padding
-    return ids[:, :-1], targets
-
-
-def loss_and_grads(model: Llama, ids: torch.Tensor, targets: torch.Tensor, tp: TensorParallel):
-    loss_sum, count = model(ids, targets)
-    (loss_sum / count).backward()
-    grads = {name: grad.float() for name, grad in full_gradients(model, tp).items()}
-    return (loss_sum / count).item(), model.logits(ids).detach().float(), grads
 
 
 def _tp_and_reference(cfg, tp: TensorParallel, dtype: torch.dtype):
     """(loss, logits, gradients) of the tp model and of the whole model, from the same weights and batch."""
-    ids, targets = batch(cfg.vocab_size)
-    kwargs = dict(std=0.02, seed=5, dtype=dtype, device=torch.device("cpu"))
-    reference = loss_and_grads(Llama(cfg, **kwargs), ids, targets, TensorParallel.single())
-    model = Llama(cfg, tp=tp, **kwargs)
+    ids, targets = random_batch(cfg.vocab_size)
+    reference = loss_and_grads(build_llama(cfg, dtype), ids, targets)
+    model = build_llama(cfg, dtype, tp=tp)
     assert model.padded_vocab_size == shard_size(cfg.vocab_size, tp.size) * tp.size
     return loss_and_grads(model, ids, targets, tp), reference
 
@@ -60,7 +46,7 @@ def _assert_same(ours, reference, exact, case: str) -> None:
 def _compare_models(rank: int, tp_size: int, kv_heads: int):
     ctx = ParallelContext(tp=tp_size, collective_timeout_seconds=60)
     for mode, tied in itertools.product(["ALL_REDUCE", "REDUCE_SCATTER"], [False, True]):
-        cfg = model_config(kv_heads, tied)
+        cfg = llama_config(num_key_value_heads=kv_heads, tie_word_embeddings=tied)
         tp = TensorParallel(ctx.comm, ctx.tp_group, ctx.tp_rank, sequence_parallel=mode == "REDUCE_SCATTER")
         ours, fp32_reference = _tp_and_reference(cfg, tp, torch.float32)
         _assert_same(ours, fp32_reference, None, f"{mode} tied={tied} float32")
@@ -159,15 +145,15 @@ def test_head_split_is_checked_when_the_model_is_built():
 
     four_ranks = TensorParallel(Comm(), Group("tp", (0, 1, 2, 3)), 0)  # construction only, no collective
     with pytest.raises(ConfigError, match="num_key_value_heads=2, parallelism.tp=4"):
-        Llama(model_config(kv_heads=2, tied=False), std=0.02, seed=0, dtype=torch.float32,
-              device=torch.device("cpu"), tp=four_ranks)
+        build_llama(llama_config(), tp=four_ranks)
 
 
 def _start_report(rank, config):
     ctx = ParallelContext(tp=2, collective_timeout_seconds=60)
     ctx.hosts = ["node-a", "node-b"]  # as if the ranks had checked in from two machines
     trainer = Trainer(config, ctx, log_to_console=False)
-    out = trainer.summary(), trainer.start_warnings()
+    out = (start_report.summary(config, ctx, trainer.model, trainer.optimizer, trainer.train_data, None, ""),
+           start_report.start_warnings(config, ctx, trainer.model, False, False))
     ctx.close()
     return out
 
@@ -197,12 +183,10 @@ def test_data_and_tensor_parallel_together_equal_one_process(tiny_config):
 
 def _tiny_vocabulary(rank):
     ctx = ParallelContext(tp=4, collective_timeout_seconds=60)
-    cfg = model_config(kv_heads=4, tied=False, vocab=5)
-    kwargs = dict(std=0.02, seed=5, dtype=torch.float32, device=torch.device("cpu"))
-    ids, targets = batch(cfg.vocab_size)
+    cfg = llama_config(num_key_value_heads=4, vocab_size=5)
+    ids, targets = random_batch(cfg.vocab_size)
     tp = TensorParallel(ctx.comm, ctx.tp_group, ctx.tp_rank)
-    out = (loss_and_grads(Llama(cfg, tp=tp, **kwargs), ids, targets, tp)[0],
-           loss_and_grads(Llama(cfg, **kwargs), ids, targets, TensorParallel.single())[0])
+    out = (loss_and_grads(build_llama(cfg, tp=tp), ids, targets, tp)[0], loss_and_grads(build_llama(cfg), ids, targets)[0])
     ctx.close()
     return out
 

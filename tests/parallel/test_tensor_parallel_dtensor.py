@@ -17,10 +17,10 @@ that): this checks femtotron's hand-written collectives against PyTorch's.
 from __future__ import annotations
 
 import itertools
-from types import SimpleNamespace
 
 import torch
 from distributed import run_ranks
+from helpers import build_llama, hf_llama, llama_config, random_batch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -31,44 +31,15 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from femtotron.data.nanoset import IGNORE_INDEX
 from femtotron.models.hf_conversion import to_hf
-from femtotron.models.llama import IGNORE_INDEX, Llama
+from femtotron.models.llama import Llama
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.tensor_parallel import TensorParallel, full_gradients
 
 TP = 2
-
-
-def model_config(tied: bool) -> SimpleNamespace:
-    # vocab 251 is odd: both sides pad / unevenly shard the vocabulary.
-    return SimpleNamespace(vocab_size=251, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                           num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32,
-                           rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied)
-
-
-def batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, vocab, (3, 17), generator=torch.Generator().manual_seed(11))
-    targets = ids[:, 1:].clone()
-    targets[0, :5] = IGNORE_INDEX
-    targets[2, -1] = vocab - 1  # the last real vocabulary row, on the last rank
-    return ids[:, :-1], targets
-
-
-def hf_model(cfg: SimpleNamespace, weights: dict[str, torch.Tensor]) -> LlamaForCausalLM:
-    hf = LlamaForCausalLM(LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
-        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
-        attention_bias=False, mlp_bias=False, attn_implementation="eager",
-    )).float()
-    state = to_hf(weights, cfg)
-    if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    hf.load_state_dict(state, strict=True)
-    return hf
 
 
 def parallelize_hf(hf: LlamaForCausalLM, sequence_parallel: bool) -> None:
@@ -141,18 +112,17 @@ def _compare(rank: int) -> list[str]:
     ctx = ParallelContext(tp=TP, collective_timeout_seconds=60)
     failures = []
     for mode, tied in itertools.product(["ALL_REDUCE", "REDUCE_SCATTER"], [False, True]):
-        cfg = model_config(tied)
+        cfg = llama_config(tie_word_embeddings=tied)
         case = f"{mode} tied={tied}"
         sp = mode == "REDUCE_SCATTER"
-        kwargs = dict(std=0.02, seed=5, dtype=torch.float32, device=torch.device("cpu"))
-        ids, targets = batch(cfg.vocab_size)
+        ids, targets = random_batch(cfg.vocab_size)
 
         tp = TensorParallel(ctx.comm, ctx.tp_group, ctx.tp_rank, sequence_parallel=sp)
-        loss, logits, grads = femtotron_loss_and_grads(Llama(cfg, tp=tp, **kwargs), ids, targets, tp)
+        loss, logits, grads = femtotron_loss_and_grads(build_llama(cfg, tp=tp), ids, targets, tp)
 
         # The reference starts from the full weights of a one-device model (init depends on seed and name only).
-        full = {name: p.detach() for name, p in Llama(cfg, **kwargs).named_parameters()}
-        hf = hf_model(cfg, full)
+        full = {name: p.detach() for name, p in build_llama(cfg).named_parameters()}
+        hf = hf_llama(cfg, full, attn_implementation="eager")
         parallelize_hf(hf, sp)
         ref_loss, ref_logits, ref_grads = dtensor_loss_and_grads(hf, ids, targets)
 

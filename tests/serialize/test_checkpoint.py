@@ -10,10 +10,10 @@ import time
 
 import pytest
 import torch
-import yaml
 from distributed import RankFailed, run_ranks
-from helpers import precision_path, tiny_config_maker, write_patterned_tokens
+from helpers import precision_path, tiny_config_maker, write_patterned_tokens, write_yaml
 
+from femtotron.cli import main
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.tensor_parallel import full_tensor
 from femtotron.serialize import checkpoint
@@ -25,8 +25,11 @@ LAYERS = 4
 
 
 def make(tiny_config, run, *more, dp=1, tp=1, pp=1, zero=0, steps=6):
-    """The tiny model with 4 layers; the global batch is 16 samples of 32 tokens for every dp."""
+    """The tiny model with 4 layers; the global batch is 16 samples of 32 tokens for every dp. The learning rate
+    decays over 4 steps after the 2 of warm-up whatever train_steps is, so a run cut short follows the
+    schedule of the whole run."""
     return tiny_config(f"general.run={run}", f"model.model_config.num_hidden_layers={LAYERS}",
+                       "optimizer.learning_rate_scheduler.lr_decay_steps=4",
                        "model.model_config.num_key_value_heads=4", "tokens.micro_batch_size=2",
                        f"tokens.batch_accumulation_per_replica={8 // dp}", f"tokens.train_steps={steps}",
                        f"parallelism.dp={dp}", f"parallelism.tp={tp}", f"parallelism.pp={pp}",
@@ -38,15 +41,15 @@ def train(config, ctx):
     """Train; return the losses, every parameter gathered to full shape (from this rank's stages), and the
     samples each step read on this rank (as token rows, to check none is skipped or repeated)."""
     trainer = Trainer(config, ctx, log_to_console=False)
-    seen, next_step = [], trainer.batches.next_step
+    seen, step_at = [], trainer.batches.step_at
 
-    def recording():  # every tp and pp rank of a replica reads the same samples: count them once
-        batches = next_step()
+    def recording(consumed_samples):  # every tp and pp rank of a replica reads the same samples: count them once
+        batches = step_at(consumed_samples)
         if ctx.tp_rank == 0 and ctx.pp_rank == 0:
-            seen.append((trainer.step, [row.tolist() for batch in batches for row in batch]))
+            seen.append((trainer.state.step, [row.tolist() for batch in batches for row in batch.inputs]))
         return batches
 
-    trainer.batches.next_step = recording
+    trainer.batches.step_at = recording
     losses = [r.loss for r in trainer.train()]
     weights = {n: full_tensor(p, p.shard, trainer.tp).float().clone() for n, p in trainer.named_parameters()}
     masters = {n: full_tensor(m, p.shard, trainer.tp).clone()
@@ -139,7 +142,7 @@ def test_C1_resume_on_another_mesh_continues_the_run(three_d, label):
 def test_a_resharded_resume_says_what_changed(three_d, capsys):
     tiny_config, _, saved = three_d
     trainer = Trainer(make(tiny_config, "says", steps=3), ParallelContext())
-    line, _ = checkpoint.load(trainer, saved)
+    line, _ = checkpoint.load(trainer.parts, saved)
     assert line.startswith(f"resumed from {saved / 'step-0000003'} at step 3 (48 samples")
     assert "resharded (dp 2 -> 1, tp 2 -> 1, pp 2 -> 1, zero_stage 1 -> 0)" in line
     assert "RNG states not restored" in line
@@ -181,7 +184,7 @@ def test_keep_last_n_deletes_older_checkpoints_and_latest_points_at_the_newest(t
 def resume_error(tiny_config, path, *more):
     trainer = Trainer(make(tiny_config, "resume", *more), ParallelContext(), log_to_console=False)
     with pytest.raises(CheckpointError) as info:
-        checkpoint.load(trainer, path)
+        checkpoint.load(trainer.parts, path)
     return str(info.value)
 
 
@@ -215,7 +218,7 @@ def test_a_half_written_save_is_ignored_with_a_warning_and_the_previous_one_load
     (saved / ".tmp-step-0000006").mkdir()
     (saved / ".tmp-step-0000006" / rank_file(0)).write_bytes(b"partial")
     trainer = Trainer(make(tiny_config, "half-resume", steps=6), ParallelContext())
-    assert checkpoint.load(trainer, saved)[0].startswith(f"resumed from {saved / 'step-0000004'} at step 4")
+    assert checkpoint.load(trainer.parts, saved)[0].startswith(f"resumed from {saved / 'step-0000004'} at step 4")
     assert f"ignoring {saved / '.tmp-step-0000006'}: a save that did not finish" in capsys.readouterr().out
 
 
@@ -230,7 +233,7 @@ def _slow_rank(rank, config):
         real = module.write_rank_file
         module.write_rank_file = lambda *a: (time.sleep(8), real(*a))[1]
     try:
-        checkpoint.save(trainer)
+        checkpoint.save(trainer.parts)
     finally:
         ctx.close()
 
@@ -249,13 +252,8 @@ def test_resuming_a_finished_run_trains_nothing(tiny_config):
     saved = _checkpointed_run(tiny_config, "done")
     trainer = Trainer(make(tiny_config, "done-resume", f"checkpoints.resume_checkpoint_path={saved}", steps=4),
                       ParallelContext(), log_to_console=False)
-    assert trainer.train() == [] and trainer.step == 4
-    assert trainer.consumed_tokens == 4 * 16 * 32 and trainer.batches.consumed_samples == 4 * 16
-
-
-def write_yaml(config, path):
-    path.write_text(yaml.safe_dump(config.to_dict()))
-    return str(path)
+    assert trainer.train() == [] and trainer.state.step == 4
+    assert trainer.state.consumed_tokens == 4 * 16 * 32 and trainer.state.consumed_samples == 4 * 16
 
 
 # Run `femtotron train` in this process, but SIGKILL it half-way through writing the checkpoint of step 4.
@@ -303,21 +301,22 @@ def test_sigterm_saves_a_checkpoint_and_stops_then_the_run_resumes(tiny_config, 
     saved = config.run_dir / "checkpoints"
     step = int((saved / "latest").read_text().strip().removeprefix("step-"))
     assert step >= 2 and "SIGTERM received: stopped after step" in output
-    assert f"Resume with checkpoints.resume_checkpoint_path={saved}" in output
+    assert "Run the same command again to resume from it (checkpoints.auto_resume)" in output
+    assert f"another run resumes it with checkpoints.resume_checkpoint_path={saved}" in output
     trainer = Trainer(make(tiny_config, "term-resume", f"checkpoints.resume_checkpoint_path={saved}", steps=step + 1),
                       ParallelContext(), log_to_console=False)
-    assert len(trainer.train()) == 1 and trainer.step == step + 1
+    assert len(trainer.train()) == 1 and trainer.state.step == step + 1
 
 
 def test_a_resume_with_another_global_batch_or_other_data_warns(tiny_config, capsys):
     saved = _checkpointed_run(tiny_config, "batch")
     trainer = Trainer(make(tiny_config, "batch-resume", "tokens.micro_batch_size=1", steps=6), ParallelContext())
-    checkpoint.load(trainer, saved)
+    checkpoint.load(trainer.parts, saved)
     assert "global batch size 16 at the save, 8 now: the data continues at the same global sample" \
         in capsys.readouterr().out
     other = write_patterned_tokens(saved.parent / "other", documents=20)
     trainer = Trainer(make(tiny_config, "data-resume", f"data.dataset_folder={other}", steps=6), ParallelContext())
-    checkpoint.load(trainer, saved)
+    checkpoint.load(trainer.parts, saved)
     assert "the training data differs from the checkpoint's (8,400 tokens, now 14,000)" in capsys.readouterr().out
 
 
@@ -336,7 +335,7 @@ def _failing_write(rank, config):
     if rank == 1:  # as safetensors reports a full disk: not an OSError
         checkpoint.write_rank_file = lambda *a: (_ for _ in ()).throw(Exception("No space left on device"))
     try:
-        checkpoint.save(trainer)
+        checkpoint.save(trainer.parts)
     finally:
         ctx.close()
 
@@ -361,5 +360,77 @@ def test_a_bf16_checkpoint_resumed_in_fp16_starts_from_the_configured_loss_scale
     saved = _checkpointed_run(tiny_config, "to-fp16", "model.dtype=bfloat16")
     trainer = Trainer(make(tiny_config, "fp16", "model.dtype=float16", steps=6), ParallelContext(),
                       log_to_console=False)
-    checkpoint.load(trainer, saved)
+    checkpoint.load(trainer.parts, saved)
     assert trainer.scaler.scale == 2.0**16
+
+
+def die_after(config, step):
+    """Train `config` until it dies right after step `step` (the process killed: no checkpoint of its own)."""
+    trainer = Trainer(config, ParallelContext(), log_to_console=False)
+    one_step = trainer.train_step
+
+    def dying():
+        if trainer.state.step == step:
+            raise KeyboardInterrupt("killed")
+        return one_step()
+
+    trainer.train_step = dying
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+
+
+def metrics_steps(config):
+    return [json.loads(line)["step"] for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_requeued_run_resumes_from_its_own_latest_checkpoint_and_keeps_its_metrics(tiny_config, capsys):
+    """A preempted job started again with the same config (no resume_checkpoint_path) continues from the newest
+    checkpoint in checkpoints_path, says so, and ends as if never stopped; metrics.jsonl keeps the steps before
+    the checkpoint, drops the ones the dead attempt logged after it, and has every step once, in order."""
+    whole = train(make(tiny_config, "whole"), ParallelContext())
+    config = make(tiny_config, "requeued", "checkpoints.checkpoint_interval=2")
+    die_after(config, step=3)  # checkpoint at step 2, step 3 logged, then killed
+    assert metrics_steps(config) == [1, 2, 3]
+    capsys.readouterr()
+    resumed = train(config, ParallelContext())
+    assert resumed["losses"] == whole["losses"][2:]  # exactly as uninterrupted
+    assert all(torch.equal(resumed["weights"][n], w) for n, w in whole["weights"].items())
+    assert metrics_steps(config) == [1, 2, 3, 4, 5, 6]
+    records = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in records] == pytest.approx(whole["losses"])
+
+
+def test_a_finished_run_started_again_exits_0_at_once_and_touches_nothing(tiny_config, tmp_path, capsys):
+    config = make(tiny_config, "finished", "checkpoints.checkpoint_interval=2", steps=4)
+    path = write_yaml(config, tmp_path / "c.yaml")
+    assert main(["train", path]) == 0
+    files_before = {p: p.stat().st_mtime_ns for p in config.run_dir.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["train", path]) == 0
+    out = capsys.readouterr().out
+    assert f"already done: {config.run_dir / 'checkpoints' / 'step-0000004'} is step 4 of tokens.train_steps=4" in out
+    assert {p: p.stat().st_mtime_ns for p in config.run_dir.rglob("*") if p.is_file()} == files_before
+
+
+def test_starting_over_existing_checkpoints_needs_auto_resume_off_and_says_so(tiny_config, capsys):
+    saved = _checkpointed_run(tiny_config, "again")
+    config = make(tiny_config, "again", "checkpoints.checkpoint_interval=2", "checkpoints.auto_resume=false", steps=4)
+    capsys.readouterr()
+    trainer = Trainer(config, ParallelContext())
+    assert len(trainer.train()) == 4  # from step 0
+    out = capsys.readouterr().out
+    assert (f"WARNING: checkpoints.auto_resume=false: starting from step 0, although {saved} holds checkpoints up "
+            "to step-0000004; this run's saves replace them") in out
+
+
+def test_resume_checkpoint_path_wins_over_the_run_s_own_checkpoints_with_a_warning(tiny_config, capsys):
+    other = _checkpointed_run(tiny_config, "other")
+    own = _checkpointed_run(tiny_config, "own")
+    config = make(tiny_config, "own", "checkpoints.checkpoint_interval=2", f"checkpoints.resume_checkpoint_path={other}",
+                  steps=6)
+    capsys.readouterr()
+    Trainer(config, ParallelContext()).train()
+    out = capsys.readouterr().out
+    assert f"resumed from {other / 'step-0000004'} at step 4" in out
+    assert (f"WARNING: checkpoints.resume_checkpoint_path={other} is given, so the checkpoints of this run in {own} "
+            "(up to step-0000004) are not resumed") in out

@@ -1,14 +1,8 @@
-"""Typed training config: schema and rules (`config.py`), YAML loading with clear errors (`load.py`)."""
+"""Typed training config: schema (`config.py`), rules and warnings (`rules.py`), YAML loading (`load.py`)."""
 
-from femtotron.config.config import Config, Problem, check_world_size, config_warnings, parameter_count
+from femtotron.config.config import Config, LlamaConfig
 from femtotron.config.load import load_config, load_config_dict
+from femtotron.config.rules import Problem, check_world_size, config_warnings
 
-__all__ = [
-    "Config",
-    "Problem",
-    "check_world_size",
-    "config_warnings",
-    "load_config",
-    "load_config_dict",
-    "parameter_count",
-]
+__all__ = ["Config", "LlamaConfig", "Problem", "check_world_size", "config_warnings", "load_config",
+           "load_config_dict"]

@@ -16,15 +16,18 @@ from typing import Any, NoReturn
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from femtotron.config.config import SKIP_RULES, Config, Problem, raise_problems, rule_problems
+from femtotron.config.config import SKIP_RULES, Config
+from femtotron.config.rules import Problem, raise_problems, rule_problems
 
 # Stand-ins for required fields that are missing or invalid, so the other rules can still be checked.
 # Rules that read them are suppressed anyway, because those paths are already reported.
 _PLACEHOLDERS = {"tokens.train_steps": 1, "data.dataset_folder": "placeholder"}
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
-    """Read a YAML config, apply `dotted.path=value` overrides and validate; ConfigError lists every problem."""
+def load_config(path: str | Path, overrides: Sequence[str] = (), sources: Mapping[str, str] | None = None) -> Config:
+    """Read a YAML config, apply `dotted.path=value` overrides and validate; ConfigError lists every problem.
+    `sources` names where an override came from when it was not typed as one (e.g. {"parallelism.tp=3":
+    "--tp 3"}); the others are "command line override '...'"."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -46,12 +49,12 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
             loader.dispose()
     lines: dict[str, int] = {}
     duplicates = _map_lines(node, "", lines) if node is not None else []
-    return _build(data, str(path), overrides, lines, duplicates)
+    return _build(data, str(path), overrides, lines, duplicates, sources or {})
 
 
 def load_config_dict(mapping: Mapping[str, Any], source: str = "<dict>", overrides: Sequence[str] = ()) -> Config:
     """Validate an in-memory config (tests, `Config.to_dict()` output) exactly like a YAML file."""
-    return _build(mapping, source, overrides, {}, [])
+    return _build(mapping, source, overrides, {}, [], {})
 
 
 def _fail(path: Path, message: str) -> NoReturn:
@@ -92,23 +95,25 @@ def _map_lines(node: yaml.Node, prefix: str, lines: dict[str, int]) -> list[Prob
 class _Locator:
     """Says where a dotted path got its value: a command line override, a YAML line, or the default."""
 
-    def __init__(self, lines: dict[str, int], overrides: dict[str, str]) -> None:
-        self.lines, self.overrides = lines, overrides
+    def __init__(self, lines: dict[str, int], overrides: dict[str, str], sources: Mapping[str, str]) -> None:
+        self.lines, self.overrides = lines, {target: sources.get(text, f"command line override '{text}'")
+                                             for target, text in overrides.items()}
 
     def __call__(self, path: str) -> str:
-        for target, text in self.overrides.items():
+        for target, where in self.overrides.items():
             if path == target or path.startswith(target + "."):
-                return f"command line override '{text}'"
+                return where
         if path in self.lines:
             return f"line {self.lines[path]}"
-        for target, text in self.overrides.items():
+        for target, where in self.overrides.items():
             if target.startswith(path + "."):
-                return f"command line override '{text}'"
+                return where
         return "default" if self.lines else ""
 
 
 def _build(
-    data: Any, source: str, overrides: Sequence[str], lines: dict[str, int], found: list[Problem]
+    data: Any, source: str, overrides: Sequence[str], lines: dict[str, int], found: list[Problem],
+    sources: Mapping[str, str]
 ) -> Config:
     if not isinstance(data, Mapping):
         got = "an empty file" if data is None else f"a {type(data).__name__}"
@@ -117,7 +122,7 @@ def _build(
             f"data, ...); got {got}. A config needs at least tokens.train_steps and data.dataset_folder."))])
     data = copy.deepcopy(dict(data))
     applied, override_problems = _apply_overrides(data, overrides)
-    locate = _Locator(lines, applied)
+    locate = _Locator(lines, applied, sources)
     problems: list[Problem] = list(found)
     bad: set[str] = set()  # paths already reported: cross-field rules that read them are skipped
     try:

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from femtotron.data.indexed import IndexedDataset
+from femtotron.data.indexed import IndexedDataset, resolve_dataset_prefixes
 from femtotron.errors import DataError
+
+IGNORE_INDEX = -100  # a target that does not count in the loss (a masked position)
 
 _BLOCK = 1 << 16  # global samples per lazily built blending block
 
@@ -146,12 +149,47 @@ class Nanoset:
         return self.datasets[dataset].tokens(start, start + self.sequence_length + 1).astype(np.int64)
 
 
+def open_nanoset(folders: str | list[str] | dict[str, float], sequence_length: int, seed: int) -> Nanoset:
+    """A Nanoset over `data.dataset_folder`: a prefix or directory, a list, or {prefix: weight}."""
+    if isinstance(folders, dict):
+        prefixes, weights = [], []
+        for folder, weight in folders.items():
+            found = resolve_dataset_prefixes(folder)
+            prefixes += found
+            weights += [weight / len(found)] * len(found)  # a directory's pairs share its weight
+        return Nanoset(prefixes, weights, sequence_length, seed)
+    folders = [folders] if isinstance(folders, str) else folders
+    return Nanoset([p for f in folders for p in resolve_dataset_prefixes(f)], None, sequence_length, seed)
+
+
+@dataclass
+class MicroBatch:
+    """Token ids and the targets the model predicts from them: the next ids, IGNORE_INDEX where a position
+    does not count in the loss. Both (micro_batch_size, sequence_length)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+    @classmethod
+    def from_tokens(cls, tokens: torch.Tensor) -> MicroBatch:
+        """From (batch, sequence + 1) samples: every position predicts the next token."""
+        return cls(tokens[:, :-1], tokens[:, 1:])
+
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(self.inputs.to(device, non_blocking=True), self.targets.to(device, non_blocking=True))
+
+    @property
+    def counted_targets(self) -> int:
+        return int((self.targets != IGNORE_INDEX).sum())
+
+
 class MicroBatchIterator:
     """One data-parallel rank's micro-batches, step by step.
 
     A step consumes the next `micro_batch_size * batch_accumulation * dp_size` global samples; rank r takes
     the r-th contiguous chunk and cuts it into `batch_accumulation` micro-batches. The samples a step sees
-    therefore do not depend on dp_size, and resuming is constructing with the saved `consumed_samples`.
+    therefore do not depend on dp_size: `step_at(consumed_samples)` gives any step's, and resuming is
+    constructing with the saved `consumed_samples`.
     """
 
     def __init__(
@@ -181,19 +219,22 @@ class MicroBatchIterator:
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.batch_accumulation * self.dp_size
 
-    def next_step(self) -> list[torch.Tensor]:
-        """`batch_accumulation` LongTensors of shape (micro_batch_size, sequence_length + 1)."""
+    def step_at(self, consumed_samples: int) -> list[MicroBatch]:
+        """This rank's `batch_accumulation` micro-batches of the step that starts after `consumed_samples`."""
         per_rank = self.micro_batch_size * self.batch_accumulation
-        first = self.consumed_samples + self.dp_rank * per_rank
-        micro_batches = [
-            torch.from_numpy(np.stack([self.nanoset[g] for g in range(start, start + self.micro_batch_size)]))
+        first = consumed_samples + self.dp_rank * per_rank
+        return [
+            MicroBatch.from_tokens(torch.from_numpy(np.stack([self.nanoset[g] for g in range(start, start + self.micro_batch_size)])))
             for start in range(first, first + per_rank, self.micro_batch_size)
         ]
+
+    def next_step(self) -> list[MicroBatch]:
+        micro_batches = self.step_at(self.consumed_samples)
         self.consumed_samples += self.global_batch_size
         return micro_batches
 
     def __iter__(self) -> MicroBatchIterator:
         return self
 
-    def __next__(self) -> list[torch.Tensor]:
+    def __next__(self) -> list[MicroBatch]:
         return self.next_step()

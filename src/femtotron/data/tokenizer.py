@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from femtotron.atomic import atomic_path
 from femtotron.data.documents import iter_documents
-from femtotron.errors import DataError
+from femtotron.errors import ConfigError, DataError, UsageError
 
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>")
 _TRAIN_HINT = (
@@ -31,10 +31,9 @@ def train_tokenizer(
     """
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
-        raise DataError(
-            f"vocab_size {vocab_size} is too small: byte-level BPE needs at least {len(alphabet) + 1} "
-            f"({len(alphabet)} bytes + {EOS_TOKENS[0]})"
-        )
+        raise UsageError(f"--vocab-size {vocab_size} is too small: byte-level BPE needs at least {len(alphabet) + 1} "
+                         f"({len(alphabet)} bytes + {EOS_TOKENS[0]}). Fix: --vocab-size {len(alphabet) + 1} or more "
+                         "(8192 or more for real text).")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -82,3 +81,18 @@ def eos_token_id(tokenizer: Tokenizer) -> int:
         f"tokens {sorted(special) or '(none)'}. Documents need one to be separated; add one as a special "
         f"token, or {_TRAIN_HINT}"
     )
+
+
+def tokenizer_for_model(path: str | None, vocab_size: int) -> Tokenizer | None:
+    """The run's tokenizer (tokenizer.tokenizer_name_or_path), refused when it has ids the model cannot embed."""
+    if path is None:
+        return None
+    tokenizer = load_tokenizer(path)
+    size = tokenizer.get_vocab_size()
+    if size > vocab_size:
+        raise ConfigError(
+            f"tokenizer.tokenizer_name_or_path={path} has {size} tokens but model.model_config.vocab_size="
+            f"{vocab_size}: ids {vocab_size}..{size - 1} would have no embedding. Set model.model_config.vocab_size "
+            f">= {size}, or use the tokenizer the data was preprocessed with."
+        )
+    return tokenizer

@@ -31,8 +31,12 @@ from functools import partial
 import torch
 from torch import nn
 
-from femtotron.config import Config
+from femtotron.config import Config, load_config
+from femtotron.config.rules import rule_problems, with_changes
+from femtotron.data.nanoset import MicroBatchIterator, open_nanoset
 from femtotron.errors import ConfigError, DataError, FemtotronError
+from femtotron.launch import check_local_devices, launch_local, launched_by_torchrun
+from femtotron.layout import tensor_parallel
 from femtotron.models.llama import Llama
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.tensor_parallel import TensorParallel, full_gradients, gather_full
@@ -217,20 +221,17 @@ def _dtype(config: Config) -> torch.dtype:
 
 def _first_micro_batch(config: Config, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The run's first training micro-batch (dp rank 0's), read as the trainer reads it."""
-    from femtotron.data.nanoset import MicroBatchIterator
-    from femtotron.trainer import open_nanoset
-
     tokens = config.tokens
     data = open_nanoset(config.data.dataset_folder, tokens.sequence_length, config.data.seed)
-    batch = MicroBatchIterator(data, tokens.micro_batch_size, 1, 0, 1).next_step()[0]
-    vocab, largest = config.model.model_config_.vocab_size, int(batch.max())
+    batch = MicroBatchIterator(data, tokens.micro_batch_size, 1, 0, 1).step_at(0)[0]
+    vocab, largest = config.model.model_config_.vocab_size, int(batch.inputs.max())
     if largest >= vocab:
         raise DataError(f"the training data holds token id {largest}, but model.model_config.vocab_size="
                         f"{vocab} allows ids 0..{vocab - 1}. Set model.model_config.vocab_size >= "
                         f"{largest + 1}, or point data.dataset_folder at data made with this model's "
                         "tokenizer.")
     batch = batch.to(device)
-    return batch[:, :-1], batch[:, 1:]
+    return batch.inputs, batch.targets
 
 
 def compare_tp(config: Config, ctx: ParallelContext, model: Llama | None = None,
@@ -247,8 +248,7 @@ def compare_tp(config: Config, ctx: ParallelContext, model: Llama | None = None,
     build = partial(Llama, mcfg, std=config.model.init_method.std, seed=config.general.seed, dtype=dtype,
                     device=ctx.device)
     if model is None:
-        model = build(tp=TensorParallel(ctx.comm, ctx.tp_group, ctx.tp_rank,
-                                        sequence_parallel=config.parallelism.tp_mode == "REDUCE_SCATTER"))
+        model = build(tp=tensor_parallel(config, ctx.comm, ctx.tp_group, ctx.tp_rank))
     tp = model.tp
     ref = _forward_backward(build(), ids, targets)
     ours = _forward_backward(model, ids, targets, reference=ref)
@@ -470,14 +470,8 @@ def format_report(report: TPReport) -> str:
 
 
 def _working_tps(config: Config) -> list[int]:
-    from femtotron.config.config import rule_problems
-
-    fits = []
-    for tp in (2, 4, 8):
-        par = config.parallelism.model_copy(update={"tp": tp, "dp": 1, "pp": 1})
-        if not rule_problems(config.model_copy(update={"parallelism": par})):
-            fits.append(tp)
-    return fits
+    return [tp for tp in (2, 4, 8)
+            if not rule_problems(with_changes(config, {"parallelism.tp": tp, "parallelism.dp": 1, "parallelism.pp": 1}))]
 
 
 def run_check_tp(config_path: str, overrides: Sequence[str] = (), tp: int | None = None,
@@ -488,9 +482,6 @@ def run_check_tp(config_path: str, overrides: Sequence[str] = (), tp: int | None
     (dp and pp pinned to 1: one model replica) and rank 0 prints the report. Returns 0 when tp=N
     matches tp=1, DIVERGES_EXIT_CODE when it does not; config, data and launch problems raise.
     """
-    from femtotron.config import load_config
-    from femtotron.launch import check_local_devices, launch_local, launched_by_torchrun
-
     overrides = list(overrides)
     if tp is None:
         tp = load_config(config_path, overrides).parallelism.tp
@@ -504,7 +495,9 @@ def run_check_tp(config_path: str, overrides: Sequence[str] = (), tp: int | None
                           "float32 or 3e-2 for bfloat16 (the defaults).")
     # Later overrides win, so these pin the layout whatever the config or the user's overrides say.
     layout = [f"parallelism.tp={tp}", "parallelism.dp=1", "parallelism.pp=1"]
-    config = load_config(config_path, [*overrides, *layout])
+    config = load_config(config_path, [*overrides, *layout], sources={
+        layout[0]: f"--tp {tp}", layout[1]: "check-tp's one model replica (dp=1)",
+        layout[2]: "check-tp's one model replica (pp=1)"})
     _dtype(config)
     if not launched_by_torchrun():
         # Data problems too are reported once, here, rather than by every rank.
@@ -519,13 +512,8 @@ def run_check_tp(config_path: str, overrides: Sequence[str] = (), tp: int | None
         raise ConfigError(f"check-tp --tp {tp} runs as {tp} processes (dp=pp=1), but WORLD_SIZE={world} were "
                           f"launched. Fix: launch {tp} processes (torchrun --nproc-per-node {tp}), run it "
                           f"without a launcher (it starts them itself), or pass --tp {world}.")
-    par = config.parallelism
-    ctx = ParallelContext(1, tp, 1, init_timeout_seconds=par.init_timeout_seconds,
-                          collective_timeout_seconds=par.collective_timeout_seconds)
-    try:
+    with ParallelContext.from_config(config) as ctx:
         report = compare_tp(config, ctx, tolerance=tolerance)
-    finally:
-        ctx.close()
     if ctx.rank == 0:
         print(format_report(report), flush=True)
     return 0 if report.ok else DIVERGES_EXIT_CODE

@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 from tokenizers import Tokenizer
 
-from femtotron.data.nanoset import MicroBatchIterator, Nanoset
+from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch, MicroBatchIterator, Nanoset
 from femtotron.errors import DataError
+from femtotron.parallel.comm import Comm, Group
 
 SCANNED_TOKENS = 1 << 24  # per dataset at start: ~30 ms; later tokens are checked batch by batch
 
@@ -20,12 +22,27 @@ def check_token_range(nanoset: Nanoset, vocab_size: int, key: str = "data.datase
         head = dataset.tokens(0, min(dataset.num_tokens, SCANNED_TOKENS))
         largest = int(head.max()) if head.size else 0
         if largest >= vocab_size:
-            position = int(np.argmax(head >= vocab_size))
+            position, count = int(np.argmax(head == largest)), int((head >= vocab_size).sum())
             raise DataError(
-                f"{dataset.path_prefix}.bin ({key}) holds token id {largest} (first out-of-range id at token "
-                f"{position:,}), but model.model_config.vocab_size={vocab_size} allows ids 0..{vocab_size - 1}: it "
-                f"was tokenized with a larger vocabulary. Set model.model_config.vocab_size >= {largest + 1}, or "
-                "re-run `femtotron preprocess` with the tokenizer this model is meant for.")
+                f"{dataset.path_prefix}.bin ({key}) holds token id {largest} (at token {position:,}; {count:,} of the "
+                f"first {head.size:,} tokens are out of range), but model.model_config.vocab_size={vocab_size} allows "
+                f"ids 0..{vocab_size - 1}: it was tokenized with a larger vocabulary. Set model.model_config."
+                f"vocab_size >= {largest + 1}, or re-run `femtotron preprocess` with the tokenizer this model is meant "
+                "for.")
+
+
+def check_batch_token_ids(micro_batches: list[MicroBatch], vocab_size: int, comm: Comm, dp_group: Group,
+                          step: int) -> None:
+    """An id >= vocab_size would crash the embedding (on GPU as an opaque device assert). The largest id is
+    agreed over dp, so every rank stops here together instead of one leaving the others waiting."""
+    largest_id = torch.tensor(float(max(int(mb.inputs.max()) for mb in micro_batches)), device=micro_batches[0].inputs.device)
+    largest = int(comm.all_reduce(largest_id, dp_group, op="max").item())
+    if largest >= vocab_size:
+        raise DataError(
+            f"step {step}: the training data holds token id {largest}, but model.model_config.vocab_size={vocab_size} "
+            f"allows ids 0..{vocab_size - 1}. The data was tokenized with a larger vocabulary than the model's: set "
+            f"model.model_config.vocab_size >= {largest + 1} (a multiple of 64 or 128 is fastest), or re-run "
+            "`femtotron preprocess` with the tokenizer this model is meant for.")
 
 
 def first_loss_warning(loss: float, vocab_size: int) -> str | None:
@@ -41,22 +58,22 @@ def first_loss_warning(loss: float, vocab_size: int) -> str | None:
             f"ln({vocab_size}) = {expected:.3f}; {why}. Look at the data with `femtotron inspect-data CONFIG`.")
 
 
-def inspect_samples(nanoset: Nanoset, tokenizer: Tokenizer | None, sequence_length: int, n: int,
-                    ignore_index: int) -> str:
+def inspect_samples(nanoset: Nanoset, tokenizer: Tokenizer | None, sequence_length: int, n: int) -> str:
     """The first `n` samples of training, as the model sees them: where each comes from, the decoded input,
     and which target positions count in the loss."""
     lines = []
     batches = MicroBatchIterator(nanoset, micro_batch_size=n, batch_accumulation=1, dp_rank=0, dp_size=1)
-    for g, sample in enumerate(batches.next_step()[0].tolist()):
+    batch = batches.step_at(0)[0]
+    for g, (inputs, targets) in enumerate(zip(batch.inputs.tolist(), batch.targets.tolist(), strict=True)):
         dataset, index = nanoset.locate(g)
-        targets = sample[1:]
-        counted = sum(t != ignore_index for t in targets)
+        sample = inputs[:1] + targets
+        counted = sum(t != IGNORE_INDEX for t in targets)
         lines.append(f"sample {g}: {nanoset.datasets[dataset].path_prefix}, sample {index} of that dataset, "
                      f"{sequence_length} input tokens; {counted} of {len(targets)} target positions count in the "
                      "loss" + ("" if counted == len(targets) else " (masked positions shown as [masked])"))
         lines.append(f"  token ids: {sample[:16]}{' ...' if len(sample) > 16 else ''}")
         if tokenizer is not None:
-            pieces = [tokenizer.decode([t]) if t != ignore_index else "[masked]" for t in sample]
+            pieces = [tokenizer.decode([t]) if t != IGNORE_INDEX else "[masked]" for t in sample]
             lines.append("  text: " + repr("".join(pieces))[:2000])
         if counted == 0:
             lines.append("  WARNING: no target position counts in the loss: this sample teaches nothing")

@@ -7,35 +7,31 @@ memory.py) against the device; when it does not fit, the usual fixes, each with 
 
 from __future__ import annotations
 
-from typing import Any
-
-from femtotron.config import check_world_size, config_warnings
-from femtotron.config.config import pipeline_bubble, rule_problems
-from femtotron.diagnostics.memory import GIB, RankEstimate, device_budget, estimate_rank, human, with_changes
+from femtotron.config import Config, check_world_size, config_warnings
+from femtotron.config.rules import pipeline_bubble, refuse_on_gpus, rule_problems, with_changes
+from femtotron.diagnostics.memory import GIB, RankEstimate, device_budget, estimate_rank, human
 from femtotron.layout import DTYPES
-from femtotron.parallel.pipeline.partition import partition, stage_map
-from femtotron.trainer import refuse_on_gpus
+from femtotron.parallel.pipeline.partition import imbalance_warning, partition, stage_map
 
 
-def worst_stage(config: Any, on_cpu: bool) -> RankEstimate:
+def worst_stage(config: Config, on_cpu: bool) -> RankEstimate:
     return max((estimate_rank(config, p, on_cpu) for p in range(config.parallelism.pp)), key=lambda e: e.total)
 
 
-def fixes(config: Any, budget: float, on_cpu: bool) -> list[str]:
+def fixes(config: Config, budget: float, on_cpu: bool) -> list[str]:
     """The guide's other knobs against OOM (ZeRO-1 and recomputation are in `variants`), each tried on its own,
     with the largest rank's estimate it gives."""
     tokens, par = config.tokens, config.parallelism
-    candidates: list[tuple[str, Any]] = []
+    candidates: list[tuple[str, Config]] = []
     if tokens.micro_batch_size > 1:
-        half = tokens.micro_batch_size // 2
-        candidates.append((f"tokens.micro_batch_size={half} (and batch_accumulation_per_replica="
-                           f"{tokens.batch_accumulation_per_replica * 2} to keep the batch)",
-                           with_changes(config, micro_batch_size=half,
-                                        batch_accumulation_per_replica=tokens.batch_accumulation_per_replica * 2)))
+        half, twice = tokens.micro_batch_size // 2, tokens.batch_accumulation_per_replica * 2
+        candidates.append((f"tokens.micro_batch_size={half} (and batch_accumulation_per_replica={twice} to keep the "
+                           "batch)", with_changes(config, {"tokens.micro_batch_size": half,
+                                                            "tokens.batch_accumulation_per_replica": twice})))
     candidates.append((f"tokens.sequence_length={tokens.sequence_length // 2}",
-                       with_changes(config, sequence_length=tokens.sequence_length // 2)))
+                       with_changes(config, {"tokens.sequence_length": tokens.sequence_length // 2})))
     for key in ("tp", "pp"):
-        bigger = config.model_copy(update={"parallelism": par.model_copy(update={key: getattr(par, key) * 2})})
+        bigger = with_changes(config, {f"parallelism.{key}": getattr(par, key) * 2})
         if not rule_problems(bigger):
             candidates.append((f"parallelism.{key}={getattr(par, key) * 2} (twice the processes, or dp halved)", bigger))
     lines = []
@@ -46,14 +42,14 @@ def fixes(config: Any, budget: float, on_cpu: bool) -> list[str]:
     return lines
 
 
-def variants(config: Any, budget: float | None, on_cpu: bool) -> list[str]:
+def variants(config: Config, budget: float | None, on_cpu: bool) -> list[str]:
     """The same layout with ZeRO-1 and recomputation switched the other way, whether or not it fits."""
     par = config.parallelism
     toggles = [(f"parallelism.recompute_layer={str(not par.recompute_layer).lower()}",
-                with_changes(config, recompute=not par.recompute_layer))]
+                with_changes(config, {"parallelism.recompute_layer": not par.recompute_layer}))]
     if par.dp > 1:
         other = 1 - config.optimizer.zero_stage
-        toggles.insert(0, (f"optimizer.zero_stage={other}", with_changes(config, zero_stage=other)))
+        toggles.insert(0, (f"optimizer.zero_stage={other}", with_changes(config, {"optimizer.zero_stage": other})))
     lines = []
     for label, changed in toggles:
         total = worst_stage(changed, on_cpu).total
@@ -62,8 +58,9 @@ def variants(config: Any, budget: float | None, on_cpu: bool) -> list[str]:
     return lines
 
 
-def communication(config: Any, state: dict[str, int]) -> list[str]:
-    """Bytes each rank sends per step (ring algorithms), by dimension; `state` is a rank's model-state bytes."""
+def communication(config: Config, state: dict[str, int], device: str | None, gpus_per_node: int) -> list[str]:
+    """Bytes each rank sends per step (ring algorithms), by dimension; `state` is a rank's model-state bytes.
+    `device` (None: not given) and `gpus_per_node` say what link the tp group uses."""
     mcfg, par, tokens = config.model.model_config_, config.parallelism, config.tokens
     size = DTYPES[config.model.dtype].itemsize
     micro = tokens.batch_accumulation_per_replica
@@ -81,14 +78,20 @@ def communication(config: Any, state: dict[str, int]) -> list[str]:
         layers = mcfg.num_hidden_layers / par.pp
         # Per layer and micro-batch: 2 collectives in forward and 2 in backward on the whole activation.
         volume = 4 * layers * micro * 2 * (par.tp - 1) / par.tp * activation
-        lines.append(f"  tp: {human(volume)} per step ({par.tp_mode}; inside a node: NVLink)")
+        if device is not None and device.lower() == "cpu":
+            link = "between processes of one host"
+        elif par.tp > gpus_per_node:
+            link = "across nodes: the network, see the warning above"
+        else:
+            link = "inside a node: NVLink or PCIe" if device is None else "inside a node: NVLink"
+        lines.append(f"  tp: {human(volume)} per step ({par.tp_mode}; {link})")
     if par.pp > 1:
         lines.append(f"  pp: {human(2 * micro * activation / (par.tp if par.tp_mode == 'REDUCE_SCATTER' else 1))} "
                      "per step and stage boundary (activations forward, gradients back)")
     return lines or ["  none (one process)"]
 
 
-def diagnose(config: Any, world_size: int | None, device: str | None, device_memory: float | None,
+def diagnose(config: Config, world_size: int | None, device: str | None, device_memory: float | None,
              gpus_per_node: int) -> tuple[str, bool]:
     """The report, and whether everything fits."""
     par = config.parallelism
@@ -105,16 +108,16 @@ def diagnose(config: Any, world_size: int | None, device: str | None, device_mem
     if par.pp > 1:
         bubble = pipeline_bubble(par.pp, config.tokens.batch_accumulation_per_replica, par.pp_virtual_stages)
         lines.append(f"pipeline: {par.pp_engine}, each stage idles {bubble:.0%} of a step in theory (P2)")
-        text, imbalance = stage_map(partition(config.model.model_config_, config.tokens.sequence_length,
-                                              par.pp * par.pp_virtual_stages), par.pp)
-        lines.append(text)
+        stages = partition(config.model.model_config_, config.tokens.sequence_length, par.pp * par.pp_virtual_stages)
+        lines.append(stage_map(stages, par.pp))
+        imbalance = imbalance_warning(config, stages)
         if imbalance:
             lines.append(f"warning: {imbalance}")
     where, budget = device_budget(device, device_memory)
     on_cpu = (device or "").lower() == "cpu"
     estimates = [estimate_rank(config, p, on_cpu) for p in range(par.pp)]
     lines.append("communication per rank:")
-    lines += communication(config, estimates[0].state)
+    lines += communication(config, estimates[0].state, device, gpus_per_node)
     lines.append(f"memory per rank (estimate; device: {where}):")
     for e in estimates:
         state = " + ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in e.state.items())

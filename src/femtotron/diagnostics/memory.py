@@ -25,10 +25,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from femtotron.layout import DTYPES, build_rank_model
-from femtotron.parallel.comm import Comm, Group
+from femtotron.config import Config
+from femtotron.data.nanoset import MicroBatch
+from femtotron.layout import DTYPES, meta_rank_model
+from femtotron.parallel.context import rank_of
 from femtotron.parallel.pipeline.schedules import schedule
-from femtotron.parallel.tensor_parallel import TensorParallel
 from femtotron.precision import ESTIMATING_FOR_THIS_CPU
 
 GIB = 2**30
@@ -94,19 +95,7 @@ def schedule_peak(engine: str, pp: int, pp_rank: int, micro_batches: int, saved:
     return worst, most
 
 
-def with_changes(config: Any, zero_stage: int | None = None, recompute: bool | None = None, **tokens: int) -> Any:
-    """`config` with other optimizer.zero_stage, parallelism.recompute_layer or tokens.* values (fixes to try)."""
-    changes: dict[str, Any] = {}
-    if zero_stage is not None:
-        changes["optimizer"] = config.optimizer.model_copy(update={"zero_stage": zero_stage})
-    if recompute is not None:
-        changes["parallelism"] = config.parallelism.model_copy(update={"recompute_layer": recompute})
-    if tokens:
-        changes["tokens"] = config.tokens.model_copy(update=tokens)
-    return config.model_copy(update=changes)
-
-
-def estimate_rank(config: Any, pp_rank: int, on_this_cpu: bool = False) -> RankEstimate:
+def estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool = False) -> RankEstimate:
     """The memory of a rank at pipeline position `pp_rank` (every tp and dp rank there is alike), on GPUs,
     or with `on_this_cpu` on this machine's CPU (which may compute bf16 matmuls on fp32 copies)."""
     token = ESTIMATING_FOR_THIS_CPU.set(on_this_cpu)
@@ -116,24 +105,24 @@ def estimate_rank(config: Any, pp_rank: int, on_this_cpu: bool = False) -> RankE
         ESTIMATING_FOR_THIS_CPU.reset(token)
 
 
-def _estimate_rank(config: Any, pp_rank: int) -> RankEstimate:
+def _estimate_rank(config: Config, pp_rank: int) -> RankEstimate:
     par, tokens = config.parallelism, config.tokens
     meta = torch.device("meta")
-    tp = TensorParallel(Comm(), Group("tp", tuple(range(par.tp))), 0, sequence_parallel=par.tp_mode == "REDUCE_SCATTER")
-    model = build_rank_model(config, tp, par.pp, pp_rank, Comm(), Group("dp", tuple(range(par.dp))), 0, meta)
+    model = meta_rank_model(config, rank_of(pp_rank, 0, 0, par.dp, par.tp))
     state = model.data_parallel.model_state_bytes()
-    sequence = tokens.sequence_length // (par.tp if tp.sequence_parallel else 1)
+    sequence = tokens.sequence_length // (par.tp if model.tp.sequence_parallel else 1)
     saved, peaks = [], []
     for chunk_index, chunk in enumerate(model.chunks):
         stage = chunk_index * par.pp + pp_rank
-        batch = torch.zeros(tokens.micro_batch_size, tokens.sequence_length + 1, dtype=torch.int64, device=meta)
+        batch = MicroBatch.from_tokens(torch.zeros(tokens.micro_batch_size, tokens.sequence_length + 1,
+                                                   dtype=torch.int64, device=meta))
         with LiveMemory() as memory:
             if stage == 0:
-                inputs = batch[:, :-1]
+                inputs = batch.inputs
             else:  # what the previous stage sends; received into a new buffer
                 inputs = torch.empty(tokens.micro_batch_size, sequence, config.model.model_config_.hidden_size,
                                      dtype=DTYPES[config.model.dtype], device=meta).requires_grad_()
-            output = chunk.run_stage(inputs, batch[:, 1:])
+            output = chunk.run_stage(inputs, batch.targets)
             saved.append(memory.live)
             if stage == par.pp * par.pp_virtual_stages - 1:
                 output.backward()

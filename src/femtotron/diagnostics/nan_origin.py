@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from femtotron.parallel.comm import Comm
+from femtotron.data.nanoset import MicroBatch
+from femtotron.parallel.pipeline.schedules import Pipeline
+from femtotron.parallel.store import Store
 
 
 @dataclass(frozen=True)
@@ -88,16 +90,31 @@ def watch(chunks: list[nn.Module], where: Callable[[], tuple[int, int]], rank: i
         found.extend(backward)
 
 
-def earliest_over_ranks(comm: Comm, rank: int, world_size: int, mine: NonFinite | None,
+def earliest_over_ranks(store: Store, rank: int, world_size: int, mine: NonFinite | None,
                         timeout: float) -> NonFinite | None:
     """Every rank's finding to rank 0 through the store; rank 0 picks the earliest and every rank gets it."""
-    key = comm.fresh_key("nan")
-    comm.post(f"{key}/rank{rank}", json.dumps(asdict(mine) if mine else None))
+    key = store.fresh_key("nan")
+    store.post(f"{key}/rank{rank}", json.dumps(asdict(mine) if mine else None))
     if rank == 0:
-        got = comm.collect([f"{key}/rank{r}" for r in range(world_size)], timeout, remove=True)
+        got = store.collect([f"{key}/rank{r}" for r in range(world_size)], timeout, remove=True)
         findings = [NonFinite(**f) for f in map(json.loads, got.values()) if f]
         first = min(findings, key=NonFinite.order, default=None)
-        comm.post(f"{key}/verdict", json.dumps(asdict(first) if first else None))
+        store.post(f"{key}/verdict", json.dumps(asdict(first) if first else None))
         return first
-    verdict = comm.collect([f"{key}/verdict"], 2 * timeout).get(f"{key}/verdict", "null")
+    verdict = store.collect([f"{key}/verdict"], 2 * timeout).get(f"{key}/verdict", "null")
     return NonFinite(**json.loads(verdict)) if json.loads(verdict) else None
+
+
+def locate(pipeline: Pipeline, inputs: tuple[list[MicroBatch], torch.Tensor], store: Store, rank: int,
+           world_size: int, timeout: float) -> NonFinite | None:
+    """Run a step's micro-batches (`inputs`, as `Pipeline.train_step` takes them) again, from the same weights,
+    with a hook on every module (every rank does, as it is a whole pipeline step); the earliest module over
+    all ranks that went non-finite. The caller clears the gradients before and after."""
+
+    def where() -> tuple[int, int]:
+        action = pipeline.current
+        return action.micro_batch, pipeline.stage_of(action.chunk)
+
+    with watch(pipeline.chunks, where, rank) as found:
+        pipeline.train_step(*inputs)
+    return earliest_over_ranks(store, rank, world_size, found[0] if found else None, timeout)

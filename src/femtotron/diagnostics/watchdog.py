@@ -27,14 +27,15 @@ from collections.abc import Callable
 from typing import Any
 
 from femtotron.parallel.comm import Comm
+from femtotron.parallel.store import Store
 
 EXIT_CODE = 4  # a distributed error, as DistributedError
 
 
 class Watchdog:
-    def __init__(self, comm: Comm, rank: int, world_size: int, hang_timeout: float,
+    def __init__(self, comm: Comm, store: Store, rank: int, world_size: int, hang_timeout: float,
                  where: Callable[[], str], interval: float = 2.0) -> None:
-        self.comm, self.rank, self.world_size = comm, rank, world_size
+        self.comm, self.messages, self.rank, self.world_size = comm, store, rank, world_size
         self.hang_timeout, self.where = hang_timeout, where
         # A live rank's thread beats every `interval` s whatever its main thread does: 30 s of silence is death.
         self.interval, self.silent_seconds = interval, min(30.0, hang_timeout)
@@ -42,13 +43,13 @@ class Watchdog:
         self.seen: dict[int, tuple[int, float]] = {}  # rank -> (its heartbeat, when it last changed here)
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="femtotron-watchdog", daemon=True)
-        self.keys = [f"{comm.key_prefix}state/{r}" for r in range(world_size)]
+        self.keys = [f"{store.key_prefix}state/{r}" for r in range(world_size)]
         self.store: Any = None
 
     def start(self) -> Watchdog:
         self.started_at = time.monotonic()
-        if self.comm.store_address is not None and self.world_size > 1:
-            self.store = self.comm.new_store_client()  # its own connection: the main thread may wait on the store
+        if self.world_size > 1:
+            self.store = self.messages.new_client()  # its own connection: the main thread may wait on the store
             self.thread.start()
         return self
 
@@ -110,7 +111,11 @@ class Watchdog:
             return {r: json.loads(v.decode()) for r, v in enumerate(self.store.multi_get(self.keys))}
         return {r: json.loads(self.store.get(k).decode()) for r, k in enumerate(self.keys) if self.store.check([k])}
 
-    def report(self, states: dict[int, dict[str, Any]], silent: list[int], problem: str, stuck: bool = False) -> str:
+    def report(self, states: dict[int, dict[str, Any]], silent: list[int], problem: str, stuck: bool = False,
+               now: float | None = None) -> str:
+        """Every rank's last published state, with its age as seen here: how long since its heartbeat last
+        changed (a frozen rank's state can be far behind what the others do now)."""
+        now = time.monotonic() if now is None else now
         lines = [f"hang report from rank {self.rank}: " + (f"rank {self.rank} {problem}" if stuck else
                  f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} {problem}") + ". What every rank is doing:"]
         for rank in range(self.world_size):
@@ -118,8 +123,9 @@ class Watchdog:
             if state is None:
                 lines.append(f"  rank {rank}: never reported" + (" <- silent" if rank in silent else ""))
                 continue
-            lines.append(f"  rank {rank}: {describe(state)}" + (" <- " + ("failed" if state.get("failed") else "silent")
-                                                                  if rank in silent else ""))
+            age = 0.0 if rank == self.rank else now - self.seen.get(rank, (0, now))[1]
+            lines.append(f"  rank {rank} (as of {age:.0f} s ago): {describe(state)}"
+                         + (" <- " + ("failed" if state.get("failed") else "silent") if rank in silent else ""))
         lines += mismatches(states)
         lines.append("A rank that took another code path (a different config, data, or an exception it swallowed) is "
                      "the usual cause; its own log says more. The job is stopped rather than left waiting.")

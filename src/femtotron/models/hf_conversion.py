@@ -7,17 +7,16 @@ as (2, intermediate_size, hidden_size). Everything else maps by name (HF adds a 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-
-def _head_shapes(cfg: Any) -> tuple[int, int, int]:
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads, head_dim
+from femtotron.config import LlamaConfig
 
 
-def to_hf(state: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
+def _head_shapes(cfg: LlamaConfig) -> tuple[int, int, int]:
+    return cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
+
+
+def to_hf(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     kv_heads, group, head_dim = _head_shapes(cfg)
     out = {}
     for name, tensor in state.items():
@@ -36,7 +35,7 @@ def to_hf(state: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
-def from_hf(hf_state: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
+def from_hf(hf_state: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     kv_heads, group, head_dim = _head_shapes(cfg)
     state = {name.removeprefix("model."): tensor for name, tensor in hf_state.items()}
     out = {}

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from femtotron.config import LlamaConfig
+from femtotron.data.nanoset import IGNORE_INDEX
 from femtotron.errors import ConfigError
 from femtotron.parallel.pipeline.partition import Stage
 from femtotron.parallel.sharding import make_param
@@ -35,8 +37,6 @@ from femtotron.parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from femtotron.precision import causal_attention, linear
-
-IGNORE_INDEX = -100
 
 
 class ParamFactory:
@@ -81,7 +81,7 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, make: ParamFactory, name: str, cfg: Any, out_std: float, rotary: Rotary,
+    def __init__(self, make: ParamFactory, name: str, cfg: LlamaConfig, out_std: float, rotary: Rotary,
                  tp: TensorParallel) -> None:
         super().__init__()
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -91,7 +91,7 @@ class Attention(nn.Module):
                 f"{tp.size}: every tp rank must hold whole groups of query heads with their key/value head, so "
                 "num_key_value_heads must divide num_attention_heads and be divisible by tp. Choose tp dividing "
                 f"{kv_heads}.")
-        self.head_dim = cfg.hidden_size // heads
+        self.head_dim = cfg.head_dim
         self.group_size = heads // kv_heads
         self.local_kv_heads = kv_heads // tp.size
         qkv_rows = (heads + 2 * kv_heads) * self.head_dim
@@ -124,7 +124,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, make: ParamFactory, index: int, cfg: Any, rotary: Rotary, tp: TensorParallel) -> None:
+    def __init__(self, make: ParamFactory, index: int, cfg: LlamaConfig, rotary: Rotary, tp: TensorParallel) -> None:
         super().__init__()
         name = f"layers.{index}"
         # Residual-output projections are scaled down by depth so the residual stream's variance
@@ -166,7 +166,7 @@ class Llama(nn.Module):
     computes bit-identical activations, so gradients are unchanged.
     """
 
-    def __init__(self, cfg: Any, *, std: float, seed: int, dtype: torch.dtype, device: torch.device,
+    def __init__(self, cfg: LlamaConfig, *, std: float, seed: int, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel | None = None, stage: Stage | None = None,
                  recompute_layer: bool = False) -> None:
         super().__init__()
@@ -175,7 +175,7 @@ class Llama(nn.Module):
         self.tp = tp = tp or TensorParallel.single()
         self.stage = stage = stage or Stage(0, range(cfg.num_hidden_layers), embedding=True, head=True, cost=0.0)
         make = ParamFactory(std, seed, dtype, device)
-        rotary = Rotary(cfg.hidden_size // cfg.num_attention_heads, cfg.max_position_embeddings, cfg.rope_theta)
+        rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.rotary = rotary.to(device)
         tied = cfg.tie_word_embeddings
         if stage.embedding or (stage.head and tied):

@@ -51,6 +51,13 @@ class DynamicLossScaler:
         ctx.comm.all_reduce(found_inf, ctx.dp_group, op="max")
         return bool(found_inf.item())
 
+    def state_dict(self) -> dict[str, float | int]:
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.scale = float(state["scale"])
+        self.clean_steps, self.skipped_steps = int(state["clean_steps"]), int(state["skipped_steps"])
+
     @property
     def at_minimum(self) -> bool:
         """True when an overflow can no longer be answered by lowering the scale."""

@@ -12,15 +12,16 @@ from typing import Any
 def lr_at(step: int, sched: Any, train_steps: int) -> float:
     """LR for optimizer step `step` (0-based) under `optimizer.learning_rate_scheduler`."""
     peak, floor = sched.learning_rate, sched.min_decay_lr
-    warmup = sched.lr_warmup_steps
+    warmup = min(sched.lr_warmup_steps, train_steps)  # a warm-up longer than the run ends with it (a warning says)
     if step < warmup:
         return peak * (step + 1) / warmup if sched.lr_warmup_style == "linear" else peak
     start = warmup if sched.lr_decay_starting_step is None else sched.lr_decay_starting_step
     length = (train_steps - start) if sched.lr_decay_steps is None else sched.lr_decay_steps
     if step < start or sched.lr_decay_style == "constant":
         return peak
-    # The decay covers steps start .. start + length - 1: the first at the peak, the last at the floor.
-    progress = min(1.0, (step - start) / max(1, length - 1))
+    # The decay covers steps start .. start + length - 1: the first at the peak, the last at the floor (a
+    # decay of one step goes straight to the floor).
+    progress = 1.0 if length <= 1 else min(1.0, (step - start) / (length - 1))
     shape = {
         "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
         "linear": 1.0 - progress,

@@ -2,6 +2,7 @@
 
 The layout is written once, here: `rank = (pp_rank * dp + dp_rank) * tp + tp_rank`. TP is
 innermost so a TP group is consecutive ranks (the same host, the fastest links); PP is outermost.
+Joining the job (the rendezvous, with a timeout that names the ranks that never came) is here too.
 """
 
 from __future__ import annotations
@@ -9,12 +10,18 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from femtotron.errors import DistributedError
-from femtotron.parallel import comm
 from femtotron.parallel.comm import Comm, Group
+from femtotron.parallel.store import Store
+
+if TYPE_CHECKING:
+    from femtotron.config import Config
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,8 @@ def coordinates_of(rank: int, dp: int, tp: int) -> MeshCoordinates:
 
 
 class ParallelContext:
-    """Built once per process and passed explicitly to whoever needs a rank or a group.
+    """Built once per process and passed explicitly to whoever needs a rank or a group; a context manager
+    that closes the process group on exit.
 
     With a world of one process it needs no launcher and creates no process group: every group
     has one member and every collective in `Comm` returns at once.
@@ -62,16 +70,29 @@ class ParallelContext:
         self.device = self._pick_device()
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.comm = Comm()
+        self.store = Store()
         self.hosts = [socket.gethostname()]
         if self.world_size > 1:
             host = os.environ.get("MASTER_ADDR", "127.0.0.1")
             port = int(os.environ.get("MASTER_PORT", "29500"))
-            self.hosts, self.comm.store = comm.rendezvous(self.rank, self.world_size, host, port, self.backend,
-                                                          init_timeout_seconds, collective_timeout_seconds)
-            self.comm.store_address = (host, port)
+            self.hosts, tcp_store = rendezvous(self.rank, self.world_size, host, port, self.backend,
+                                               init_timeout_seconds, collective_timeout_seconds)
+            self.store = Store(tcp_store, (host, port))
         coords = coordinates_of(self.rank, dp, tp)
         self.pp_rank, self.dp_rank, self.tp_rank = coords.pp_rank, coords.dp_rank, coords.tp_rank
         self._build_groups()
+
+    @classmethod
+    def from_config(cls, config: Config) -> ParallelContext:
+        par = config.parallelism
+        return cls(par.dp, par.tp, par.pp, init_timeout_seconds=par.init_timeout_seconds,
+                   collective_timeout_seconds=par.collective_timeout_seconds)
+
+    def __enter__(self) -> ParallelContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _pick_device(self) -> torch.device:
         if torch.cuda.is_available():
@@ -97,16 +118,15 @@ class ParallelContext:
         self.world_group = Group("world", tuple(range(self.world_size)))  # no handle: the default group
 
     def _mine(self, kind: str, all_groups: list[list[int]]) -> Group:
-        """Create every group of this kind (all ranks must) and keep the one holding this rank; a rank in
-        none of them (a middle pipeline stage has no embedding to share) gets a group of itself."""
+        """Create every group of this kind (all ranks must, in the same order: torch.distributed's rule) and
+        keep the one holding this rank; a rank in none of them (a middle pipeline stage has no embedding to
+        share) gets a group of itself. Subgroups do not inherit init_process_group's timeout: it is passed."""
         mine = Group(kind, (self.rank,))
+        timeout = timedelta(seconds=self.collective_timeout_seconds)
         for ranks in all_groups:
-            if self.world_size > 1:
-                group = comm.new_group(kind, ranks, self.collective_timeout_seconds)
-            else:
-                group = Group(kind, tuple(ranks))
+            handle = dist.new_group(ranks, timeout=timeout) if self.world_size > 1 else None
             if self.rank in ranks:
-                mine = group
+                mine = Group(kind, tuple(ranks), handle)
         return mine
 
     @property
@@ -114,4 +134,63 @@ class ParallelContext:
         return f"[rank {self.rank} dp{self.dp_rank} tp{self.tp_rank} pp{self.pp_rank}]"
 
     def close(self) -> None:
-        comm.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def rendezvous(
+    rank: int, world_size: int, host: str, port: int, backend: str, init_timeout: float, collective_timeout: float
+) -> tuple[list[str], dist.Store]:
+    """Join the job and create the default process group; return each rank's hostname, and the store
+    (it stays reachable when collectives are stuck, so it carries what must get through regardless).
+
+    Every rank first checks in under its own key in the rendezvous store, so when somebody never
+    arrives the timeout can say exactly which ranks joined and which did not, instead of hanging.
+    """
+    # Under torchrun the agent already serves the store on MASTER_PORT; every worker is a client.
+    is_server = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    where = f"{host}:{port} (backend {backend}, rank {rank} of {world_size})"
+    try:
+        store = dist.TCPStore(host, port, world_size, is_master=is_server,
+                              timeout=timedelta(seconds=init_timeout), wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        raise DistributedError(
+            f"Could not reach the rendezvous store at {where} within {init_timeout:g} s: {e}.\n"
+            f"{_NETWORK_ADVICE}"
+        ) from None
+    attempt = f"femtotron/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # torchrun restarts
+    keys = [f"{attempt}/joined/{r}" for r in range(world_size)]
+    store.set(keys[rank], socket.gethostname())
+    try:
+        store.wait(keys, timedelta(seconds=init_timeout))
+    except (RuntimeError, OSError):
+        joined = [r for r in range(world_size) if store.check([keys[r]])]
+        missing = sorted(set(range(world_size)) - set(joined))
+        raise DistributedError(
+            f"Process-group init timed out after {init_timeout:g} s at {where}: "
+            f"ranks {_ranges(joined)} joined, ranks {_ranges(missing)} never did.\n"
+            f"Check that those ranks were launched, that WORLD_SIZE={world_size} matches the launcher, "
+            f"and that they can reach {host}:{port}. {_NETWORK_ADVICE}\n"
+            "Raise parallelism.init_timeout_seconds if nodes start slowly."
+        ) from None
+    hosts = [store.get(k).decode() for k in keys]
+    dist.init_process_group(backend, store=dist.PrefixStore(f"{attempt}/pg", store), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=collective_timeout))
+    return hosts, store
+
+
+_NETWORK_ADVICE = (
+    "On several nodes, the usual cause is the wrong network interface: set NCCL_SOCKET_IFNAME and "
+    "GLOO_SOCKET_IFNAME (e.g. =eth0; `ip -br addr` lists them) on every node, and check MASTER_ADDR/MASTER_PORT."
+)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans) or "none"

@@ -9,8 +9,14 @@ finished (C2), writes the manifest last, renames the directory to `step-NNNNNNN`
 
 Load: the manifest says where every slice is, so each rank reads exactly the boxes its own layout
 needs; when the mesh changed since the save nothing else has to happen (C1). Weights, master
-weights, Adam moments and step count, the loss scale, step and consumed samples/tokens are restored,
-and each rank's RNG states when the mesh is unchanged (C3).
+weights, Adam moments and step count, the train state (step, consumed samples/tokens, loss scale)
+are restored, and each rank's RNG states when the mesh is unchanged (C3).
+
+Which checkpoint a run starts from (`resume_source`): `checkpoints.resume_checkpoint_path` when given;
+else the newest committed one in `checkpoints_path`, so a requeued job continues where it stopped
+(`checkpoints.auto_resume: false` starts from step 0 instead, with a warning).
+
+Save and load take the pieces they need (`TrainingParts`), never the trainer.
 """
 
 from __future__ import annotations
@@ -20,38 +26,60 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 
 from femtotron.atomic import atomic_path
+from femtotron.config import Config
+from femtotron.data.nanoset import Nanoset
+from femtotron.layout import RankModel
+from femtotron.optim.zero import ZeroAdamW
+from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.store import Store
+from femtotron.run_log import RunLog
 from femtotron.serialize.files import (
     MANIFEST,
     CheckpointError,
     CheckpointReader,
     build_manifest,
+    file_record,
     fsync_directory,
+    read_manifest,
     write_rank_file,
     write_synced,
 )
 from femtotron.serialize.geometry import Box, Placement, placements
-
-if TYPE_CHECKING:
-    from femtotron.layout import RankModel
-    from femtotron.trainer import Trainer
+from femtotron.serialize.weights import TOKENIZER_FILE, weights_present
+from femtotron.train_state import TrainState
 
 LATEST = "latest"
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "tie_word_embeddings")
 
 
-def checkpoint_root(config: Any) -> Path:
+@dataclass
+class TrainingParts:
+    """What a checkpoint saves and restores, handed over by whoever trains."""
+
+    config: Config
+    ctx: ParallelContext
+    model: RankModel
+    optimizer: ZeroAdamW
+    state: TrainState
+    data: Nanoset  # its size is recorded, and compared on resume
+    log: RunLog
+    tokenizer: Tokenizer | None = None  # saved beside the tensors: a checkpoint is self-contained
+
+
+def checkpoint_root(config: Config) -> Path:
     path = config.checkpoints.checkpoints_path
     return Path(path) if path is not None else config.run_dir / "checkpoints"
 
 
-def mesh_of(config: Any) -> dict[str, Any]:
+def mesh_of(config: Config) -> dict[str, Any]:
     par = config.parallelism
     return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "pp_engine": par.pp_engine,
             "pp_virtual_stages": par.pp_virtual_stages, "tp_mode": par.tp_mode,
@@ -86,14 +114,14 @@ def saved_slices(model: RankModel) -> list[SavedSlice]:
     return out
 
 
-def rank_slices(trainer: Trainer) -> list[tuple[str, tuple[int, ...], Box, torch.Tensor]]:
+def rank_slices(model: RankModel, optimizer: ZeroAdamW) -> list[tuple[str, tuple[int, ...], Box, torch.Tensor]]:
     """(tensor name, global shape, box, values) for every slice this rank saves, from the live tensors."""
-    data_parallel, optimizer = trainer.data_parallel, trainer.optimizer
+    data_parallel = model.data_parallel
     kinds = ("master", "exp_avg", "exp_avg_sq") if data_parallel.flat_params.dtype != torch.float32 \
         else ("exp_avg", "exp_avg_sq")  # fp32 weights are their own masters
     states = {kind: optimizer.state(kind) for kind in kinds}
     out = []
-    for saved in saved_slices(trainer.rank_model):
+    for saved in saved_slices(model):
         start = data_parallel.pieces[saved.owner].start
         sources = {"model": data_parallel.flat_params[saved.low:saved.high]}
         sources.update({kind: states[kind][saved.owner][saved.low - start:saved.high - start] for kind in kinds})
@@ -124,22 +152,24 @@ def set_rng_state(reader: CheckpointReader, file: str) -> None:
         torch.cuda.set_rng_state(reader.extra(file, "rng/torch_cuda"))
 
 
-def save(trainer: Trainer) -> Path:
+def save(parts: TrainingParts) -> Path:
     """Write a checkpoint of the current step from every rank; return its directory once committed.
 
     Any failure on any rank reaches rank 0 as a record in the store, and rank 0's verdict reaches every
     rank, so all stop together with the reason instead of waiting for a timeout.
     """
-    ctx, config = trainer.ctx, trainer.config
+    ctx, config, store = parts.ctx, parts.config, parts.ctx.store
     root = checkpoint_root(config)
-    name = f"step-{trainer.step:07d}"
+    name = f"step-{parts.state.step:07d}"
     tmp, final = root / f".tmp-{name}", root / name
-    key = ctx.comm.fresh_key("save")
+    key = store.fresh_key("save")
     prepared: Exception | None = None
     if ctx.rank == 0:
         try:
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save of the same step
             tmp.mkdir(parents=True, exist_ok=True)
+            if parts.tokenizer is not None:
+                parts.tokenizer.save(str(tmp / TOKENIZER_FILE))
         except OSError as e:
             prepared = e
     ctx.comm.barrier(ctx.world_group)
@@ -148,40 +178,43 @@ def save(trainer: Trainer) -> Path:
             raise prepared
         tmp.mkdir(parents=True, exist_ok=True)  # on another node of a shared file system it may show up late
         extra, metadata = rng_state()
-        record = {**write_rank_file(tmp, ctx.rank, rank_slices(trainer), extra, metadata), "rng": True}
+        record = {**write_rank_file(tmp, ctx.rank, rank_slices(parts.model, parts.optimizer), extra, metadata),
+                  "rng": True}
     except Exception as e:  # noqa: BLE001 - whatever it is (disk full: SafetensorError), rank 0 must hear of it
-        ctx.comm.post(f"{key}/rank{ctx.rank}", json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        store.post(f"{key}/rank{ctx.rank}", json.dumps({"error": f"{type(e).__name__}: {e}"}))
         if ctx.rank != 0:
             raise CheckpointError(f"rank {ctx.rank} could not write its part of checkpoint {final}: {e}. Check "
                                   f"free space and permissions under {root}.") from None
     else:
-        ctx.comm.post(f"{key}/rank{ctx.rank}", json.dumps(record))
+        store.post(f"{key}/rank{ctx.rank}", json.dumps(record))
     timeout = config.parallelism.collective_timeout_seconds
     if ctx.rank == 0:
         try:
-            commit(tmp, final, run_state(trainer), collect_records(trainer, key, final, timeout))
+            records = collect_records(store, ctx.world_size, key, final, timeout)
+            if parts.tokenizer is not None:
+                records.append(file_record(tmp / TOKENIZER_FILE))
+            commit(tmp, final, run_state(parts), records)
         except (CheckpointError, OSError) as e:
             verdict = e if isinstance(e, CheckpointError) else CheckpointError(
                 f"checkpoint {final} was not committed: {type(e).__name__}: {e}. Check free space and "
                 f"permissions under {root}; the previous checkpoint is intact.")
-            ctx.comm.post(f"{key}/commit", str(verdict))
+            store.post(f"{key}/commit", str(verdict))
             raise verdict from None
-        ctx.comm.post(f"{key}/commit", "ok")
+        store.post(f"{key}/commit", "ok")
         for warning in prune(root, config.checkpoints.keep_last_n, final):
-            trainer.log.warn(warning)
+            parts.log.warn(warning)
     else:
         # Rank 0 may itself wait `timeout` for a slow rank before it commits.
-        outcome = ctx.comm.collect([f"{key}/commit"], 2 * timeout + 60).get(f"{key}/commit")
+        outcome = store.collect([f"{key}/commit"], 2 * timeout + 60).get(f"{key}/commit")
         if outcome != "ok":
             raise CheckpointError(f"rank {ctx.rank}: checkpoint {final} was not committed by rank 0: "
                                   f"{outcome or f'no word from rank 0 within {2 * timeout + 60:g} s'}")
     return final
 
 
-def collect_records(trainer: Trainer, key: str, final: Path, timeout: float) -> list[dict[str, Any]]:
+def collect_records(store: Store, world: int, key: str, final: Path, timeout: float) -> list[dict[str, Any]]:
     """Rank 0: every rank's file record, or an error naming the ranks that did not deliver (C2)."""
-    world = trainer.ctx.world_size
-    got = trainer.ctx.comm.collect([f"{key}/rank{r}" for r in range(world)], timeout, remove=True)
+    got = store.collect([f"{key}/rank{r}" for r in range(world)], timeout, remove=True)
     records = {int(k.rsplit("rank", 1)[1]): json.loads(v) for k, v in got.items()}
     failed = {r: rec["error"] for r, rec in records.items() if "error" in rec}
     missing = [r for r in range(world) if r not in records]
@@ -198,19 +231,15 @@ def collect_records(trainer: Trainer, key: str, final: Path, timeout: float) -> 
     return [records[r] for r in range(world)]
 
 
-def run_state(trainer: Trainer) -> dict[str, Any]:
+def run_state(parts: TrainingParts) -> dict[str, Any]:
     """What the manifest records besides the tensors: where the run is, and how it was laid out."""
-    config = trainer.config
+    config, state = parts.config, parts.state.state_dict()
+    state["lr_schedule"]["style"] = config.optimizer.learning_rate_scheduler.lr_decay_style
     return {
-        "step": trainer.step, "consumed_samples": trainer.batches.consumed_samples,
-        "consumed_tokens": trainer.consumed_tokens, "optimizer_steps": trainer.optimizer.steps_taken(),
-        "lr_schedule": {"style": config.optimizer.learning_rate_scheduler.lr_decay_style,
-                        "last_lr": trainer.history[-1][1] if trainer.history else None},
-        "loss_scale": {"scale": trainer.scaler.scale, "clean_steps": trainer.scaler.clean_steps,
-                       "skipped_steps": trainer.scaler.skipped_steps},
-        "mesh": mesh_of(config), "world_size": trainer.ctx.world_size,
+        **state, "optimizer_steps": parts.optimizer.steps_taken(),
+        "mesh": mesh_of(config), "world_size": parts.ctx.world_size,
         "global_batch_size": config.global_batch_size,
-        "data": {"samples_per_epoch": trainer.train_data.samples_per_epoch, "tokens": trainer.train_data.num_tokens},
+        "data": {"samples_per_epoch": parts.data.samples_per_epoch, "tokens": parts.data.num_tokens},
         "config": config.to_dict(),
     }
 
@@ -218,7 +247,7 @@ def run_state(trainer: Trainer) -> dict[str, Any]:
 def commit(tmp: Path, final: Path, state: dict[str, Any], records: list[dict[str, Any]]) -> None:
     """Write the manifest into the finished temporary directory, rename it into place and point `latest`
     at it. A checkpoint of the same step already there (an abandoned run's) is moved aside first and
-    deleted only after the new one is in place."""
+    deleted only after the new one is in place. `records`: every rank's file, in rank order, then others."""
     rng = {str(rank): record["file"] for rank, record in enumerate(records) if record.get("rng")}
     write_synced(tmp / MANIFEST, json.dumps(build_manifest({**state, "rng": rng}, records), indent=1))
     fsync_directory(tmp)
@@ -253,20 +282,20 @@ def committed_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("step-*") if (p / MANIFEST).is_file())
 
 
-def resolve(path: Path) -> tuple[Path, list[str]]:
-    """The checkpoint directory `checkpoints.resume_checkpoint_path` means, and warnings to log."""
+def resolve(path: Path, what: str = "checkpoints.resume_checkpoint_path") -> tuple[Path, list[str]]:
+    """The checkpoint directory `path` means (a step-NNNNNNN directory, or the newest committed one in a
+    checkpoints directory), and warnings to log. `what` names where the path came from, for messages."""
     if not path.exists():
-        raise CheckpointError(f"checkpoints.resume_checkpoint_path={path} does not exist. Point it at a checkpoint "
-                              "(a step-NNNNNNN directory) or at the checkpoints directory that holds them.")
+        raise CheckpointError(f"{what}: {path} does not exist. Give a checkpoint (a step-NNNNNNN directory) or the "
+                              "checkpoints directory that holds them.")
     if (path / MANIFEST).is_file() or path.name.startswith("step-"):
         return path, []
     warnings = [f"ignoring {tmp}: a save that did not finish (the process died while writing it)"
                 for tmp in sorted(path.glob(".tmp-step-*"))]
     committed = committed_checkpoints(path)
     if not committed:
-        raise CheckpointError(f"checkpoints.resume_checkpoint_path={path} holds no committed checkpoint (no "
-                              f"step-NNNNNNN directory with a {MANIFEST}). Start without resume_checkpoint_path, "
-                              "or point it at another run's checkpoints.")
+        raise CheckpointError(f"{what}: {path} holds no committed checkpoint (no step-NNNNNNN directory with a "
+                              f"{MANIFEST}). Give another run's checkpoints, or start without it.")
     latest = path / LATEST
     named = path / latest.read_text().strip() if latest.is_file() else None
     if named is not None and named in committed:
@@ -276,7 +305,43 @@ def resolve(path: Path) -> tuple[Path, list[str]]:
     return committed[-1], warnings
 
 
-def check_model_matches(manifest: dict[str, Any], config: Any, directory: Path) -> None:
+def resume_source(config: Config) -> tuple[Path | None, str, list[str]]:
+    """Where this run starts from: (the checkpoint path to resolve, what names it, warnings), or no path for a
+    start from step 0. An explicit checkpoints.resume_checkpoint_path wins; without it, the run's own newest
+    checkpoint, unless checkpoints.auto_resume is off."""
+    own, given = checkpoint_root(config), config.checkpoints.resume_checkpoint_path
+    own_latest = committed_checkpoints(own)[-1:] if own.is_dir() else []
+    if given is not None:
+        unused = own_latest and own.resolve() not in (Path(given).resolve(), Path(given).resolve().parent)
+        return Path(given), "checkpoints.resume_checkpoint_path", [
+            f"checkpoints.resume_checkpoint_path={given} is given, so the checkpoints of this run in {own} (up to "
+            f"{own_latest[0].name}) are not resumed; remove resume_checkpoint_path to continue from them"] if unused \
+            else []
+    if not own_latest:
+        return None, "", []
+    if not config.checkpoints.auto_resume:
+        return None, "", [f"checkpoints.auto_resume=false: starting from step 0, although {own} holds checkpoints up "
+                          f"to {own_latest[0].name}; this run's saves replace them"]
+    return own, "checkpoints.checkpoints_path (the run's own, checkpoints.auto_resume=true)", []
+
+
+def already_done(config: Config) -> str | None:
+    """A line saying the run is finished, when its own newest checkpoint is its last step and its final
+    weights are written (a finished job started again, by a requeue or by hand, then does nothing)."""
+    path, what, _ = resume_source(config)
+    if path is None or config.checkpoints.resume_checkpoint_path is not None:
+        return None
+    directory, _ = resolve(path, what)
+    step = int(read_manifest(directory)["step"])
+    train_steps = config.tokens.train_steps
+    if step < train_steps or (config.checkpoints.save_final_state and not weights_present(config.run_dir)):
+        return None
+    return (f"already done: {directory} is step {step} of tokens.train_steps={train_steps} and the weights are in "
+            f"{config.run_dir}. Nothing to train: raise tokens.train_steps to go on, or set "
+            "checkpoints.auto_resume=false to start over.")
+
+
+def check_model_matches(manifest: dict[str, Any], config: Config, directory: Path) -> None:
     saved = manifest["config"]["model"]["model_config"]
     current = config.model.model_config_
     wrong = [f"model.model_config.{field}: checkpoint {saved.get(field)!r}, config {getattr(current, field)!r}"
@@ -284,29 +349,29 @@ def check_model_matches(manifest: dict[str, Any], config: Any, directory: Path) 
     if wrong:
         raise CheckpointError(f"checkpoint {directory} was saved from a different model:\n  " + "\n  ".join(wrong)
                               + f"\nSet these fields as in the checkpoint's config ({directory / MANIFEST}), or "
-                              "start a new run without checkpoints.resume_checkpoint_path.")
+                              "start a new run from step 0.")
 
 
-def load(trainer: Trainer, path: Path) -> tuple[str, Path]:
+def load(parts: TrainingParts, path: Path, what: str = "checkpoints.resume_checkpoint_path") -> tuple[str, Path]:
     """Restore the run from the checkpoint at (or latest under) `path`; return a line for the log and the
     checkpoint's directory. Rank 0 decides which checkpoint `path` means (ranks reading `latest` on their
     own could see different ones on a shared file system); every rank loads its own part and checks the
     checksums of its share of the files; if any rank fails, all stop with the error."""
-    ctx = trainer.ctx
+    ctx, store = parts.ctx, parts.ctx.store
     failure: CheckpointError | None = None
-    summary, directory, key = "", path, ctx.comm.fresh_key("resume")
+    summary, directory, key = "", path, store.fresh_key("resume")
     try:
         if ctx.rank == 0:
             try:
-                directory, warnings = resolve(path)
+                directory, warnings = resolve(path, what)
             except CheckpointError as e:
-                ctx.comm.post(key, json.dumps({"error": str(e)}))
+                store.post(key, json.dumps({"error": str(e)}))
                 raise
-            ctx.comm.post(key, json.dumps({"directory": str(directory)}))
+            store.post(key, json.dumps({"directory": str(directory)}))
             for warning in warnings:
-                trainer.log.warn(warning)
+                parts.log.warn(warning)
         else:
-            decided = json.loads(ctx.comm.collect([key], ctx.collective_timeout_seconds).get(key, "{}"))
+            decided = json.loads(store.collect([key], ctx.collective_timeout_seconds).get(key, "{}"))
             if "directory" not in decided:
                 raise CheckpointError(decided.get("error", f"rank {ctx.rank}: no word from rank 0 on which "
                                                            "checkpoint to load"))
@@ -315,9 +380,9 @@ def load(trainer: Trainer, path: Path) -> tuple[str, Path]:
             files = sorted(reader.manifest["files"])
             for name in files[ctx.rank::ctx.world_size]:  # each file's checksum read by one rank only
                 reader.verify(name)
-            check_model_matches(reader.manifest, trainer.config, directory)
-            load_tensors(trainer, reader)
-            summary = restore_counters(trainer, reader, directory)
+            check_model_matches(reader.manifest, parts.config, directory)
+            load_tensors(parts.model, parts.optimizer, reader)
+            summary = restore_counters(parts, reader, directory)
     except CheckpointError as e:
         failure = e
     except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks, or they wait for a timeout
@@ -343,9 +408,8 @@ def fill(target: torch.Tensor, param: torch.nn.Parameter, start: int, stop: int,
         view[place.valid] = reader.read(tensor, place.target).to(device=view.device, dtype=view.dtype)
 
 
-def load_tensors(trainer: Trainer, reader: CheckpointReader) -> None:
-    named = trainer.named_parameters()
-    data_parallel, optimizer = trainer.data_parallel, trainer.optimizer
+def load_tensors(model: RankModel, optimizer: ZeroAdamW, reader: CheckpointReader) -> None:
+    named, data_parallel = model.named_parameters(), model.data_parallel
 
     def source(kind: str, name: str) -> str:  # fp32 checkpoints hold no separate master weights
         return f"model/{name}" if kind == "master" and not reader.has(f"master/{name}") else f"{kind}/{name}"
@@ -361,33 +425,28 @@ def load_tensors(trainer: Trainer, reader: CheckpointReader) -> None:
                 fill(target, param, piece.start - offset, piece.end - offset, reader, source(kind, name))
 
 
-def restore_counters(trainer: Trainer, reader: CheckpointReader, directory: Path) -> str:
-    manifest = reader.manifest
-    trainer.step = int(manifest["step"])
-    trainer.batches.consumed_samples = int(manifest["consumed_samples"])
-    trainer.consumed_tokens = int(manifest.get("consumed_tokens", 0))
-    scale = manifest.get("loss_scale") or {}
+def restore_counters(parts: TrainingParts, reader: CheckpointReader, directory: Path) -> str:
+    manifest, state, config = reader.manifest, parts.state, parts.config
     # Only an fp16 run's scale means anything; a bf16 or fp32 one is 1 (and would be fp16's minimum).
-    if trainer.scaler.enabled and scale and manifest["config"]["model"].get("dtype") == "float16":
-        trainer.scaler.scale = float(scale["scale"])
-        trainer.scaler.clean_steps, trainer.scaler.skipped_steps = int(scale["clean_steps"]), int(scale["skipped_steps"])
-    saved, current = manifest["mesh"], mesh_of(trainer.config)
-    same_layout = saved == current and manifest.get("world_size") == trainer.ctx.world_size
-    rng_file = manifest.get("rng", {}).get(str(trainer.ctx.rank))
+    state.load_state_dict(manifest, loss_scale=state.scaler.enabled and manifest["config"]["model"].get("dtype")
+                          == "float16")
+    saved, current = manifest["mesh"], mesh_of(config)
+    same_layout = saved == current and manifest.get("world_size") == parts.ctx.world_size
+    rng_file = manifest.get("rng", {}).get(str(parts.ctx.rank))
     if same_layout and rng_file is not None:
         set_rng_state(reader, rng_file)
-    line = (f"resumed from {directory} at step {trainer.step} ({trainer.batches.consumed_samples:,} samples, "
-            f"{trainer.consumed_tokens:,} tokens consumed)")
-    data = {"samples_per_epoch": trainer.train_data.samples_per_epoch, "tokens": trainer.train_data.num_tokens}
+    line = (f"resumed from {directory} at step {state.step} ({state.consumed_samples:,} samples, "
+            f"{state.consumed_tokens:,} tokens consumed)")
+    data = {"samples_per_epoch": parts.data.samples_per_epoch, "tokens": parts.data.num_tokens}
     if manifest.get("data", data) != data:
-        trainer.log.warn(f"the training data differs from the checkpoint's ({manifest['data']['tokens']:,} tokens, "
-                         f"now {data['tokens']:,}): the run continues at global sample "
-                         f"{trainer.batches.consumed_samples:,} of the new data, not where the old data left off")
-    batch = manifest.get("global_batch_size", trainer.config.global_batch_size)
-    if batch != trainer.config.global_batch_size:
-        trainer.log.warn(f"global batch size {batch} at the save, {trainer.config.global_batch_size} now: the data "
-                         "continues at the same global sample and the lr schedule by step, but the losses will not "
-                         "match a run that kept the batch")
+        parts.log.warn(f"the training data differs from the checkpoint's ({manifest['data']['tokens']:,} tokens, now "
+                       f"{data['tokens']:,}): the run continues at global sample {state.consumed_samples:,} of the new "
+                       "data, not where the old data left off")
+    batch = manifest.get("global_batch_size", config.global_batch_size)
+    if batch != config.global_batch_size:
+        parts.log.warn(f"global batch size {batch} at the save, {config.global_batch_size} now: the data continues "
+                       "at the same global sample and the lr schedule by step, but the losses will not match a run "
+                       "that kept the batch")
     if same_layout:
         return line if rng_file is not None else f"{line}; no RNG states in the checkpoint (written offline)"
     changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in current.items() if saved.get(k) != v)

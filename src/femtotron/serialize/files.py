@@ -94,8 +94,13 @@ def write_rank_file(directory: Path, rank: int, slices: list[tuple[str, tuple[in
             "slices": [vars(r) for r in records]}
 
 
+def file_record(path: Path) -> dict[str, Any]:
+    """What the manifest knows of a file besides slices (the tokenizer): its name, sha256 and size."""
+    return {"file": path.name, "sha256": sha256_of(path), "bytes": path.stat().st_size, "slices": []}
+
+
 def build_manifest(state: dict[str, Any], files: list[dict[str, Any]]) -> dict[str, Any]:
-    """The manifest from the run state (step, counters, config, mesh, ...) and every rank's file record."""
+    """The manifest from the run state (step, counters, config, mesh, ...) and every file's record."""
     tensors: dict[str, dict[str, Any]] = {}
     for record in files:
         for piece in record["slices"]:
@@ -225,9 +230,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"{directory} is not a committed checkpoint: it has no {MANIFEST} (a save that "
-                              "did not finish leaves none). Point checkpoints.resume_checkpoint_path at a "
-                              "step-NNNNNNN directory that has one, or at the checkpoints directory to take "
-                              "the latest.")
+                              "did not finish leaves none). Give a step-NNNNNNN directory that has one, or the "
+                              "checkpoints directory that holds them (its latest is taken).")
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -8,29 +8,26 @@ file, its weights (saved 1/dp by each rank of the group) from those. Any layout 
 original directly; resharding offline saves that reading at start, and gives a checkpoint whose
 manifest describes the mesh it is used on.
 
-`consolidate` writes every weight at its full shape into one safetensors file, with the config, in
-the form of a finished run directory (`femtotron generate` reads it).
+`consolidate` writes every weight at its full shape into one safetensors file, with the config and the
+tokenizer, in the form of a finished run directory (serialize/weights.py; `femtotron generate` reads it).
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors.torch import save_file
 
 from femtotron.atomic import atomic_path
-from femtotron.config import load_config_dict
-from femtotron.config.config import Config
-from femtotron.layout import build_rank_model
-from femtotron.parallel.comm import Comm, Group
-from femtotron.parallel.context import coordinates_of
-from femtotron.parallel.tensor_parallel import TensorParallel
+from femtotron.config import Config, load_config_dict
+from femtotron.layout import meta_rank_model
 from femtotron.serialize.checkpoint import commit, mesh_of, resolve, saved_slices
-from femtotron.serialize.files import CheckpointError, CheckpointReader, write_rank_file
+from femtotron.serialize.files import CheckpointError, CheckpointReader, file_record, write_rank_file
+from femtotron.serialize.weights import TOKENIZER_FILE, WEIGHTS_FILE, write_config, write_parts
+
+SOURCE = "the CHECKPOINT argument"
 
 KINDS = ("model", "master", "exp_avg", "exp_avg_sq")
 
@@ -38,7 +35,7 @@ KINDS = ("model", "master", "exp_avg", "exp_avg_sq")
 def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
     """Write the checkpoint at (or latest under) `source` into the checkpoints directory `out`, laid out
     for the config the checkpoint was saved with plus `overrides` (e.g. parallelism.tp=4)."""
-    directory, _ = resolve(source)
+    directory, _ = resolve(source, SOURCE)
     if out.resolve() == directory.parent.resolve():
         raise CheckpointError(f"--out {out} is the directory the checkpoint {directory.name} is in: resharding "
                               "there would replace the checkpoint it reads. Choose another --out.")
@@ -50,9 +47,12 @@ def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
         tmp.mkdir(parents=True)
         records = [write_rank_file(tmp, rank, rank_slices(config, rank, reader), {}, {})
                    for rank in range(config.parallelism.dp * config.parallelism.tp * config.parallelism.pp)]
-        state = {key: manifest[key] for key in ("step", "consumed_samples", "consumed_tokens", "optimizer_steps",
-                                                "lr_schedule", "loss_scale", "global_batch_size", "data")
-                 if key in manifest}
+        if (directory / TOKENIZER_FILE).is_file():
+            shutil.copyfile(directory / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
+            records.append(file_record(tmp / TOKENIZER_FILE))
+        state = {key: manifest[key] for key in ("step", "consumed_samples", "consumed_tokens", "non_finite_skips",
+                                                "recent", "optimizer_steps", "lr_schedule", "loss_scale",
+                                                "global_batch_size", "data") if key in manifest}
         state.update(mesh=mesh_of(config), world_size=len(records), config=config.to_dict())
         commit(tmp, final, state, records)
     return final
@@ -60,21 +60,17 @@ def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
 
 def rank_slices(config: Config, rank: int, reader: CheckpointReader) -> list:
     """What `rank` of `config`'s mesh would save, with the values read from `reader`."""
-    par = config.parallelism
-    coords = coordinates_of(rank, par.dp, par.tp)
-    tp = TensorParallel(Comm(), Group("tp", tuple(range(par.tp))), coords.tp_rank,
-                        sequence_parallel=par.tp_mode == "REDUCE_SCATTER")
-    model = build_rank_model(config, tp, par.pp, coords.pp_rank, Comm(), Group("dp", tuple(range(par.dp))),
-                             coords.dp_rank, torch.device("meta"))
+    model = meta_rank_model(config, rank)
     return [(f"{kind}/{saved.name}", saved.shape, saved.place.target,
              reader.read(f"{kind}/{saved.name}", saved.place.target))
             for saved in saved_slices(model) for kind in KINDS if reader.has(f"{kind}/{saved.name}")]
 
 
 def consolidate(source: Path, out: Path, with_optimizer: bool = False) -> Path:
-    """Full-shape weights (`model.safetensors`) and `config.yaml` in `out`; with `with_optimizer` also the fp32
-    master weights and Adam moments at full shape (`optimizer.safetensors`, keys `<kind>/<name>`)."""
-    directory, _ = resolve(source)
+    """A run directory in `out`: full-shape weights (`model.safetensors`), `config.yaml` and the tokenizer; with
+    `with_optimizer` also the fp32 master weights and Adam moments at full shape (`optimizer.safetensors`, keys
+    `<kind>/<name>`)."""
+    directory, _ = resolve(source, SOURCE)
     out.mkdir(parents=True, exist_ok=True)
     with CheckpointReader(directory, verify_all=True) as reader:
         def full(tensor: str) -> torch.Tensor:
@@ -82,7 +78,7 @@ def consolidate(source: Path, out: Path, with_optimizer: bool = False) -> Path:
             return reader.read(tensor, ((0,) * len(shape), shape))
 
         step = str(reader.manifest["step"])
-        files = {"model.safetensors": lambda name: name.startswith("model/")}
+        files = {WEIGHTS_FILE: lambda name: name.startswith("model/")}
         if with_optimizer:
             files["optimizer.safetensors"] = lambda name: not name.startswith("model/")
         for file, wanted in files.items():  # one file's tensors in memory at a time
@@ -90,8 +86,12 @@ def consolidate(source: Path, out: Path, with_optimizer: bool = False) -> Path:
             with atomic_path(out / file) as tmp:
                 save_file(tensors, tmp, metadata={"step": step})
         config = reader.manifest["config"]
-    with atomic_path(out / "config.yaml") as tmp:
-        Path(tmp).write_text(yaml.safe_dump(config, sort_keys=False))
-    with atomic_path(out / "model-parts.json") as tmp:  # replaces the parts list of an earlier pp run there
-        Path(tmp).write_text(json.dumps({"parts": ["model.safetensors"]}))
+        named = (config.get("tokenizer") or {}).get("tokenizer_name_or_path")
+        if TOKENIZER_FILE in reader.manifest["files"]:
+            reader.verify(TOKENIZER_FILE)
+            shutil.copyfile(directory / TOKENIZER_FILE, out / TOKENIZER_FILE)
+        elif named and Path(named).is_file():  # a checkpoint written before checkpoints held their tokenizer
+            shutil.copyfile(named, out / TOKENIZER_FILE)
+    write_config(out, config)
+    write_parts(out, [WEIGHTS_FILE])
     return out

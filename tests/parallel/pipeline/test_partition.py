@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 import itertools
-from types import SimpleNamespace
+import re
 
 import pytest
 
-from femtotron.parallel.pipeline.partition import head_flops, layer_flops, partition, stage_map
+from femtotron.config import LlamaConfig, load_config_dict
+from femtotron.config.rules import rule_problems
+from femtotron.parallel.pipeline.partition import imbalance_warning, partition, stage_map
 
 
-def model(layers: int, vocab: int = 256, hidden: int = 64) -> SimpleNamespace:
-    return SimpleNamespace(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=4 * hidden, vocab_size=vocab)
+def model(layers: int, vocab: int = 256, hidden: int = 64) -> LlamaConfig:
+    return LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=4 * hidden, vocab_size=vocab)
+
+
+def config(layers: int, vocab: int, pp: int, *overrides: str):
+    return load_config_dict({"model": {"model_config": model(layers, vocab).model_dump()},
+                             "tokens": {"train_steps": 10, "sequence_length": 128, "batch_accumulation_per_replica": 8},
+                             "parallelism": {"pp": pp}, "data": {"dataset_folder": "unused"}}, overrides=overrides)
 
 
 def brute_force_best(cfg, seq: int, stages: int) -> float:
     """The smallest possible slowest-stage cost, by trying every split."""
-    n, layer, head = cfg.num_hidden_layers, layer_flops(cfg, seq), head_flops(cfg)
+    n, layer, head = cfg.num_hidden_layers, cfg.layer_flops(seq), cfg.head_flops
     best = float("inf")
     for cuts in itertools.combinations(range(1, n), stages - 1):
         bounds = (0, *cuts, n)
@@ -46,19 +54,40 @@ def test_M3_a_large_vocabulary_moves_layers_off_the_last_stage():
 
 
 def test_M3_stage_map_names_every_stage_and_warns_on_imbalance():
-    text, warning = stage_map(partition(model(4), 128, 4), 2)
+    text = stage_map(partition(model(4), 128, 4), 2)
     assert "stage 0 (pp rank 0, chunk 0): embedding + layer 0" in text
     assert "stage 3 (pp rank 1, chunk 1): layer 3 + final norm + LM head" in text
-    assert warning is None or "pipeline stage 3" in warning
-    _, warning = stage_map(partition(model(3, 128000), 128, 3), 3)
-    assert warning is not None and "costs" in warning and "interleaved-1f1b" in warning
-    _, balanced = stage_map(partition(model(8, 64), 128, 2), 2)
-    assert balanced is None
+    warning = imbalance_warning(config(4, 8192, 2), partition(model(4, 8192), 128, 2))
+    assert warning is not None and "pipeline stage 1 (layer 3 + final norm + LM head) makes its pp rank compute" in warning
+    assert "num_hidden_layers=7 (room for the LM head on the last stage)" in warning
+    hopeless = imbalance_warning(config(8, 128000, 2), partition(model(8, 128000), 128, 2))
+    assert "The final norm + LM head alone cost 117.6 layers' worth: fewer pipeline stages" in hopeless
+    assert imbalance_warning(config(8, 64, 2), partition(model(8, 64), 128, 2)) is None
+
+
+@pytest.mark.parametrize("layers, vocab, pp", [(2, 8192, 2), (3, 2048, 3), (4, 8192, 2), (12, 32000, 3)])
+def test_M3_every_fix_the_imbalance_warning_suggests_is_accepted_by_the_rules_and_balances_better(layers, vocab, pp):
+    """No advice in a circle: a 2-layer model at pp=2 cannot interleave (it needs pp * 2 layers), so the warning
+    suggests the layer count that balances instead; whatever it suggests passes the config rules."""
+    base = config(layers, vocab, pp)
+    stages = partition(base.model.model_config_, 128, pp)
+    warning = imbalance_warning(base, stages)
+    assert warning is not None
+    fixes = re.findall(r"(parallelism\.pp_engine=\S+ with pp_virtual_stages=\d+|model\.model_config\.num_hidden_layers=\d+)",
+                       warning)
+    assert fixes, warning
+    worst = max(s.cost for s in stages) * len(stages) / sum(s.cost for s in stages)
+    for fix in fixes:
+        overrides = fix.replace(" with pp_virtual_stages=", " parallelism.pp_virtual_stages=").split()
+        fixed = config(layers, vocab, pp, *overrides)  # raises on any broken rule
+        assert not rule_problems(fixed)
+        par = fixed.parallelism
+        after = partition(fixed.model.model_config_, 128, par.pp * par.pp_virtual_stages)
+        assert max(s.cost for s in after) * len(after) / sum(s.cost for s in after) < worst, fix
+    if layers < 2 * pp:
+        assert "interleaved" not in warning
 
 
 def test_stage_parameters_add_up_to_the_model():
-    from femtotron.config import parameter_count
-
     cfg = model(7, 32000)
-    cfg.tie_word_embeddings = False
-    assert sum(s.parameters for s in partition(cfg, 128, 3)) == parameter_count(cfg)
+    assert sum(s.parameters for s in partition(cfg, 128, 3)) == cfg.parameter_count

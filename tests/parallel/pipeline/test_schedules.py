@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from femtotron.config.config import pipeline_bubble
+from femtotron.config.rules import pipeline_bubble
 from femtotron.parallel.pipeline.schedules import Action, forward_only, schedule
 
 ENGINES = ["afab", "1f1b", "interleaved-1f1b"]

@@ -19,10 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from femtotron.errors import DistributedError
-from femtotron.parallel.comm import Comm, Group
+from femtotron.parallel.comm import Comm, Group, Work
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _MAX_DIMS = 8
@@ -41,7 +40,7 @@ def _read(description: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
 
 @dataclass
 class PendingRecv:
-    work: dist.Work
+    work: Work
     buffer: torch.Tensor
     src: int
 
@@ -62,7 +61,7 @@ class PipelineP2P:
                  dtype: torch.dtype) -> None:
         self.comm, self.group, self.pp_rank, self.device = comm, group, pp_rank, device
         self.shape, self.dtype = tuple(shape), dtype
-        self.pending: list[tuple[dist.Work, torch.Tensor, int]] = []
+        self.pending: list[tuple[Work, torch.Tensor, int]] = []
 
     def handshake(self, neighbours: list[int]) -> None:
         """Exchange the transfer shape and dtype with the neighbouring pp ranks; raise on disagreement (P1)."""

@@ -13,7 +13,12 @@ chunk s // pp of that rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+from femtotron.config.rules import fixes_that_hold
+
+if TYPE_CHECKING:
+    from femtotron.config import Config, LlamaConfig
 
 # A stage this much above the mean cost is reported: the others wait for it every micro-batch.
 IMBALANCE_WARNING = 0.2
@@ -35,25 +40,7 @@ class Stage:
         return " + ".join(parts)
 
 
-def layer_flops(cfg: Any, sequence_length: int) -> float:
-    """Forward FLOPs per token of one decoder layer: its matmuls and the causal attention."""
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    attention_weights = cfg.hidden_size * head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-    mlp_weights = 3 * cfg.hidden_size * cfg.intermediate_size
-    return 2 * (attention_weights + mlp_weights) + 2 * sequence_length * cfg.hidden_size
-
-
-def layer_parameters(cfg: Any) -> int:
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    attention = cfg.hidden_size * head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-    return attention + 3 * cfg.hidden_size * cfg.intermediate_size + 2 * cfg.hidden_size
-
-
-def head_flops(cfg: Any) -> float:
-    return 2 * cfg.hidden_size * cfg.vocab_size
-
-
-def partition(cfg: Any, sequence_length: int, stages: int) -> list[Stage]:
+def partition(cfg: LlamaConfig, sequence_length: int, stages: int) -> list[Stage]:
     """Split the layers over `stages` contiguous stages minimising the largest stage cost.
 
     Exact dynamic programme over (stages, layers): cheap for any real model (a few hundred layers).
@@ -61,7 +48,7 @@ def partition(cfg: Any, sequence_length: int, stages: int) -> list[Stage]:
     n = cfg.num_hidden_layers
     if stages > n:
         raise ValueError(f"{stages} pipeline stages for {n} layers: every stage needs a layer")
-    layer, head = layer_flops(cfg, sequence_length), head_flops(cfg)
+    layer, head = cfg.layer_flops(sequence_length), cfg.head_flops
 
     def cost(start: int, stop: int) -> float:
         return (stop - start) * layer + (head if stop == n else 0.0)
@@ -82,30 +69,60 @@ def partition(cfg: Any, sequence_length: int, stages: int) -> list[Stage]:
         bounds.append((cut[k][i], i))
         i = cut[k][i]
     bounds.reverse()
-    embedding = cfg.vocab_size * cfg.hidden_size
+    embedding = cfg.embedding_parameters
 
     def parameters(start: int, stop: int) -> int:
         first, last = start == 0, stop == n
-        return ((stop - start) * layer_parameters(cfg) + (embedding if first else 0)
+        return ((stop - start) * cfg.layer_parameters + (embedding if first else 0)
                 + (cfg.hidden_size + embedding if last else 0))  # final norm + LM head (or the tied copy)
 
     return [Stage(s, range(a, b), s == 0, s == stages - 1, cost(a, b), parameters(a, b))
             for s, (a, b) in enumerate(bounds)]
 
 
-def stage_map(stages: list[Stage], pp: int) -> tuple[str, str | None]:
-    """The layer-to-stage map for the log, and a warning when one stage is much slower (M3)."""
+def stage_map(stages: list[Stage], pp: int) -> str:
+    """The layer-to-stage map for the log."""
     total = sum(s.cost for s in stages)
     lines = [f"  stage {s.index} (pp rank {s.index % pp}{f', chunk {s.index // pp}' if len(stages) > pp else ''}): "
              f"{s.describe()}, {s.cost / total:.0%} of the compute, {s.parameters / 1e6:.2f}M parameters"
              for s in stages]
-    mean = total / len(stages)
+    return "pipeline stages:\n" + "\n".join(lines)
+
+
+def rank_imbalance(stages: list[Stage], pp: int) -> float:
+    """The busiest pp rank's compute per micro-batch (all its chunks) over the mean rank's: the others wait."""
+    costs = [sum(s.cost for s in stages if s.index % pp == rank) for rank in range(pp)]
+    return max(costs) * pp / sum(costs)
+
+
+def imbalance_warning(config: Config, stages: list[Stage]) -> str | None:
+    """M3: a warning when one pp rank computes much more than the mean, with fixes that the config rules
+    accept and that balance the ranks better."""
+    par, mcfg, sequence = config.parallelism, config.model.model_config_, config.tokens.sequence_length
+    ratio = rank_imbalance(stages, par.pp)
+    if ratio <= 1 + IMBALANCE_WARNING:
+        return None
     slowest = max(stages, key=lambda s: s.cost)
-    warning = None
-    if slowest.cost > (1 + IMBALANCE_WARNING) * mean:
-        finer = (f"a larger parallelism.pp_virtual_stages (now {len(stages) // pp})" if len(stages) > pp else
-                 "parallelism.pp_engine=interleaved-1f1b with pp_virtual_stages=2")
-        warning = (f"pipeline stage {slowest.index} ({slowest.describe()}) costs {slowest.cost / mean:.2f}x the mean "
-                   f"stage, and every other stage waits for it on each micro-batch (M3). Finer stages balance better: "
-                   f"{finer}, or a num_hidden_layers that leaves room for the LM head on the last stage.")
-    return "pipeline stages:\n" + "\n".join(lines), warning
+
+    def imbalance(layers: int, virtual: int) -> float:
+        finer = mcfg.model_copy(update={"num_hidden_layers": layers})
+        return rank_imbalance(partition(finer, sequence, par.pp * virtual), par.pp) if layers >= par.pp * virtual \
+            else float("inf")
+
+    virtual = par.pp_virtual_stages + 1 if par.pp_virtual_stages > 1 else 2
+    fixes = fixes_that_hold(config, [(
+        f"parallelism.pp_engine=interleaved-1f1b with pp_virtual_stages={virtual}" if virtual == 2 else
+        f"parallelism.pp_virtual_stages={virtual}",
+        {"parallelism.pp_engine": "interleaved-1f1b", "parallelism.pp_virtual_stages": virtual},
+    )]) if imbalance(mcfg.num_hidden_layers, virtual) < ratio else []
+    # More layers give the LM head room on the last stage: the smallest count that balances within the limit.
+    layers = next((n for n in range(mcfg.num_hidden_layers + 1, 4 * mcfg.num_hidden_layers + 4 * par.pp)
+                   if imbalance(n, par.pp_virtual_stages) <= 1 + IMBALANCE_WARNING), None)
+    if layers is not None:
+        fixes.append(f"model.model_config.num_hidden_layers={layers} (room for the LM head on the last stage)")
+    head_layers = mcfg.head_flops / mcfg.layer_flops(sequence)
+    advice = (f" Balance them with {', or '.join(fixes)}." if fixes else
+              f" The final norm + LM head alone cost {head_layers:.1f} layers' worth: fewer pipeline stages "
+              "(parallelism.pp) balance better.")
+    return (f"pipeline stage {slowest.index} ({slowest.describe()}) makes its pp rank compute {ratio:.2f}x the mean "
+            f"rank, and every other rank waits for it on each micro-batch (M3).{advice}")

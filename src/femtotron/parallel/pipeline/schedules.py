@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from femtotron.data.nanoset import MicroBatch
 from femtotron.parallel.pipeline.p2p import PendingRecv, PipelineP2P, Transfer
 
 
@@ -129,7 +130,7 @@ class Pipeline:
             received = self.p2p.exchange(send, self.receive_for(actions[i + 1]) if i + 1 < len(actions) else None)
         self.p2p.wait_sends()
 
-    def train_step(self, micro_batches: list[torch.Tensor], global_tokens: torch.Tensor) -> torch.Tensor:
+    def train_step(self, micro_batches: list[MicroBatch], global_tokens: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns this rank's summed loss (0 off the last stage).
 
         The last stage divides each micro-batch's summed loss by the global batch's token count before
@@ -153,9 +154,9 @@ class Pipeline:
         return loss_sum
 
     @torch.no_grad()
-    def evaluate(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+    def evaluate(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """Summed loss over the micro-batches, on the last stage (0 elsewhere)."""
-        loss_sum = torch.zeros((), device=micro_batches[0].device)
+        loss_sum = torch.zeros((), device=micro_batches[0].inputs.device)
 
         def step(action: Action, received: PendingRecv | None) -> Send | None:
             nonlocal loss_sum
@@ -167,14 +168,14 @@ class Pipeline:
         self.run(forward_only(len(micro_batches), len(self.chunks)), step)
         return loss_sum
 
-    def forward(self, action: Action, batch: torch.Tensor,
+    def forward(self, action: Action, batch: MicroBatch,
                 received: PendingRecv | None) -> tuple[torch.Tensor, torch.Tensor, Send | None]:
         stage, mb = self.stage_of(action.chunk), action.micro_batch
         if received is None:  # the first stage reads the tokens
-            inputs = batch[:, :-1]
+            inputs = batch.inputs
         else:
             inputs = self.p2p.take(received).requires_grad_(torch.is_grad_enabled())
-        output = self.chunks[action.chunk].run_stage(inputs, batch[:, 1:])
+        output = self.chunks[action.chunk].run_stage(inputs, batch.targets)
         if stage == self.stages - 1:
             return inputs, output, None
         return inputs, output, (output, Transfer((stage + 1) % self.pp, self.tag(mb, stage, gradient=False),

@@ -1,0 +1,104 @@
+"""A finished run's weights: full-shape safetensors in the run directory, with its config and tokenizer.
+
+    RUN_DIR/
+      config.yaml          the run's config
+      model.safetensors    every weight at full shape (or, after pipeline-parallel training, one file per stage:
+      model-parts.json     model-pp00-of-02.safetensors ..., listed here)
+      tokenizer.json       the tokenizer, so the directory is self-contained
+
+`femtotron train` writes it at the end, `femtotron consolidate` from a checkpoint; `femtotron generate`
+reads it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import yaml
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+from femtotron.atomic import atomic_path
+from femtotron.config import Config, load_config
+from femtotron.errors import FemtotronError
+from femtotron.parallel.tensor_parallel import full_tensor
+
+if TYPE_CHECKING:
+    from femtotron.layout import RankModel
+    from femtotron.parallel.context import ParallelContext
+    from femtotron.run_log import RunLog
+
+WEIGHTS_FILE = "model.safetensors"
+PARTS_FILE = "model-parts.json"  # which safetensors files hold the weights (one per pp stage)
+CONFIG_FILE = "config.yaml"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def write_config(run_dir: Path, config: dict) -> None:
+    with atomic_path(run_dir / CONFIG_FILE) as tmp:
+        Path(tmp).write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def write_tokenizer(run_dir: Path, tokenizer: Tokenizer | None) -> None:
+    if tokenizer is not None:
+        with atomic_path(run_dir / TOKENIZER_FILE) as tmp:
+            tokenizer.save(tmp)
+
+
+def write_parts(run_dir: Path, parts: list[str]) -> None:
+    """Replaces the list of an earlier run in the same directory (a pp run's parts, say)."""
+    with atomic_path(run_dir / PARTS_FILE) as tmp:
+        Path(tmp).write_text(json.dumps({"parts": parts}))
+
+
+def save_weights(ctx: ParallelContext, model: RankModel, run_dir: Path, log: RunLog) -> Path:
+    """Full-shape weights, gathered over tp. With pp > 1 each stage writes its own part (no stage holds all
+    the weights) and rank 0 lists them in model-parts.json."""
+    weights = {n: full_tensor(p, p.shard, model.tp).cpu().contiguous() for n, p in model.named_parameters()}
+    parts = [WEIGHTS_FILE] if ctx.pp == 1 else [f"model-pp{p:02d}-of-{ctx.pp:02d}.safetensors" for p in range(ctx.pp)]
+    if ctx.dp_rank == 0 and ctx.tp_rank == 0:
+        with atomic_path(run_dir / parts[ctx.pp_rank if ctx.pp > 1 else 0]) as tmp:
+            save_file(weights, tmp)
+    ctx.comm.barrier(ctx.mp_group)  # rank 0's model-parallel group holds every writer
+    if ctx.rank == 0:
+        write_parts(run_dir, parts)
+        log.info(f"saved weights to {run_dir / parts[0]}" + (f" and {len(parts) - 1} more parts" if len(parts) > 1
+                                                             else ""))
+    return run_dir / parts[0]
+
+
+def load_weights(run_dir: Path, device: str = "cpu") -> tuple[Config, dict[str, torch.Tensor]]:
+    """A run directory's config and full-shape weights by parameter name."""
+    config_path, parts_path = run_dir / CONFIG_FILE, run_dir / PARTS_FILE
+    try:
+        parts = json.loads(parts_path.read_text())["parts"] if parts_path.is_file() else [WEIGHTS_FILE]
+    except (ValueError, KeyError, TypeError):
+        raise FemtotronError(f"{parts_path} is not a list of weight files: re-run the training that wrote it.") from None
+    for path in (config_path, *(run_dir / part for part in parts)):
+        if not path.is_file():
+            raise FemtotronError(
+                f"{path} does not exist: {run_dir} is not a finished training run. Train first "
+                "(`femtotron train CONFIG`); the run directory is logging.output_dir/general.run."
+            )
+    weights: dict[str, torch.Tensor] = {}
+    try:
+        for part in parts:  # a tied embedding appears in the first and the last stage's part: equal
+            weights.update(load_file(str(run_dir / part), device=device))
+    except SafetensorError as e:
+        raise FemtotronError(f"the weights in {run_dir} ({', '.join(parts)}) cannot be read: {str(e).splitlines()[0]}. "
+                             "Re-run the training that wrote them.") from None
+    return load_config(config_path), weights
+
+
+def weights_present(run_dir: Path) -> bool:
+    """Whether `run_dir` holds every weight file its parts list names (a finished run's)."""
+    try:
+        parts = json.loads((run_dir / PARTS_FILE).read_text())["parts"] if (run_dir / PARTS_FILE).is_file() \
+            else [WEIGHTS_FILE]
+    except (ValueError, KeyError, TypeError, OSError):
+        return False
+    return all((run_dir / part).is_file() for part in parts)

@@ -1,0 +1,38 @@
+"""Where a run is, as data: what a checkpoint records besides the tensors, and what the log needs to go on."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from femtotron.optim.loss_scale import DynamicLossScaler
+
+
+@dataclass
+class TrainState:
+    scaler: DynamicLossScaler  # fp16's dynamic loss scale (disabled, scale 1, for bf16 and fp32)
+    step: int = 0  # optimizer steps done (skipped ones included: the schedule and the data moved on)
+    consumed_samples: int = 0  # global samples read: where the data continues
+    consumed_tokens: int = 0  # target tokens that counted in the loss
+    non_finite_skips: int = 0  # steps dropped with optimizer.on_non_finite=skip
+    # (step, lr, grad norm) of the last applied steps: the history a divergence report shows
+    recent: deque[tuple[int, float, float]] = field(default_factory=lambda: deque(maxlen=10))
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-ready; the checkpoint manifest's keys (format version 1)."""
+        return {"step": self.step, "consumed_samples": self.consumed_samples, "consumed_tokens": self.consumed_tokens,
+                "non_finite_skips": self.non_finite_skips, "recent": [list(r) for r in self.recent],
+                "lr_schedule": {"last_lr": self.recent[-1][1] if self.recent else None},
+                "loss_scale": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], loss_scale: bool) -> None:
+        """Restore the counters; the loss scale only with `loss_scale` (an fp16 run resuming an fp16 checkpoint:
+        a bf16 or fp32 run's scale is 1, which would be fp16's minimum)."""
+        self.step = int(state["step"])
+        self.consumed_samples = int(state["consumed_samples"])
+        self.consumed_tokens = int(state.get("consumed_tokens", 0))
+        self.non_finite_skips = int(state.get("non_finite_skips", 0))
+        self.recent = deque((tuple(r) for r in state.get("recent", [])), maxlen=self.recent.maxlen)
+        if loss_scale and state.get("loss_scale"):
+            self.scaler.load_state_dict(state["loss_scale"])
