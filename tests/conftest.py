@@ -1,7 +1,23 @@
+import multiprocessing.process
 import os
+import subprocess
 
 import pytest
 from helpers import tiny_config_maker, write_patterned_tokens
+
+
+@pytest.fixture(autouse=True)
+def processes_only_in_distributed_tests(request, monkeypatch):
+    """`pytest -m "not distributed"` is the fast tier: a test that starts processes (ranks, the launcher, the
+    command line) must be marked `distributed`, or it fails here instead of slowing that tier down."""
+    if request.node.get_closest_marker("distributed"):
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.name} starts a process: mark it @pytest.mark.distributed")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -17,7 +17,7 @@ import yaml
 
 from femtotron.config import LlamaConfig, load_config_dict
 from femtotron.data.indexed import IndexedDatasetWriter
-from femtotron.data.nanoset import IGNORE_INDEX
+from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch
 from femtotron.models.llama import Llama
 from femtotron.parallel.tensor_parallel import TensorParallel, full_gradients, full_tensor
 from femtotron.precision import cpu_low_precision_path
@@ -180,9 +180,11 @@ class Steps:
                      {**self.updates, **other.updates}, self.extra)
 
 
-def record_steps(config, ctx, steps: int = 3) -> Steps:
-    """Gradients of one step (then dropped), then `steps` optimizer steps."""
+def record_steps(config, ctx, steps: int = 3, prepare=None) -> Steps:
+    """Gradients of one step (then dropped), then `steps` optimizer steps; `prepare(trainer)` runs first."""
     trainer = Trainer(config, ctx, log_to_console=False)
+    if prepare is not None:
+        prepare(trainer)
     named = trainer.named_parameters()
 
     def full(tensors):
@@ -195,6 +197,26 @@ def record_steps(config, ctx, steps: int = 3) -> Steps:
     results = [trainer.train_step() for _ in range(steps)]
     updates = {n: w - initial[n] for n, w in full(trainer.optimizer.full_masters()).items()}
     return Steps(loss, grads, [r.loss for r in results], [r.grad_norm for r in results], updates)
+
+
+def mask_unevenly(trainer) -> None:
+    """From now on the trainer's micro-batches mask the first (7 g) % 23 targets of global sample g, so every
+    micro-batch and every dp rank counts a different number of targets in the loss (as documents and padding
+    make it); any layout masks the same samples alike."""
+    batches = trainer.batches
+    step_at, per_rank = batches.step_at, batches.micro_batch_size * batches.batch_accumulation
+
+    def masked(consumed_samples: int) -> list[MicroBatch]:
+        micro_batches = step_at(consumed_samples)
+        first = consumed_samples + batches.dp_rank * per_rank
+        for index, micro_batch in enumerate(micro_batches):
+            targets = micro_batch.targets.clone()
+            for row in range(targets.shape[0]):
+                targets[row, :(7 * (first + index * batches.micro_batch_size + row)) % 23] = IGNORE_INDEX
+            micro_batches[index] = MicroBatch(micro_batch.inputs, targets)
+        return micro_batches
+
+    batches.step_at = masked
 
 
 def _distance(a, b) -> float:

@@ -34,6 +34,7 @@ def corpus_and_tokenizer(tmp_path_factory):
     return root, str(prefix), str(tokenizer)
 
 
+@pytest.mark.distributed
 def test_D2_train_on_one_cpu_process_then_generate(corpus_and_tokenizer, tmp_path):
     root, prefix, tokenizer = corpus_and_tokenizer
     config = write_config(tmp_path / "cfg.yaml", prefix, tokenizer, tmp_path / "runs")
@@ -55,6 +56,7 @@ def test_D2_train_on_one_cpu_process_then_generate(corpus_and_tokenizer, tmp_pat
     assert sample.stdout.startswith("KING:") and len(sample.stdout.strip()) > len("KING:")
 
 
+@pytest.mark.distributed
 def test_config_errors_exit_2_without_traceback(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("model:\n  model_config:\n    hiden_size: 256\nparallelism:\n  tp: two\n"
@@ -66,6 +68,7 @@ def test_config_errors_exit_2_without_traceback(tmp_path):
         assert expected in result.stderr
 
 
+@pytest.mark.distributed
 def test_L1_world_size_mismatch_is_caught_before_any_process_group(tmp_path):
     config = write_config(tmp_path / "cfg.yaml", "x", None, tmp_path / "runs")
     result = femtotron("train", str(config), env={"WORLD_SIZE": "4", "RANK": "0", "MASTER_PORT": "1"})
@@ -73,6 +76,7 @@ def test_L1_world_size_mismatch_is_caught_before_any_process_group(tmp_path):
     assert "WORLD_SIZE=4" in result.stderr and "dp=4 tp=1 pp=1" in result.stderr and "dp=2 tp=2 pp=1" in result.stderr
 
 
+@pytest.mark.distributed
 def test_L3_missing_dataset_names_the_path_and_the_command(tmp_path):
     config = write_config(tmp_path / "cfg.yaml", str(tmp_path / "missing"), None, tmp_path / "runs")
     result = femtotron("train", str(config))
@@ -80,12 +84,14 @@ def test_L3_missing_dataset_names_the_path_and_the_command(tmp_path):
     assert str(tmp_path / "missing") in result.stderr and "femtotron preprocess" in result.stderr
 
 
+@pytest.mark.distributed
 def test_generate_without_a_finished_run_explains(tmp_path):
     result = femtotron("generate", str(tmp_path / "runs" / "nothing"))
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "model.safetensors" in result.stderr or "config.yaml" in result.stderr
 
 
+@pytest.mark.distributed
 def test_torchrun_data_parallel(corpus_and_tokenizer, tmp_path):
     _, prefix, tokenizer = corpus_and_tokenizer
     config = write_config(tmp_path / "cfg.yaml", prefix, tokenizer, tmp_path / "runs", micro_batch_size=2)
@@ -101,6 +107,7 @@ def test_torchrun_data_parallel(corpus_and_tokenizer, tmp_path):
     assert (tmp_path / "runs" / "cli" / "model.safetensors").is_file()
 
 
+@pytest.mark.distributed
 def test_tokenizer_larger_than_the_model_vocabulary_is_refused(corpus_and_tokenizer, tmp_path):
     _, prefix, tokenizer = corpus_and_tokenizer
     config = write_config(tmp_path / "cfg.yaml", prefix, tokenizer, tmp_path / "runs")
@@ -109,6 +116,7 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused(corpus_and_tokeni
     assert "has 320 tokens but model.model_config.vocab_size=256" in result.stderr
 
 
+@pytest.mark.distributed
 def test_unwritable_paths_and_unreadable_yaml_are_errors_not_tracebacks(corpus_and_tokenizer, tmp_path):
     root, _, _ = corpus_and_tokenizer
     result = femtotron("train-tokenizer", "--input", str(root / "plays.jsonl"), "--vocab-size", "300",
@@ -129,3 +137,20 @@ def test_overrides_may_follow_options():
     assert args.debug and args.overrides == ["tokens.train_steps=3"]
     with pytest.raises(SystemExit):
         parse_args(["train", "cfg.yaml", "--no-such-flag"])
+
+
+def test_help_describes_the_tool_in_a_whole_sentence(capsys):
+    from femtotron.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    description = " ".join(capsys.readouterr().out.split("positional arguments")[0].split())
+    assert description.endswith("femtotron: pretrain LLaMA-style models with data, tensor and pipeline parallelism "
+                                "and ZeRO-1.")
+
+
+@pytest.mark.distributed
+def test_train_tokenizer_with_too_small_a_vocabulary_is_a_usage_error(tmp_path):
+    result = femtotron("train-tokenizer", "--input", str(tmp_path / "none.jsonl"), "--vocab-size", "100", "--output",
+                       str(tmp_path / "t.json"))
+    assert result.returncode == 2 and "--vocab-size 100 is too small" in result.stderr

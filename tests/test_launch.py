@@ -35,6 +35,7 @@ def losses(run_dir) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.distributed
 def test_data_parallel_run_starts_its_processes_and_matches_one_process(config, tmp_path):
     result = femtotron("train", config, "parallelism.dp=2", "tokens.train_steps=2")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -49,6 +50,7 @@ def test_data_parallel_run_starts_its_processes_and_matches_one_process(config, 
     assert losses(tmp_path / "runs" / "cli") == pytest.approx(losses(tmp_path / "runs" / "single"), rel=1e-5)
 
 
+@pytest.mark.distributed
 def test_tensor_parallel_run_matches_one_process_under_both_launches(config, tmp_path):
     """tp=2 started by femtotron itself (sequence parallel) and by torchrun (all-reduce mode): the same
     losses as one process, and the saved full-shape weights equal to its weights."""
@@ -79,6 +81,7 @@ def test_tensor_parallel_run_matches_one_process_under_both_launches(config, tmp
             torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-4, msg=f"{run}: {name}")
 
 
+@pytest.mark.distributed
 def test_pipeline_run_matches_one_process_and_its_weights_generate(config, tmp_path):
     """pp=2 started by femtotron itself: the same losses and final weights as one process; each stage
     writes its part, listed in model-parts.json, and `femtotron generate` reads them."""
@@ -107,6 +110,7 @@ def test_pipeline_run_matches_one_process_and_its_weights_generate(config, tmp_p
     assert all(torch.equal(p, merged[n]) for n, p in model.state_dict().items())
 
 
+@pytest.mark.distributed
 def test_a_failing_rank_exit_code_reaches_the_caller_without_launcher_noise(config):
     # Only the ranks see this: the token ids are checked against the vocabulary when each rank opens the data.
     result = femtotron("train", config, "parallelism.dp=2", "tokens.train_steps=2",
@@ -119,6 +123,7 @@ def test_a_failing_rank_exit_code_reaches_the_caller_without_launcher_noise(conf
 
 
 # A typo breaks the schema, zero_stage=2 a cross-field rule: the parent checks both before starting anything.
+@pytest.mark.distributed
 @pytest.mark.parametrize("override, field", [("tokens.train_stepz=2", "train_stepz"),
                                               ("optimizer.zero_stage=2", "zero_stage")])
 def test_config_errors_are_reported_once_before_any_process_starts(config, override, field):
@@ -172,6 +177,7 @@ def test_slurm_variables_become_torchrun_variables():
     assert not adopt_slurm_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
 
 
+@pytest.mark.distributed
 def test_srun_style_tasks_train_together(config, tmp_path):
     """Two processes started the way `srun --ntasks 2` starts them (only SLURM_* set) form one dp=2 run."""
     base = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": str(free_port()),
@@ -188,6 +194,7 @@ def test_srun_style_tasks_train_together(config, tmp_path):
     assert len(losses(tmp_path / "runs" / "srun")) == 2
 
 
+@pytest.mark.distributed
 def test_D3_debug_sets_the_distributed_debug_variables_and_every_rank_logs(config):
     result = femtotron("train", config, "parallelism.dp=2", "tokens.train_steps=2", "--debug")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -196,6 +203,7 @@ def test_D3_debug_sets_the_distributed_debug_variables_and_every_rank_logs(confi
         assert f"[rank {rank} dp{rank} tp0 pp0] step 2/2 | loss" in result.stdout
 
 
+@pytest.mark.distributed
 def test_sigterm_to_a_self_launched_run_saves_and_exits_7_as_under_torchrun(config, tmp_path):
     """A scheduler signals the process it started: the launcher. The ranks must get it, save a checkpoint and
     stop, and the launcher exit 7 (not torch's 143), so a requeue script sees the same code either way."""

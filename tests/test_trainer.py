@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import BF16_PATHS, precision_path
+from helpers import BF16_PATHS, assert_steps_match, mask_unevenly, precision_path, record_steps
 
 from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch
 from femtotron.errors import ConfigError, DataError, TrainingDiverged
@@ -57,6 +57,7 @@ def _dp_run(rank, config):
     return loss, grads, later_losses
 
 
+@pytest.mark.distributed
 def test_data_parallel_matches_single_process(tiny_config):
     single_loss, single_grads, single = loss_and_grads(tiny_config("tokens.micro_batch_size=4"))
     single.optimizer.zero_grad()
@@ -217,6 +218,7 @@ def _fp16_dp_overflow_on_one_rank(rank, config):
     return first.skipped, unchanged, trainer.scaler.scale, second.skipped, second.loss, weights(trainer)
 
 
+@pytest.mark.distributed
 def test_fp16_overflow_on_one_dp_rank_skips_the_step_on_both(tiny_config):
     config = tiny_config("model.dtype=float16", "tokens.micro_batch_size=2", "parallelism.dp=2")
     results = run_ranks(_fp16_dp_overflow_on_one_rank, 2, config)
@@ -237,3 +239,23 @@ def test_interleaved_pipeline_on_gpus_is_refused(tiny_config, monkeypatch):
     check_supported(tiny_config("parallelism.pp=2"))  # 1F1B: batched pairs are safe on NCCL
     with pytest.raises(ConfigError, match="interleaved-1f1b on GPUs"):
         check_supported(interleaved)
+
+
+def _masked_dp_run(rank, config):
+    with ParallelContext.from_config(config) as ctx:
+        return record_steps(config, ctx, prepare=mask_unevenly)
+
+
+@pytest.mark.distributed
+def test_the_loss_is_token_weighted_when_micro_batches_and_dp_ranks_count_different_targets(tiny_config):
+    """Masks that differ between micro-batches and dp ranks: one big micro-batch, four small ones and dp=2 give
+    the same loss, gradients and steps. A mean of per-micro-batch means would weight the targets of a sparse
+    micro-batch more and fail here."""
+    whole = record_steps(tiny_config("tokens.micro_batch_size=8"), ParallelContext(), prepare=mask_unevenly)
+    split = record_steps(tiny_config("tokens.micro_batch_size=2", "tokens.batch_accumulation_per_replica=4"),
+                         ParallelContext(), prepare=mask_unevenly)
+    assert_steps_match(split, whole)
+    config = tiny_config("tokens.micro_batch_size=2", "tokens.batch_accumulation_per_replica=2", "parallelism.dp=2",
+                         "parallelism.collective_timeout_seconds=60")
+    for got in run_ranks(_masked_dp_run, 2, config):
+        assert_steps_match(got, whole)

@@ -31,7 +31,7 @@ from femtotron.optim.zero import ZeroAdamW
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.pipeline.p2p import PipelineP2P
 from femtotron.parallel.pipeline.schedules import Pipeline
-from femtotron.precision import emulated_low_precision
+from femtotron.precision import CPU_MULTIPLIES_BF16, emulated_low_precision
 from femtotron.run_log import RunLog, StepLogger, StepResult
 from femtotron.serialize import checkpoint
 from femtotron.serialize.weights import save_weights, write_config, write_tokenizer
@@ -81,8 +81,9 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.spikes = LossSpikes()
         self.upcasts = emulated_low_precision(torch.empty(0, dtype=dtype, device=ctx.device))
-        # MFU against the matmul the model really runs: fp32 where low precision is upcast (precision.py).
-        self.step_logger = StepLogger.for_run(config, ctx, self.log, torch.float32 if self.upcasts else dtype)
+        # MFU against the matmul the hardware runs: fp32 on a CPU without bf16 units (precision.py).
+        cpu_fp32 = ctx.device.type == "cpu" and not CPU_MULTIPLIES_BF16
+        self.step_logger = StepLogger.for_run(config, ctx, self.log, torch.float32 if cpu_fp32 else dtype)
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters over all its model chunks, by their names in the whole model."""

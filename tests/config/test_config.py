@@ -298,6 +298,7 @@ def test_D1_debug_example_loads_without_warnings():
     assert config_warnings(cfg) == []
 
 
+@pytest.mark.distributed
 def test_loading_a_config_does_not_import_torch():
     code = (
         "import sys; from femtotron.config import load_config, check_world_size, config_warnings; "

@@ -53,6 +53,7 @@ def test_txt_is_one_document(tmp_path, texts, tokenizer_path):
     _check(tmp_path / "book", [text], tokenizer_path)
 
 
+@pytest.mark.distributed
 def test_workers_give_identical_files(tmp_path, texts, tokenizer_path):
     source = tmp_path / "corpus.jsonl"
     source.write_text(_jsonl_lines(texts * 20), encoding="utf-8")  # 800 documents: several chunks
@@ -62,6 +63,7 @@ def test_workers_give_identical_files(tmp_path, texts, tokenizer_path):
         assert (tmp_path / f"one{suffix}").read_bytes() == (tmp_path / f"two{suffix}").read_bytes()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("workers", [1, 2])
 def test_bad_json_line_is_named_and_nothing_is_written(tmp_path, texts, tokenizer_path, workers):
     source = tmp_path / "corpus.jsonl"

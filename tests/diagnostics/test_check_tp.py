@@ -12,7 +12,7 @@ import torch
 from distributed import run_ranks
 from helpers import precision_path, write_yaml
 
-import femtotron.launch
+from femtotron.diagnostics import check_tp
 from femtotron.diagnostics.check_tp import (
     DIVERGES_EXIT_CODE,
     TPCheckFailed,
@@ -50,6 +50,7 @@ def _correct(rank, configs, cases):
     return reports
 
 
+@pytest.mark.distributed
 def test_T1_a_correct_model_matches_in_both_modes_module_by_module(tiny_config):
     # vocab 257 (the data's ids stay below 256): the vocabulary is padded to 258 for tp=2. bf16 on both CPU
     # paths: the default tolerance must hold whichever the user's CPU takes.
@@ -110,6 +111,7 @@ def _broken(rank, config, breakage):
     return report
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode, breakage, module, where, advice", [
     ("ALL_REDUCE", "row reduction", "layers.1.mlp.down_proj", "output", "the all-reduce (ALL_REDUCE)"),
     ("ALL_REDUCE", "attention core", "layers.0.self_attn.o_proj", "input", "query/key/value heads"),
@@ -146,6 +148,7 @@ def _crash(rank, config):
     return str(raised.value)
 
 
+@pytest.mark.distributed
 def test_a_model_that_crashes_is_explained_by_the_first_wrong_shape(tiny_config):
     message = run_ranks(_crash, 2, tiny_config("parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"))[0]
     assert message.startswith("the tp=2 model (tp_mode=REDUCE_SCATTER) failed in forward, inside layers.0: ")
@@ -163,6 +166,7 @@ def _command(rank, path, overrides, break_row_parallel):
     return code, out.getvalue()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode, broken", [("REDUCE_SCATTER", False), ("ALL_REDUCE", True)])
 def test_the_command_prints_on_rank_0_and_exits_1_on_divergence(tiny_config, tmp_path, mode, broken):
     path = write_yaml(tiny_config(), tmp_path / "config.yaml")  # tp=1 in the file: --tp 2 sets the layout
@@ -177,6 +181,7 @@ def test_the_command_prints_on_rank_0_and_exits_1_on_divergence(tiny_config, tmp
     assert verdict in text0
 
 
+@pytest.mark.distributed
 def test_the_command_starts_its_tp_processes_and_passes_a_correct_model(tiny_config, tmp_path, no_launcher):
     path = write_yaml(tiny_config("parallelism.tp_mode=REDUCE_SCATTER"), tmp_path / "config.yaml")
     result = subprocess.run([sys.executable, "-m", "femtotron", "check-tp", path, "--tp", "2",
@@ -189,12 +194,13 @@ def test_the_command_starts_its_tp_processes_and_passes_a_correct_model(tiny_con
 
 def test_config_and_data_mistakes_are_reported_before_any_process_starts(tiny_config, tmp_path, monkeypatch,
                                                                      no_launcher):
-    monkeypatch.setattr(femtotron.launch, "launch_local", lambda *a, **k: pytest.fail("must not launch"))
+    monkeypatch.setattr(check_tp, "launch_local", lambda *a, **k: pytest.fail("must not launch"))
     path = write_yaml(tiny_config(), tmp_path / "config.yaml")
     with pytest.raises(ConfigError, match=r"parallelism.tp=1 and no --tp .* one of: 2\."):
         run_check_tp(path)
-    with pytest.raises(ConfigError, match="num_key_value_heads=2 must both be divisible by tp=4"):
+    with pytest.raises(ConfigError, match="num_key_value_heads=2 must both be divisible by tp=4") as info:
         run_check_tp(path, tp=4)  # the config's own T2 rule, with the tp values that work
+    assert "parallelism.tp (--tp 4)" in str(info.value) and "command line override" not in str(info.value)
     with pytest.raises(ConfigError, match="--tolerance 0"):
         run_check_tp(path, tp=2, tolerance=0)
     with pytest.raises(DataError, match="vocab_size=200 allows ids 0..199"):

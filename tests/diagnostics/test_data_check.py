@@ -1,23 +1,22 @@
-"""N3: `femtotron inspect-data` shows what the model is trained on."""
+"""N3: token ids the model cannot embed are named, with where they are, before any model is built."""
 
-from femtotron.cli import main
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from femtotron.data.indexed import IndexedDatasetWriter
+from femtotron.data.nanoset import Nanoset
+from femtotron.diagnostics.data_check import check_token_range
+from femtotron.errors import DataError
 
 
-def test_N3_inspect_data_decodes_the_first_samples_with_their_loss_mask(tiny_config, tmp_path, capsys):
-    from femtotron.data.tokenizer import train_tokenizer
-
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 50)
-    tokenizer = train_tokenizer([str(corpus)], 300, str(tmp_path / "tokenizer.json"))
-    config = tiny_config()
-    path = tmp_path / "c.yaml"
-    import yaml
-
-    path.write_text(yaml.safe_dump(config.to_dict()))
-    assert main(["inspect-data", str(path), "--n", "2", f"tokenizer.tokenizer_name_or_path={tmp_path / 'tokenizer.json'}",
-                 "model.model_config.vocab_size=512"]) == 0
-    out = capsys.readouterr().out
-    assert out.count("target positions count in the loss") == 2
-    assert f"sample 0: {config.data.dataset_folder}, sample " in out and "32 input tokens; 32 of 32" in out
-    assert "  token ids: [" in out and "  text: '" in out
-    assert tokenizer.get_vocab_size() <= 300
+def test_the_out_of_range_message_gives_the_largest_id_with_its_own_position(tmp_path):
+    writer = IndexedDatasetWriter(str(tmp_path / "d"), np.uint16)
+    writer.add_document(np.array([5, 300, 7, 900, 3, 8, 9, 10, 11, 12, 13, 14], dtype=np.uint16))
+    writer.finalize()
+    with pytest.raises(DataError) as info:
+        check_token_range(Nanoset([str(tmp_path / "d")], None, 4, seed=0), vocab_size=256)
+    assert f"{tmp_path / 'd'}.bin (data.dataset_folder) holds token id 900 (at token 3; 2 of the first 12 tokens " \
+           "are out of range)" in str(info.value)
+    assert "vocab_size >= 901" in str(info.value)

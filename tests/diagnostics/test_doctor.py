@@ -40,3 +40,17 @@ def test_P2_T3_M3_doctor_prints_the_bubble_the_stage_map_and_the_tp_placement(ti
     assert "pipeline: 1f1b, each stage idles 33% of a step in theory (P2)" in out
     assert "stage 0 (pp rank 0" in out and "pp rank 1: " in out
     assert "tp=2 > 1 GPUs per node" in out and "pp: " in out and "tp: " in out
+
+
+def test_T3_the_tp_link_is_named_by_what_it_crosses(tiny_config, tmp_path, capsys):
+    """NVLink only inside a GPU node: on a CPU the tp group talks between processes of one host, and a tp group
+    larger than a node crosses the network (as the warning above it says)."""
+    config = write(tiny_config, tmp_path, "parallelism.tp=2")
+    lines = {}
+    for name, options in {"cpu": ["--device", "CPU"], "gpu": ["--device", "H100"],
+                          "across": ["--device", "H100", "--gpus-per-node", "1"]}.items():
+        assert main(["doctor", config, *options]) == 0
+        lines[name] = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  tp: "))
+    assert lines["cpu"].endswith("(ALL_REDUCE; between processes of one host)")
+    assert lines["gpu"].endswith("(ALL_REDUCE; inside a node: NVLink)")
+    assert lines["across"].endswith("(ALL_REDUCE; across nodes: the network, see the warning above)")

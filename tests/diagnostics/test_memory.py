@@ -38,7 +38,8 @@ def measured_and_estimated(rank, config):
     return measured, estimated
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.distributed) if "=2" in name else name
+                                    for name in LAYOUTS])
 def test_M1_the_estimate_is_within_10_percent_of_the_measured_peak(tiny_config, layout):
     overrides, native = LAYOUTS[layout]
     config = tiny_config(*BASE, *overrides, "tokens.micro_batch_size=4", "tokens.batch_accumulation_per_replica=2"

@@ -63,6 +63,7 @@ sys.exit(main(["train", sys.argv[1], "tokens.micro_batch_size=16384", "tokens.tr
 """
 
 
+@pytest.mark.distributed
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the address space size from /proc")
 def test_M1_a_real_cpu_allocation_failure_exits_8_with_the_report_not_a_traceback(tiny_config, tmp_path):
     path = tmp_path / "c.yaml"
@@ -86,6 +87,7 @@ def _oom_with_dp(rank, config):
         ctx.close()
 
 
+@pytest.mark.distributed
 def test_M1_with_data_parallelism_the_advice_includes_zero_stage_1(tiny_config):
     messages = run_ranks(_oom_with_dp, 2, tiny_config("parallelism.dp=2", "tokens.micro_batch_size=1"))
     assert all("optimizer.zero_stage=1 (master weights and Adam moments / dp=2)" in m for m in messages)

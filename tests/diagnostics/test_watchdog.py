@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import yaml
 from distributed import free_port
 
@@ -61,6 +62,7 @@ def start_job(tiny_config, tmp_path, how, *overrides):
             for r in range(world)]
 
 
+@pytest.mark.distributed
 def test_P1_a_rank_that_skips_a_send_ends_the_job_with_a_report_naming_the_pair(tiny_config, tmp_path):
     start = time.monotonic()
     ranks = start_job(tiny_config, tmp_path, "skip-send", "parallelism.pp=2", "model.model_config.num_hidden_layers=2",
@@ -80,6 +82,7 @@ def test_P1_a_rank_that_skips_a_send_ends_the_job_with_a_report_naming_the_pair(
             "reordered a send") in report
 
 
+@pytest.mark.distributed
 def test_P1_a_frozen_rank_ends_the_job_on_the_others_within_60_s(tiny_config, tmp_path):
     ranks = start_job(tiny_config, tmp_path, "freeze", "parallelism.dp=2", "tokens.micro_batch_size=2")
     start = time.monotonic()

@@ -93,6 +93,7 @@ def _compare_on_ranks(rank: int, layers: int):
     return failures, extra_calls
 
 
+@pytest.mark.distributed
 def test_recompute_under_tensor_parallelism_replays_the_collectives():
     """tp=2, both tp_modes: every rank replays the layer's forward collectives during backward, in the same
     order, and the gradients (each rank's shards) are bit-identical to those without recomputation."""
@@ -130,6 +131,7 @@ def _train_two_steps(rank: int, configs):
     return out
 
 
+@pytest.mark.distributed
 def test_recompute_under_pipeline_parallelism(tiny_config):
     """pp=2 (1F1B, 2 micro-batches): a stage's backward starts from its output with the gradient received
     from the next stage; the recomputed layers give the same losses and grad norms bit for bit."""

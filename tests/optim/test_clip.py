@@ -1,5 +1,6 @@
 import pytest
 import torch
+from distributed import run_ranks
 
 from femtotron.optim.clip import clip_grads_, global_grad_norm
 from femtotron.parallel.context import ParallelContext
@@ -69,3 +70,19 @@ def test_bf16_grads_are_normed_in_fp32_and_clipped_in_place(ctx):
 
 def test_no_grads_give_a_zero_norm(ctx):
     assert clip_grads_([], 1.0, ctx).item() == 0.0
+
+
+def _norm_on_two_tp_ranks(rank: int):
+    """A split matrix (each rank its half) and a norm weight every tp rank holds whole (counted on rank 0)."""
+    ctx = ParallelContext(tp=2, collective_timeout_seconds=60)
+    full_matrix, replicated = torch.arange(24.0).view(4, 6) / 10, torch.tensor([3.0, -4.0])
+    grads = [full_matrix[2 * rank:2 * rank + 2].clone(), replicated.clone()]
+    norm = global_grad_norm(grads, ctx, counted=[True, rank == 0]).item()
+    ctx.close()
+    return norm
+
+
+@pytest.mark.distributed
+def test_a_gradient_every_tp_rank_holds_whole_counts_once_in_the_global_norm():
+    expected = torch.cat([(torch.arange(24.0) / 10), torch.tensor([3.0, -4.0])]).norm().item()
+    assert run_ranks(_norm_on_two_tp_ranks, 2) == pytest.approx([expected, expected], rel=1e-6)

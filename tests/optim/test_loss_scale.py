@@ -82,6 +82,7 @@ def _agree(rank, dp, tp):
     return overflow
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("dp, tp", [(2, 1), (1, 2)])
 def test_an_overflow_on_one_rank_is_an_overflow_on_every_rank(dp, tp):
     # Over dp through the dp group, over tp (different shards) through the model-parallel group.

@@ -1,10 +1,12 @@
 import pytest
 import torch
+from distributed import run_ranks
 
 from femtotron.config import load_config_dict
 from femtotron.errors import FemtotronError
 from femtotron.optim.zero import ZeroAdamW
 from femtotron.parallel.comm import Comm, Group
+from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.data_parallel import DataParallel
 
 LR, WEIGHT_DECAY, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
@@ -174,3 +176,32 @@ def test_a_gradient_after_the_last_micro_batch_is_an_error_not_a_silent_loss():
     loss_of(params, 0).backward()
     with pytest.raises(FemtotronError, match=r"p\d received 2 gradients in one step.*zero_grad"):
         loss_of(params, 1).backward()
+
+
+def _decay_only_step(rank, dp):
+    """A step with zero gradients moves a parameter only by weight decay: p <- p (1 - lr * weight_decay)."""
+    ctx = ParallelContext(dp=dp, collective_timeout_seconds=60)
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in [(20, 12), (20,), (12,)]]
+    initial = [p.detach().clone() for p in params]
+    data_parallel = DataParallel([(f"p{i}", p) for i, p in enumerate(params)], [[2, 1, 0]], ctx.comm, ctx.dp_group,
+                                 ctx.dp_rank, micro_batches=1, bucket_mb=25, grad_dtype=torch.float32, sharded=True)
+    optimizer = ZeroAdamW(params, data_parallel, optimizer_section(zero_stage=1))
+    owned = {piece.param for piece in data_parallel.pieces}
+    data_parallel.finish_reduction()
+    optimizer.step(LR)
+    ctx.close()
+    return owned, initial, [p.detach().clone() for p in params]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dp", [1, 2])
+def test_zero1_decays_matrices_and_not_one_dimensional_weights_on_every_shard(dp):
+    """ZeRO-1 steps 1-D views of each rank's pieces: the decay mask must come from the parameters' shapes. At
+    dp=2 the matrix is cut between the ranks, and rank 0 owns the 1-D tensors beside its part."""
+    results = run_ranks(_decay_only_step, dp, dp) if dp > 1 else [_decay_only_step(0, 1)]
+    if dp == 2:
+        assert results[0][0] == {0, 1, 2} and results[1][0] == {0}  # the matrix is split between the ranks
+    for _, (matrix, bias, scale), (new_matrix, new_bias, new_scale) in results:
+        torch.testing.assert_close(new_matrix, matrix * (1 - LR * WEIGHT_DECAY), rtol=1e-6, atol=0)
+        assert torch.equal(new_bias, bias) and torch.equal(new_scale, scale)

@@ -43,6 +43,7 @@ def _mesh(rank):
     return out
 
 
+@pytest.mark.distributed
 def test_mesh_and_groups_on_eight_ranks():
     results = run_ranks(_mesh, 8)
     r5 = results[5]  # rank 5 = pp 1, dp 0, tp 1
@@ -78,6 +79,7 @@ def _collectives(rank):
     return out
 
 
+@pytest.mark.distributed
 def test_collectives_and_byte_accounting():
     results = run_ranks(_collectives, 4)
     for rank, (summed, gathered, scattered, _received, sent, in_flight, calls) in enumerate(results):
@@ -101,6 +103,7 @@ def _only_rank_zero_arrives(rank):
     return str(info.value)
 
 
+@pytest.mark.distributed
 def test_L4_init_timeout_names_missing_ranks_and_interfaces():
     message = run_ranks(_only_rank_zero_arrives, 2, timeout=60)[0]
     assert "ranks 0 joined" in message and "ranks 1 never did" in message
@@ -125,6 +128,7 @@ def _rank_one_skips_the_collective(rank):
     return str(info.value), ctx.comm.in_flight
 
 
+@pytest.mark.distributed
 def test_a_collective_that_times_out_names_the_op_group_and_shape():
     message, in_flight = run_ranks(_rank_one_skips_the_collective, 2, timeout=90)[0]
     assert "rank 0: all_reduce on dp[0,1] for a (4, 8) torch.float32 tensor failed after" in message

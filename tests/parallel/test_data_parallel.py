@@ -14,6 +14,8 @@ from helpers import (
     write_patterned_tokens,
 )
 
+from femtotron.config import load_config_dict
+from femtotron.optim.zero import ZeroAdamW
 from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.data_parallel import ALIGNMENT, DataParallel, plan_buckets
@@ -127,6 +129,7 @@ def dp_results(tmp_path_factory):
     return configs, references, run_ranks(_dp_cases, 2, configs, timeout=300)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_dp2_equals_one_process_over_three_steps_with_clipping(dp_results, index):
     configs, references, per_rank = dp_results
@@ -145,6 +148,7 @@ def test_dp2_equals_one_process_over_three_steps_with_clipping(dp_results, index
         assert torch.equal(param, per_rank[1][index]["params"][name]), name
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_buckets_are_reduced_during_the_last_micro_batch_backward_only(dp_results, index):
     got = dp_results[2][0][index]
@@ -157,6 +161,7 @@ def test_buckets_are_reduced_during_the_last_micro_batch_backward_only(dp_result
     assert got["launches"][0] < micro_batches * per_micro_batch - 2
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_dp_bytes_per_step_equal_the_analytic_count(dp_results, index):
     """zero_stage 0: one all-reduce of the fp32 gradients per bucket. zero_stage 1: a reduce-scatter of
@@ -205,6 +210,7 @@ def _memory(rank, configs):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_bytes_held_per_rank_match_the_analytic_formula(tiny_config, dp):
     """bf16 parameters: 2 + 4 + 12/dp bytes per parameter with ZeRO-1 (2 + 4 + 12 without); fp32: 4 + 4 + 8/dp
@@ -229,3 +235,60 @@ def test_bytes_held_per_rank_match_the_analytic_formula(tiny_config, dp):
         else:
             assert sum(owned) == params  # every element's optimizer state is on exactly one rank ...
             assert max(owned) <= elements // dp  # ... and no rank holds more than its 1/dp share
+
+
+UNUSED_SECTION = {"tokens": {"train_steps": 10}, "data": {"dataset_folder": "unused"},
+                  "optimizer": {"learning_rate_scheduler": {"learning_rate": 1e-2}}}
+
+
+def _micro_batches_with_a_bias_used_once(params, micro_batches, dp=1, dp_rank=0):
+    """Backward through y = x W^T (+ b only in the very first micro-batch of the global batch: dp rank 0's
+    never, so its bias gets no gradient at all, and the using rank's bias only 1 of its micro-batches')."""
+    weight, bias = params
+    for index in range(micro_batches):
+        global_index = dp_rank * micro_batches + index
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(global_index))
+        y = x @ weight.T
+        if global_index == dp * micro_batches - 1:
+            y = y + bias
+        y.pow(2).sum().backward()
+
+
+def _unused_parameter(rank, sharded, bucket_mb):
+    ctx = ParallelContext(dp=2, collective_timeout_seconds=60)
+    params = [torch.nn.Parameter(torch.randn(5, 4, generator=torch.Generator().manual_seed(7))),
+              torch.nn.Parameter(torch.zeros(5))]
+    data_parallel = DataParallel([("weight", params[0]), ("bias", params[1])], [[1, 0]], ctx.comm, ctx.dp_group,
+                                 ctx.dp_rank, micro_batches=2, bucket_mb=bucket_mb, grad_dtype=torch.float32,
+                                 sharded=sharded)
+    optimizer = ZeroAdamW(params, data_parallel, load_config_dict(UNUSED_SECTION).optimizer)
+    _micro_batches_with_a_bias_used_once(params, 2, dp=2, dp_rank=ctx.dp_rank)
+    data_parallel.finish_reduction()
+    grads = [g.clone() for g in data_parallel.full(optimizer.grads())]
+    optimizer.step(1e-2)
+    ctx.close()
+    return grads, [p.detach().clone() for p in params]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sharded", [False, True], ids=["zero0", "zero1"])
+@pytest.mark.parametrize("bucket_mb", [1e-5, 1.0], ids=["bucket-each", "one-bucket"])
+def test_a_parameter_without_a_gradient_on_some_rank_is_still_reduced_over_dp(sharded, bucket_mb):
+    """The bias gets a gradient only on dp rank 1, in one of its two micro-batches: its bucket never completes
+    during backward on either rank, so finish_reduction must reduce it; both ranks then hold the dp sum, and
+    the step equals one process accumulating all four micro-batches."""
+    params = [torch.nn.Parameter(torch.randn(5, 4, generator=torch.Generator().manual_seed(7))),
+              torch.nn.Parameter(torch.zeros(5))]
+    data_parallel = DataParallel([("weight", params[0]), ("bias", params[1])], [[1, 0]], Comm(), Group("dp", (0,)), 0,
+                                 micro_batches=4, bucket_mb=bucket_mb, grad_dtype=torch.float32, sharded=False)
+    optimizer = ZeroAdamW(params, data_parallel, load_config_dict(UNUSED_SECTION).optimizer)
+    _micro_batches_with_a_bias_used_once(params, 4)
+    data_parallel.finish_reduction()
+    expected_grads = [g.clone() for g in data_parallel.full(optimizer.grads())]
+    optimizer.step(1e-2)
+    assert expected_grads[1].abs().sum() > 0  # the bias really has a gradient, from one micro-batch
+    for grads, weights in run_ranks(_unused_parameter, 2, sharded, bucket_mb):
+        for got, expected in zip(grads, expected_grads, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+        for got, expected in zip(weights, params, strict=True):
+            torch.testing.assert_close(got, expected.detach(), rtol=1e-6, atol=1e-7)

@@ -57,6 +57,7 @@ def _compare_models(rank: int, tp_size: int, kv_heads: int):
     ctx.close()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp_size, kv_heads", [(2, 2), (4, 4)])
 def test_tensor_parallel_model_equals_one_device(tp_size, kv_heads):
     """8 query heads with 2 or 4 kv heads (GQA), both tp_modes, tied and untied, fp32 and bf16 (native and
@@ -74,6 +75,7 @@ def _train_cases(rank, cases):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_three_optimizer_steps_equal_one_device(tiny_config, tp_size):
     """Losses, grad norms and weights over 3 AdamW steps (clipping active) equal tp=1: both modes, fp32
@@ -110,6 +112,7 @@ def _step_bytes(rank, config):
     return sent, calls
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode, dtype", [("ALL_REDUCE", "float32"), ("REDUCE_SCATTER", "bfloat16")])
 def test_tp_bytes_per_step_equal_the_analytic_count(tiny_config, mode, dtype):
     tp, accum = 2, 2
@@ -158,6 +161,7 @@ def _start_report(rank, config):
     return out
 
 
+@pytest.mark.distributed
 def test_T3_start_reports_padding_and_warns_when_a_tp_group_spans_hosts(tiny_config):
     summary, warnings = run_ranks(_start_report, 2, tiny_config("parallelism.tp=2",
                                                                 "model.model_config.vocab_size=257"))[0]
@@ -173,6 +177,7 @@ def _dp_tp(rank, config):
     return out
 
 
+@pytest.mark.distributed
 def test_data_and_tensor_parallel_together_equal_one_process(tiny_config):
     """dp=2 x tp=2 on 4 ranks, sequence parallel: the same 3 steps as one process with accumulation."""
     reference = record_steps(tiny_config("tokens.batch_accumulation_per_replica=2"), ParallelContext())
@@ -191,6 +196,7 @@ def _tiny_vocabulary(rank):
     return out
 
 
+@pytest.mark.distributed
 def test_a_vocabulary_shard_of_only_padding_is_masked_whole():
     """vocab 5 over tp=4: ceil(5/4) = 2 rows per rank, so rank 3 holds only padding; the loss still equals tp=1."""
     for loss, reference in run_ranks(_tiny_vocabulary, 4, timeout=120):

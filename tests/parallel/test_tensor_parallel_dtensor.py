@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from distributed import run_ranks
 from helpers import build_llama, hf_llama, llama_config, random_batch
@@ -141,6 +142,7 @@ def _compare(rank: int) -> list[str]:
     return failures
 
 
+@pytest.mark.distributed
 def test_tensor_parallel_matches_torch_dtensor():
     """Both tp_modes, tied and untied: loss, logits and every full gradient equal DTensor's at tp=2."""
     for failures in run_ranks(_compare, TP, timeout=120):

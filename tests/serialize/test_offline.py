@@ -8,7 +8,8 @@ from distributed import run_ranks
 from safetensors.torch import load_file
 
 from femtotron.cli import main
-from femtotron.generate import load_run
+from femtotron.data.tokenizer import train_tokenizer
+from femtotron.generate import generate_text, load_run
 from femtotron.parallel.context import ParallelContext, coordinates_of, rank_of
 from femtotron.serialize import files
 from femtotron.serialize.files import rank_file
@@ -75,6 +76,7 @@ def _resume_and_record_files(rank, resumed):
     return losses, opened
 
 
+@pytest.mark.distributed
 def test_a_resharded_checkpoint_resumes_on_its_mesh_reading_its_optimizer_state_from_its_own_file(
         saved, tiny_config, tmp_path):
     """Weights are saved once per dp group (1/dp by each rank), so a rank reads them from several files; its
@@ -93,3 +95,32 @@ def test_a_resharded_checkpoint_resumes_on_its_mesh_reading_its_optimizer_state_
         savers = {rank_file(rank_of(pp, at.dp_rank, tp, dp=2, tp=2)) for pp in {at.pp_rank, 0} for tp in {at.tp_rank, 0}}
         moments = {name for kind, name in opened if kind in ("exp_avg", "exp_avg_sq")}
         assert rank_file(rank) in moments and moments <= savers
+
+
+def test_a_consolidated_checkpoint_is_a_self_contained_run_directory(tiny_config, tmp_path, monkeypatch):
+    """The checkpoint keeps the run's tokenizer, so consolidate writes it beside the weights and `generate` works
+    from anywhere, even once the original tokenizer file is gone."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be, that is the question " * 50)
+    train_tokenizer([corpus], 300, tmp_path / "tok" / "tokenizer.json")
+    config = tiny_config("model.model_config.vocab_size=320", "tokens.train_steps=2", "general.run=tok",
+                         f"tokenizer.tokenizer_name_or_path={tmp_path / 'tok' / 'tokenizer.json'}",
+                         "checkpoints.checkpoint_interval=2", "checkpoints.save_final_state=false")
+    Trainer(config, ParallelContext(), log_to_console=False).train()
+    (tmp_path / "tok" / "tokenizer.json").unlink()
+    out = tmp_path / "out"
+    assert main(["consolidate", str(config.run_dir / "checkpoints"), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "model-parts.json", "model.safetensors",
+                                                     "tokenizer.json"]
+    assert main(["reshard", str(config.run_dir / "checkpoints"), "--out", str(tmp_path / "resharded")]) == 0
+    assert (tmp_path / "resharded" / "step-0000002" / "tokenizer.json").is_file()
+    monkeypatch.chdir(tmp_path / "tok")
+    assert generate_text(out, "to be", max_new_tokens=4, temperature=0).startswith("to be")
+
+
+@pytest.mark.parametrize("verb", ["consolidate", "reshard"])
+def test_a_bad_checkpoint_argument_is_named_as_the_argument(verb, tmp_path, capsys):
+    assert main([verb, str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")]) == 6
+    err = capsys.readouterr().err
+    assert f"the CHECKPOINT argument: {tmp_path / 'nowhere'} does not exist" in err
+    assert "resume_checkpoint_path" not in err

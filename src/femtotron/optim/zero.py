@@ -37,14 +37,18 @@ class ZeroAdamW:
         decayed = [params[piece.param].dim() >= 2 for piece in self.pieces]  # norms are not decayed
         groups = [{"params": [m for m, d in zip(self.masters, decayed, strict=True) if d == want],
                    "weight_decay": cfg.weight_decay if want else 0.0} for want in (True, False)]
+        groups = [group for group in groups if group["params"]]
+        # A rank can own no element at all (ZeRO-1 over many ranks and buckets that are mostly padding): it
+        # steps nothing, but still takes part in the all-gather.
         self.adam = torch.optim.AdamW(
-            [group for group in groups if group["params"]],
+            groups,
             lr=cfg.learning_rate_scheduler.learning_rate,
             betas=(factory.adam_beta1, factory.adam_beta2),
             eps=factory.adam_eps,
             fused=factory.torch_adam_is_fused or None,
             foreach=None if factory.torch_adam_is_fused else True,
-        )
+        ) if groups else None
+        self.steps = 0  # applied (fp16 steps skipped on overflow are not)
 
     def grads(self) -> list[torch.Tensor]:
         """The fp32 gradients of the owned pieces, summed over dp (call after `finish_reduction`)."""
@@ -54,11 +58,13 @@ class ZeroAdamW:
         return self._grads
 
     def step(self, lr: float) -> None:
-        for group in self.adam.param_groups:
+        self.steps += 1
+        for group in self.adam.param_groups if self.adam else []:
             group["lr"] = lr
         for master, grad in zip(self.masters, self.grads(), strict=True):
             master.grad = grad
-        self.adam.step()
+        if self.adam is not None:
+            self.adam.step()
         with torch.no_grad():
             if self.masters is not self.model_pieces and self.masters:
                 torch._foreach_copy_(self.model_pieces, self.masters)
@@ -80,13 +86,13 @@ class ZeroAdamW:
 
     def steps_taken(self) -> int:
         """Optimizer steps applied so far (fp16 steps skipped on overflow do not count)."""
-        states = [s for s in self.adam.state.values() if "step" in s]
-        return int(states[0]["step"].item()) if states else 0
+        return self.steps
 
     def prepare_state(self, steps: int) -> None:
         """Give every owned piece Adam state as torch's AdamW would after `steps` steps, keeping moments that
         exist (zeros where none): a loaded checkpoint then fills them in place."""
-        for group in self.adam.param_groups:
+        self.steps = steps
+        for group in self.adam.param_groups if self.adam else []:
             on_device = group["fused"] or group["capturable"]  # torch keeps the step count there, else on CPU
             for master in group["params"]:
                 state = self.adam.state[master]

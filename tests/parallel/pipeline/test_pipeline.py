@@ -65,6 +65,7 @@ PP_CASES = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("pp, tp", list(PP_CASES))
 def test_P3_pipeline_equals_one_process(tiny_config, pp, tp):
     """Every schedule at pp = 2 and 4 (interleaved with 2 virtual stages), layer counts that do and do not
@@ -95,6 +96,7 @@ def _p2p_bytes(rank, config):
     return sent
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("engine, virtual", [("1f1b", 1), ("interleaved-1f1b", 2)])
 def test_p2p_bytes_per_step_equal_the_analytic_count(tiny_config, engine, virtual):
     pp, layers = 2, 4
@@ -123,6 +125,7 @@ def _mismatch(rank):
         ctx.close()
 
 
+@pytest.mark.distributed
 def test_P1_ranks_that_disagree_on_the_transfer_shape_stop_before_the_first_step():
     with pytest.raises(RankFailed) as failed:
         run_ranks(_mismatch, 2, timeout=60)
@@ -155,6 +158,7 @@ THREE_D_CASES = [  # (layers, engine, virtual stages, tied, dtype, tp_mode, zero
     (4, "interleaved-1f1b", 2, True, "bfloat16", "ALL_REDUCE", 1, False)]
 
 
+@pytest.mark.distributed
 def test_dp_tp_pp_2x2x2_on_8_ranks_equals_one_process(tiny_config):
     """The full 3D mesh: dp=2 x tp=2 x pp=2 with zero_stage 0 and 1, each in fp32 and bf16 (both schedules,
     both tp modes, both bf16 paths, tied embeddings shared across stages and sharded over dp), trains exactly
