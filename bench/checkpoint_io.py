@@ -32,10 +32,26 @@ from femtotron.serialize import checkpoint
 from femtotron.serialize.checkpoint import rank_slices
 
 SHAPES = {
-    "debug": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": 2048, "sequence_length": 128, "micro_batch_size": 2},
-    "wide": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 8,
-             "num_key_value_heads": 4, "vocab_size": 8000, "sequence_length": 64, "micro_batch_size": 1},
+    "debug": {
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 2048,
+        "sequence_length": 128,
+        "micro_batch_size": 2,
+    },
+    "wide": {
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 8000,
+        "sequence_length": 64,
+        "micro_batch_size": 1,
+    },
 }
 
 
@@ -58,7 +74,9 @@ def main() -> None:
         trainer = shape_trainer(shape, args.dtype, root / "tokens", root / "runs")
         trainer.config.checkpoints.keep_last_n = 1
         trainer.train_step()
-        tensors = {f"{i}:{name}": values.contiguous() for i, (name, _, _, values) in enumerate(rank_slices(trainer))}
+        tensors = {
+            f"{i}:{name}": values.contiguous() for i, (name, _, _, values) in enumerate(rank_slices(trainer))
+        }
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         raw = root / "raw.safetensors"
 
@@ -67,8 +85,9 @@ def main() -> None:
             with open(raw, "rb") as f:
                 os.fsync(f.fileno())
 
-        times: dict[str, list[float]] = {key: [] for key in ("baseline save", "femtotron save", "baseline load",
-                                                             "femtotron load")}
+        times: dict[str, list[float]] = {
+            key: [] for key in ("baseline save", "femtotron save", "baseline load", "femtotron load")
+        }
         saved = None
         for repeat in range(args.repeats):
             times["baseline save"].append(timed(raw_save))
@@ -78,8 +97,10 @@ def main() -> None:
             times["femtotron save"].append(time.perf_counter() - start)
             times["baseline load"].append(timed(lambda: [t.clone() for t in load_file(str(raw)).values()]))
             times["femtotron load"].append(timed(lambda path=saved: checkpoint.load(trainer.parts, path)))
-    print(f"shape {args.shape}, {args.dtype}: {size / 2**20:.1f} MiB of weights, master weights and moments; "
-          f"medians of {args.repeats}")
+    print(
+        f"shape {args.shape}, {args.dtype}: {size / 2**20:.1f} MiB of weights, master weights and moments; "
+        f"medians of {args.repeats}"
+    )
     for key, values in times.items():
         seconds = statistics.median(values)
         baseline = statistics.median(times[key.replace("femtotron", "baseline")])

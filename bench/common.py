@@ -19,8 +19,14 @@ from femtotron.data.indexed import IndexedDatasetWriter
 from femtotron.parallel.context import ParallelContext
 from femtotron.trainer import Trainer
 
-MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "vocab_size")
+MODEL_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+)
 
 
 def write_random_tokens(prefix: Path, vocab: int, tokens: int) -> None:
@@ -31,29 +37,45 @@ def write_random_tokens(prefix: Path, vocab: int, tokens: int) -> None:
     writer.finalize()
 
 
-def shape_trainer(shape: dict, dtype: str, data_prefix: Path, run_dir: Path, run: str = "bench",
-                  parallelism: dict | None = None) -> Trainer:
+def shape_trainer(
+    shape: dict,
+    dtype: str,
+    data_prefix: Path,
+    run_dir: Path,
+    run: str = "bench",
+    parallelism: dict | None = None,
+) -> Trainer:
     """A one-process Trainer for `shape` (the MODEL_KEYS plus sequence_length and micro_batch_size)."""
-    config = load_config_dict({
-        "general": {"run": run},
-        "model": {"model_config": {**{k: shape[k] for k in MODEL_KEYS},
-                                   "max_position_embeddings": shape["sequence_length"]},
-                  "dtype": dtype},
-        "parallelism": parallelism or {},
-        "tokens": {"sequence_length": shape["sequence_length"], "micro_batch_size": shape["micro_batch_size"],
-                   "train_steps": 10**6},
-        "data": {"dataset_folder": str(data_prefix)},
-        "logging": {"output_dir": str(run_dir)},
-        "checkpoints": {"save_final_state": False},
-    })
+    config = load_config_dict(
+        {
+            "general": {"run": run},
+            "model": {
+                "model_config": {
+                    **{k: shape[k] for k in MODEL_KEYS},
+                    "max_position_embeddings": shape["sequence_length"],
+                },
+                "dtype": dtype,
+            },
+            "parallelism": parallelism or {},
+            "tokens": {
+                "sequence_length": shape["sequence_length"],
+                "micro_batch_size": shape["micro_batch_size"],
+                "train_steps": 10**6,
+            },
+            "data": {"dataset_folder": str(data_prefix)},
+            "logging": {"output_dir": str(run_dir)},
+            "checkpoints": {"save_final_state": False},
+        }
+    )
     return Trainer(config, ParallelContext(), log_to_console=False)
 
 
-def spawn_ranks(layout: dict[str, int], rank_fn: Callable, cases: list, args: Any,
-                on_case: Callable[[Any, list], None]) -> None:
-    """Run one process per rank of `layout` (ParallelContext's dp/tp/pp) with the tests' launcher, each calling
-    `rank_fn(ctx, cases, args, report)`, where `report(case index, value)` records a case's result; then call
-    `on_case(case, values by rank)` for every case. `args.timeout` bounds each case."""
+def spawn_ranks(
+    layout: dict[str, int], rank_fn: Callable, cases: list, args: Any, on_case: Callable[[Any, list], None]
+) -> None:
+    """Run one process per rank of `layout` (ParallelContext's dp/tp/pp) with the tests' launcher, each
+    calling `rank_fn(ctx, cases, args, report)`, where `report(case index, value)` records a case's result;
+    then call `on_case(case, values by rank)` for every case. `args.timeout` bounds each case."""
 
     def rank_main(rank: int) -> dict[int, Any]:
         values: dict[int, Any] = {}

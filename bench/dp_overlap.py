@@ -32,29 +32,49 @@ from femtotron.config import load_config_dict
 from femtotron.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAPE = {"hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "vocab_size": 2048, "sequence_length": 128, "micro_batch_size": 4}
+SHAPE = {
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 2048,
+    "sequence_length": 128,
+    "micro_batch_size": 4,
+}
 
 
 def make_config(case: dict, args, data: Path, runs: Path):
-    return load_config_dict({
-        "general": {"run": f"dp-{case['name']}"},
-        "model": {"model_config": {**{k: SHAPE[k] for k in MODEL_KEYS if k in SHAPE},
-                                   "num_hidden_layers": args.layers,
-                                   "max_position_embeddings": SHAPE["sequence_length"]}, "dtype": "float32"},
-        "parallelism": {"dp": 2, "dp_bucket_size_mb": case["bucket_mb"]},
-        "optimizer": {"zero_stage": case["zero"]},
-        "tokens": {"sequence_length": SHAPE["sequence_length"], "micro_batch_size": SHAPE["micro_batch_size"],
-                   "batch_accumulation_per_replica": args.micro_batches, "train_steps": 10**6},
-        "data": {"dataset_folder": str(data)},
-        "logging": {"output_dir": str(runs)},
-        "checkpoints": {"save_final_state": False},
-    })
+    return load_config_dict(
+        {
+            "general": {"run": f"dp-{case['name']}"},
+            "model": {
+                "model_config": {
+                    **{k: SHAPE[k] for k in MODEL_KEYS if k in SHAPE},
+                    "num_hidden_layers": args.layers,
+                    "max_position_embeddings": SHAPE["sequence_length"],
+                },
+                "dtype": "float32",
+            },
+            "parallelism": {"dp": 2, "dp_bucket_size_mb": case["bucket_mb"]},
+            "optimizer": {"zero_stage": case["zero"]},
+            "tokens": {
+                "sequence_length": SHAPE["sequence_length"],
+                "micro_batch_size": SHAPE["micro_batch_size"],
+                "batch_accumulation_per_replica": args.micro_batches,
+                "train_steps": 10**6,
+            },
+            "data": {"dataset_folder": str(data)},
+            "logging": {"output_dir": str(runs)},
+            "checkpoints": {"save_final_state": False},
+        }
+    )
 
 
 def dp_rank(ctx, cases, args, report) -> None:
     for index, case in enumerate(cases):
-        trainer = Trainer(make_config(case, args, Path(args.data), Path(args.runs)), ctx, log_to_console=False)
+        trainer = Trainer(
+            make_config(case, args, Path(args.data), Path(args.runs)), ctx, log_to_console=False
+        )
         trainer.train_step()  # warm-up
         steps = []
         for _ in range(args.steps):
@@ -71,8 +91,11 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args()
-    cases = [{"name": f"{kind}-zero{zero}", "bucket_mb": bucket, "zero": zero}
-             for zero in (0, 1) for kind, bucket in (("one-bucket", 100000.0), ("buckets", args.bucket_mb))]
+    cases = [
+        {"name": f"{kind}-zero{zero}", "bucket_mb": bucket, "zero": zero}
+        for zero in (0, 1)
+        for kind, bucket in (("one-bucket", 100000.0), ("buckets", args.bucket_mb))
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         args.data, args.runs = str(Path(tmp) / "tokens"), str(Path(tmp) / "runs")
         write_random_tokens(Path(args.data), SHAPE["vocab_size"], 400_000)
@@ -80,17 +103,26 @@ def main() -> None:
 
         def on_case(case, per_rank) -> None:
             step_times = [max(rank[0][i][0] for rank in per_rank) for i in range(args.steps)]
-            shares = [statistics.fmean(rank[0][i][1] / rank[0][i][0] for rank in per_rank) for i in range(args.steps)]
+            shares = [
+                statistics.fmean(rank[0][i][1] / rank[0][i][0] for rank in per_rank)
+                for i in range(args.steps)
+            ]
             rows.append((case, per_rank[0][1], statistics.median(step_times), statistics.median(shares)))
 
         spawn_ranks({"dp": 2}, dp_rank, cases, args, on_case)
-    print(f"dp=2, {args.layers} layers of the debug shape, fp32, {args.micro_batches} micro-batches of "
-          f"{SHAPE['micro_batch_size']} x {SHAPE['sequence_length']} tokens; medians over {args.steps} steps")
+    print(
+        f"dp=2, {args.layers} layers of the debug shape, fp32, {args.micro_batches} micro-batches of "
+        f"{SHAPE['micro_batch_size']} x {SHAPE['sequence_length']} tokens; medians over {args.steps} steps"
+    )
     print(f"{'case':<22}{'buckets':>8}{'step ms':>10}{'dp share':>10}{'vs one bucket':>15}")
-    baseline = {case["zero"]: seconds for case, _, seconds, _ in rows if case["name"].startswith("one-bucket")}
+    baseline = {
+        case["zero"]: seconds for case, _, seconds, _ in rows if case["name"].startswith("one-bucket")
+    }
     for case, buckets, seconds, share in rows:
-        print(f"{case['name']:<22}{buckets:>8}{seconds * 1e3:>10.1f}{share:>10.1%}"
-              f"{seconds / baseline[case['zero']]:>14.2f}x")
+        print(
+            f"{case['name']:<22}{buckets:>8}{seconds * 1e3:>10.1f}{share:>10.1%}"
+            f"{seconds / baseline[case['zero']]:>14.2f}x"
+        )
 
 
 if __name__ == "__main__":

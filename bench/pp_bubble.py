@@ -115,8 +115,15 @@ class SleepChunk(nn.Module):
     """A model chunk that takes forward_s to run forward and backward_s to run backward. No parameters:
     the first stage's output hangs off a fresh leaf, so nothing but the sleeps and the transfers costs."""
 
-    def __init__(self, first: bool, last: bool, shape: tuple[int, int, int], forward_s: float,
-                 backward_s: float, clock: Clock) -> None:
+    def __init__(
+        self,
+        first: bool,
+        last: bool,
+        shape: tuple[int, int, int],
+        forward_s: float,
+        backward_s: float,
+        clock: Clock,
+    ) -> None:
         super().__init__()
         self.first, self.last, self.shape = first, last, shape
         self.forward_s, self.backward_s, self.clock = forward_s, backward_s, clock
@@ -135,12 +142,17 @@ def sleep_rank(ctx: ParallelContext, cases: list[Case], args: argparse.Namespace
     forward_s = args.forward_ms / 1000
     for index, case in enumerate(cases):
         stages = case.pp * case.v
-        chunks = [SleepChunk(stage == 0, stage == stages - 1, shape, forward_s / case.v,
-                             2 * forward_s / case.v, clock)
-                  for stage in (c * case.pp + ctx.pp_rank for c in range(case.v))]
+        chunks = [
+            SleepChunk(
+                stage == 0, stage == stages - 1, shape, forward_s / case.v, 2 * forward_s / case.v, clock
+            )
+            for stage in (c * case.pp + ctx.pp_rank for c in range(case.v))
+        ]
         p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device, shape, torch.float32)
         pipeline = Pipeline(chunks, case.engine, case.pp, ctx.pp_rank, p2p)
-        micro_batches = [MicroBatch.from_tokens(torch.zeros(mbs, seq + 1, dtype=torch.int64)) for _ in range(case.m)]
+        micro_batches = [
+            MicroBatch.from_tokens(torch.zeros(mbs, seq + 1, dtype=torch.int64)) for _ in range(case.m)
+        ]
         global_tokens = torch.tensor(float(mbs * seq * case.m))
         steps = []
         for _ in range(args.steps + 1):
@@ -162,19 +174,22 @@ def model_rank(ctx: ParallelContext, cases: list[Case], args: argparse.Namespace
 
     with tempfile.TemporaryDirectory() as tmp:
         for index, case in enumerate(cases):
-            config = load_config(ROOT / "examples" / "debug.yaml", overrides=[
-                f"general.run=bubble-{case.engine}-{case.m}",
-                "model.model_config.num_hidden_layers=4",
-                f"tokenizer.tokenizer_name_or_path={ROOT / 'examples' / 'tokenizer.json'}",
-                f"data.dataset_folder={ROOT / 'examples' / 'data' / 'shakespeare'}",
-                f"logging.output_dir={tmp}",
-                "checkpoints.save_final_state=false",
-                f"tokens.batch_accumulation_per_replica={case.m}",
-                "tokens.train_steps=1000000",
-                f"parallelism.pp={case.pp}",
-                f"parallelism.pp_engine={case.engine}",
-                f"parallelism.pp_virtual_stages={case.v}",
-            ])
+            config = load_config(
+                ROOT / "examples" / "debug.yaml",
+                overrides=[
+                    f"general.run=bubble-{case.engine}-{case.m}",
+                    "model.model_config.num_hidden_layers=4",
+                    f"tokenizer.tokenizer_name_or_path={ROOT / 'examples' / 'tokenizer.json'}",
+                    f"data.dataset_folder={ROOT / 'examples' / 'data' / 'shakespeare'}",
+                    f"logging.output_dir={tmp}",
+                    "checkpoints.save_final_state=false",
+                    f"tokens.batch_accumulation_per_replica={case.m}",
+                    "tokens.train_steps=1000000",
+                    f"parallelism.pp={case.pp}",
+                    f"parallelism.pp_engine={case.engine}",
+                    f"parallelism.pp_virtual_stages={case.v}",
+                ],
+            )
             trainer = Trainer(config, ctx, log_to_console=False)
             inner = trainer.pipeline.train_step
             timed: list[tuple[float, float, float, float]] = []
@@ -211,12 +226,18 @@ def summarize(per_rank: list[list[StepTimes]]) -> dict[str, float]:
         first, last = min(t.start for t in step), max(t.end for t in step)
         span = last - first
         idles = [1 - t.compute / span for t in step]
-        rows.append({
-            "span": span, "compute": statistics.fmean(t.compute for t in step),
-            "idle": statistics.fmean(idles), "worst": max(idles),
-            "wait": statistics.fmean((t.pp_wait + (t.start - first) + (last - t.end)) / span for t in step),
-            "share": statistics.fmean(t.trainer_pp_share for t in step),
-        })
+        rows.append(
+            {
+                "span": span,
+                "compute": statistics.fmean(t.compute for t in step),
+                "idle": statistics.fmean(idles),
+                "worst": max(idles),
+                "wait": statistics.fmean(
+                    (t.pp_wait + (t.start - first) + (last - t.end)) / span for t in step
+                ),
+                "share": statistics.fmean(t.trainer_pp_share for t in step),
+            }
+        )
     return {key: statistics.median(row[key] for row in rows) for key in rows[0]}
 
 
@@ -224,15 +245,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--compute", choices=("sleep", "model"), default="sleep")
     parser.add_argument("--pp", default=None, help="pp sizes (default 2,4 with sleep, 2 with model)")
-    parser.add_argument("--micro-batches", default=None,
-                        help="micro-batch counts as multiples k of pp, m = k * pp "
-                             "(default 1,2,4,8 with sleep, 1,2,4 with model)")
+    parser.add_argument(
+        "--micro-batches",
+        default=None,
+        help="micro-batch counts as multiples k of pp, m = k * pp "
+        "(default 1,2,4,8 with sleep, 1,2,4 with model)",
+    )
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--steps", type=int, default=4, help="measured steps per case, after a warm-up step")
-    parser.add_argument("--forward-ms", type=float, default=20.0,
-                        help="sleep mode: forward per stage, ms (backward 2x)")
-    parser.add_argument("--activation", default="4,128,256",
-                        help="sleep mode: MBS,SEQ,HIDDEN of the float32 transfers")
+    parser.add_argument(
+        "--forward-ms", type=float, default=20.0, help="sleep mode: forward per stage, ms (backward 2x)"
+    )
+    parser.add_argument(
+        "--activation", default="4,128,256", help="sleep mode: MBS,SEQ,HIDDEN of the float32 transfers"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any case")
     args = parser.parse_args()
     sleep = args.compute == "sleep"
@@ -242,17 +268,25 @@ def main() -> None:
 
     if sleep:
         shape = tuple(map(int, args.activation.split(",")))
-        print(f"--compute sleep: forward {args.forward_ms:g} ms, backward {2 * args.forward_ms:g} ms per "
-              f"stage (per chunk: / v), float32 {shape} transfers over gloo; median of {args.steps} steps "
-              "after a warm-up")
+        print(
+            f"--compute sleep: forward {args.forward_ms:g} ms, backward {2 * args.forward_ms:g} ms per "
+            f"stage (per chunk: / v), float32 {shape} transfers over gloo; median of {args.steps} steps "
+            "after a warm-up"
+        )
     else:
-        print(f"--compute model: debug model (4 layers, hidden 256, micro-batch 16 x 128, float32) through "
-              f"the Trainer; median of {args.steps} steps after a warm-up")
-    print("idle = 1 - compute / step span, mean over ranks (worst rank in brackets); p2p wait = time blocked "
-          "in pp communication\nor outside the rank's own step, as a share of the span; extra = span - what "
-          "the theory predicts for the compute done (compute / (1 - theory)); ratio = measured / theory")
-    header = (f"{'engine':<17} {'pp':>2} {'v':>2} {'m':>3} {'step':>8} {'extra':>8} {'theory':>7} "
-              f"{'idle':>7} {'(worst)':>8} {'ratio':>6} {'p2p wait':>8} {'ratio':>6}")
+        print(
+            f"--compute model: debug model (4 layers, hidden 256, micro-batch 16 x 128, float32) through "
+            f"the Trainer; median of {args.steps} steps after a warm-up"
+        )
+    print(
+        "idle = 1 - compute / step span, mean over ranks (worst rank in brackets); p2p wait = time blocked "
+        "in pp communication\nor outside the rank's own step, as a share of the span; extra = span - what "
+        "the theory predicts for the compute done (compute / (1 - theory)); ratio = measured / theory"
+    )
+    header = (
+        f"{'engine':<17} {'pp':>2} {'v':>2} {'m':>3} {'step':>8} {'extra':>8} {'theory':>7} "
+        f"{'idle':>7} {'(worst)':>8} {'ratio':>6} {'p2p wait':>8} {'ratio':>6}"
+    )
     header += "" if sleep else f" {'trainer pp share':>16}"
     print(header)
     print("-" * len(header))
@@ -265,23 +299,31 @@ def main() -> None:
         ratios.append((ratio, wait_ratio, case))
         extra = s["span"] - s["compute"] / (1 - theory)
         worst = f"({s['worst']:.1%})"
-        row = (f"{case.engine:<17} {case.pp:>2} {case.v:>2} {case.m:>3} {s['span'] * 1000:>6.0f}ms "
-               f"{extra * 1000:>6.1f}ms {theory:>7.1%} {s['idle']:>7.1%} {worst:>8} {ratio:>5.2f}x "
-               f"{s['wait']:>8.1%} {wait_ratio:>5.2f}x")
+        row = (
+            f"{case.engine:<17} {case.pp:>2} {case.v:>2} {case.m:>3} {s['span'] * 1000:>6.0f}ms "
+            f"{extra * 1000:>6.1f}ms {theory:>7.1%} {s['idle']:>7.1%} {worst:>8} {ratio:>5.2f}x "
+            f"{s['wait']:>8.1%} {wait_ratio:>5.2f}x"
+        )
         print(row + ("" if sleep else f" {s['share']:>16.1%}"), flush=True)
 
     start = time.monotonic()
     for pp in pps:
-        cases = [Case(engine, pp, INTERLEAVED_V if engine == "interleaved-1f1b" else 1, k * pp)
-                 for engine in engines for k in factors]
+        cases = [
+            Case(engine, pp, INTERLEAVED_V if engine == "interleaved-1f1b" else 1, k * pp)
+            for engine in engines
+            for k in factors
+        ]
         spawn_ranks({"pp": pp}, sleep_rank if args.compute == "sleep" else model_rank, cases, args, on_case)
     elapsed = time.monotonic() - start
     for name, index in (("idle", 0), ("p2p wait", 1)):
         values = [r[index] for r in ratios]
         case = max(ratios, key=lambda r, index=index: r[index])[2]
-        print(f"{name}/theory: max {max(values):.2f}x ({case.engine}, pp={case.pp}, m={case.m}), "
-              f"median {statistics.median(values):.2f}x, min {min(values):.2f}x (goal: <= 1.1x)")
+        print(
+            f"{name}/theory: max {max(values):.2f}x ({case.engine}, pp={case.pp}, m={case.m}), "
+            f"median {statistics.median(values):.2f}x, min {min(values):.2f}x (goal: <= 1.1x)"
+        )
     print(f"{elapsed:.0f} s")
+
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,5 @@
-"""Activation recomputation (`parallelism.recompute_layer`): the activation memory it saves, the time it costs.
+"""Activation recomputation (`parallelism.recompute_layer`): the activation memory it saves, the time it
+costs.
 
 For each shape the same fp32 model is built twice, recomputation off and on, in the same run:
 
@@ -26,8 +27,16 @@ from common import shape_trainer, write_random_tokens
 
 from femtotron.diagnostics.activation_memory import saved_activation_bytes
 
-DEBUG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=2048, sequence_length=128, micro_batch_size=16)
+DEBUG = dict(
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=2048,
+    sequence_length=128,
+    micro_batch_size=16,
+)
 SHAPES = {
     "debug": DEBUG,  # examples/debug.yaml
     "deep": {**DEBUG, "num_hidden_layers": 8},  # the same layers, more of them
@@ -43,25 +52,49 @@ def seconds(run) -> float:
 def bench_case(name: str, rounds: int) -> None:
     shape = SHAPES[name]
     tokens_per_step = shape["micro_batch_size"] * shape["sequence_length"]
-    print(f"\n[{name}] hidden {shape['hidden_size']}, intermediate {shape['intermediate_size']}, "
-          f"{shape['num_hidden_layers']} layers, {shape['num_attention_heads']} heads, vocab {shape['vocab_size']}, "
-          f"micro-batch {shape['micro_batch_size']} x {shape['sequence_length']}, fp32, "
-          f"{torch.get_num_threads()} threads, {rounds} steps each", flush=True)
+    print(
+        f"\n[{name}] hidden {shape['hidden_size']}, intermediate {shape['intermediate_size']}, "
+        f"{shape['num_hidden_layers']} layers, {shape['num_attention_heads']} heads, vocab "
+        f"{shape['vocab_size']}, "
+        f"micro-batch {shape['micro_batch_size']} x {shape['sequence_length']}, fp32, "
+        f"{torch.get_num_threads()} threads, {rounds} steps each",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         prefix = Path(tmp) / "random"
         write_random_tokens(prefix, shape["vocab_size"], 64 * tokens_per_step)
-        runs = {on: shape_trainer(shape, "float32", prefix, Path(tmp) / "runs", run=f"recompute-{on}",
-                                  parallelism={"recompute_layer": on}) for on in (False, True)}
-        ids = torch.randint(1, shape["vocab_size"], (shape["micro_batch_size"], shape["sequence_length"] + 1),
-                            generator=torch.Generator().manual_seed(0))
-        saved = {on: saved_activation_bytes(run.chunks[0], ids[:, :-1], ids[:, 1:]) for on, run in runs.items()}
+        runs = {
+            on: shape_trainer(
+                shape,
+                "float32",
+                prefix,
+                Path(tmp) / "runs",
+                run=f"recompute-{on}",
+                parallelism={"recompute_layer": on},
+            )
+            for on in (False, True)
+        }
+        ids = torch.randint(
+            1,
+            shape["vocab_size"],
+            (shape["micro_batch_size"], shape["sequence_length"] + 1),
+            generator=torch.Generator().manual_seed(0),
+        )
+        saved = {
+            on: saved_activation_bytes(run.chunks[0], ids[:, :-1], ids[:, 1:]) for on, run in runs.items()
+        }
         layer_input = tokens_per_step * shape["hidden_size"] * 4
         per_layer_off = (saved[False] - saved[True]) / shape["num_hidden_layers"] + layer_input
-        print(f"  saved activations per micro-batch: off {saved[False] / 2**20:7.1f} MiB, "
-              f"on {saved[True] / 2**20:7.1f} MiB, on/off {saved[True] / saved[False]:.3f} "
-              f"(saves {1 - saved[True] / saved[False]:.0%})")
-        print(f"  per decoder layer: off {per_layer_off / 2**20:.1f} MiB, on {layer_input / 2**20:.1f} MiB "
-              f"(its input), {layer_input / per_layer_off:.3f}", flush=True)
+        print(
+            f"  saved activations per micro-batch: off {saved[False] / 2**20:7.1f} MiB, "
+            f"on {saved[True] / 2**20:7.1f} MiB, on/off {saved[True] / saved[False]:.3f} "
+            f"(saves {1 - saved[True] / saved[False]:.0%})"
+        )
+        print(
+            f"  per decoder layer: off {per_layer_off / 2**20:.1f} MiB, on {layer_input / 2**20:.1f} MiB "
+            f"(its input), {layer_input / per_layer_off:.3f}",
+            flush=True,
+        )
         times: dict[bool, list[float]] = {False: [], True: []}
         for run in runs.values():
             run.train_step()  # warm-up
@@ -70,8 +103,11 @@ def bench_case(name: str, rounds: int) -> None:
                 times[on].append(seconds(run))
     for label, stat in (("median", statistics.median), ("fastest", min)):
         off, on = stat(times[False]), stat(times[True])
-        print(f"  step time, {label:>7}: off {off * 1e3:5.0f} ms, on {on * 1e3:5.0f} ms, on/off {on / off:.2f}x",
-              flush=True)
+        print(
+            f"  step time, {label:>7}: off {off * 1e3:5.0f} ms, on {on * 1e3:5.0f} ms, on/off "
+            f"{on / off:.2f}x",
+            flush=True,
+        )
 
 
 def main() -> None:

@@ -33,29 +33,53 @@ from femtotron.precision import cpu_has_bf16_matmul
 
 SHAPES = {
     # the debug model of examples/debug.yaml
-    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=4, vocab_size=2048, sequence_length=128, micro_batch_size=16),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=2048,
+        sequence_length=128,
+        micro_batch_size=16,
+    ),
     # matmul-heavy: hidden >= 1024, where GEMMs dominate the step
-    "wide": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=8, vocab_size=2048, sequence_length=256, micro_batch_size=4),
+    "wide": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=2048,
+        sequence_length=256,
+        micro_batch_size=4,
+    ),
 }
 
 
 class HFRun:
     def __init__(self, shape: dict, autocast_bf16: bool) -> None:
         self.shape, self.autocast_bf16 = shape, autocast_bf16
-        self.model = LlamaForCausalLM(LlamaConfig(
-            hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
-            num_hidden_layers=shape["num_hidden_layers"], num_attention_heads=shape["num_attention_heads"],
-            num_key_value_heads=shape["num_key_value_heads"], vocab_size=shape["vocab_size"],
-            max_position_embeddings=shape["sequence_length"], attn_implementation="sdpa",
-        )).train()
+        self.model = LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=shape["hidden_size"],
+                intermediate_size=shape["intermediate_size"],
+                num_hidden_layers=shape["num_hidden_layers"],
+                num_attention_heads=shape["num_attention_heads"],
+                num_key_value_heads=shape["num_key_value_heads"],
+                vocab_size=shape["vocab_size"],
+                max_position_embeddings=shape["sequence_length"],
+                attn_implementation="sdpa",
+            )
+        ).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=0.01, fused=True)
         self.generator = torch.Generator().manual_seed(0)
 
     def train_step(self) -> None:
         s = self.shape
-        ids = torch.randint(1, s["vocab_size"], (s["micro_batch_size"], s["sequence_length"]), generator=self.generator)
+        ids = torch.randint(
+            1, s["vocab_size"], (s["micro_batch_size"], s["sequence_length"]), generator=self.generator
+        )
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast_bf16):
             loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -76,9 +100,12 @@ def timed(step, steps: int, tokens_per_step: int) -> float:
 def bench_case(name: str, precision: str, pairs: int, steps: int) -> None:
     shape = SHAPES[name]
     tokens_per_step = shape["micro_batch_size"] * shape["sequence_length"]
-    print(f"\n[{name}:{precision}] hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, vocab "
-          f"{shape['vocab_size']}, batch {shape['micro_batch_size']} x {shape['sequence_length']}, "
-          f"{torch.get_num_threads()} threads, {pairs} pairs of {steps} steps", flush=True)
+    print(
+        f"\n[{name}:{precision}] hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, vocab "
+        f"{shape['vocab_size']}, batch {shape['micro_batch_size']} x {shape['sequence_length']}, "
+        f"{torch.get_num_threads()} threads, {pairs} pairs of {steps} steps",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         prefix = Path(tmp) / "random"
         write_random_tokens(prefix, shape["vocab_size"], 64 * tokens_per_step)
@@ -87,30 +114,52 @@ def bench_case(name: str, precision: str, pairs: int, steps: int) -> None:
         theirs = HFRun(shape, autocast_bf16=precision == "bf16")
         rates = []
         for pair in range(pairs):
-            rates.append((timed(ours.train_step, steps, tokens_per_step),
-                          timed(theirs.train_step, steps, tokens_per_step)))
-            print(f"  pair {pair + 1}: femtotron {rates[-1][0]:,.0f} tok/s, HF {rates[-1][1]:,.0f} tok/s", flush=True)
+            rates.append(
+                (
+                    timed(ours.train_step, steps, tokens_per_step),
+                    timed(theirs.train_step, steps, tokens_per_step),
+                )
+            )
+            print(
+                f"  pair {pair + 1}: femtotron {rates[-1][0]:,.0f} tok/s, HF {rates[-1][1]:,.0f} tok/s",
+                flush=True,
+            )
     ratios = [a / b for a, b in rates]
     flops_per_token = ours.config.model.model_config_.flops_per_token(shape["sequence_length"])
     gemm_dtype = torch.bfloat16 if precision == "bf16" and cpu_has_bf16_matmul() else torch.float32
-    gemm = matmul_flops_rate(tokens_per_step, shape["intermediate_size"], shape["hidden_size"], gemm_dtype,
-                             torch.device("cpu"), seconds=0.5)
+    gemm = matmul_flops_rate(
+        tokens_per_step,
+        shape["intermediate_size"],
+        shape["hidden_size"],
+        gemm_dtype,
+        torch.device("cpu"),
+        seconds=0.5,
+    )
     ours_tps = statistics.median(a for a, _ in rates)
     theirs_tps = statistics.median(b for _, b in rates)
     print(f"  femtotron       {ours_tps:10,.0f} tok/s (median)")
     print(f"  HF transformers {theirs_tps:10,.0f} tok/s (median)")
-    print(f"  ratio femtotron/HF: median {statistics.median(ratios):.2f}x  (min {min(ratios):.2f}x, "
-          f"max {max(ratios):.2f}x)")
-    print(f"  {gemm_dtype} GEMM {tokens_per_step}x{shape['hidden_size']}->{shape['intermediate_size']}: "
-          f"{gemm / 1e9:.1f} GFLOP/s")
-    print(f"  achieved model FLOP/s / GEMM rate: femtotron {ours_tps * flops_per_token / gemm:.2f}, "
-          f"HF {theirs_tps * flops_per_token / gemm:.2f}", flush=True)
+    print(
+        f"  ratio femtotron/HF: median {statistics.median(ratios):.2f}x  (min {min(ratios):.2f}x, "
+        f"max {max(ratios):.2f}x)"
+    )
+    print(
+        f"  {gemm_dtype} GEMM {tokens_per_step}x{shape['hidden_size']}->{shape['intermediate_size']}: "
+        f"{gemm / 1e9:.1f} GFLOP/s"
+    )
+    print(
+        f"  achieved model FLOP/s / GEMM rate: femtotron {ours_tps * flops_per_token / gemm:.2f}, "
+        f"HF {theirs_tps * flops_per_token / gemm:.2f}",
+        flush=True,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     default_cases = "small:bf16,wide:bf16" if cpu_has_bf16_matmul() else "small:bf16,small:fp32,wide:fp32"
-    parser.add_argument("--cases", default=default_cases, help=f"SHAPE:PRECISION list (default {default_cases})")
+    parser.add_argument(
+        "--cases", default=default_cases, help=f"SHAPE:PRECISION list (default {default_cases})"
+    )
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)

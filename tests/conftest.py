@@ -39,6 +39,14 @@ def tiny_config(tmp_path, tiny_dataset):
 @pytest.fixture
 def no_launcher(monkeypatch):
     """For tests of running *without* a launcher, even if pytest itself was started by torchrun or srun."""
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                 "SLURM_PROCID", "SLURM_NTASKS"):
+    for name in (
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+    ):
         monkeypatch.delenv(name, raising=False)

@@ -27,10 +27,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any, done: Any,
-           args: tuple) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _child(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any, done: Any, args: tuple
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     import torch
 
     torch.set_num_threads(1)
@@ -47,8 +53,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ctx = mp.get_context("fork")
     results, done = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, results, done, args), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world_size, port, results, done, args), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outcomes: dict[int, tuple[float, str, Any]] = {}
@@ -67,7 +75,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
-    failures = sorted((when, rank, value) for rank, (when, status, value) in outcomes.items() if status == "error")
+    failures = sorted(
+        (when, rank, value) for rank, (when, status, value) in outcomes.items() if status == "error"
+    )
     if failures:
         _, rank, message = failures[0]
         raise RankFailed(f"rank {rank} failed first:\n{message}")

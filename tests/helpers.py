@@ -44,9 +44,19 @@ def precision_path(native: bool | None) -> AbstractContextManager:
 def llama_config(**overrides) -> LlamaConfig:
     """A tiny Llama for model-level tests: 8 query heads of 8 dims, 2 kv heads (GQA), and vocab 251, divisible
     by neither 2 nor 4, so every tp pads the vocabulary."""
-    return LlamaConfig(**{"vocab_size": 251, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-                          "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 32,
-                          "rms_norm_eps": 1e-5, **overrides})
+    return LlamaConfig(
+        **{
+            "vocab_size": 251,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 32,
+            "rms_norm_eps": 1e-5,
+            **overrides,
+        }
+    )
 
 
 def build_llama(cfg: LlamaConfig, dtype: torch.dtype = torch.float32, seed: int = 5, **kwargs) -> Llama:
@@ -54,8 +64,8 @@ def build_llama(cfg: LlamaConfig, dtype: torch.dtype = torch.float32, seed: int 
 
 
 def random_batch(vocab: int, size: int = 3, length: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input ids and next-token targets, the first 5 targets of sample 0 masked and the last target of the last
-    sample the vocabulary's last row (next to any tp padding)."""
+    """Input ids and next-token targets, the first 5 targets of sample 0 masked and the last target of the
+    last sample the vocabulary's last row (next to any tp padding)."""
     ids = torch.randint(0, vocab, (size, length + 1), generator=torch.Generator().manual_seed(11))
     targets = ids[:, 1:].clone()
     targets[0, :5] = IGNORE_INDEX
@@ -67,7 +77,9 @@ def loss_and_grads(model: Llama, ids: torch.Tensor, targets: torch.Tensor, tp: T
     """The mean loss over valid targets, the full logits and every gradient at full shape (fp32)."""
     loss_sum, count = model(ids, targets)
     (loss_sum / count).backward()
-    grads = {name: grad.float() for name, grad in full_gradients(model, tp or TensorParallel.single()).items()}
+    grads = {
+        name: grad.float() for name, grad in full_gradients(model, tp or TensorParallel.single()).items()
+    }
     return (loss_sum / count).item(), model.logits(ids).detach().float(), grads
 
 
@@ -78,13 +90,23 @@ def hf_llama(cfg: LlamaConfig, weights: dict[str, torch.Tensor], **hf_options):
 
     from femtotron.models.hf_conversion import to_hf
 
-    hf = LlamaForCausalLM(HFLlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
-        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
-        attention_bias=False, mlp_bias=False, **hf_options,
-    )).float()
+    hf = LlamaForCausalLM(
+        HFLlamaConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope_theta=cfg.rope_theta,
+            rms_norm_eps=cfg.rms_norm_eps,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            attention_bias=False,
+            mlp_bias=False,
+            **hf_options,
+        )
+    ).float()
     state = to_hf(weights, cfg)
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -114,10 +136,18 @@ def tiny_config_maker(runs_dir: Path, dataset: str):
     def make(*overrides: str, **sections):
         raw = {
             "general": {"run": "tiny", "seed": 3},
-            "model": {"model_config": {"vocab_size": TINY_VOCAB, "hidden_size": 64, "intermediate_size": 128,
-                                       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                       "max_position_embeddings": 64},
-                      "dtype": "float32"},
+            "model": {
+                "model_config": {
+                    "vocab_size": TINY_VOCAB,
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "max_position_embeddings": 64,
+                },
+                "dtype": "float32",
+            },
             "tokens": {"sequence_length": 32, "micro_batch_size": 4, "train_steps": 10},
             "optimizer": {"learning_rate_scheduler": {"learning_rate": 3e-3, "lr_warmup_steps": 2}},
             "data": {"dataset_folder": dataset},
@@ -139,18 +169,31 @@ def write_yaml(config, path: Path) -> str:
 def femtotron(*args: str, env: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
     """`femtotron ARGS` in a process of its own, as a user runs it."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "femtotron.cli", *args], capture_output=True, text=True,
-                          env=full_env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "femtotron.cli", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+    )
 
 
 def write_cli_config(path: Path, dataset: str, tokenizer: str | None, output_dir: Path, **tokens) -> Path:
     """A YAML config for command-line tests: the tiny fp32 model (vocab 320) on `dataset`, run `cli`."""
     config = {
         "general": {"run": "cli"},
-        "model": {"model_config": {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
-                                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                   "max_position_embeddings": 64},
-                  "dtype": "float32"},
+        "model": {
+            "model_config": {
+                "vocab_size": 320,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 64,
+            },
+            "dtype": "float32",
+        },
         "tokenizer": {"tokenizer_name_or_path": tokenizer},
         "tokens": {"sequence_length": 32, "micro_batch_size": 4, "train_steps": 6, **tokens},
         "optimizer": {"learning_rate_scheduler": {"learning_rate": 3e-3}},
@@ -176,8 +219,14 @@ class Steps:
 
     def merge(self, other: Steps) -> Steps:
         """The same run seen from another pipeline stage: its parameters added."""
-        return Steps(self.loss, {**self.grads, **other.grads}, self.losses, self.norms,
-                     {**self.updates, **other.updates}, self.extra)
+        return Steps(
+            self.loss,
+            {**self.grads, **other.grads},
+            self.losses,
+            self.norms,
+            {**self.updates, **other.updates},
+            self.extra,
+        )
 
 
 def record_steps(config, ctx, steps: int = 3, prepare=None) -> Steps:
@@ -188,7 +237,10 @@ def record_steps(config, ctx, steps: int = 3, prepare=None) -> Steps:
     named = trainer.named_parameters()
 
     def full(tensors):
-        return {n: full_tensor(t, p.shard, trainer.tp).float().clone() for (n, p), t in zip(named, tensors, strict=True)}
+        return {
+            n: full_tensor(t, p.shard, trainer.tp).float().clone()
+            for (n, p), t in zip(named, tensors, strict=True)
+        }
 
     loss, _, pieces = trainer.compute_gradients()
     grads = full(trainer.data_parallel.full(pieces))  # per parameter, whole (assembled over dp under ZeRO-1)
@@ -212,7 +264,7 @@ def mask_unevenly(trainer) -> None:
         for index, micro_batch in enumerate(micro_batches):
             targets = micro_batch.targets.clone()
             for row in range(targets.shape[0]):
-                targets[row, :(7 * (first + index * batches.micro_batch_size + row)) % 23] = IGNORE_INDEX
+                targets[row, : (7 * (first + index * batches.micro_batch_size + row)) % 23] = IGNORE_INDEX
             micro_batches[index] = MicroBatch(micro_batch.inputs, targets)
         return micro_batches
 
@@ -250,13 +302,24 @@ def assert_steps_match(got: Steps, reference: Steps, exact: Steps | None = None,
     are bf16). fp32 bounds: the loss 1e-5 relative, grad norms and weight changes 1e-4 (Adam's division by
     sqrt(v) amplifies summation-order differences in small gradients), gradients 1e-5."""
     assert got.grads.keys() == reference.grads.keys(), label  # every parameter lives on some stage
-    pairs = [("loss", got.loss, reference.loss, exact and exact.loss, 1e-5),
-             *[(f"loss of step {i + 1}", g, r, exact and exact.losses[i], 1e-5)
-               for i, (g, r) in enumerate(zip(got.losses, reference.losses, strict=True))],
-             *[(f"grad norm of step {i + 1}", g, r, exact and exact.norms[i], 1e-4)
-               for i, (g, r) in enumerate(zip(got.norms, reference.norms, strict=True))],
-             *[(f"gradient of {n}", got.grads[n], r, exact and exact.grads[n], 1e-5) for n, r in reference.grads.items()],
-             *[(f"update of {n}", got.updates[n], r, exact and exact.updates[n], 1e-4)
-               for n, r in reference.updates.items()]]
+    pairs = [
+        ("loss", got.loss, reference.loss, exact and exact.loss, 1e-5),
+        *[
+            (f"loss of step {i + 1}", g, r, exact and exact.losses[i], 1e-5)
+            for i, (g, r) in enumerate(zip(got.losses, reference.losses, strict=True))
+        ],
+        *[
+            (f"grad norm of step {i + 1}", g, r, exact and exact.norms[i], 1e-4)
+            for i, (g, r) in enumerate(zip(got.norms, reference.norms, strict=True))
+        ],
+        *[
+            (f"gradient of {n}", got.grads[n], r, exact and exact.grads[n], 1e-5)
+            for n, r in reference.grads.items()
+        ],
+        *[
+            (f"update of {n}", got.updates[n], r, exact and exact.updates[n], 1e-4)
+            for n, r in reference.updates.items()
+        ],
+    ]
     for what, ours, ref, fp32, rel in pairs:
         assert_close_to_reference(ours, ref, fp32, fp32_rel=rel, label=f"{label}: {what}")

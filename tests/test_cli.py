@@ -24,11 +24,14 @@ def corpus_and_tokenizer(tmp_path_factory):
     corpus = root / "plays.jsonl"
     corpus.write_text("".join(json.dumps({"text": d["text"][:30000]}) + "\n" for d in docs))
     tokenizer = root / "tokenizer.json"
-    result = femtotron("train-tokenizer", "--input", str(corpus), "--vocab-size", "320", "--output", str(tokenizer))
+    result = femtotron(
+        "train-tokenizer", "--input", str(corpus), "--vocab-size", "320", "--output", str(tokenizer)
+    )
     assert result.returncode == 0, result.stderr
     prefix = root / "plays"
-    result = femtotron("preprocess", "--input", str(corpus), "--tokenizer", str(tokenizer),
-                       "--output-prefix", str(prefix))
+    result = femtotron(
+        "preprocess", "--input", str(corpus), "--tokenizer", str(tokenizer), "--output-prefix", str(prefix)
+    )
     assert result.returncode == 0, result.stderr
     assert "2 documents" in result.stdout
     return root, str(prefix), str(tokenizer)
@@ -59,8 +62,10 @@ def test_D2_train_on_one_cpu_process_then_generate(corpus_and_tokenizer, tmp_pat
 @pytest.mark.distributed
 def test_config_errors_exit_2_without_traceback(tmp_path):
     config = tmp_path / "bad.yaml"
-    config.write_text("model:\n  model_config:\n    hiden_size: 256\nparallelism:\n  tp: two\n"
-                      "tokens:\n  train_steps: 5\ndata:\n  dataset_folder: x\n")
+    config.write_text(
+        "model:\n  model_config:\n    hiden_size: 256\nparallelism:\n  tp: two\n"
+        "tokens:\n  train_steps: 5\ndata:\n  dataset_folder: x\n"
+    )
     result = femtotron("train", str(config), "tokens.micro_batch_size=0")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
@@ -73,7 +78,11 @@ def test_L1_world_size_mismatch_is_caught_before_any_process_group(tmp_path):
     config = write_config(tmp_path / "cfg.yaml", "x", None, tmp_path / "runs")
     result = femtotron("train", str(config), env={"WORLD_SIZE": "4", "RANK": "0", "MASTER_PORT": "1"})
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "WORLD_SIZE=4" in result.stderr and "dp=4 tp=1 pp=1" in result.stderr and "dp=2 tp=2 pp=1" in result.stderr
+    assert (
+        "WORLD_SIZE=4" in result.stderr
+        and "dp=4 tp=1 pp=1" in result.stderr
+        and "dp=2 tp=2 pp=1" in result.stderr
+    )
 
 
 @pytest.mark.distributed
@@ -96,9 +105,25 @@ def test_torchrun_data_parallel(corpus_and_tokenizer, tmp_path):
     _, prefix, tokenizer = corpus_and_tokenizer
     config = write_config(tmp_path / "cfg.yaml", prefix, tokenizer, tmp_path / "runs", micro_batch_size=2)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         "-m", "femtotron", "train", str(config), "parallelism.dp=2", "tokens.train_steps=2"],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "femtotron",
+            "train",
+            str(config),
+            "parallelism.dp=2",
+            "tokens.train_steps=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "starting them on this machine" not in result.stderr  # each rank trains; none launches more
@@ -119,8 +144,15 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused(corpus_and_tokeni
 @pytest.mark.distributed
 def test_unwritable_paths_and_unreadable_yaml_are_errors_not_tracebacks(corpus_and_tokenizer, tmp_path):
     root, _, _ = corpus_and_tokenizer
-    result = femtotron("train-tokenizer", "--input", str(root / "plays.jsonl"), "--vocab-size", "300",
-                       "--output", str(tmp_path))  # a directory, not a file
+    result = femtotron(
+        "train-tokenizer",
+        "--input",
+        str(root / "plays.jsonl"),
+        "--vocab-size",
+        "300",
+        "--output",
+        str(tmp_path),
+    )  # a directory, not a file
     assert result.returncode == 1 and "Traceback" not in result.stderr and str(tmp_path) in result.stderr
     config = tmp_path / "bell.yaml"
     config.write_text("tokens:\n  train_steps: 5\x07\n")
@@ -145,12 +177,20 @@ def test_help_describes_the_tool_in_a_whole_sentence(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     description = " ".join(capsys.readouterr().out.split("positional arguments")[0].split())
-    assert description.endswith("femtotron: pretrain LLaMA-style models with data, tensor and pipeline parallelism "
-                                "and ZeRO-1.")
+    assert description.endswith(
+        "femtotron: pretrain LLaMA-style models with data, tensor and pipeline parallelism and ZeRO-1."
+    )
 
 
 @pytest.mark.distributed
 def test_train_tokenizer_with_too_small_a_vocabulary_is_a_usage_error(tmp_path):
-    result = femtotron("train-tokenizer", "--input", str(tmp_path / "none.jsonl"), "--vocab-size", "100", "--output",
-                       str(tmp_path / "t.json"))
+    result = femtotron(
+        "train-tokenizer",
+        "--input",
+        str(tmp_path / "none.jsonl"),
+        "--vocab-size",
+        "100",
+        "--output",
+        str(tmp_path / "t.json"),
+    )
     assert result.returncode == 2 and "--vocab-size 100 is too small" in result.stderr

@@ -1,4 +1,5 @@
-"""`femtotron train` without a launcher starts dp*tp*pp local processes itself, through torch.distributed.run."""
+"""`femtotron train` without a launcher starts dp*tp*pp local processes itself, through
+torch.distributed.run."""
 
 import json
 import os
@@ -18,8 +19,10 @@ from femtotron.errors import ConfigError
 from femtotron.generate import load_run
 from femtotron.launch import _first_failure_code, adopt_slurm_environment, check_local_devices, first_host
 
-LAUNCH_LINE = ("femtotron: dp=2 tp=1 pp=1 needs 2 processes; starting them on this machine with "
-               "torch.distributed.run (use torchrun or srun for several nodes)")
+LAUNCH_LINE = (
+    "femtotron: dp=2 tp=1 pp=1 needs 2 processes; starting them on this machine with "
+    "torch.distributed.run (use torchrun or srun for several nodes)"
+)
 
 
 pytestmark = pytest.mark.usefixtures("no_launcher")  # these tests are about running without a launcher
@@ -42,8 +45,13 @@ def test_data_parallel_run_starts_its_processes_and_matches_one_process(config, 
     assert LAUNCH_LINE in result.stderr and "Traceback" not in result.stderr
     assert "[rank 0 dp0 tp0 pp0] layout: dp=2 tp=1 pp=1 on 2 process(es) on 1 host(s)" in result.stdout
     assert "step 2/2 | loss" in result.stdout
-    single = femtotron("train", config, "tokens.train_steps=2", "tokens.batch_accumulation_per_replica=2",
-                       "general.run=single")
+    single = femtotron(
+        "train",
+        config,
+        "tokens.train_steps=2",
+        "tokens.batch_accumulation_per_replica=2",
+        "general.run=single",
+    )
     assert single.returncode == 0, single.stderr[-3000:]
     assert "starting them on this machine" not in single.stderr  # one process needs no launcher
     # The same global batch split over two ranks instead of two micro-batches: the same training.
@@ -56,15 +64,38 @@ def test_tensor_parallel_run_matches_one_process_under_both_launches(config, tmp
     losses as one process, and the saved full-shape weights equal to its weights."""
     single = femtotron("train", config, "tokens.train_steps=3", "general.run=single")
     assert single.returncode == 0, single.stderr[-3000:]
-    auto = femtotron("train", config, "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER",
-                     "tokens.train_steps=3", "general.run=auto")
+    auto = femtotron(
+        "train",
+        config,
+        "parallelism.tp=2",
+        "parallelism.tp_mode=REDUCE_SCATTER",
+        "tokens.train_steps=3",
+        "general.run=auto",
+    )
     assert auto.returncode == 0, auto.stderr[-3000:]
     assert "dp=1 tp=2 pp=1 needs 2 processes" in auto.stderr
     assert "tensor parallel: tp=2, tp_mode=REDUCE_SCATTER" in auto.stdout
     torchrun = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         "-m", "femtotron", "train", config, "parallelism.tp=2", "tokens.train_steps=3", "general.run=torchrun"],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "femtotron",
+            "train",
+            config,
+            "parallelism.tp=2",
+            "tokens.train_steps=3",
+            "general.run=torchrun",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert torchrun.returncode == 0, torchrun.stderr[-3000:]
     runs = tmp_path / "runs"
@@ -85,7 +116,11 @@ def test_tensor_parallel_run_matches_one_process_under_both_launches(config, tmp
 def test_pipeline_run_matches_one_process_and_its_weights_generate(config, tmp_path):
     """pp=2 started by femtotron itself: the same losses and final weights as one process; each stage
     writes its part, listed in model-parts.json, and `femtotron generate` reads them."""
-    common = ["tokens.train_steps=3", "tokens.batch_accumulation_per_replica=2", "model.model_config.tie_word_embeddings=true"]
+    common = [
+        "tokens.train_steps=3",
+        "tokens.batch_accumulation_per_replica=2",
+        "model.model_config.tie_word_embeddings=true",
+    ]
     single = femtotron("train", config, *common, "general.run=single")
     assert single.returncode == 0, single.stderr[-3000:]
     piped = femtotron("train", config, *common, "parallelism.pp=2", "general.run=piped")
@@ -113,8 +148,9 @@ def test_pipeline_run_matches_one_process_and_its_weights_generate(config, tmp_p
 @pytest.mark.distributed
 def test_a_failing_rank_exit_code_reaches_the_caller_without_launcher_noise(config):
     # Only the ranks see this: the token ids are checked against the vocabulary when each rank opens the data.
-    result = femtotron("train", config, "parallelism.dp=2", "tokens.train_steps=2",
-                       "model.model_config.vocab_size=128")
+    result = femtotron(
+        "train", config, "parallelism.dp=2", "tokens.train_steps=2", "model.model_config.vocab_size=128"
+    )
     assert result.returncode == 3, result.stderr[-3000:]
     assert LAUNCH_LINE in result.stderr
     assert "(data.dataset_folder) holds token id 2" in result.stderr
@@ -124,8 +160,9 @@ def test_a_failing_rank_exit_code_reaches_the_caller_without_launcher_noise(conf
 
 # A typo breaks the schema, zero_stage=2 a cross-field rule: the parent checks both before starting anything.
 @pytest.mark.distributed
-@pytest.mark.parametrize("override, field", [("tokens.train_stepz=2", "train_stepz"),
-                                              ("optimizer.zero_stage=2", "zero_stage")])
+@pytest.mark.parametrize(
+    "override, field", [("tokens.train_stepz=2", "train_stepz"), ("optimizer.zero_stage=2", "zero_stage")]
+)
 def test_config_errors_are_reported_once_before_any_process_starts(config, override, field):
     result = femtotron("train", config, "parallelism.dp=2", override)
     assert result.returncode == 2 and "Traceback" not in result.stderr
@@ -152,7 +189,9 @@ def failure(rank: int, exitcode: int, timestamp: int) -> tuple[int, ProcessFailu
 
 def test_the_first_rank_to_fail_on_its_own_sets_the_exit_code(capsys):
     # Rank 0 was stopped by the launcher in the same second as rank 1 failed: rank 1 is the cause.
-    assert _first_failure_code(ChildFailedError("femtotron", dict([failure(0, -15, 7), failure(1, 3, 7)]))) == 3
+    assert (
+        _first_failure_code(ChildFailedError("femtotron", dict([failure(0, -15, 7), failure(1, 3, 7)]))) == 3
+    )
     assert _first_failure_code(ChildFailedError("femtotron", dict([failure(0, 4, 9), failure(1, 3, 8)]))) == 3
     assert capsys.readouterr().err == ""  # the rank printed its own message
     killed = ChildFailedError("femtotron", dict([failure(1, -signal.SIGKILL, 5)]))
@@ -160,15 +199,22 @@ def test_the_first_rank_to_fail_on_its_own_sets_the_exit_code(capsys):
     assert "rank 1 was killed by SIGKILL" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("nodelist, host", [("gpu[07-09,12],cpu1", "gpu07"), ("node3,node4", "node3"),
-                                            ("login-a", "login-a"), ("n[1-2]", "n1")])
+@pytest.mark.parametrize(
+    "nodelist, host",
+    [("gpu[07-09,12],cpu1", "gpu07"), ("node3,node4", "node3"), ("login-a", "login-a"), ("n[1-2]", "n1")],
+)
 def test_first_host_of_a_slurm_node_list(nodelist, host):
     assert first_host(nodelist) == host
 
 
 def test_slurm_variables_become_torchrun_variables():
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "123456",
-           "SLURM_STEP_NODELIST": "gpu[07-10]"}
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_ID": "123456",
+        "SLURM_STEP_NODELIST": "gpu[07-10]",
+    }
     assert adopt_slurm_environment(env)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("5", "8", "1")
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("gpu07", str(20000 + 123456 % 20000))
@@ -180,12 +226,32 @@ def test_slurm_variables_become_torchrun_variables():
 @pytest.mark.distributed
 def test_srun_style_tasks_train_together(config, tmp_path):
     """Two processes started the way `srun --ntasks 2` starts them (only SLURM_* set) form one dp=2 run."""
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": str(free_port()),
-            "SLURM_STEP_NODELIST": "127.0.0.1"}
-    tasks = [subprocess.Popen([sys.executable, "-m", "femtotron", "train", config, "parallelism.dp=2",
-                               "tokens.train_steps=2", "general.run=srun"],
-                              env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    base = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "SLURM_NTASKS": "2",
+        "SLURM_JOB_ID": str(free_port()),
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+    }
+    tasks = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "femtotron",
+                "train",
+                config,
+                "parallelism.dp=2",
+                "tokens.train_steps=2",
+                "general.run=srun",
+            ],
+            env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outputs = [task.communicate(timeout=240) for task in tasks]
     assert [task.returncode for task in tasks] == [0, 0], outputs[0][1][-3000:]
     assert "Slurm task 0 of 2; rendezvous at 127.0.0.1:" in outputs[0][1]
@@ -207,11 +273,24 @@ def test_D3_debug_sets_the_distributed_debug_variables_and_every_rank_logs(confi
 def test_sigterm_to_a_self_launched_run_saves_and_exits_7_as_under_torchrun(config, tmp_path):
     """A scheduler signals the process it started: the launcher. The ranks must get it, save a checkpoint and
     stop, and the launcher exit 7 (not torch's 143), so a requeue script sees the same code either way."""
-    run = subprocess.Popen([sys.executable, "-m", "femtotron", "train", config, "parallelism.dp=2",
-                            "tokens.train_steps=100000", "checkpoints.checkpoint_interval=1000",
-                            "logging.iteration_step_info_interval=1", "general.run=term"],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "femtotron",
+            "train",
+            config,
+            "parallelism.dp=2",
+            "tokens.train_steps=100000",
+            "checkpoints.checkpoint_interval=1000",
+            "logging.iteration_step_info_interval=1",
+            "general.run=term",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     for line in run.stdout:
         if "step 2/" in line:  # training is under way
             run.send_signal(signal.SIGTERM)

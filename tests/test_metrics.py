@@ -10,13 +10,23 @@ from femtotron.run_log import RunLog
 
 
 def tiny_model_config(**overrides):
-    model = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, **overrides}
-    config = load_config_dict({
-        "model": {"model_config": model},
-        "tokens": {"train_steps": 1, "sequence_length": 32},
-        "data": {"dataset_folder": "unused"},
-    })
+    model = {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        **overrides,
+    }
+    config = load_config_dict(
+        {
+            "model": {"model_config": model},
+            "tokens": {"train_steps": 1, "sequence_length": 32},
+            "data": {"dataset_folder": "unused"},
+        }
+    )
     return config.model.model_config_
 
 
@@ -73,20 +83,29 @@ def test_run_log_main_rank_writes_jsonl_and_prefixed_lines(tmp_path, capsys):
     log.record({"step": 2, "loss": 2.25, "note": "two\nlines"})
     log.info("hello\nworld")
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line) for line in lines] == [{"step": 1, "loss": 2.5},
-                                                    {"step": 2, "loss": 2.25, "note": "two\nlines"}]
+    assert [json.loads(line) for line in lines] == [
+        {"step": 1, "loss": 2.5},
+        {"step": 2, "loss": 2.25, "note": "two\nlines"},
+    ]
     assert capsys.readouterr().out == "[rank 0 dp0 tp0 pp0] hello\n[rank 0 dp0 tp0 pp0] world\n"
 
 
 def test_run_log_touches_the_metrics_file_only_once_the_run_starts_and_keeps_the_steps_before(tmp_path):
-    earlier = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 2, "val_loss": 2.5}, {"step": 3, "loss": 1.0}]
+    earlier = [
+        {"step": 1, "loss": 3.0},
+        {"step": 2, "loss": 2.0},
+        {"step": 2, "val_loss": 2.5},
+        {"step": 3, "loss": 1.0},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier))
     log = RunLog("[rank 0]", tmp_path, is_main=True)  # a run that may still fail to start
     assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == earlier
     log.start_at(2)  # resumed from step 2: step 3 of the attempt that died is dropped, the rest kept
     log.record({"step": 3, "loss": 1.5})
-    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
-        [*earlier[:3], {"step": 3, "loss": 1.5}]
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        *earlier[:3],
+        {"step": 3, "loss": 1.5},
+    ]
     RunLog("[rank 0]", tmp_path, is_main=True).start_at(0)  # a run from scratch keeps nothing
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
@@ -107,4 +126,3 @@ def test_run_log_console_off_is_silent_but_still_records(tmp_path, capsys):
     log.record({"step": 1})
     assert capsys.readouterr().out == ""
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
-

@@ -11,8 +11,12 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "femtotron"
 # The only modules that may call torch.distributed: collectives, process groups, store messages, the launcher.
-DISTRIBUTED_DOORS = {"femtotron.parallel.comm", "femtotron.parallel.context", "femtotron.parallel.store",
-                     "femtotron.launch"}
+DISTRIBUTED_DOORS = {
+    "femtotron.parallel.comm",
+    "femtotron.parallel.context",
+    "femtotron.parallel.store",
+    "femtotron.launch",
+}
 
 
 def module_name(path: Path) -> str:
@@ -26,7 +30,8 @@ def is_module(name: str) -> bool:
 
 
 def runtime_imports(tree: ast.Module) -> list[str]:
-    """Every module imported, skipping `if TYPE_CHECKING:` blocks; `from a import b` is a.b when b is a module."""
+    """Every module imported, skipping `if TYPE_CHECKING:` blocks; `from a import b` is a.b when b is a
+    module."""
     names: list[str] = []
 
     def visit(node: ast.AST) -> None:
@@ -48,7 +53,9 @@ def runtime_imports(tree: ast.Module) -> list[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    return {module_name(path): set(runtime_imports(ast.parse(path.read_text()))) for path in PACKAGE.rglob("*.py")}
+    return {
+        module_name(path): set(runtime_imports(ast.parse(path.read_text()))) for path in PACKAGE.rglob("*.py")
+    }
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -99,15 +106,27 @@ def test_only_the_command_line_imports_the_trainer():
 
 
 def test_only_the_door_modules_touch_torch_distributed():
-    touching = {module for module, imports in import_graph().items()
-                if any(name == "torch.distributed" or name.startswith("torch.distributed.") for name in imports)}
+    touching = {
+        module
+        for module, imports in import_graph().items()
+        if any(name == "torch.distributed" or name.startswith("torch.distributed.") for name in imports)
+    }
     assert touching <= DISTRIBUTED_DOORS, touching - DISTRIBUTED_DOORS
 
 
 def test_D5_the_package_maps_onto_the_guides_rooms():
-    for room in ("trainer.py", "parallel/context.py", "parallel/comm.py", "parallel/tensor_parallel.py",
-                 "parallel/pipeline/schedules.py", "parallel/data_parallel.py", "models/llama.py", "optim/zero.py",
-                 "config/config.py", "serialize/checkpoint.py"):
+    for room in (
+        "trainer.py",
+        "parallel/context.py",
+        "parallel/comm.py",
+        "parallel/tensor_parallel.py",
+        "parallel/pipeline/schedules.py",
+        "parallel/data_parallel.py",
+        "models/llama.py",
+        "optim/zero.py",
+        "config/config.py",
+        "serialize/checkpoint.py",
+    ):
         assert (PACKAGE / room).is_file(), room
 
 
@@ -117,16 +136,23 @@ def test_D4_the_core_stays_small_enough_to_read():
     for path in PACKAGE.rglob("*.py"):
         if "diagnostics" in path.parts or path.name == "cli.py":
             continue
-        lines += sum(1 for line in path.read_text().splitlines() if line.strip() and not line.strip().startswith("#"))
+        lines += sum(
+            1 for line in path.read_text().splitlines() if line.strip() and not line.strip().startswith("#")
+        )
     assert lines < 5500, lines
 
 
 def test_every_failure_mode_has_a_test_named_after_it():
-    """docs/errors.md lists the guide's failure modes (L1 ... D5); each has a test whose name starts with its id."""
+    """docs/errors.md lists the guide's failure modes (L1 ... D5); each has a test whose name starts with its
+    id."""
     root = Path(__file__).parent
-    rows = {line.split("|")[1].strip() for line in (root.parent / "docs" / "errors.md").read_text().splitlines()
-            if line.startswith("| ") and line.split("|")[1].strip()[:1] in "LMNTPCD"
-            and line.split("|")[1].strip()[1:].isdigit()}
+    rows = {
+        line.split("|")[1].strip()
+        for line in (root.parent / "docs" / "errors.md").read_text().splitlines()
+        if line.startswith("| ")
+        and line.split("|")[1].strip()[:1] in "LMNTPCD"
+        and line.split("|")[1].strip()[1:].isdigit()
+    }
     tests = "\n".join(path.read_text() for path in root.rglob("test_*.py"))
     assert len(rows) == 25
     assert sorted(row for row in rows if f"def test_{row}_" not in tests) == []

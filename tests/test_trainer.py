@@ -24,7 +24,15 @@ def test_D4_loss_decreases_and_metrics_are_written(tiny_config):
     assert sum(losses[-5:]) / 5 < losses[0] - 1.0
     records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 5, 10, 15, 20, 25, 30, 35, 40]
-    for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per_device", "mfu", "mem_rss_gib"):
+    for key in (
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_sec",
+        "tokens_per_sec_per_device",
+        "mfu",
+        "mem_rss_gib",
+    ):
         assert key in records[0]
     assert records[0]["loss"] == pytest.approx(losses[0]) and records[-1]["loss"] == pytest.approx(losses[-1])
     assert (trainer.run_dir / "model.safetensors").is_file() and (trainer.run_dir / "config.yaml").is_file()
@@ -42,7 +50,8 @@ def loss_and_grads(config, ctx=None):
 def test_micro_batch_split_gives_the_same_loss_and_gradients(tiny_config):
     whole_loss, whole, _ = loss_and_grads(tiny_config("tokens.micro_batch_size=8"))
     split_loss, split, _ = loss_and_grads(
-        tiny_config("tokens.micro_batch_size=2", "tokens.batch_accumulation_per_replica=4"))
+        tiny_config("tokens.micro_batch_size=2", "tokens.batch_accumulation_per_replica=4")
+    )
     assert split_loss == pytest.approx(whole_loss, rel=1e-6)
     for name, grad in whole.items():
         torch.testing.assert_close(split[name], grad, rtol=1e-5, atol=1e-7, msg=name)
@@ -93,19 +102,29 @@ def test_N2_non_finite_loss_stops_with_history_and_advice(tiny_config):
     assert "learning_rate" in message and "clip_grad" in message
 
 
-def test_missing_dataset_is_reported_before_the_model_is_built_and_leaves_the_metrics_alone(tiny_config, tmp_path):
+def test_missing_dataset_is_reported_before_the_model_is_built_and_leaves_the_metrics_alone(
+    tiny_config, tmp_path
+):
     trainer, _ = train(tiny_config("tokens.train_steps=2"))
     metrics = (trainer.run_dir / "metrics.jsonl").read_text()
     config = tiny_config(f"data.dataset_folder={tmp_path / 'nowhere'}")
     with pytest.raises(DataError, match="nowhere") as info:
         Trainer(config, ParallelContext(), log_to_console=False).train()
     assert "femtotron preprocess" in str(info.value)
-    assert (trainer.run_dir / "metrics.jsonl").read_text() == metrics  # the run never started: nothing changed
+    assert (
+        trainer.run_dir / "metrics.jsonl"
+    ).read_text() == metrics  # the run never started: nothing changed
 
 
 def test_validation_loss_is_logged(tiny_config, tiny_dataset):
-    trainer, _ = train(tiny_config("tokens.train_steps=4", "tokens.val_check_interval=2",
-                                   "tokens.limit_val_batches=2", f"data.validation_folder={tiny_dataset}"))
+    trainer, _ = train(
+        tiny_config(
+            "tokens.train_steps=4",
+            "tokens.val_check_interval=2",
+            "tokens.limit_val_batches=2",
+            f"data.validation_folder={tiny_dataset}",
+        )
+    )
     records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in val] == [2, 4] and all(math.isfinite(r["val_loss"]) for r in val)
@@ -113,23 +132,30 @@ def test_validation_loss_is_logged(tiny_config, tiny_dataset):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_stages_2_and_3_are_refused_not_treated_as_1(tiny_config, stage):
-    with pytest.raises(ConfigError, match=f"optimizer.zero_stage.*zero_stage={stage} .*not implemented.*Fix: zero_stage=1"):
+    with pytest.raises(
+        ConfigError, match=f"optimizer.zero_stage.*zero_stage={stage} .*not implemented.*Fix: zero_stage=1"
+    ):
         tiny_config(f"optimizer.zero_stage={stage}")
 
 
-def test_N3_token_ids_beyond_the_vocabulary_name_the_dataset_file_before_the_model_is_built(tiny_config, tiny_dataset):
+def test_N3_token_ids_beyond_the_vocabulary_name_the_dataset_file_before_the_model_is_built(
+    tiny_config, tiny_dataset
+):
     config = tiny_config("model.model_config.vocab_size=128")  # the data uses ids up to 255
     with pytest.raises(DataError) as info:
         Trainer(config, ParallelContext(), log_to_console=False)
     message = str(info.value)
     assert message.startswith(f"{tiny_dataset}.bin (data.dataset_folder) holds token id 2")
-    assert "model.model_config.vocab_size=128 allows ids 0..127" in message and "femtotron preprocess" in message
+    assert (
+        "model.model_config.vocab_size=128 allows ids 0..127" in message and "femtotron preprocess" in message
+    )
 
 
 def test_N3_a_batch_with_an_empty_loss_mask_is_an_error(tiny_config):
     trainer = Trainer(tiny_config(), ParallelContext(), log_to_console=False)
-    trainer.batches.step_at = lambda consumed: [MicroBatch(torch.zeros(4, 32, dtype=torch.int64),
-                                                           torch.full((4, 32), IGNORE_INDEX))]
+    trainer.batches.step_at = lambda consumed: [
+        MicroBatch(torch.zeros(4, 32, dtype=torch.int64), torch.full((4, 32), IGNORE_INDEX))
+    ]
     with pytest.raises(DataError, match="step 1: no target token of the whole batch counts in the loss"):
         trainer.train_step()
 
@@ -144,8 +170,9 @@ def test_N3_a_first_loss_far_from_ln_vocab_is_a_warning(tiny_config, capsys):
 
 
 def weights(trainer):
-    return [p.detach().clone() for _, p in trainer.named_parameters()] + \
-        [m.detach().clone() for m in trainer.optimizer.full_masters()]
+    return [p.detach().clone() for _, p in trainer.named_parameters()] + [
+        m.detach().clone() for m in trainer.optimizer.full_masters()
+    ]
 
 
 def test_N1_fp16_overflow_skips_the_step_and_lowers_the_loss_scale(tiny_config, capsys):
@@ -163,8 +190,10 @@ def test_N1_fp16_overflow_skips_the_step_and_lowers_the_loss_scale(tiny_config, 
     assert trainer.scaler.scale == 2.0**15 and trainer.scaler.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, weights(trainer), strict=True))  # weights unchanged
     assert not trainer.data_parallel.flat_grads.any()  # the bad gradients are dropped
-    assert "step 1: fp16 gradients overflowed at loss scale 65536; step skipped, scale lowered to 32768" \
+    assert (
+        "step 1: fp16 gradients overflowed at loss scale 65536; step skipped, scale lowered to 32768"
         in capsys.readouterr().out
+    )
     trainer.log_step(skipped)
     results = trainer.train()  # steps 2..20: no more overflows, and fp16 learns
     losses = [skipped.loss] + [r.loss for r in results]
@@ -177,8 +206,11 @@ def test_N1_fp16_overflow_skips_the_step_and_lowers_the_loss_scale(tiny_config, 
 
 
 def test_fp16_loss_scale_too_large_for_fp16_backs_off_then_stops_at_min_scale(tiny_config):
-    config = tiny_config("model.dtype=float16", "optimizer.loss_scale.initial_scale=1099511627776",  # 2**40
-                         "optimizer.loss_scale.min_scale=549755813888")  # 2**39
+    config = tiny_config(
+        "model.dtype=float16",
+        "optimizer.loss_scale.initial_scale=1099511627776",  # 2**40
+        "optimizer.loss_scale.min_scale=549755813888",
+    )  # 2**39
     trainer = Trainer(config, ParallelContext(), log_to_console=False)
     before = weights(trainer)
     result = trainer.train_step()  # scaled by 2**40 the gradients really overflow fp16
@@ -225,15 +257,21 @@ def test_fp16_overflow_on_one_dp_rank_skips_the_step_on_both(tiny_config):
     for skipped, unchanged, scale, second_skipped, second_loss, _ in results:
         assert skipped and unchanged and scale == 2.0**15
         assert not second_skipped and math.isfinite(second_loss)
-    assert all(torch.equal(a, b) for a, b in zip(results[0][-1], results[1][-1], strict=True))  # still in step
+    assert all(
+        torch.equal(a, b) for a, b in zip(results[0][-1], results[1][-1], strict=True)
+    )  # still in step
 
 
 def test_interleaved_pipeline_on_gpus_is_refused(tiny_config, monkeypatch):
     from femtotron.cli import refuse_where_unsupported as check_supported
 
-    interleaved = tiny_config("parallelism.pp=2", "parallelism.pp_engine=interleaved-1f1b",
-                              "parallelism.pp_virtual_stages=2", "model.model_config.num_hidden_layers=4",
-                              "tokens.batch_accumulation_per_replica=4")
+    interleaved = tiny_config(
+        "parallelism.pp=2",
+        "parallelism.pp_engine=interleaved-1f1b",
+        "parallelism.pp_virtual_stages=2",
+        "model.model_config.num_hidden_layers=4",
+        "tokens.batch_accumulation_per_replica=4",
+    )
     check_supported(interleaved)  # CPU (gloo): supported
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     check_supported(tiny_config("parallelism.pp=2"))  # 1F1B: batched pairs are safe on NCCL
@@ -248,14 +286,21 @@ def _masked_dp_run(rank, config):
 
 @pytest.mark.distributed
 def test_the_loss_is_token_weighted_when_micro_batches_and_dp_ranks_count_different_targets(tiny_config):
-    """Masks that differ between micro-batches and dp ranks: one big micro-batch, four small ones and dp=2 give
-    the same loss, gradients and steps. A mean of per-micro-batch means would weight the targets of a sparse
-    micro-batch more and fail here."""
+    """Masks that differ between micro-batches and dp ranks: one big micro-batch, four small ones and dp=2
+    give the same loss, gradients and steps. A mean of per-micro-batch means would weight the targets of a
+    sparse micro-batch more and fail here."""
     whole = record_steps(tiny_config("tokens.micro_batch_size=8"), ParallelContext(), prepare=mask_unevenly)
-    split = record_steps(tiny_config("tokens.micro_batch_size=2", "tokens.batch_accumulation_per_replica=4"),
-                         ParallelContext(), prepare=mask_unevenly)
+    split = record_steps(
+        tiny_config("tokens.micro_batch_size=2", "tokens.batch_accumulation_per_replica=4"),
+        ParallelContext(),
+        prepare=mask_unevenly,
+    )
     assert_steps_match(split, whole)
-    config = tiny_config("tokens.micro_batch_size=2", "tokens.batch_accumulation_per_replica=2", "parallelism.dp=2",
-                         "parallelism.collective_timeout_seconds=60")
+    config = tiny_config(
+        "tokens.micro_batch_size=2",
+        "tokens.batch_accumulation_per_replica=2",
+        "parallelism.dp=2",
+        "parallelism.collective_timeout_seconds=60",
+    )
     for got in run_ranks(_masked_dp_run, 2, config):
         assert_steps_match(got, whole)

@@ -1,4 +1,5 @@
-"""`python -m femtotron ...`, the same as the `femtotron` command; torchrun and the local launcher start this."""
+"""`python -m femtotron ...`, the same as the `femtotron` command; torchrun and the local launcher start
+this."""
 
 import sys
 

@@ -42,8 +42,11 @@ def cmd_train(args: argparse.Namespace) -> int | None:
         # Must be set before the process group is created to take effect.
         os.environ.setdefault("NCCL_DEBUG", "INFO")
         os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
-        print(f"[rank {os.environ.get('RANK', '0')}] --debug: NCCL_DEBUG={os.environ['NCCL_DEBUG']} "
-              f"TORCH_DISTRIBUTED_DEBUG={os.environ['TORCH_DISTRIBUTED_DEBUG']}", file=sys.stderr)
+        print(
+            f"[rank {os.environ.get('RANK', '0')}] --debug: NCCL_DEBUG={os.environ['NCCL_DEBUG']} "
+            f"TORCH_DISTRIBUTED_DEBUG={os.environ['TORCH_DISTRIBUTED_DEBUG']}",
+            file=sys.stderr,
+        )
     refuse_where_unsupported(config)  # before any process group exists, like every other config check
     from femtotron.parallel.context import ParallelContext
     from femtotron.trainer import Trainer
@@ -87,7 +90,9 @@ def cmd_check_tp(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> None:
     from femtotron.generate import generate_text
 
-    print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+    print(
+        generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    )
 
 
 def cmd_reshard(args: argparse.Namespace) -> None:
@@ -95,7 +100,11 @@ def cmd_reshard(args: argparse.Namespace) -> None:
 
     from femtotron.serialize.offline import reshard
 
-    layout = [f"parallelism.{key}={value}" for key in ("dp", "tp", "pp") if (value := getattr(args, key)) is not None]
+    layout = [
+        f"parallelism.{key}={value}"
+        for key in ("dp", "tp", "pp")
+        if (value := getattr(args, key)) is not None
+    ]
     path = reshard(Path(args.checkpoint), Path(args.out), [*layout, *args.overrides])
     print(f"wrote {path}; resume with checkpoints.resume_checkpoint_path={path.parent}")
 
@@ -106,8 +115,10 @@ def cmd_consolidate(args: argparse.Namespace) -> None:
     from femtotron.serialize.offline import consolidate
 
     out = consolidate(Path(args.checkpoint), Path(args.out), with_optimizer=args.with_optimizer)
-    print(f"wrote {out / 'model.safetensors'} and {out / 'config.yaml'}"
-          + (f" and {out / 'optimizer.safetensors'}" if args.with_optimizer else ""))
+    print(
+        f"wrote {out / 'model.safetensors'} and {out / 'config.yaml'}"
+        + (f" and {out / 'optimizer.safetensors'}" if args.with_optimizer else "")
+    )
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -139,8 +150,13 @@ def cmd_inspect_data(args: argparse.Namespace) -> None:
 def cmd_preprocess(args: argparse.Namespace) -> None:
     from femtotron.data.preprocess import preprocess
 
-    summary = preprocess(args.input, args.tokenizer, args.output_prefix, workers=args.workers, text_key=args.text_key)
-    print(f"wrote {args.output_prefix}.bin/.idx: {summary.documents:,} documents, {summary.tokens:,} tokens ({summary.dtype})")
+    summary = preprocess(
+        args.input, args.tokenizer, args.output_prefix, workers=args.workers, text_key=args.text_key
+    )
+    print(
+        f"wrote {args.output_prefix}.bin/.idx: {summary.documents:,} documents, {summary.tokens:,} tokens "
+        f"({summary.dtype})"
+    )
 
 
 def cmd_train_tokenizer(args: argparse.Namespace) -> None:
@@ -154,22 +170,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="femtotron", description=__doc__.split("\n\n")[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
 
-    train = verbs.add_parser("train", help="train a model from a YAML config; starts the dp*tp*pp processes "
-                                           "itself, or runs as one rank under torchrun")
+    train = verbs.add_parser(
+        "train",
+        help="train a model from a YAML config; starts the dp*tp*pp processes "
+        "itself, or runs as one rank under torchrun",
+    )
     train.add_argument("config", help="YAML config, e.g. examples/debug.yaml")
-    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. tokens.train_steps=50 parallelism.dp=2")
-    train.add_argument("--debug", action="store_true",
-                       help="set NCCL_DEBUG=INFO and TORCH_DISTRIBUTED_DEBUG=DETAIL before init")
+    train.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. tokens.train_steps=50 parallelism.dp=2"
+    )
+    train.add_argument(
+        "--debug",
+        action="store_true",
+        help="set NCCL_DEBUG=INFO and TORCH_DISTRIBUTED_DEBUG=DETAIL before init",
+    )
     train.set_defaults(run=cmd_train)
 
-    check = verbs.add_parser("check-tp", help="run one batch at tp=1 and at tp=N from the same weights and name "
-                                              "the first module whose output or gradient differs; starts the "
-                                              "tp processes itself, or runs as one rank under torchrun")
+    check = verbs.add_parser(
+        "check-tp",
+        help="run one batch at tp=1 and at tp=N from the same weights and name "
+        "the first module whose output or gradient differs; starts the "
+        "tp processes itself, or runs as one rank under torchrun",
+    )
     check.add_argument("config", help="YAML config, e.g. examples/debug.yaml")
-    check.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallelism.tp_mode=REDUCE_SCATTER")
-    check.add_argument("--tp", type=int, default=None, help="the tp to check (default: the config's parallelism.tp)")
-    check.add_argument("--tolerance", type=float, default=None,
-                       help="largest allowed max|tp - ref| / max|ref| (default 1e-4 for float32, 3e-2 for bfloat16)")
+    check.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. parallelism.tp_mode=REDUCE_SCATTER"
+    )
+    check.add_argument(
+        "--tp", type=int, default=None, help="the tp to check (default: the config's parallelism.tp)"
+    )
+    check.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="largest allowed max|tp - ref| / max|ref| (default 1e-4 for float32, 3e-2 for bfloat16)",
+    )
     check.set_defaults(run=cmd_check_tp)
 
     gen = verbs.add_parser("generate", help="sample text from a finished run")
@@ -181,19 +216,27 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(run=cmd_generate)
 
-    doc = verbs.add_parser("doctor", help="check a config without launching: rules, world size, stage map, "
-                                          "communication, and memory per rank against the device")
+    doc = verbs.add_parser(
+        "doctor",
+        help="check a config without launching: rules, world size, stage map, "
+        "communication, and memory per rank against the device",
+    )
     doc.add_argument("config", help="YAML config, e.g. examples/llama_8b_gpu.yaml")
     doc.add_argument("overrides", nargs="*", help="dotted overrides, e.g. tokens.micro_batch_size=2")
-    doc.add_argument("--world-size", type=int, default=None, help="the number of processes you will launch (L1)")
+    doc.add_argument(
+        "--world-size", type=int, default=None, help="the number of processes you will launch (L1)"
+    )
     where = doc.add_mutually_exclusive_group()
-    where.add_argument("--device", default=None, help="H100, H200, A100-80GB, A100-40GB, L40S, V100-32GB or CPU")
+    where.add_argument(
+        "--device", default=None, help="H100, H200, A100-80GB, A100-40GB, L40S, V100-32GB or CPU"
+    )
     where.add_argument("--device-memory", type=float, default=None, help="GiB per device")
     doc.add_argument("--gpus-per-node", type=int, default=8, help="for the tp-within-a-node check (T3)")
     doc.set_defaults(run=cmd_doctor)
 
-    ins = verbs.add_parser("inspect-data", help="decode the first training samples, with the positions that count "
-                                                "in the loss")
+    ins = verbs.add_parser(
+        "inspect-data", help="decode the first training samples, with the positions that count in the loss"
+    )
     ins.add_argument("config", help="YAML config, e.g. examples/debug.yaml")
     ins.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.dataset_folder=other/prefix")
     ins.add_argument("--n", type=int, default=3, help="how many samples")
@@ -201,22 +244,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     re = verbs.add_parser("reshard", help="rewrite a checkpoint for another mesh (one process, no cluster)")
     re.add_argument("checkpoint", help="a step-NNNNNNN checkpoint, or a checkpoints directory (its latest)")
-    re.add_argument("--out", required=True, help="the checkpoints directory to write step-NNNNNNN and latest into")
+    re.add_argument(
+        "--out", required=True, help="the checkpoints directory to write step-NNNNNNN and latest into"
+    )
     for key in ("dp", "tp", "pp"):
-        re.add_argument(f"--{key}", type=int, default=None, help=f"the new parallelism.{key} (default: as saved)")
-    re.add_argument("overrides", nargs="*", help="more dotted overrides, e.g. parallelism.pp_engine=afab "
-                                                 "optimizer.zero_stage=1")
+        re.add_argument(
+            f"--{key}", type=int, default=None, help=f"the new parallelism.{key} (default: as saved)"
+        )
+    re.add_argument(
+        "overrides",
+        nargs="*",
+        help="more dotted overrides, e.g. parallelism.pp_engine=afab optimizer.zero_stage=1",
+    )
     re.set_defaults(run=cmd_reshard)
 
     con = verbs.add_parser("consolidate", help="write a checkpoint's weights at full shape, with its config")
     con.add_argument("checkpoint", help="a step-NNNNNNN checkpoint, or a checkpoints directory (its latest)")
     con.add_argument("--out", required=True, help="directory for model.safetensors and config.yaml")
-    con.add_argument("--with-optimizer", action="store_true",
-                     help="also optimizer.safetensors: fp32 master weights and Adam moments at full shape")
+    con.add_argument(
+        "--with-optimizer",
+        action="store_true",
+        help="also optimizer.safetensors: fp32 master weights and Adam moments at full shape",
+    )
     con.set_defaults(run=cmd_consolidate)
 
     pre = verbs.add_parser("preprocess", help="tokenize .jsonl[.gz] / .txt into Megatron .bin/.idx files")
-    pre.add_argument("--input", required=True, help=".jsonl, .jsonl.gz (one document per line) or .txt (one document)")
+    pre.add_argument(
+        "--input", required=True, help=".jsonl, .jsonl.gz (one document per line) or .txt (one document)"
+    )
     pre.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json")
     pre.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     pre.add_argument("--workers", type=int, default=1)
@@ -249,8 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     from femtotron.launch import adopt_slurm_environment
 
     if adopt_slurm_environment(os.environ) and os.environ["RANK"] == "0":
-        print(f"femtotron: Slurm task 0 of {os.environ['WORLD_SIZE']}; rendezvous at "
-              f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", file=sys.stderr)
+        print(
+            f"femtotron: Slurm task 0 of {os.environ['WORLD_SIZE']}; rendezvous at "
+            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            file=sys.stderr,
+        )
     try:
         # A verb returns an exit code only when it has one to pass on (the local launcher's).
         return args.run(args) or 0

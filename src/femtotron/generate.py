@@ -14,21 +14,36 @@ from femtotron.serialize.weights import CONFIG_FILE, TOKENIZER_FILE, load_weight
 
 
 def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Config, Llama]:
-    """The model of `run_dir` (written by `femtotron train` or `consolidate`) with its trained weights, in fp32."""
+    """The model of `run_dir` (written by `femtotron train` or `consolidate`) with its trained weights, in
+    fp32."""
     config, weights = load_weights(Path(run_dir), device)
-    model = Llama(config.model.model_config_, std=config.model.init_method.std, seed=config.general.seed,
-                  dtype=torch.float32, device=torch.device(device))
+    model = Llama(
+        config.model.model_config_,
+        std=config.model.init_method.std,
+        seed=config.general.seed,
+        dtype=torch.float32,
+        device=torch.device(device),
+    )
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as e:
-        raise FemtotronError(f"the weights in {run_dir} do not hold this run's model ({Path(run_dir) / CONFIG_FILE}): "
-                             f"{str(e).splitlines()[0]}. Re-run the training that wrote them.") from None
+        raise FemtotronError(
+            f"the weights in {run_dir} do not hold this run's model ({Path(run_dir) / CONFIG_FILE}): "
+            f"{str(e).splitlines()[0]}. Re-run the training that wrote them."
+        ) from None
     return config, model.eval()
 
 
 @torch.no_grad()
-def sample(model: Llama, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8,
-           top_k: int | None = 50, seed: int = 0, stop_id: int | None = None) -> list[int]:
+def sample(
+    model: Llama,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+    stop_id: int | None = None,
+) -> list[int]:
     """Autoregressive sampling; the context is cropped to the model's max_position_embeddings."""
     generator = torch.Generator().manual_seed(seed)
     ids = list(prompt_ids)
@@ -47,19 +62,27 @@ def sample(model: Llama, prompt_ids: list[int], max_new_tokens: int, temperature
         ids.append(next_id)
         if next_id == stop_id:
             break
-    return [i for i in ids[len(prompt_ids):] if i != stop_id]
+    return [i for i in ids[len(prompt_ids) :] if i != stop_id]
 
 
-def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-                  top_k: int | None = 50, seed: int = 0) -> str:
+def generate_text(
+    run_dir: str | Path,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+) -> str:
     config, model = load_run(run_dir)
     # Training copies the tokenizer into the run directory, so a run can be sampled from anywhere.
     tokenizer_path = Path(run_dir) / TOKENIZER_FILE
     if not tokenizer_path.is_file():
         if config.tokenizer.tokenizer_name_or_path is None:
-            raise FemtotronError(f"{run_dir} has no tokenizer.json and its config.yaml no "
-                                 "tokenizer.tokenizer_name_or_path: set it to the tokenizer.json the data was "
-                                 "preprocessed with, and train again.")
+            raise FemtotronError(
+                f"{run_dir} has no tokenizer.json and its config.yaml no "
+                "tokenizer.tokenizer_name_or_path: set it to the tokenizer.json the data was "
+                "preprocessed with, and train again."
+            )
         tokenizer_path = Path(config.tokenizer.tokenizer_name_or_path)
     tokenizer = load_tokenizer(tokenizer_path)
     eos = eos_token_id(tokenizer)

@@ -83,16 +83,30 @@ def launch_local(nprocs: int, argv: list[str], what: str = "this run") -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    print(f"femtotron: {what} needs {nprocs} processes; starting them on this machine with "
-          "torch.distributed.run (use torchrun or srun for several nodes)", file=sys.stderr, flush=True)
+    print(
+        f"femtotron: {what} needs {nprocs} processes; starting them on this machine with "
+        "torch.distributed.run (use torchrun or srun for several nodes)",
+        file=sys.stderr,
+        flush=True,
+    )
     # torchrun sets the same default (N ranks each threading over every core would oversubscribe the
     # CPU), but announces it with a four-line warning.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     forwarded = _forward_stop_signals()
     # The signals torch's agent handles itself (by stopping the ranks): not SIGTERM when it is forwarded.
     handled = "SIGINT,SIGHUP,SIGQUIT" if forwarded else "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
-    args = torchrun.parse_args(["--standalone", "--nproc-per-node", str(nprocs), "--signals-to-handle", handled,
-                                "-m", "femtotron", *argv])
+    args = torchrun.parse_args(
+        [
+            "--standalone",
+            "--nproc-per-node",
+            str(nprocs),
+            "--signals-to-handle",
+            handled,
+            "-m",
+            "femtotron",
+            *argv,
+        ]
+    )
     failure_log = logging.getLogger(_FAILURE_LOGGER)
     level = failure_log.level
     failure_log.setLevel(logging.CRITICAL)
@@ -112,8 +126,8 @@ def launch_local(nprocs: int, argv: list[str], what: str = "this run") -> int:
 
 def _forward_stop_signals() -> dict[int, object]:
     """SIGTERM and SIGUSR1 (a scheduler's "stop soon") go on to the ranks, which save a checkpoint and exit 7;
-    the launcher then passes that 7 on. (torch's agent would instead kill the ranks and exit 143; SIGUSR1 would
-    kill the launcher outright.) Needs /proc to find the ranks; elsewhere torch's handling stays."""
+    the launcher then passes that 7 on. (torch's agent would instead kill the ranks and exit 143; SIGUSR1
+    would kill the launcher outright.) Needs /proc to find the ranks; elsewhere torch's handling stays."""
     if not os.path.isdir("/proc/self"):
         return {}
 
@@ -156,6 +170,9 @@ def _first_failure_code(error: ChildFailedError) -> int:
         name = signal.Signals(sig).name
     except ValueError:
         name = f"signal {sig}"
-    print(f"femtotron: error: rank {rank} was killed by {name} without a message (SIGKILL usually means the "
-          "machine ran out of memory: lower tokens.micro_batch_size or use fewer processes)", file=sys.stderr)
+    print(
+        f"femtotron: error: rank {rank} was killed by {name} without a message (SIGKILL usually means the "
+        "machine ran out of memory: lower tokens.micro_batch_size or use fewer processes)",
+        file=sys.stderr,
+    )
     return 128 + sig

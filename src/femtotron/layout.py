@@ -47,40 +47,83 @@ def tensor_parallel(config: Config, comm: Comm, group: Group, rank: int) -> Tens
 
 def build_rank_model(config: Config, ctx: ParallelContext) -> RankModel:
     """This process's part of the model, on its device, talking over its groups."""
-    return _build(config, tensor_parallel(config, ctx.comm, ctx.tp_group, ctx.tp_rank), ctx.pp_rank, ctx.comm,
-                  ctx.dp_group, ctx.dp_rank, ctx.device)
+    return _build(
+        config,
+        tensor_parallel(config, ctx.comm, ctx.tp_group, ctx.tp_rank),
+        ctx.pp_rank,
+        ctx.comm,
+        ctx.dp_group,
+        ctx.dp_rank,
+        ctx.device,
+    )
 
 
 def meta_rank_model(config: Config, rank: int) -> RankModel:
-    """Rank `rank` of the config's mesh on the meta device, without a process group: shapes and layout only."""
+    """Rank `rank` of the config's mesh on the meta device, without a process group: shapes and layout
+    only."""
     par = config.parallelism
     at = coordinates_of(rank, par.dp, par.tp)
     tp = tensor_parallel(config, Comm(), Group("tp", tuple(range(par.tp))), at.tp_rank)
-    return _build(config, tp, at.pp_rank, Comm(), Group("dp", tuple(range(par.dp))), at.dp_rank, torch.device("meta"))
+    return _build(
+        config, tp, at.pp_rank, Comm(), Group("dp", tuple(range(par.dp))), at.dp_rank, torch.device("meta")
+    )
 
 
-def _build(config: Config, tp: TensorParallel, pp_rank: int, comm: Comm, dp_group: Group, dp_rank: int,
-           device: torch.device) -> RankModel:
+def _build(
+    config: Config,
+    tp: TensorParallel,
+    pp_rank: int,
+    comm: Comm,
+    dp_group: Group,
+    dp_rank: int,
+    device: torch.device,
+) -> RankModel:
     mcfg, par = config.model.model_config_, config.parallelism
     dtype = DTYPES[config.model.dtype]
     # Virtual stage s runs on pp rank s % pp as its chunk s // pp (one chunk unless interleaved).
     stages = partition(mcfg, config.tokens.sequence_length, par.pp * par.pp_virtual_stages)
-    chunks = [Llama(mcfg, std=config.model.init_method.std, seed=config.general.seed, dtype=dtype, device=device,
-                    tp=tp, stage=stages[chunk * par.pp + pp_rank], recompute_layer=par.recompute_layer)
-              for chunk in range(par.pp_virtual_stages)]
+    chunks = [
+        Llama(
+            mcfg,
+            std=config.model.init_method.std,
+            seed=config.general.seed,
+            dtype=dtype,
+            device=device,
+            tp=tp,
+            stage=stages[chunk * par.pp + pp_rank],
+            recompute_layer=par.recompute_layer,
+        )
+        for chunk in range(par.pp_virtual_stages)
+    ]
     named = [item for chunk in chunks for item in chunk.named_parameters()]
     replicated = [split_dim(p.shard) is None for _, p in named]
     # A tied LM head on the last stage holds a copy of the first stage's embedding: its gradient is summed
     # with the original's, and it is counted (and saved) once.
     tied_copy = [n == "embed_tokens.weight" and par.pp > 1 and mcfg.tie_word_embeddings for n, _ in named]
-    counted = [(tp.rank == 0 or not r) and not (c and pp_rank > 0) for r, c in zip(replicated, tied_copy, strict=True)]
+    counted = [
+        (tp.rank == 0 or not r) and not (c and pp_rank > 0)
+        for r, c in zip(replicated, tied_copy, strict=True)
+    ]
     data_parallel = DataParallel(
-        named, bucket_groups(chunks, tied_copy), comm, dp_group, dp_rank,
-        micro_batches=config.tokens.batch_accumulation_per_replica, bucket_mb=par.dp_bucket_size_mb,
+        named,
+        bucket_groups(chunks, tied_copy),
+        comm,
+        dp_group,
+        dp_rank,
+        micro_batches=config.tokens.batch_accumulation_per_replica,
+        bucket_mb=par.dp_bucket_size_mb,
         grad_dtype=torch.float32 if config.optimizer.accumulate_grad_in_fp32 else dtype,
-        sharded=config.optimizer.zero_stage == 1)
-    return RankModel(stages, chunks, tp, data_parallel, replicated, counted,
-                     tied_copy.index(True) if any(tied_copy) else None)
+        sharded=config.optimizer.zero_stage == 1,
+    )
+    return RankModel(
+        stages,
+        chunks,
+        tp,
+        data_parallel,
+        replicated,
+        counted,
+        tied_copy.index(True) if any(tied_copy) else None,
+    )
 
 
 def bucket_groups(chunks: list[Llama], own_bucket: list[bool]) -> list[list[int]]:

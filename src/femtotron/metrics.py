@@ -20,14 +20,27 @@ from femtotron.atomic import atomic_path
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (FLOP/s), matched by device name.
 PEAK_BF16_FLOPS = {
-    "B200": 2.25e15, "H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12,
-    "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12,
-    "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "MI300X": 1307e12, "MI250X": 383e12,
+    "B200": 2.25e15,
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "GH200": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "V100": 125e12,
+    "MI300X": 1307e12,
+    "MI250X": 383e12,
 }
 
 
-def matmul_flops_rate(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
-                      seconds: float = 0.3, trials: int = 3) -> float:
+def matmul_flops_rate(
+    m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, seconds: float = 0.3, trials: int = 3
+) -> float:
     """Measured FLOP/s of an (m×k)·(k×n) matmul, the yardstick for MFU where no peak is known.
 
     The best of a few short trials: a busy machine only ever makes a trial slower.
@@ -47,8 +60,9 @@ def matmul_flops_rate(m: int, n: int, k: int, dtype: torch.dtype, device: torch.
     return best
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype, gemm_shape: tuple[int, int, int],
-               cache: Path | None = None) -> tuple[float, str]:
+def peak_flops(
+    device: torch.device, dtype: torch.dtype, gemm_shape: tuple[int, int, int], cache: Path | None = None
+) -> tuple[float, str]:
     """The FLOP/s to divide by for MFU, and where the number came from.
 
     On GPUs the data sheet's peak. Elsewhere a matmul is timed, and a machine that is busy meanwhile only
@@ -65,7 +79,10 @@ def peak_flops(device: torch.device, dtype: torch.dtype, gemm_shape: tuple[int, 
     # which reaches the peak already, whatever the micro-batch.
     m, n, k = (min(max(size, 1024), 4096) for size in gemm_shape)
     what = f"{dtype} matmul {m}x{k}x{n} on {device.type} with {torch.get_num_threads()} thread(s)"
-    cache = cache or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "femtotron" / "peak_flops.json"
+    cache = (
+        cache
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "femtotron" / "peak_flops.json"
+    )
     key = f"{_processor()} | {what} | torch {torch.__version__}"
     try:
         known = json.loads(cache.read_text()) if cache.is_file() else {}
@@ -76,8 +93,15 @@ def peak_flops(device: torch.device, dtype: torch.dtype, gemm_shape: tuple[int, 
         if best > cached:
             with atomic_path(cache) as tmp:
                 Path(tmp).write_text(json.dumps({**known, key: best}, indent=1))
-    except (OSError, ValueError, TypeError, AttributeError):  # an unwritable home, a mangled file: measure only
-        return matmul_flops_rate(m, n, k, dtype=dtype, device=device), f"{what}, measured now (no cache at {cache})"
+    except (
+        OSError,
+        ValueError,
+        TypeError,
+        AttributeError,
+    ):  # an unwritable home, a mangled file: measure only
+        return matmul_flops_rate(
+            m, n, k, dtype=dtype, device=device
+        ), f"{what}, measured now (no cache at {cache})"
     return best, f"the fastest {what} measured on this machine (kept in {cache})"
 
 
@@ -92,8 +116,10 @@ def _processor() -> str:
 def memory_gib(device: torch.device) -> dict[str, float]:
     """Allocated and reserved accelerator memory (their gap is fragmentation), or the process RSS."""
     if device.type == "cuda":
-        return {"mem_allocated_gib": torch.cuda.memory_allocated(device) / 2**30,
-                "mem_reserved_gib": torch.cuda.memory_reserved(device) / 2**30}
+        return {
+            "mem_allocated_gib": torch.cuda.memory_allocated(device) / 2**30,
+            "mem_reserved_gib": torch.cuda.memory_reserved(device) / 2**30,
+        }
     try:
         with open("/proc/self/statm") as f:
             resident_pages = int(f.read().split()[1])

@@ -19,14 +19,19 @@ def cpu_has_bf16_matmul() -> bool:
         return True  # not Linux: no way to tell, so do not warn
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
+
 # Whether bf16/fp16 matmuls run natively on this CPU: read once from /proc/cpuinfo, and forced either way
 # by `cpu_low_precision_path` (tests run both paths on every machine).
 CPU_MULTIPLIES_BF16 = cpu_has_bf16_matmul()
-NATIVE_ON_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar("native_on_cpu", default=CPU_MULTIPLIES_BF16)
+NATIVE_ON_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "native_on_cpu", default=CPU_MULTIPLIES_BF16
+)
 
 # Memory estimates run the model on the meta device; set while estimating for this CPU, so that they
 # make the same fp32 copies the CPU run makes (diagnostics/memory.py).
-ESTIMATING_FOR_THIS_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar("estimating_for_cpu", default=False)
+ESTIMATING_FOR_THIS_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "estimating_for_cpu", default=False
+)
 
 
 @contextmanager
@@ -65,6 +70,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    if q.is_meta:  # memory estimates: keep what a fused kernel keeps (output, log-sum-exp), as on GPUs and CPUs
+    if (
+        q.is_meta
+    ):  # memory estimates: keep what a fused kernel keeps (output, log-sum-exp), as on GPUs and CPUs
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])

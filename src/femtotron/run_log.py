@@ -26,26 +26,36 @@ from femtotron.parallel.context import ParallelContext
 class RunLog:
     """Rank-prefixed console lines, and metrics.jsonl, written by the rank that owns the logged loss."""
 
-    def __init__(self, prefix: str, run_dir: Path, is_main: bool, console: bool = True, level: str = "info") -> None:
+    def __init__(
+        self, prefix: str, run_dir: Path, is_main: bool, console: bool = True, level: str = "info"
+    ) -> None:
         self.prefix, self.is_main, self.console, self.level = prefix, is_main, console, level
         self.metrics_path = run_dir / "metrics.jsonl"
 
     def start_at(self, step: int) -> None:
         """The run (re)starts after `step`: keep the records up to it, drop those of later steps (logged by an
-        attempt that died before its next checkpoint). Called once training is known to start, never before."""
+        attempt that died before its next checkpoint). Called once training is known to start, never
+        before."""
         if not self.is_main:
             return
         kept = []
         if self.metrics_path.is_file():
-            kept = [line for line in self.metrics_path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= step]
+            kept = [
+                line
+                for line in self.metrics_path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step
+            ]
         with atomic_path(self.metrics_path) as tmp:
             Path(tmp).write_text("".join(f"{line}\n" for line in kept))
 
     def info(self, message: str, every_rank: bool = False) -> None:
         """Print on the main rank (on every rank with `every_rank` or at level debug); tqdm.write keeps the
         progress bar intact."""
-        if self.console and self.level in ("debug", "info") and (self.is_main or every_rank or self.level == "debug"):
+        if (
+            self.console
+            and self.level in ("debug", "info")
+            and (self.is_main or every_rank or self.level == "debug")
+        ):
             self._write(message)
 
     def warn(self, message: str) -> None:
@@ -89,14 +99,30 @@ class StepLogger:
     peak_source: str
 
     @classmethod
-    def for_run(cls, config: Config, ctx: ParallelContext, log: RunLog, matmul_dtype: torch.dtype) -> StepLogger:
+    def for_run(
+        cls, config: Config, ctx: ParallelContext, log: RunLog, matmul_dtype: torch.dtype
+    ) -> StepLogger:
         """MFU against the peak of the matmul the model runs most: its largest weight times a micro-batch."""
         tokens, mcfg = config.tokens, config.model.model_config_
-        peak, source = peak_flops(ctx.device, matmul_dtype, (tokens.micro_batch_size * tokens.sequence_length,
-                                                             max(mcfg.intermediate_size, mcfg.vocab_size),
-                                                             mcfg.hidden_size))
-        return cls(log, tokens.train_steps, config.logging.iteration_step_info_interval, ctx.world_size, ctx.device,
-                   mcfg.flops_per_token(tokens.sequence_length), peak, source)
+        peak, source = peak_flops(
+            ctx.device,
+            matmul_dtype,
+            (
+                tokens.micro_batch_size * tokens.sequence_length,
+                max(mcfg.intermediate_size, mcfg.vocab_size),
+                mcfg.hidden_size,
+            ),
+        )
+        return cls(
+            log,
+            tokens.train_steps,
+            config.logging.iteration_step_info_interval,
+            ctx.world_size,
+            ctx.device,
+            mcfg.flops_per_token(tokens.sequence_length),
+            peak,
+            source,
+        )
 
     @property
     def yardstick(self) -> str:
@@ -109,22 +135,40 @@ class StepLogger:
         tokens_per_sec = result.tokens / result.seconds
         achieved = tokens_per_sec * self.flops_per_token / self.world_size
         record = {
-            "step": step, "loss": result.loss, "lr": result.lr,
-            "grad_norm": result.grad_norm if math.isfinite(result.grad_norm) else None,  # None: a skipped step
-            "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": tokens_per_sec / self.world_size,
-            "model_tflops_per_device": achieved / 1e12, "mfu": achieved / self.peak_flops,
-            "step_seconds": result.seconds, **memory_gib(self.device),
-            **{f"{kind}_comm_share": seconds / result.seconds for kind, seconds in result.comm_seconds.items()},
+            "step": step,
+            "loss": result.loss,
+            "lr": result.lr,
+            "grad_norm": result.grad_norm
+            if math.isfinite(result.grad_norm)
+            else None,  # None: a skipped step
+            "tokens_per_sec": tokens_per_sec,
+            "tokens_per_sec_per_device": tokens_per_sec / self.world_size,
+            "model_tflops_per_device": achieved / 1e12,
+            "mfu": achieved / self.peak_flops,
+            "step_seconds": result.seconds,
+            **memory_gib(self.device),
+            **{
+                f"{kind}_comm_share": seconds / result.seconds
+                for kind, seconds in result.comm_seconds.items()
+            },
         }
         if skipped_steps is not None:
             record.update(loss_scale=result.loss_scale, skipped_steps=skipped_steps)
         self.log.record(record)
-        memory = " ".join(f"{k.removeprefix('mem_').removesuffix('_gib')} {v:.2f}GiB" for k, v in record.items()
-                          if k.startswith("mem_"))
-        comm = "".join(f" | {k.removesuffix('_comm_share')} comm {v:.0%}" for k, v in record.items()
-                       if k.endswith("_comm_share") and k[:2] in ("tp", "dp", "pp"))
-        self.log.info(f"step {step}/{self.train_steps} | loss {result.loss:.4f} | lr {result.lr:.3e} | grad_norm "
-                      f"{result.grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s | {achieved / 1e12:.2f} TFLOP/s | MFU "
-                      f"{record['mfu']:.1%} | mem {memory}{comm}"
-                      + (f" | loss scale {result.loss_scale:g}" if skipped_steps is not None else "")
-                      + (" | step skipped" if result.skipped else ""))
+        memory = " ".join(
+            f"{k.removeprefix('mem_').removesuffix('_gib')} {v:.2f}GiB"
+            for k, v in record.items()
+            if k.startswith("mem_")
+        )
+        comm = "".join(
+            f" | {k.removesuffix('_comm_share')} comm {v:.0%}"
+            for k, v in record.items()
+            if k.endswith("_comm_share") and k[:2] in ("tp", "dp", "pp")
+        )
+        self.log.info(
+            f"step {step}/{self.train_steps} | loss {result.loss:.4f} | lr {result.lr:.3e} | grad_norm "
+            f"{result.grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s | {achieved / 1e12:.2f} TFLOP/s | MFU "
+            f"{record['mfu']:.1%} | mem {memory}{comm}"
+            + (f" | loss scale {result.loss_scale:g}" if skipped_steps is not None else "")
+            + (" | step skipped" if result.skipped else "")
+        )

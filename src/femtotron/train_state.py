@@ -21,14 +21,19 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready; the checkpoint manifest's keys (format version 1)."""
-        return {"step": self.step, "consumed_samples": self.consumed_samples, "consumed_tokens": self.consumed_tokens,
-                "non_finite_skips": self.non_finite_skips, "recent": [list(r) for r in self.recent],
-                "lr_schedule": {"last_lr": self.recent[-1][1] if self.recent else None},
-                "loss_scale": self.scaler.state_dict()}
+        return {
+            "step": self.step,
+            "consumed_samples": self.consumed_samples,
+            "consumed_tokens": self.consumed_tokens,
+            "non_finite_skips": self.non_finite_skips,
+            "recent": [list(r) for r in self.recent],
+            "lr_schedule": {"last_lr": self.recent[-1][1] if self.recent else None},
+            "loss_scale": self.scaler.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any], loss_scale: bool) -> None:
-        """Restore the counters; the loss scale only with `loss_scale` (an fp16 run resuming an fp16 checkpoint:
-        a bf16 or fp32 run's scale is 1, which would be fp16's minimum)."""
+        """Restore the counters; the loss scale only with `loss_scale` (an fp16 run resuming an fp16
+        checkpoint: a bf16 or fp32 run's scale is 1, which would be fp16's minimum)."""
         self.step = int(state["step"])
         self.consumed_samples = int(state["consumed_samples"])
         self.consumed_tokens = int(state.get("consumed_tokens", 0))

@@ -45,39 +45,63 @@ class Trainer:
         if ctx.device.type == "cuda":
             refuse_on_gpus(config)
         tokens, mcfg = config.tokens, config.model.model_config_
-        self.log = RunLog(ctx.log_prefix, self.run_dir, ctx.rank == 0, log_to_console, config.logging.log_level)
+        self.log = RunLog(
+            ctx.log_prefix, self.run_dir, ctx.rank == 0, log_to_console, config.logging.log_level
+        )
         # Data first: a wrong dataset path must fail before minutes go into building the model.
         self.train_data = open_nanoset(config.data.dataset_folder, tokens.sequence_length, config.data.seed)
-        self.val_data = (open_nanoset(config.data.validation_folder, tokens.sequence_length, config.data.seed)
-                         if config.data.validation_folder is not None else None)
+        self.val_data = (
+            open_nanoset(config.data.validation_folder, tokens.sequence_length, config.data.seed)
+            if config.data.validation_folder is not None
+            else None
+        )
         self.tokenizer = tokenizer_for_model(config.tokenizer.tokenizer_name_or_path, mcfg.vocab_size)
         check_token_range(self.train_data, mcfg.vocab_size)
         if self.val_data is not None:
             check_token_range(self.val_data, mcfg.vocab_size, key="data.validation_folder")
-        self.batches = MicroBatchIterator(self.train_data, tokens.micro_batch_size,
-                                          tokens.batch_accumulation_per_replica, ctx.dp_rank, ctx.dp)
+        self.batches = MicroBatchIterator(
+            self.train_data,
+            tokens.micro_batch_size,
+            tokens.batch_accumulation_per_replica,
+            ctx.dp_rank,
+            ctx.dp,
+        )
         self.model = build_rank_model(config, ctx)
         self.tp, self.chunks, self.data_parallel = self.model.tp, self.model.chunks, self.model.data_parallel
         dtype = DTYPES[config.model.dtype]
         # fp16 only (N1): the loss is multiplied by a dynamic scale; bf16 and fp32 get a disabled one.
-        self.scaler = DynamicLossScaler.from_config(config.optimizer.loss_scale, enabled=dtype == torch.float16)
+        self.scaler = DynamicLossScaler.from_config(
+            config.optimizer.loss_scale, enabled=dtype == torch.float16
+        )
         self.state = TrainState(self.scaler)
-        self.optimizer = ZeroAdamW([p for _, p in self.named_parameters()], self.data_parallel, config.optimizer)
+        self.optimizer = ZeroAdamW(
+            [p for _, p in self.named_parameters()], self.data_parallel, config.optimizer
+        )
         # The grad norm sums the pieces this rank owns over the model-parallel group, and under ZeRO-1,
         # where each dp rank owns different pieces, over dp too.
         self.counted_pieces = [self.model.counted[piece.param] for piece in self.data_parallel.pieces]
         self.norm_groups = [ctx.mp_group] + ([ctx.dp_group] if self.data_parallel.sharded else [])
         # Under sequence parallelism each rank saw only its part of the sequence: the gradients of the
         # weights every tp rank holds whole (the norms) are summed over tp.
-        self.summed_over_tp = {i for i, r in enumerate(self.model.replicated) if r} \
-            if self.tp.sequence_parallel and ctx.tp > 1 else set()
+        self.summed_over_tp = (
+            {i for i, r in enumerate(self.model.replicated) if r}
+            if self.tp.sequence_parallel and ctx.tp > 1
+            else set()
+        )
         local_sequence = tokens.sequence_length // (ctx.tp if self.tp.sequence_parallel else 1)
-        p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device,
-                          (tokens.micro_batch_size, local_sequence, mcfg.hidden_size), dtype)
+        p2p = PipelineP2P(
+            ctx.comm,
+            ctx.pp_group,
+            ctx.pp_rank,
+            ctx.device,
+            (tokens.micro_batch_size, local_sequence, mcfg.hidden_size),
+            dtype,
+        )
         self.pipeline = Pipeline(self.chunks, config.parallelism.pp_engine, ctx.pp, ctx.pp_rank, p2p)
         ctx.comm.take_seconds()  # the pipeline's start-up handshake is not part of any step's communication
-        self.parts = checkpoint.TrainingParts(config, ctx, self.model, self.optimizer, self.state, self.train_data,
-                                              self.log, self.tokenizer)
+        self.parts = checkpoint.TrainingParts(
+            config, ctx, self.model, self.optimizer, self.state, self.train_data, self.log, self.tokenizer
+        )
         self.last_checkpoint: Path | None = None
         self.spikes = LossSpikes()
         self.upcasts = emulated_low_precision(torch.empty(0, dtype=dtype, device=ctx.device))
@@ -90,8 +114,14 @@ class Trainer:
         return self.model.named_parameters()
 
     def train(self) -> list[StepResult]:
-        watchdog = Watchdog(self.ctx.comm, self.ctx.store, self.ctx.rank, self.ctx.world_size,
-                            self.config.parallelism.hang_timeout_seconds, self.whereabouts).start()
+        watchdog = Watchdog(
+            self.ctx.comm,
+            self.ctx.store,
+            self.ctx.rank,
+            self.ctx.world_size,
+            self.config.parallelism.hang_timeout_seconds,
+            self.whereabouts,
+        ).start()
         try:
             results = self.train_until_done()
             # Every rank is done before any stops watching: the first to exit may take the store with it.
@@ -105,8 +135,10 @@ class Trainer:
     def whereabouts(self) -> str:
         """Where this rank is in training, for hang reports (read from the watchdog thread)."""
         action = self.pipeline.current
-        return (f"step {self.state.step + 1}, pipeline {'forward' if action.kind == 'F' else 'backward'} of "
-                f"micro-batch {action.micro_batch} on stage {self.pipeline.stage_of(action.chunk)}")
+        return (
+            f"step {self.state.step + 1}, pipeline {'forward' if action.kind == 'F' else 'backward'} of "
+            f"micro-batch {action.micro_batch} on stage {self.pipeline.stage_of(action.chunk)}"
+        )
 
     def train_until_done(self) -> list[StepResult]:
         ckpt, train_steps = self.config.checkpoints, self.config.tokens.train_steps
@@ -118,19 +150,34 @@ class Trainer:
             self.log.info(summary)
         last_saved = self.state.step if path is not None else None  # that state is on disk already
         self.log.start_at(self.state.step)  # the run starts: metrics.jsonl keeps the steps before it
-        self.log.info(start_report.summary(self.config, self.ctx, self.model, self.optimizer, self.train_data,
-                                           self.scaler.scale if self.scaler.enabled else None,
-                                           self.step_logger.yardstick))
-        for warning in start_report.start_warnings(self.config, self.ctx, self.model, self.val_data is not None,
-                                                   self.upcasts):
+        self.log.info(
+            start_report.summary(
+                self.config,
+                self.ctx,
+                self.model,
+                self.optimizer,
+                self.train_data,
+                self.scaler.scale if self.scaler.enabled else None,
+                self.step_logger.yardstick,
+            )
+        )
+        for warning in start_report.start_warnings(
+            self.config, self.ctx, self.model, self.val_data is not None, self.upcasts
+        ):
             self.log.warn(warning)
         if self.ctx.rank == 0:
             write_config(self.run_dir, self.config.to_dict())
         if ckpt.save_initial_state and self.state.step == 0:
             last_saved = self.save_checkpoint()
         results = []
-        bar = tqdm(total=train_steps, initial=self.state.step, unit="step", dynamic_ncols=True, leave=False,
-                   disable=None if self.ctx.rank == 0 else True)
+        bar = tqdm(
+            total=train_steps,
+            initial=self.state.step,
+            unit="step",
+            dynamic_ncols=True,
+            leave=False,
+            disable=None if self.ctx.rank == 0 else True,
+        )
         with StopSignals() as signals:
             while self.state.step < train_steps:
                 results.append(self.train_step())
@@ -160,8 +207,10 @@ class Trainer:
     def warn_on_loss(self, loss: float) -> None:
         """N3: a first loss far from ln(vocab); N4: spikes against the running median."""
         vocab = self.config.model.model_config_.vocab_size
-        warnings = [first_loss_warning(loss, vocab) if self.state.step == 1 else None,
-                    self.spikes.observe(self.state.step, loss) if math.isfinite(loss) else None]
+        warnings = [
+            first_loss_warning(loss, vocab) if self.state.step == 1 else None,
+            self.spikes.observe(self.state.step, loss) if math.isfinite(loss) else None,
+        ]
         for warning in filter(None, warnings):
             self.log.warn(warning)
 
@@ -169,31 +218,48 @@ class Trainer:
         start = time.perf_counter()
         path = self.last_checkpoint = checkpoint.save(self.parts)
         size = sum(f.stat().st_size for f in path.iterdir()) if self.ctx.rank == 0 else 0
-        self.log.info(f"saved checkpoint {path} ({size / 2**20:,.1f} MiB in {time.perf_counter() - start:.1f} s)")
+        self.log.info(
+            f"saved checkpoint {path} ({size / 2**20:,.1f} MiB in {time.perf_counter() - start:.1f} s)"
+        )
         self.ctx.comm.take_seconds()  # the save's store and barrier time is not part of any training step
         return self.state.step
 
     def stop(self, signum: int, last_saved: int | None) -> None:
-        """Some rank got SIGTERM or SIGUSR1: save a checkpoint (unless this step's is saved) and stop (exit 7)."""
+        """Some rank got SIGTERM or SIGUSR1: save a checkpoint (unless this step's is saved) and stop (exit
+        7)."""
         if last_saved != self.state.step:
             self.save_checkpoint()
         raise TrainingInterrupted(
-            f"{signal.Signals(signum).name} received: stopped after step {self.state.step} and saved checkpoint "
-            f"{self.last_checkpoint}. Run the same command again to resume from it (checkpoints.auto_resume); "
-            f"another run resumes it with checkpoints.resume_checkpoint_path={self.last_checkpoint.parent}.")
+            f"{signal.Signals(signum).name} received: stopped after step {self.state.step} and saved "
+            f"checkpoint "
+            f"{self.last_checkpoint}. Run the same command again to resume from it "
+            f"(checkpoints.auto_resume); "
+            f"another run resumes it with checkpoints.resume_checkpoint_path={self.last_checkpoint.parent}."
+        )
 
     def train_step(self) -> StepResult:
-        """One optimizer step; running out of memory anywhere in it is reported with where and what to change."""
+        """One optimizer step; running out of memory anywhere in it is reported with where and what to
+        change."""
         try:
             return self.one_step()
         except (RuntimeError, MemoryError) as e:
             if not is_out_of_memory(e):
                 raise
             action = self.pipeline.current
-            where = (f"the {'forward' if action.kind == 'F' else 'backward'} of micro-batch {action.micro_batch}, "
-                     f"pipeline stage {self.pipeline.stage_of(action.chunk)}")
-            raise failures.out_of_memory(e, self.config, self.state.step + 1, self.ctx.rank, self.ctx.dp, where,
-                                         self.optimizer.memory_plan(), self.ctx.device) from None
+            where = (
+                f"the {'forward' if action.kind == 'F' else 'backward'} of micro-batch {action.micro_batch}, "
+                f"pipeline stage {self.pipeline.stage_of(action.chunk)}"
+            )
+            raise failures.out_of_memory(
+                e,
+                self.config,
+                self.state.step + 1,
+                self.ctx.rank,
+                self.ctx.dp,
+                where,
+                self.optimizer.memory_plan(),
+                self.ctx.device,
+            ) from None
 
     def one_step(self) -> StepResult:
         start, state = time.perf_counter(), self.state
@@ -202,8 +268,13 @@ class Trainer:
         # fp16: back to true units before clipping; an overflow (agreed by every rank) with a finite loss
         # skips the step. A non-finite loss is a real divergence and is handled below.
         overflow = self.scaler.unscale_(grads, self.ctx) and math.isfinite(loss)
-        grad_norm = math.inf if overflow else clip_grads_(grads, self.config.optimizer.clip_grad, self.ctx,
-                                                           self.counted_pieces, self.norm_groups).item()
+        grad_norm = (
+            math.inf
+            if overflow
+            else clip_grads_(
+                grads, self.config.optimizer.clip_grad, self.ctx, self.counted_pieces, self.norm_groups
+            ).item()
+        )
         if overflow:
             self.skip_fp16_step(loss)
         elif not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -216,22 +287,41 @@ class Trainer:
         self.optimizer.zero_grad()
         state.step += 1
         state.consumed_tokens += tokens
-        return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start, self.ctx.comm.take_seconds(),
-                          loss_scale=self.scaler.scale if self.scaler.enabled else None, skipped=math.isinf(grad_norm))
+        return StepResult(
+            loss,
+            grad_norm,
+            lr,
+            tokens,
+            time.perf_counter() - start,
+            self.ctx.comm.take_seconds(),
+            loss_scale=self.scaler.scale if self.scaler.enabled else None,
+            skipped=math.isinf(grad_norm),
+        )
 
     def skip_non_finite_step(self, loss: float, grad_norm: float) -> None:
         """The loss or gradient norm is inf/NaN: find the module it came from, then stop (or, with
         optimizer.on_non_finite=skip, drop the step and go on). The weights are left as they were."""
         self.optimizer.zero_grad()
-        origin = locate(self.pipeline, self.last_inputs, self.ctx.store, self.ctx.rank, self.ctx.world_size,
-                        self.config.parallelism.collective_timeout_seconds)
+        origin = locate(
+            self.pipeline,
+            self.last_inputs,
+            self.ctx.store,
+            self.ctx.rank,
+            self.ctx.world_size,
+            self.config.parallelism.collective_timeout_seconds,
+        )
         self.data_parallel.finish_reduction()  # the re-run's buckets, dropped with zero_grad after the step
         where = origin.describe() if origin else "no module produced it when the step was run again"
         if self.config.optimizer.on_non_finite == "stop":
-            raise failures.diverged(self.config, self.state.step + 1, loss, grad_norm, where, self.state.recent)
+            raise failures.diverged(
+                self.config, self.state.step + 1, loss, grad_norm, where, self.state.recent
+            )
         self.state.non_finite_skips += 1
-        self.log.warn(failures.non_finite_skipped(self.state.step + 1, loss, grad_norm, where,
-                                                  self.state.non_finite_skips))
+        self.log.warn(
+            failures.non_finite_skipped(
+                self.state.step + 1, loss, grad_norm, where, self.state.non_finite_skips
+            )
+        )
 
     def skip_fp16_step(self, loss: float) -> None:
         """fp16 gradients overflowed: drop them, lower the loss scale, leave the weights as they are."""
@@ -239,27 +329,42 @@ class Trainer:
         if self.scaler.at_minimum:
             raise failures.fp16_overflow_at_minimum(self.state.step + 1, self.scaler, loss)
         self.scaler.update(overflow=True)
-        self.log.warn(f"step {self.state.step + 1}: fp16 gradients overflowed at loss scale {scale:g}; step skipped, "
-                      f"scale lowered to {self.scaler.scale:g} ({self.scaler.skipped_steps} skipped so far)")
+        self.log.warn(
+            f"step {self.state.step + 1}: fp16 gradients overflowed at loss scale {scale:g}; step skipped, "
+            f"scale lowered to {self.scaler.scale:g} ({self.scaler.skipped_steps} skipped so far)"
+        )
 
     def compute_gradients(self) -> tuple[float, int, list[torch.Tensor]]:
         """Forward and backward over this step's micro-batches; returns loss, tokens and fp32 grads (with fp16
-        still multiplied by the loss scale: `one_step` unscales them). Every rank of a dp replica reads the same
-        micro-batches: the first pipeline stage needs the inputs, the last the targets, all the token count."""
+        still multiplied by the loss scale: `one_step` unscales them). Every rank of a dp replica reads the
+        same micro-batches: the first pipeline stage needs the inputs, the last the targets, all the token
+        count."""
         micro_batches = [mb.to(self.ctx.device) for mb in self.batches.step_at(self.state.consumed_samples)]
         self.state.consumed_samples += self.config.global_batch_size
-        check_batch_token_ids(micro_batches, self.config.model.model_config_.vocab_size, self.ctx.comm,
-                              self.ctx.dp_group, self.state.step + 1)
+        check_batch_token_ids(
+            micro_batches,
+            self.config.model.model_config_.vocab_size,
+            self.ctx.comm,
+            self.ctx.dp_group,
+            self.state.step + 1,
+        )
         # Token-weighted loss: divide by the valid-token count of the whole global batch, so any
         # split into micro-batches and dp ranks gives the same loss and gradients.
-        global_tokens = torch.tensor(float(sum(mb.counted_targets for mb in micro_batches)), device=self.ctx.device)
+        global_tokens = torch.tensor(
+            float(sum(mb.counted_targets for mb in micro_batches)), device=self.ctx.device
+        )
         self.ctx.comm.all_reduce(global_tokens, self.ctx.dp_group)
         if global_tokens.item() == 0:
-            raise DataError(f"step {self.state.step + 1}: no target token of the whole batch counts in the loss "
-                            f"(every position is {IGNORE_INDEX}): the loss mask is empty, so there is nothing to "
-                            "learn. Check the data with `femtotron inspect-data CONFIG`.")
+            raise DataError(
+                f"step {self.state.step + 1}: no target token of the whole batch counts in the loss "
+                f"(every position is {IGNORE_INDEX}): the loss mask is empty, so there is nothing to "
+                "learn. Check the data with `femtotron inspect-data CONFIG`."
+            )
         # fp16: dividing by global_tokens / scale multiplies the loss, so every gradient, by the loss scale.
-        self.last_inputs = (micro_batches, global_tokens / self.scaler.scale)  # to run the step again (NaN origin)
+        self.last_inputs = (
+            micro_batches,
+            global_tokens / self.scaler.scale,
+        )  # to run the step again (NaN origin)
         loss_sum = self.pipeline.train_step(*self.last_inputs)
         grads = self.reduce_gradients()
         # Only the last stage computed the loss: summed over pp, every rank logs the same number (P3).
@@ -268,26 +373,31 @@ class Trainer:
         return loss, int(global_tokens.item()), grads
 
     def reduce_gradients(self) -> list[torch.Tensor]:
-        """The fp32 gradients of the elements this rank steps, summed over everything that computed a part: over
-        dp the bucket reductions started in backward (the loss is divided by the global token count already, so
-        a sum is right); then, on the pieces this rank owns (at the same places on every rank of these groups),
-        under sequence parallelism the tp-replicated parameters over tp (each tp rank saw part of the sequence),
-        and a tied embedding over the first and last pipeline stage."""
+        """The fp32 gradients of the elements this rank steps, summed over everything that computed a part:
+        over dp the bucket reductions started in backward (the loss is divided by the global token count
+        already, so a sum is right); then, on the pieces this rank owns (at the same places on every rank of
+        these groups), under sequence parallelism the tp-replicated parameters over tp (each tp rank saw part
+        of the sequence), and a tied embedding over the first and last pipeline stage."""
         self.data_parallel.finish_reduction()
         grads, pieces = self.optimizer.grads(), self.data_parallel.pieces
         comm = self.ctx.comm
-        comm.all_reduce_many([g for p, g in zip(pieces, grads, strict=True) if p.param in self.summed_over_tp],
-                             self.ctx.tp_group)
-        comm.all_reduce_many([g for p, g in zip(pieces, grads, strict=True) if p.param == self.model.tied_embedding],
-                             self.ctx.embedding_group)
+        comm.all_reduce_many(
+            [g for p, g in zip(pieces, grads, strict=True) if p.param in self.summed_over_tp],
+            self.ctx.tp_group,
+        )
+        comm.all_reduce_many(
+            [g for p, g in zip(pieces, grads, strict=True) if p.param == self.model.tied_embedding],
+            self.ctx.embedding_group,
+        )
         return grads
 
     @torch.no_grad()
     def validate(self) -> float:
         """The loss over the first `limit_val_batches` micro-batches of the validation data, logged."""
         tokens = self.config.tokens
-        batches = MicroBatchIterator(self.val_data, tokens.micro_batch_size, tokens.limit_val_batches,
-                                     self.ctx.dp_rank, self.ctx.dp)
+        batches = MicroBatchIterator(
+            self.val_data, tokens.micro_batch_size, tokens.limit_val_batches, self.ctx.dp_rank, self.ctx.dp
+        )
         micro_batches: list[MicroBatch] = [batch.to(self.ctx.device) for batch in batches.step_at(0)]
         loss_sum = self.ctx.comm.all_reduce(self.pipeline.evaluate(micro_batches), self.ctx.pp_group)
         count = torch.tensor(float(sum(mb.counted_targets for mb in micro_batches)), device=self.ctx.device)

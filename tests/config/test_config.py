@@ -80,8 +80,16 @@ def test_defaults_and_resolved_fields():
 
 
 def test_convenience_properties():
-    cfg = load_config_dict(tiny(**{"tokens.batch_accumulation_per_replica": 3, "parallelism.dp": 2,
-                                   "general.run": "r1", "logging.output_dir": "out"}))
+    cfg = load_config_dict(
+        tiny(
+            **{
+                "tokens.batch_accumulation_per_replica": 3,
+                "parallelism.dp": 2,
+                "general.run": "r1",
+                "logging.output_dir": "out",
+            }
+        )
+    )
     assert cfg.global_batch_size == 2 * 3 * 2
     assert cfg.tokens_per_step == 12 * 32
     assert cfg.run_dir == Path("out") / "r1"
@@ -137,7 +145,9 @@ def test_heads_divisible_by_kv_heads():
 
 
 def test_T2_heads_divisible_by_tp_lists_working_tp():
-    p = only_problem(tiny(**{M + "num_key_value_heads": 4, M + "intermediate_size": 128, "parallelism.tp": 8}))
+    p = only_problem(
+        tiny(**{M + "num_key_value_heads": 4, M + "intermediate_size": 128, "parallelism.tp": 8})
+    )
     assert p.fields == (M + "num_attention_heads", M + "num_key_value_heads", "parallelism.tp")
     assert "num_attention_heads=4 and num_key_value_heads=4 must both be divisible by tp=8" in p.message
     assert "tp values that would work: 1, 2, 4" in p.message
@@ -164,8 +174,13 @@ def test_layers_at_least_pp():
     assert "num_hidden_layers=2 must be >= pp=4" in p.message and "pp=2 or less" in p.message
 
 
-INTERLEAVED = {"parallelism.pp": 2, "parallelism.pp_engine": "interleaved-1f1b", "parallelism.pp_virtual_stages": 2,
-               M + "num_hidden_layers": 4, "tokens.batch_accumulation_per_replica": 4}
+INTERLEAVED = {
+    "parallelism.pp": 2,
+    "parallelism.pp_engine": "interleaved-1f1b",
+    "parallelism.pp_virtual_stages": 2,
+    M + "num_hidden_layers": 4,
+    "tokens.batch_accumulation_per_replica": 4,
+}
 
 
 def test_interleaved_pipeline_rules():
@@ -183,12 +198,23 @@ def test_interleaved_pipeline_rules():
 
 
 def test_the_fix_for_too_few_layers_to_interleave_is_one_the_rules_accept():
-    """2 layers cannot give pp=2 ranks 2 chunks each: no pp_virtual_stages works, so the fix is no interleaving
-    (or more layers), never `pp_virtual_stages=1` alone, which the interleaving rule rejects."""
+    """2 layers cannot give pp=2 ranks 2 chunks each: no pp_virtual_stages works, so the fix is no
+    interleaving (or more layers), never `pp_virtual_stages=1` alone, which the interleaving rule rejects."""
     p = only_problem(tiny(**{**INTERLEAVED, M + "num_hidden_layers": 2}))
-    assert "Fix: pp_engine=1f1b with pp_virtual_stages=1 (no interleaving), or num_hidden_layers=4 or more." in p.message
-    load_config_dict(tiny(**{**INTERLEAVED, M + "num_hidden_layers": 2, "parallelism.pp_engine": "1f1b",
-                             "parallelism.pp_virtual_stages": 1}))
+    assert (
+        "Fix: pp_engine=1f1b with pp_virtual_stages=1 (no interleaving), or num_hidden_layers=4 or more."
+        in p.message
+    )
+    load_config_dict(
+        tiny(
+            **{
+                **INTERLEAVED,
+                M + "num_hidden_layers": 2,
+                "parallelism.pp_engine": "1f1b",
+                "parallelism.pp_virtual_stages": 1,
+            }
+        )
+    )
     p = only_problem(tiny(**{**INTERLEAVED, M + "num_hidden_layers": 6, "parallelism.pp_virtual_stages": 4}))
     assert "Fix: pp_virtual_stages=3, or num_hidden_layers=8 or more." in p.message
 
@@ -197,7 +223,10 @@ def test_P2_few_micro_batches_for_the_pipeline_warn_with_the_bubble():
     config = load_config_dict(tiny(**{"parallelism.pp": 2, "tokens.batch_accumulation_per_replica": 2}))
     (w,) = config_warnings(config)
     assert "idles for about 33% of each step (P2)" in w and "at least 4 * pp = 8 micro-batches" in w
-    assert config_warnings(load_config_dict(tiny(**{**INTERLEAVED, "tokens.batch_accumulation_per_replica": 8}))) == []
+    assert (
+        config_warnings(load_config_dict(tiny(**{**INTERLEAVED, "tokens.batch_accumulation_per_replica": 8})))
+        == []
+    )
 
 
 def test_sequence_length_within_max_positions():
@@ -207,26 +236,33 @@ def test_sequence_length_within_max_positions():
 
 
 def test_reduce_scatter_needs_sequence_divisible_by_tp():
-    p = only_problem(tiny(**{"parallelism.tp_mode": "REDUCE_SCATTER", "parallelism.tp": 2,
-                             "tokens.sequence_length": 31}))
+    p = only_problem(
+        tiny(**{"parallelism.tp_mode": "REDUCE_SCATTER", "parallelism.tp": 2, "tokens.sequence_length": 31})
+    )
     assert p.fields == ("parallelism.tp_mode", "tokens.sequence_length", "parallelism.tp")
     assert "sequence_length=30 or 32" in p.message and "tp_mode=ALL_REDUCE" in p.message
 
 
 def test_a_warm_up_longer_than_a_short_try_is_cut_to_the_run_with_a_warning():
     """examples/debug.yaml warms up for 20 steps: `tokens.train_steps=10` must still run."""
-    cfg = load_config_dict(tiny(**{"optimizer.learning_rate_scheduler.lr_warmup_steps": 20}))  # train_steps=10
+    cfg = load_config_dict(
+        tiny(**{"optimizer.learning_rate_scheduler.lr_warmup_steps": 20})
+    )  # train_steps=10
     (warning,) = [w for w in config_warnings(cfg) if "lr_warmup_steps" in w]
     assert "lr_warmup_steps=20 is longer than tokens.train_steps=10" in warning
     assert "set lr_warmup_steps below 10 (e.g. 1)" in warning
     sched = cfg.optimizer.learning_rate_scheduler
-    assert [lr_at(step, sched, 10) for step in (0, 9)] == pytest.approx([sched.learning_rate / 10, sched.learning_rate])
+    assert [lr_at(step, sched, 10) for step in (0, 9)] == pytest.approx(
+        [sched.learning_rate / 10, sched.learning_rate]
+    )
 
 
 def test_min_decay_lr_at_most_learning_rate():
     p = only_problem(tiny(**{"optimizer.learning_rate_scheduler.min_decay_lr": 1e-2}))
-    assert set(p.fields) == {"optimizer.learning_rate_scheduler.min_decay_lr",
-                             "optimizer.learning_rate_scheduler.learning_rate"}
+    assert set(p.fields) == {
+        "optimizer.learning_rate_scheduler.min_decay_lr",
+        "optimizer.learning_rate_scheduler.learning_rate",
+    }
     assert "min_decay_lr=3e-05" in p.message
 
 
@@ -242,8 +278,16 @@ def test_blend_weights_must_be_finite_and_positive(bad):
 
 
 def test_all_rule_violations_reported_together():
-    problems = problems_of(tiny(**{"parallelism.pp": 4, "tokens.sequence_length": 128, M + "intermediate_size": 95,
-                                   "parallelism.tp": 2}))
+    problems = problems_of(
+        tiny(
+            **{
+                "parallelism.pp": 4,
+                "tokens.sequence_length": 128,
+                M + "intermediate_size": 95,
+                "parallelism.tp": 2,
+            }
+        )
+    )
     assert len(problems) == 3
 
 
@@ -282,12 +326,16 @@ def test_N2_warns_when_clipping_off():
 def test_N2_warns_on_huge_and_tiny_learning_rate():
     (w,) = config_warnings(load_config_dict(tiny(**{"optimizer.learning_rate_scheduler.learning_rate": 0.5})))
     assert "learning_rate=0.5" in w and "0.003" in w
-    (w,) = config_warnings(load_config_dict(tiny(**{"optimizer.learning_rate_scheduler.learning_rate": 1e-8})))
+    (w,) = config_warnings(
+        load_config_dict(tiny(**{"optimizer.learning_rate_scheduler.learning_rate": 1e-8}))
+    )
     assert "barely" in w
 
 
 def test_N1_warns_on_fp16_and_large_init():
-    warnings = config_warnings(load_config_dict(tiny(**{"model.dtype": "float16", "model.init_method.std": 0.5})))
+    warnings = config_warnings(
+        load_config_dict(tiny(**{"model.dtype": "float16", "model.init_method.std": 0.5}))
+    )
     assert any("float16" in w and "bfloat16" in w for w in warnings)
     assert any("init_method.std=0.5" in w and "0.02" in w for w in warnings)
 
@@ -302,11 +350,16 @@ def test_D1_debug_example_loads_without_warnings():
 def test_loading_a_config_does_not_import_torch():
     code = (
         "import sys; from femtotron.config import load_config, check_world_size, config_warnings; "
-        f"c = load_config({str(REPO / 'examples' / 'debug.yaml')!r}); config_warnings(c); check_world_size(c, 1); "
+        f"c = load_config({str(REPO / 'examples' / 'debug.yaml')!r}); config_warnings(c); "
+        f"check_world_size(c, 1); "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+    )
     assert result.returncode == 0, result.stderr
 
 

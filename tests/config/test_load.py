@@ -54,20 +54,26 @@ def test_good_config_loads(tmp_path):
 
 
 def test_guide_snippet_style_loads(tmp_path):
-    cfg = load_config(write(tmp_path, """\
+    cfg = load_config(
+        write(
+            tmp_path,
+            """\
         model:
           model_config: {num_hidden_layers: 2, hidden_size: 256}
         parallelism: {dp: 1, tp: 1, pp: 1}
         tokens: {train_steps: 5}
         data: {dataset_folder: data/x}
-        """))
+        """,
+        )
+    )
     assert cfg.model.model_config_.num_hidden_layers == 2 and cfg.model.model_config_.hidden_size == 256
 
 
 def test_L2_wrong_type_names_path_line_and_value(tmp_path):
     error = errors(tmp_path, GOOD.replace("tp: 1", "tp: two"))
     assert find(error, "parallelism.tp") == (
-        "parallelism.tp (line 12): must be a valid integer, unable to parse string as an integer; got 'two' (str)"
+        "parallelism.tp (line 12): must be a valid integer, unable to parse string as an integer; got 'two' "
+        "(str)"
     )
 
 
@@ -80,13 +86,17 @@ def test_out_of_range(tmp_path):
 
 def test_bad_literal_lists_choices(tmp_path):
     error = errors(tmp_path, GOOD.replace("  pp: 1\n", "  pp: 1\n  tp_mode: ALLREDUCE\n"))
-    assert "parallelism.tp_mode (line 14): must be 'ALL_REDUCE' or 'REDUCE_SCATTER'; got 'ALLREDUCE'" in \
-        find(error, "parallelism.tp_mode")
+    assert "parallelism.tp_mode (line 14): must be 'ALL_REDUCE' or 'REDUCE_SCATTER'; got 'ALLREDUCE'" in find(
+        error, "parallelism.tp_mode"
+    )
 
 
 def test_zero_stage_2_is_refused_with_its_line_not_treated_as_1(tmp_path):
     error = find(errors(tmp_path, GOOD + "optimizer:\n  zero_stage: 2\n"), "optimizer.zero_stage")
-    assert "optimizer.zero_stage (line 20): zero_stage=2 (sharded gradients or parameters) is not implemented" in error
+    assert (
+        "optimizer.zero_stage (line 20): zero_stage=2 (sharded gradients or parameters) is not implemented"
+        in error
+    )
     assert "Fix: zero_stage=1" in error
 
 
@@ -110,15 +120,23 @@ def test_key_in_wrong_section_says_where_it_belongs(tmp_path):
 
 def test_unknown_key_without_close_match_lists_valid_keys(tmp_path):
     error = errors(tmp_path, GOOD + "logging:\n  wandb: true\n")
-    assert "valid keys here: output_dir, iteration_step_info_interval, log_level" in find(error, "logging.wandb")
+    assert "valid keys here: output_dir, iteration_step_info_interval, log_level" in find(
+        error, "logging.wandb"
+    )
 
 
 def test_L2_several_problems_reported_at_once(tmp_path):
-    text = (GOOD.replace("tp: 1", "tp: two").replace("hidden_size: 64", "hiden_size: 64")
-            .replace("pp: 1", "pp: 4").replace("train_steps: 10", "train_steps: 1.5"))
+    text = (
+        GOOD.replace("tp: 1", "tp: two")
+        .replace("hidden_size: 64", "hiden_size: 64")
+        .replace("pp: 1", "pp: 4")
+        .replace("train_steps: 10", "train_steps: 1.5")
+    )
     error = errors(tmp_path, text)
     assert {p.path for p in error.problems} == {
-        "parallelism.tp", "model.model_config.hiden_size", "tokens.train_steps",
+        "parallelism.tp",
+        "model.model_config.hiden_size",
+        "tokens.train_steps",
         "model.model_config.num_hidden_layers",
     }
     assert "4 problems" in str(error)
@@ -128,7 +146,8 @@ def test_L2_several_problems_reported_at_once(tmp_path):
 def test_missing_required_field_says_where_to_add_it(tmp_path):
     error = errors(tmp_path, GOOD.replace("  train_steps: 10\n", ""))
     assert find(error, "tokens.train_steps") == (
-        "tokens.train_steps (not set): required field is missing (number of optimizer steps, an integer >= 1); "
+        "tokens.train_steps (not set): required field is missing (number of optimizer steps, an integer >= "
+        "1); "
         "add it under 'tokens:' (line 14)"
     )
 
@@ -193,7 +212,9 @@ def test_dataset_folder_shape_error(tmp_path):
 
 def test_dict_source_never_leaks_validation_error():
     with pytest.raises(ConfigError) as info:
-        load_config_dict({"tokens": "many", "data": {"dataset_folder": 3}, "parallelism": None}, source="test")
+        load_config_dict(
+            {"tokens": "many", "data": {"dataset_folder": 3}, "parallelism": None}, source="test"
+        )
     assert {p.path for p in info.value.problems} == {"tokens", "data.dataset_folder", "parallelism"}
     assert "Invalid config test" in str(info.value)
 
@@ -202,8 +223,12 @@ def test_dict_source_never_leaks_validation_error():
 
 
 def test_override_applies(tmp_path):
-    overrides = ["tokens.train_steps=50", "optimizer.clip_grad=null", "data.dataset_folder={a: 1, b: 3}",
-                 "checkpoints.checkpoint_interval=5"]  # no checkpoints section in GOOD: it is created
+    overrides = [
+        "tokens.train_steps=50",
+        "optimizer.clip_grad=null",
+        "data.dataset_folder={a: 1, b: 3}",
+        "checkpoints.checkpoint_interval=5",
+    ]  # no checkpoints section in GOOD: it is created
     cfg = load_config(write(tmp_path, GOOD), overrides)
     assert cfg.tokens.train_steps == 50 and cfg.optimizer.clip_grad is None
     assert cfg.data.dataset_folder == {"a": 1.0, "b": 3.0} and cfg.checkpoints.checkpoint_interval == 5
@@ -224,7 +249,9 @@ def test_override_unknown_key_did_you_mean(tmp_path):
 
 def test_override_without_equals_is_reported_with_the_rest(tmp_path):
     error = errors(tmp_path, GOOD.replace("tp: 1", "tp: two"), ["foo"])
-    assert "foo (command line override 'foo'): an override must look like section.key=value" in find(error, "foo")
+    assert "foo (command line override 'foo'): an override must look like section.key=value" in find(
+        error, "foo"
+    )
     assert "parallelism.tp (line 12)" in find(error, "parallelism.tp")
 
 

@@ -27,17 +27,38 @@ from femtotron.parallel.tensor_parallel import RowParallelLinear, TensorParallel
 from femtotron.precision import linear
 
 # Every module that declares its output layout, in the order outputs are produced, then the loss.
-LAYER = ["input_layernorm", "self_attn.qkv_proj", "self_attn.o_proj", "self_attn", "post_attention_layernorm",
-         "mlp.gate_up_proj", "mlp.down_proj", "mlp", ""]
-MODULES = ["embed_tokens", *[f"layers.{i}.{m}".rstrip(".") for i in range(2) for m in LAYER],
-           "norm", "lm_head", "loss"]
+LAYER = [
+    "input_layernorm",
+    "self_attn.qkv_proj",
+    "self_attn.o_proj",
+    "self_attn",
+    "post_attention_layernorm",
+    "mlp.gate_up_proj",
+    "mlp.down_proj",
+    "mlp",
+    "",
+]
+MODULES = [
+    "embed_tokens",
+    *[f"layers.{i}.{m}".rstrip(".") for i in range(2) for m in LAYER],
+    "norm",
+    "lm_head",
+    "loss",
+]
 
 
 def tp_model(config, ctx: ParallelContext) -> Llama:
-    tp = TensorParallel(ctx.comm, ctx.tp_group, ctx.tp_rank,
-                        sequence_parallel=config.parallelism.tp_mode == "REDUCE_SCATTER")
-    return Llama(config.model.model_config_, std=config.model.init_method.std, seed=config.general.seed,
-                 dtype=torch.float32, device=ctx.device, tp=tp)
+    tp = TensorParallel(
+        ctx.comm, ctx.tp_group, ctx.tp_rank, sequence_parallel=config.parallelism.tp_mode == "REDUCE_SCATTER"
+    )
+    return Llama(
+        config.model.model_config_,
+        std=config.model.init_method.std,
+        seed=config.general.seed,
+        dtype=torch.float32,
+        device=ctx.device,
+        tp=tp,
+    )
 
 
 def _correct(rank, configs, cases):
@@ -54,12 +75,24 @@ def _correct(rank, configs, cases):
 def test_T1_a_correct_model_matches_in_both_modes_module_by_module(tiny_config):
     # vocab 257 (the data's ids stay below 256): the vocabulary is padded to 258 for tp=2. bf16 on both CPU
     # paths: the default tolerance must hold whichever the user's CPU takes.
-    cases = [("ALL_REDUCE", "float32", False, None), ("ALL_REDUCE", "bfloat16", False, True),
-             ("REDUCE_SCATTER", "float32", True, None), ("REDUCE_SCATTER", "bfloat16", True, False),
-             ("REDUCE_SCATTER", "bfloat16", False, True), ("ALL_REDUCE", "bfloat16", True, False)]
-    configs = [tiny_config("parallelism.tp=2", f"parallelism.tp_mode={mode}", f"model.dtype={dtype}",
-                           "model.model_config.vocab_size=257",
-                           f"model.model_config.tie_word_embeddings={tied}") for mode, dtype, tied, _ in cases]
+    cases = [
+        ("ALL_REDUCE", "float32", False, None),
+        ("ALL_REDUCE", "bfloat16", False, True),
+        ("REDUCE_SCATTER", "float32", True, None),
+        ("REDUCE_SCATTER", "bfloat16", True, False),
+        ("REDUCE_SCATTER", "bfloat16", False, True),
+        ("ALL_REDUCE", "bfloat16", True, False),
+    ]
+    configs = [
+        tiny_config(
+            "parallelism.tp=2",
+            f"parallelism.tp_mode={mode}",
+            f"model.dtype={dtype}",
+            "model.model_config.vocab_size=257",
+            f"model.model_config.tie_word_embeddings={tied}",
+        )
+        for mode, dtype, tied, _ in cases
+    ]
     rank0, rank1 = run_ranks(_correct, 2, configs, cases)
     for report, (mode, dtype, tied, _) in zip(rank0, cases, strict=True):
         assert report.ok, format_report(report)
@@ -100,8 +133,9 @@ def _broken(rank, config, breakage):
     elif breakage == "column input gradient":
         gate_up = layer.mlp.gate_up_proj
         if model.tp.sequence_parallel:
-            gate_up.forward = lambda x: linear(_GatherWithoutReduceScatter.apply(x, model.tp),
-                                             gate_up.weight.flatten(0, 1))
+            gate_up.forward = lambda x: linear(
+                _GatherWithoutReduceScatter.apply(x, model.tp), gate_up.weight.flatten(0, 1)
+            )
         else:  # no copy_to_tp: the same forward, but the input gradient is never all-reduced
             gate_up.forward = lambda x: linear(x, gate_up.weight.flatten(0, 1))
     elif breakage == "weight gradient":
@@ -112,14 +146,28 @@ def _broken(rank, config, breakage):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode, breakage, module, where, advice", [
-    ("ALL_REDUCE", "row reduction", "layers.1.mlp.down_proj", "output", "the all-reduce (ALL_REDUCE)"),
-    ("ALL_REDUCE", "attention core", "layers.0.self_attn.o_proj", "input", "query/key/value heads"),
-    ("ALL_REDUCE", "column input gradient", "layers.1.mlp.gate_up_proj", "input gradient", "copy_to_tp"),
-    ("REDUCE_SCATTER", "column input gradient", "layers.1.mlp.gate_up_proj", "input gradient",
-     "reduce-scatter"),
-    ("REDUCE_SCATTER", "weight gradient", "layers.1.self_attn.o_proj", "weight gradient", "o_proj.weight"),
-])
+@pytest.mark.parametrize(
+    "mode, breakage, module, where, advice",
+    [
+        ("ALL_REDUCE", "row reduction", "layers.1.mlp.down_proj", "output", "the all-reduce (ALL_REDUCE)"),
+        ("ALL_REDUCE", "attention core", "layers.0.self_attn.o_proj", "input", "query/key/value heads"),
+        ("ALL_REDUCE", "column input gradient", "layers.1.mlp.gate_up_proj", "input gradient", "copy_to_tp"),
+        (
+            "REDUCE_SCATTER",
+            "column input gradient",
+            "layers.1.mlp.gate_up_proj",
+            "input gradient",
+            "reduce-scatter",
+        ),
+        (
+            "REDUCE_SCATTER",
+            "weight gradient",
+            "layers.1.self_attn.o_proj",
+            "weight gradient",
+            "o_proj.weight",
+        ),
+    ],
+)
 def test_T1_the_first_divergent_module_is_named(tiny_config, mode, breakage, module, where, advice):
     config = tiny_config("parallelism.tp=2", f"parallelism.tp_mode={mode}")
     report = run_ranks(_broken, 2, config, breakage)[0]
@@ -130,7 +178,7 @@ def test_T1_the_first_divergent_module_is_named(tiny_config, mode, breakage, mod
     assert [line.split()[0] for line in text.splitlines() if line.endswith("<- first")] == [module]
     rows = {row.name: row for row in report.rows}
     if where == "output":  # everything before the broken layer matched; it and its block did not
-        assert all(rows[name].output_rel < 1e-5 for name in MODULES[:MODULES.index(module)])
+        assert all(rows[name].output_rel < 1e-5 for name in MODULES[: MODULES.index(module)])
         # The loss alone hardly moves (a young model's residual branches are small): hence per module.
         assert rows[module].output_rel > 1e-2 and rows[module.rpartition(".")[0]].output_rel > 1e-2
     if where in ("input gradient", "weight gradient"):  # the forward is untouched
@@ -152,8 +200,10 @@ def _crash(rank, config):
 def test_a_model_that_crashes_is_explained_by_the_first_wrong_shape(tiny_config):
     message = run_ranks(_crash, 2, tiny_config("parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"))[0]
     assert message.startswith("the tp=2 model (tp_mode=REDUCE_SCATTER) failed in forward, inside layers.0: ")
-    assert ("First wrong shape: layers.0.mlp.down_proj (RowParallelLinear) returned (4, 32, 64), but with "
-            "output_split_dim=1 at tp=2 it must return (4, 16, 64) (tp=1: (4, 32, 64))") in message
+    assert (
+        "First wrong shape: layers.0.mlp.down_proj (RowParallelLinear) returned (4, 32, 64), but with "
+        "output_split_dim=1 at tp=2 it must return (4, 16, 64) (tp=1: (4, 32, 64))"
+    ) in message
     assert "reduce-scatter (REDUCE_SCATTER) after the layer is missing" in message
 
 
@@ -173,27 +223,36 @@ def test_the_command_prints_on_rank_0_and_exits_1_on_divergence(tiny_config, tmp
     (code0, text0), (code1, text1) = run_ranks(_command, 2, path, [f"parallelism.tp_mode={mode}"], broken)
     assert (code0, code1) == ((DIVERGES_EXIT_CODE,) * 2 if broken else (0, 0)) and DIVERGES_EXIT_CODE == 1
     assert text1 == ""
-    assert text0.startswith(f"check-tp: tp=2 (tp_mode={mode}) against tp=1, float32, one micro-batch of "
-                            "4 x 32 tokens")
+    assert text0.startswith(
+        f"check-tp: tp=2 (tp_mode={mode}) against tp=1, float32, one micro-batch of 4 x 32 tokens"
+    )
     # The first RowParallelLinear to run; the embedding sums its lookups with its own all-reduce.
-    verdict = ("FIRST DIVERGENCE: layers.0.self_attn.o_proj (RowParallelLinear), output:" if broken
-               else "tp=2 matches tp=1 within tolerance 1e-04 (tp_mode=REDUCE_SCATTER, float32).")
+    verdict = (
+        "FIRST DIVERGENCE: layers.0.self_attn.o_proj (RowParallelLinear), output:"
+        if broken
+        else "tp=2 matches tp=1 within tolerance 1e-04 (tp_mode=REDUCE_SCATTER, float32)."
+    )
     assert verdict in text0
 
 
 @pytest.mark.distributed
 def test_the_command_starts_its_tp_processes_and_passes_a_correct_model(tiny_config, tmp_path, no_launcher):
     path = write_yaml(tiny_config("parallelism.tp_mode=REDUCE_SCATTER"), tmp_path / "config.yaml")
-    result = subprocess.run([sys.executable, "-m", "femtotron", "check-tp", path, "--tp", "2",
-                             "tokens.micro_batch_size=2"], capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, "-m", "femtotron", "check-tp", path, "--tp", "2", "tokens.micro_batch_size=2"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "check-tp at tp=2 needs 2 processes" in result.stderr and "Traceback" not in result.stderr
     assert "tp=2 matches tp=1 within tolerance 1e-04" in result.stdout
     assert result.stdout.count("check-tp: tp=2") == 1  # one report, from rank 0
 
 
-def test_config_and_data_mistakes_are_reported_before_any_process_starts(tiny_config, tmp_path, monkeypatch,
-                                                                     no_launcher):
+def test_config_and_data_mistakes_are_reported_before_any_process_starts(
+    tiny_config, tmp_path, monkeypatch, no_launcher
+):
     monkeypatch.setattr(check_tp, "launch_local", lambda *a, **k: pytest.fail("must not launch"))
     path = write_yaml(tiny_config(), tmp_path / "config.yaml")
     with pytest.raises(ConfigError, match=r"parallelism.tp=1 and no --tp .* one of: 2\."):

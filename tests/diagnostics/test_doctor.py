@@ -20,8 +20,12 @@ def test_M1_doctor_says_what_does_not_fit_and_what_each_fix_gives(tiny_config, t
     assert "config: every rule holds; layout dp=2 tp=1 pp=1 = 2 process(es)" in out
     assert "dp: all-reduce" in out and "memory per rank (estimate; device: 0.002 GiB per device):" in out
     assert "does NOT fit (M1): pp rank 0 needs" in out
-    for fix in ("tokens.micro_batch_size=4 (and batch_accumulation_per_replica=2 to keep the batch)",
-                "tokens.sequence_length=16", "with optimizer.zero_stage=1", "with parallelism.recompute_layer=true"):
+    for fix in (
+        "tokens.micro_batch_size=4 (and batch_accumulation_per_replica=2 to keep the batch)",
+        "tokens.sequence_length=16",
+        "with optimizer.zero_stage=1",
+        "with parallelism.recompute_layer=true",
+    ):
         assert f"  {fix}: " in out
     assert main(["doctor", config, "--device", "H100"]) == 0
     assert "fits: the largest rank needs" in capsys.readouterr().out
@@ -34,7 +38,13 @@ def test_L1_doctor_checks_the_world_size_without_launching(tiny_config, tmp_path
 
 
 def test_P2_T3_M3_doctor_prints_the_bubble_the_stage_map_and_the_tp_placement(tiny_config, tmp_path, capsys):
-    config = write(tiny_config, tmp_path, "parallelism.pp=2", "parallelism.tp=2", "tokens.batch_accumulation_per_replica=2")
+    config = write(
+        tiny_config,
+        tmp_path,
+        "parallelism.pp=2",
+        "parallelism.tp=2",
+        "tokens.batch_accumulation_per_replica=2",
+    )
     assert main(["doctor", config, "--gpus-per-node", "1"]) == 0
     out = capsys.readouterr().out
     assert "pipeline: 1f1b, each stage idles 33% of a step in theory (P2)" in out
@@ -43,12 +53,15 @@ def test_P2_T3_M3_doctor_prints_the_bubble_the_stage_map_and_the_tp_placement(ti
 
 
 def test_T3_the_tp_link_is_named_by_what_it_crosses(tiny_config, tmp_path, capsys):
-    """NVLink only inside a GPU node: on a CPU the tp group talks between processes of one host, and a tp group
-    larger than a node crosses the network (as the warning above it says)."""
+    """NVLink only inside a GPU node: on a CPU the tp group talks between processes of one host, and a tp
+    group larger than a node crosses the network (as the warning above it says)."""
     config = write(tiny_config, tmp_path, "parallelism.tp=2")
     lines = {}
-    for name, options in {"cpu": ["--device", "CPU"], "gpu": ["--device", "H100"],
-                          "across": ["--device", "H100", "--gpus-per-node", "1"]}.items():
+    for name, options in {
+        "cpu": ["--device", "CPU"],
+        "gpu": ["--device", "H100"],
+        "across": ["--device", "H100", "--gpus-per-node", "1"],
+    }.items():
         assert main(["doctor", config, *options]) == 0
         lines[name] = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  tp: "))
     assert lines["cpu"].endswith("(ALL_REDUCE; between processes of one host)")

@@ -10,16 +10,29 @@ from femtotron.diagnostics.memory import LiveMemory, estimate_rank
 from femtotron.parallel.context import ParallelContext
 from femtotron.trainer import Trainer
 
-BASE = ("model.model_config.num_hidden_layers=4", "model.model_config.num_key_value_heads=4",
-        "model.model_config.vocab_size=2048", "tokens.sequence_length=64")
+BASE = (
+    "model.model_config.num_hidden_layers=4",
+    "model.model_config.num_key_value_heads=4",
+    "model.model_config.vocab_size=2048",
+    "tokens.sequence_length=64",
+)
 LAYOUTS = {  # (overrides, bf16 path: native or upcast matmuls, None for fp32)
     "one process, fp32": ((), None),
-    "one process, bf16 native, recompute": (("model.dtype=bfloat16", "parallelism.recompute_layer=true"), True),
-    "one process, bf16 upcast, recompute": (("model.dtype=bfloat16", "parallelism.recompute_layer=true"), False),
+    "one process, bf16 native, recompute": (
+        ("model.dtype=bfloat16", "parallelism.recompute_layer=true"),
+        True,
+    ),
+    "one process, bf16 upcast, recompute": (
+        ("model.dtype=bfloat16", "parallelism.recompute_layer=true"),
+        False,
+    ),
     "tp=2 sequence parallel": (("parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"), None),
     "pp=2 1F1B, 4 micro-batches": (("parallelism.pp=2", "tokens.batch_accumulation_per_replica=4"), None),
     "dp=2 ZeRO-1 bf16 native": (("parallelism.dp=2", "optimizer.zero_stage=1", "model.dtype=bfloat16"), True),
-    "dp=2 ZeRO-1 bf16 upcast": (("parallelism.dp=2", "optimizer.zero_stage=1", "model.dtype=bfloat16"), False),
+    "dp=2 ZeRO-1 bf16 upcast": (
+        ("parallelism.dp=2", "optimizer.zero_stage=1", "model.dtype=bfloat16"),
+        False,
+    ),
 }
 
 
@@ -38,14 +51,26 @@ def measured_and_estimated(rank, config):
     return measured, estimated
 
 
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.distributed) if "=2" in name else name
-                                    for name in LAYOUTS])
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param(name, marks=pytest.mark.distributed) if "=2" in name else name for name in LAYOUTS],
+)
 def test_M1_the_estimate_is_within_10_percent_of_the_measured_peak(tiny_config, layout):
     overrides, native = LAYOUTS[layout]
-    config = tiny_config(*BASE, *overrides, "tokens.micro_batch_size=4", "tokens.batch_accumulation_per_replica=2"
-                         if "micro-batches" not in layout else "tokens.micro_batch_size=4")
+    config = tiny_config(
+        *BASE,
+        *overrides,
+        "tokens.micro_batch_size=4",
+        "tokens.batch_accumulation_per_replica=2"
+        if "micro-batches" not in layout
+        else "tokens.micro_batch_size=4",
+    )
     world = config.parallelism.dp * config.parallelism.tp * config.parallelism.pp
     with precision_path(native):  # the estimate follows the path too (fp32 copies of bf16 tensors, or none)
-        results = [measured_and_estimated(0, config)] if world == 1 else run_ranks(measured_and_estimated, world, config)
+        results = (
+            [measured_and_estimated(0, config)]
+            if world == 1
+            else run_ranks(measured_and_estimated, world, config)
+        )
     for measured, estimated in results:
         assert estimated == pytest.approx(measured, rel=0.10), (layout, measured, estimated)

@@ -27,9 +27,14 @@ def test_M1_an_out_of_memory_error_says_where_what_the_state_takes_and_the_fixes
     with pytest.raises(OutOfMemory) as info:
         trainer.train_step()
     message = str(info.value)
-    assert message.startswith("step 1: out of memory on rank 0 in the forward of micro-batch 0, pipeline stage 0 "
-                              "(CUDA out of memory. Tried to allocate 2.00 GiB)")
-    assert "This rank's model state: params 0.4 MiB, grads 0.4 MiB, master weights 0.0 MiB, adam moments 0.8 MiB" in message
+    assert message.startswith(
+        "step 1: out of memory on rank 0 in the forward of micro-batch 0, pipeline stage 0 "
+        "(CUDA out of memory. Tried to allocate 2.00 GiB)"
+    )
+    assert (
+        "This rank's model state: params 0.4 MiB, grads 0.4 MiB, master weights 0.0 MiB, adam moments 0.8 MiB"
+        in message
+    )
     assert "tokens.micro_batch_size=2" in message and "parallelism.recompute_layer=true" in message
     assert info.value.exit_code == 8
 
@@ -39,16 +44,21 @@ def test_M1_running_out_of_memory_on_the_cpu_is_the_same_report(tiny_config):
     trainer = Trainer(tiny_config(), ParallelContext(), log_to_console=False)
 
     def cpu_allocation_fails(module, inputs, output):
-        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you "
-                           "tried to allocate 2147483648 bytes. Error code 12 (Cannot allocate memory)")
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you "
+            "tried to allocate 2147483648 bytes. Error code 12 (Cannot allocate memory)"
+        )
 
     dict(trainer.chunks[0].named_modules())["layers.0.mlp"].register_full_backward_hook(
-        lambda module, grad_in, grad_out: cpu_allocation_fails(module, grad_in, grad_out))
+        lambda module, grad_in, grad_out: cpu_allocation_fails(module, grad_in, grad_out)
+    )
     with pytest.raises(OutOfMemory) as info:
         trainer.train_step()
-    assert str(info.value).startswith("step 1: out of memory on rank 0 in the backward of micro-batch 0, pipeline "
-                                      "stage 0 ([enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't "
-                                      "allocate memory")
+    assert str(info.value).startswith(
+        "step 1: out of memory on rank 0 in the backward of micro-batch 0, pipeline "
+        "stage 0 ([enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't "
+        "allocate memory"
+    )
 
 
 # `femtotron train` with 1 GiB of address space left after torch is loaded, and a micro-batch that needs more.
@@ -68,8 +78,13 @@ sys.exit(main(["train", sys.argv[1], "tokens.micro_batch_size=16384", "tokens.tr
 def test_M1_a_real_cpu_allocation_failure_exits_8_with_the_report_not_a_traceback(tiny_config, tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(tiny_config().to_dict()))
-    run = subprocess.run([sys.executable, "-c", SHORT_OF_MEMORY, str(path)], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.run(
+        [sys.executable, "-c", SHORT_OF_MEMORY, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert run.returncode == 8, run.stderr[-3000:]
     assert "femtotron: error: step 1: out of memory on rank 0" in run.stderr and "Traceback" not in run.stderr
     assert "Fixes, in the usual order: tokens.micro_batch_size=8192" in run.stderr
@@ -94,16 +109,32 @@ def test_M1_with_data_parallelism_the_advice_includes_zero_stage_1(tiny_config):
     assert "tokens.sequence_length=16" in messages[0]  # micro_batch_size is 1 already
 
 
-@pytest.mark.parametrize("user_value, switch, expected", [
-    (None, "true", "expandable_segments:True"), ("max_split_size_mb:128", "true", "max_split_size_mb:128"),
-    (None, "false", None)])
-def test_M2_expandable_segments_are_set_unless_the_user_chose(tiny_config, tmp_path, monkeypatch, user_value, switch,
-                                                               expected):
+@pytest.mark.parametrize(
+    "user_value, switch, expected",
+    [
+        (None, "true", "expandable_segments:True"),
+        ("max_split_size_mb:128", "true", "max_split_size_mb:128"),
+        (None, "false", None),
+    ],
+)
+def test_M2_expandable_segments_are_set_unless_the_user_chose(
+    tiny_config, tmp_path, monkeypatch, user_value, switch, expected
+):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     if user_value:
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user_value)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(tiny_config().to_dict()))
-    assert main(["train", str(path), "tokens.train_steps=2", f"general.cuda_expandable_segments={switch}",
-                 "optimizer.learning_rate_scheduler.lr_warmup_steps=0"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                str(path),
+                "tokens.train_steps=2",
+                f"general.cuda_expandable_segments={switch}",
+                "optimizer.learning_rate_scheduler.lr_warmup_steps=0",
+            ]
+        )
+        == 0
+    )
     assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == expected

@@ -22,16 +22,21 @@ def poison_forward(trainer, name):
 
 
 def test_N1_an_injected_nan_in_one_layers_output_is_reported_with_that_layers_name(tiny_config):
-    trainer = Trainer(tiny_config("tokens.train_steps=5", "tokens.batch_accumulation_per_replica=2"),
-                      ParallelContext(), log_to_console=False)
+    trainer = Trainer(
+        tiny_config("tokens.train_steps=5", "tokens.batch_accumulation_per_replica=2"),
+        ParallelContext(),
+        log_to_console=False,
+    )
     trainer.train_step()
     poison_forward(trainer, "layers.1.mlp.down_proj")
     before = [p.detach().clone() for _, p in trainer.named_parameters()]
     with pytest.raises(TrainingDiverged) as info:
         trainer.train_step()
     message = str(info.value)
-    assert ("Where: the forward output of layers.1.mlp.down_proj is the first non-finite value (its inputs were "
-            "finite; micro-batch 0, pipeline stage 0, rank 0)") in message
+    assert (
+        "Where: the forward output of layers.1.mlp.down_proj is the first non-finite value (its inputs were "
+        "finite; micro-batch 0, pipeline stage 0, rank 0)"
+    ) in message
     assert "step 2: loss nan" in message and "Recent steps: step 1: lr" in message  # N2: the history
     assert all(torch.equal(a, p) for a, (_, p) in zip(before, trainer.named_parameters(), strict=True))
 
@@ -48,10 +53,14 @@ def test_N1_a_gradient_that_breaks_in_backward_is_traced_there(tiny_config):
     with pytest.raises(TrainingDiverged) as info:
         trainer.train_step()
     message = str(info.value)
-    assert "forward was finite; in backward the first non-finite gradient reached the output of " \
-           "layers.0.self_attn.o_proj" in message
+    assert (
+        "forward was finite; in backward the first non-finite gradient reached the output of "
+        "layers.0.self_attn.o_proj" in message
+    )
     # The loss was finite: it is printed rounded and not called non-finite; an fp32 run gets no dtype advice.
-    assert re.match(r"step 1: grad norm nan is not finite \(loss \d\.\d{4}\); the optimizer step was skipped", message)
+    assert re.match(
+        r"step 1: grad norm nan is not finite \(loss \d\.\d{4}\); the optimizer step was skipped", message
+    )
     assert "model.dtype" not in message
 
 
@@ -67,12 +76,18 @@ def _poisoned_pipeline(rank, config):
 
 @pytest.mark.distributed
 def test_N1_with_pipeline_stages_the_report_names_the_stage_and_rank_that_broke(tiny_config):
-    config = tiny_config("model.model_config.num_hidden_layers=4", "parallelism.pp=2",
-                         "tokens.batch_accumulation_per_replica=4", "tokens.micro_batch_size=1")
+    config = tiny_config(
+        "model.model_config.num_hidden_layers=4",
+        "parallelism.pp=2",
+        "tokens.batch_accumulation_per_replica=4",
+        "tokens.micro_batch_size=1",
+    )
     with pytest.raises(RankFailed) as failed:
         run_ranks(_poisoned_pipeline, 2, config, timeout=120)
-    assert "the forward output of layers.2.mlp is the first non-finite value (its inputs were finite; " \
-           "micro-batch 0, pipeline stage 1, rank 1)" in str(failed.value)
+    assert (
+        "the forward output of layers.2.mlp is the first non-finite value (its inputs were finite; "
+        "micro-batch 0, pipeline stage 1, rank 1)" in str(failed.value)
+    )
 
 
 def test_N1_on_non_finite_skip_drops_the_step_and_training_goes_on(tiny_config, capsys):

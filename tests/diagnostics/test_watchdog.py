@@ -49,37 +49,67 @@ trainer.train()
 
 
 def start_job(tiny_config, tmp_path, how, *overrides):
-    config = tiny_config("parallelism.hang_timeout_seconds=4", "parallelism.collective_timeout_seconds=120",
-                         "tokens.train_steps=50", *overrides)
+    config = tiny_config(
+        "parallelism.hang_timeout_seconds=4",
+        "parallelism.collective_timeout_seconds=120",
+        "tokens.train_steps=50",
+        *overrides,
+    )
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config.to_dict()))
     port = free_port()
     world = config.parallelism.dp * config.parallelism.pp
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "OMP_NUM_THREADS": "1"}
-    return [subprocess.Popen([sys.executable, "-c", RANK, str(path), how], env={**env, "RANK": str(r),
-                             "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            for r in range(world)]
+    env = {
+        **os.environ,
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(path), how],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
 
 
 @pytest.mark.distributed
 def test_P1_a_rank_that_skips_a_send_ends_the_job_with_a_report_naming_the_pair(tiny_config, tmp_path):
     start = time.monotonic()
-    ranks = start_job(tiny_config, tmp_path, "skip-send", "parallelism.pp=2", "model.model_config.num_hidden_layers=2",
-                      "tokens.batch_accumulation_per_replica=4", "tokens.micro_batch_size=1")
+    ranks = start_job(
+        tiny_config,
+        tmp_path,
+        "skip-send",
+        "parallelism.pp=2",
+        "model.model_config.num_hidden_layers=2",
+        "tokens.batch_accumulation_per_replica=4",
+        "tokens.micro_batch_size=1",
+    )
     outputs = [rank.communicate(timeout=90)[1] for rank in ranks]
     assert time.monotonic() - start < 60  # not the 120 s collective timeout
     # The rank that reports exits with 4; the other fails on the closed connection (or reports too).
     assert 4 in [rank.returncode for rank in ranks] and all(rank.returncode for rank in ranks), outputs
-    # The first rank to see its op pass the timeout reports and exits; the other then fails on the closed pair.
+    # The first rank to see its op pass the timeout reports and exits; the other then fails on the closed
+    # pair.
     report = next(output for output in outputs if "hang report" in output)
-    assert re.search(r"hang report from rank (\d): rank \1 has waited in recv on pp\[0,1\] for \d+ s "
-                     r"\(parallelism.hang_timeout_seconds=4\)", report), report
+    assert re.search(
+        r"hang report from rank (\d): rank \1 has waited in recv on pp\[0,1\] for \d+ s "
+        r"\(parallelism.hang_timeout_seconds=4\)",
+        report,
+    ), report
     assert re.search(r"rank 0 \(as of \d+ s ago\): in recv on pp\[0,1\] with rank 1", report), report
     assert re.search(r"rank 1 \(as of \d+ s ago\): in recv on pp\[0,1\] with rank 0", report), report
-    assert ("deadlock: rank 0 and rank 1 each wait to receive from the other (step 1, pipeline backward of "
-            "micro-batch 1 on stage 0; step 1, pipeline forward of micro-batch 1 on stage 1): one of them skipped or "
-            "reordered a send") in report
+    assert (
+        "deadlock: rank 0 and rank 1 each wait to receive from the other (step 1, pipeline backward of "
+        "micro-batch 1 on stage 0; step 1, pipeline forward of micro-batch 1 on stage 1): one of them "
+        "skipped or "
+        "reordered a send"
+    ) in report
 
 
 @pytest.mark.distributed
@@ -101,10 +131,22 @@ def test_the_report_says_how_old_each_rank_s_state_is():
     """A frozen rank's last published state can be far behind: the report gives its age, as seen by the
     reporting rank (the time since that rank's heartbeat last changed), so "step 1" is not read as now."""
     dog = Watchdog(Comm(), Store(), rank=0, world_size=2, hang_timeout=600, where=lambda: "step 9")
-    states = {0: {"rank": 0, "beat": 50, "where": "step 9, pipeline forward of micro-batch 0 on stage 0", "op": None,
-                  "last_op": None},
-              1: {"rank": 1, "beat": 3, "where": "step 1, pipeline forward of micro-batch 0 on stage 0", "op": None,
-                  "last_op": None}}
+    states = {
+        0: {
+            "rank": 0,
+            "beat": 50,
+            "where": "step 9, pipeline forward of micro-batch 0 on stage 0",
+            "op": None,
+            "last_op": None,
+        },
+        1: {
+            "rank": 1,
+            "beat": 3,
+            "where": "step 1, pipeline forward of micro-batch 0 on stage 0",
+            "op": None,
+            "last_op": None,
+        },
+    }
     dog.seen = {0: (50, 99.0), 1: (3, 62.0)}
     report = dog.report(states, [1], "stopped (failed, died or froze)", now=100.0)
     assert "  rank 0 (as of 0 s ago): no communication in flight; step 9" in report  # the reporter's own: now

@@ -6,8 +6,17 @@ from femtotron.models.hf_conversion import from_hf
 
 
 def tiny_config(**overrides):
-    return llama_config(**{"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
-                           "num_key_value_heads": 2, "max_position_embeddings": 64, **overrides})
+    return llama_config(
+        **{
+            "vocab_size": 128,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+            **overrides,
+        }
+    )
 
 
 def build(cfg, seed=7, dtype=torch.float32):

@@ -30,13 +30,22 @@ def build(cfg, recompute: bool, dtype=torch.float32, tp: TensorParallel | None =
     return build_llama(cfg, dtype, tp=tp, recompute_layer=recompute)
 
 
-def losses_and_grads(model: Llama, ids: torch.Tensor, targets: torch.Tensor, tp: TensorParallel | None = None):
+def losses_and_grads(
+    model: Llama, ids: torch.Tensor, targets: torch.Tensor, tp: TensorParallel | None = None
+):
     loss, _, grads = loss_and_grads(model, ids, targets, tp)
     return loss, grads
 
 
-@pytest.mark.parametrize("tied, dtype, native", [(False, torch.float32, None), (True, torch.float32, None),
-                                                 (False, torch.bfloat16, True), (False, torch.bfloat16, False)])
+@pytest.mark.parametrize(
+    "tied, dtype, native",
+    [
+        (False, torch.float32, None),
+        (True, torch.float32, None),
+        (False, torch.bfloat16, True),
+        (False, torch.bfloat16, False),
+    ],
+)
 def test_recompute_gives_identical_loss_and_gradients(tied, dtype, native):
     cfg = model_config(layers=3, tied=tied)
     ids, targets = random_batch(cfg.vocab_size)
@@ -80,13 +89,21 @@ def _compare_on_ranks(rank: int, layers: int):
         for recompute in (False, True):
             before = Counter(ctx.comm.calls)
             results.append(losses_and_grads(build(cfg, recompute, tp=tp), ids, targets, tp))
-            calls.append({op: n - before[kind, op] for (kind, op), n in ctx.comm.calls.items()
-                          if kind == "tp" and n != before[kind, op]})
+            calls.append(
+                {
+                    op: n - before[kind, op]
+                    for (kind, op), n in ctx.comm.calls.items()
+                    if kind == "tp" and n != before[kind, op]
+                }
+            )
         (loss_off, grads_off), (loss_on, grads_on) = results
         if loss_on != loss_off:
             failures.append(f"{mode}: loss {loss_on} vs {loss_off}")
-        failures += [f"{mode}: grad of {name} differs" for name, g in grads_off.items()
-                     if not torch.equal(grads_on[name], g)]
+        failures += [
+            f"{mode}: grad of {name} differs"
+            for name, g in grads_off.items()
+            if not torch.equal(grads_on[name], g)
+        ]
         extra = {op: calls[1].get(op, 0) - calls[0].get(op, 0) for op in calls[0].keys() | calls[1].keys()}
         extra_calls[mode] = {op: n for op, n in extra.items() if n}
     ctx.close()
@@ -135,7 +152,14 @@ def _train_two_steps(rank: int, configs):
 def test_recompute_under_pipeline_parallelism(tiny_config):
     """pp=2 (1F1B, 2 micro-batches): a stage's backward starts from its output with the gradient received
     from the next stage; the recomputed layers give the same losses and grad norms bit for bit."""
-    configs = [tiny_config("parallelism.pp=2", "tokens.batch_accumulation_per_replica=2",
-                           f"parallelism.recompute_layer={on}", f"general.run=pp-recompute-{on}") for on in (False, True)]
+    configs = [
+        tiny_config(
+            "parallelism.pp=2",
+            "tokens.batch_accumulation_per_replica=2",
+            f"parallelism.recompute_layer={on}",
+            f"general.run=pp-recompute-{on}",
+        )
+        for on in (False, True)
+    ]
     for off, on in run_ranks(_train_two_steps, 2, configs, timeout=240):
         assert on == off

@@ -11,11 +11,15 @@ PEAK, FLOOR = 1e-3, 1e-4
 
 def schedule(train_steps: int, **scheduler):
     """The resolved `learning_rate_scheduler` section of a config with these settings."""
-    config = load_config_dict({
-        "tokens": {"train_steps": train_steps},
-        "optimizer": {"learning_rate_scheduler": {"learning_rate": PEAK, "min_decay_lr": FLOOR, **scheduler}},
-        "data": {"dataset_folder": "unused"},
-    })
+    config = load_config_dict(
+        {
+            "tokens": {"train_steps": train_steps},
+            "optimizer": {
+                "learning_rate_scheduler": {"learning_rate": PEAK, "min_decay_lr": FLOOR, **scheduler}
+            },
+            "data": {"dataset_folder": "unused"},
+        }
+    )
     return config.optimizer.learning_rate_scheduler
 
 
@@ -40,11 +44,14 @@ def test_constant_warmup_holds_the_peak():
 WARMUP, TRAIN_STEPS, MID = 2, 11, 6
 
 
-@pytest.mark.parametrize(("style", "mid"), [
-    ("cosine", (PEAK + FLOOR) / 2),
-    ("linear", (PEAK + FLOOR) / 2),
-    ("1-sqrt", FLOOR + (PEAK - FLOOR) * (1 - math.sqrt(0.5))),
-])
+@pytest.mark.parametrize(
+    ("style", "mid"),
+    [
+        ("cosine", (PEAK + FLOOR) / 2),
+        ("linear", (PEAK + FLOOR) / 2),
+        ("1-sqrt", FLOOR + (PEAK - FLOOR) * (1 - math.sqrt(0.5))),
+    ],
+)
 def test_decay_runs_from_the_peak_after_warmup_to_the_floor_at_the_last_step(style, mid):
     values = lrs(TRAIN_STEPS, lr_warmup_steps=WARMUP, lr_decay_style=style)
     assert values[WARMUP] == pytest.approx(PEAK, rel=1e-12)
@@ -86,7 +93,9 @@ def test_a_section_built_outside_a_config_resolves_the_same_defaults():
     raw = LRSchedulerArgs(learning_rate=PEAK, min_decay_lr=FLOOR, lr_warmup_steps=WARMUP)
     assert raw.lr_decay_steps is None and raw.lr_decay_starting_step is None
     resolved = lrs(TRAIN_STEPS, lr_warmup_steps=WARMUP)
-    assert [lr_at(step, raw, TRAIN_STEPS) for step in range(TRAIN_STEPS)] == pytest.approx(resolved, rel=1e-12)
+    assert [lr_at(step, raw, TRAIN_STEPS) for step in range(TRAIN_STEPS)] == pytest.approx(
+        resolved, rel=1e-12
+    )
 
 
 @pytest.mark.parametrize("style", ["cosine", "linear", "1-sqrt"])

@@ -14,16 +14,18 @@ STEP_LRS = [1e-2, 5e-3, 2e-3]
 
 
 def optimizer_section(**settings):
-    config = load_config_dict({
-        "tokens": {"train_steps": 10},
-        "optimizer": {
-            "weight_decay": WEIGHT_DECAY,
-            "learning_rate_scheduler": {"learning_rate": LR},
-            "optimizer_factory": {"adam_beta1": BETAS[0], "adam_beta2": BETAS[1], "adam_eps": EPS},
-            **settings,
-        },
-        "data": {"dataset_folder": "unused"},
-    })
+    config = load_config_dict(
+        {
+            "tokens": {"train_steps": 10},
+            "optimizer": {
+                "weight_decay": WEIGHT_DECAY,
+                "learning_rate_scheduler": {"learning_rate": LR},
+                "optimizer_factory": {"adam_beta1": BETAS[0], "adam_beta2": BETAS[1], "adam_eps": EPS},
+                **settings,
+            },
+            "data": {"dataset_folder": "unused"},
+        }
+    )
     return config.optimizer
 
 
@@ -37,9 +39,17 @@ def make_params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
 def single_process_optimizer(params, section, micro_batches=1):
     """The optimizer of one rank without data parallelism, over `params` in one bucket."""
     grad_dtype = torch.float32 if section.accumulate_grad_in_fp32 else params[0].dtype
-    data_parallel = DataParallel([(f"p{i}", p) for i, p in enumerate(params)], [list(range(len(params)))],
-                                 Comm(), Group("dp", (0,)), 0, micro_batches=micro_batches, bucket_mb=25,
-                                 grad_dtype=grad_dtype, sharded=False)
+    data_parallel = DataParallel(
+        [(f"p{i}", p) for i, p in enumerate(params)],
+        [list(range(len(params)))],
+        Comm(),
+        Group("dp", (0,)),
+        0,
+        micro_batches=micro_batches,
+        bucket_mb=25,
+        grad_dtype=grad_dtype,
+        sharded=False,
+    )
     return ZeroAdamW(params, data_parallel, section)
 
 
@@ -59,13 +69,28 @@ def bf16_grads(params, seed: int) -> list[torch.Tensor]:
 def test_fp32_matches_torch_adamw_with_decay_on_matrices_only(fused):
     params = make_params(torch.float32)
     reference = [p.detach().clone().requires_grad_() for p in params]
-    ours = single_process_optimizer(params, optimizer_section(optimizer_factory={
-        "adam_beta1": BETAS[0], "adam_beta2": BETAS[1], "adam_eps": EPS, "torch_adam_is_fused": fused}))
+    ours = single_process_optimizer(
+        params,
+        optimizer_section(
+            optimizer_factory={
+                "adam_beta1": BETAS[0],
+                "adam_beta2": BETAS[1],
+                "adam_eps": EPS,
+                "torch_adam_is_fused": fused,
+            }
+        ),
+    )
     # fp32: the master weights are the parameters' own storage, not a copy.
     assert all(m.untyped_storage().data_ptr() == params[0].untyped_storage().data_ptr() for m in ours.masters)
     torch_adamw = torch.optim.AdamW(
-        [{"params": reference[:1], "weight_decay": WEIGHT_DECAY}, {"params": reference[1:], "weight_decay": 0.0}],
-        lr=LR, betas=BETAS, eps=EPS, fused=fused or None,
+        [
+            {"params": reference[:1], "weight_decay": WEIGHT_DECAY},
+            {"params": reference[1:], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        fused=fused or None,
     )
     for step, lr in enumerate(STEP_LRS):
         loss_of(params, step).backward()
@@ -125,8 +150,13 @@ def test_bf16_grads_accumulate_in_fp32_masters_and_params_follow_the_masters():
     for ref, total in zip(reference, expected, strict=True):
         ref.grad = total.clone()
     torch_adamw = torch.optim.AdamW(
-        [{"params": reference[:1], "weight_decay": WEIGHT_DECAY}, {"params": reference[1:], "weight_decay": 0.0}],
-        lr=LR, betas=BETAS, eps=EPS,
+        [
+            {"params": reference[:1], "weight_decay": WEIGHT_DECAY},
+            {"params": reference[1:], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
     )
     before = optimizer.full_masters()
     optimizer.step(LR)
@@ -140,7 +170,9 @@ def test_bf16_grads_accumulate_in_fp32_masters_and_params_follow_the_masters():
 
 def test_bf16_without_fp32_accumulation_still_hands_out_fp32_grads():
     params = make_params(torch.bfloat16)
-    optimizer = single_process_optimizer(params, optimizer_section(accumulate_grad_in_fp32=False), micro_batches=2)
+    optimizer = single_process_optimizer(
+        params, optimizer_section(accumulate_grad_in_fp32=False), micro_batches=2
+    )
     assert optimizer.data_parallel.flat_grads.dtype == torch.bfloat16
     expected = [torch.zeros_like(p) for p in params]
     for micro_batch in range(2):
@@ -184,8 +216,17 @@ def _decay_only_step(rank, dp):
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in [(20, 12), (20,), (12,)]]
     initial = [p.detach().clone() for p in params]
-    data_parallel = DataParallel([(f"p{i}", p) for i, p in enumerate(params)], [[2, 1, 0]], ctx.comm, ctx.dp_group,
-                                 ctx.dp_rank, micro_batches=1, bucket_mb=25, grad_dtype=torch.float32, sharded=True)
+    data_parallel = DataParallel(
+        [(f"p{i}", p) for i, p in enumerate(params)],
+        [[2, 1, 0]],
+        ctx.comm,
+        ctx.dp_group,
+        ctx.dp_rank,
+        micro_batches=1,
+        bucket_mb=25,
+        grad_dtype=torch.float32,
+        sharded=True,
+    )
     optimizer = ZeroAdamW(params, data_parallel, optimizer_section(zero_stage=1))
     owned = {piece.param for piece in data_parallel.pieces}
     data_parallel.finish_reduction()

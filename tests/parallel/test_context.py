@@ -37,8 +37,10 @@ def _mesh(rank):
         "prefix": ctx.log_prefix,
     }
     # Each group really connects its members: summing the global ranks gives the group's sum.
-    out["sums"] = {g.kind: int(ctx.comm.all_reduce(torch.tensor([float(rank)]), g).item())
-                   for g in (ctx.tp_group, ctx.dp_group, ctx.pp_group)}
+    out["sums"] = {
+        g.kind: int(ctx.comm.all_reduce(torch.tensor([float(rank)]), g).item())
+        for g in (ctx.tp_group, ctx.dp_group, ctx.pp_group)
+    }
     ctx.close()
     return out
 
@@ -73,8 +75,15 @@ def _collectives(rank):
     ctx.comm.barrier(g)
     seconds = ctx.comm.take_seconds()
     assert seconds.keys() == {"dp"} and seconds["dp"] > 0 and ctx.comm.take_seconds() == {}
-    out = (summed[0, 0].item(), gathered.tolist(), scattered.tolist(), received, dict(ctx.comm.bytes_sent),
-           ctx.comm.in_flight, dict(ctx.comm.calls))
+    out = (
+        summed[0, 0].item(),
+        gathered.tolist(),
+        scattered.tolist(),
+        received,
+        dict(ctx.comm.bytes_sent),
+        ctx.comm.in_flight,
+        dict(ctx.comm.calls),
+    )
     ctx.close()
     return out
 

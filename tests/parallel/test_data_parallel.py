@@ -41,9 +41,20 @@ def test_buckets_keep_to_their_group_align_every_parameter_and_split_evenly_over
 def _layout(dp, sharded):
     shapes = [(48, 16), (16,), (300,), (7, 9)]
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
-    return [DataParallel([(f"p{i}", p) for i, p in enumerate(params)], [[3, 2, 1, 0]], Comm(),
-                         Group("dp", tuple(range(dp))), rank, micro_batches=1, bucket_mb=0.002, grad_dtype=torch.float32,
-                         sharded=sharded) for rank in range(dp)], [p.numel() for p in params]
+    return [
+        DataParallel(
+            [(f"p{i}", p) for i, p in enumerate(params)],
+            [[3, 2, 1, 0]],
+            Comm(),
+            Group("dp", tuple(range(dp))),
+            rank,
+            micro_batches=1,
+            bucket_mb=0.002,
+            grad_dtype=torch.float32,
+            sharded=sharded,
+        )
+        for rank in range(dp)
+    ], [p.numel() for p in params]
 
 
 @pytest.mark.parametrize("dp, sharded", [(1, True), (4, False), (4, True), (3, True)])
@@ -56,7 +67,7 @@ def test_owned_pieces_cover_every_element_exactly_once_over_the_dp_ranks(dp, sha
             offset = data_parallel.offsets[param]
             for piece in data_parallel.pieces:
                 if piece.param == param:
-                    count[piece.start - offset:piece.end - offset] += 1
+                    count[piece.start - offset : piece.end - offset] += 1
         assert torch.equal(count, torch.full((numel,), copies))
     owned = [sum(p.end - p.start for p in d.pieces) for d in ranks]
     total = ranks[0].flat_params.numel()
@@ -65,10 +76,18 @@ def test_owned_pieces_cover_every_element_exactly_once_over_the_dp_ranks(dp, sha
 
 def case(tiny_config, dtype, zero, native=None, dp=2, *more):
     """`native` is the bf16 path of a bf16 case (None for fp32); its fp32 counterpart takes the same."""
-    return tiny_config(f"model.dtype={dtype}", f"optimizer.zero_stage={zero}", f"parallelism.dp={dp}",
-                       "tokens.micro_batch_size=2", f"tokens.batch_accumulation_per_replica={4 // dp}",
-                       "optimizer.clip_grad=0.5", SMALL_BUCKETS, f"general.run={dtype}-{zero}-{native}-{dp}",
-                       *([SMOOTH_ADAM] if native is not None else []), *more)
+    return tiny_config(
+        f"model.dtype={dtype}",
+        f"optimizer.zero_stage={zero}",
+        f"parallelism.dp={dp}",
+        "tokens.micro_batch_size=2",
+        f"tokens.batch_accumulation_per_replica={4 // dp}",
+        "optimizer.clip_grad=0.5",
+        SMALL_BUCKETS,
+        f"general.run={dtype}-{zero}-{native}-{dp}",
+        *([SMOOTH_ADAM] if native is not None else []),
+        *more,
+    )
 
 
 def train_and_record(config, ctx):
@@ -86,14 +105,27 @@ def train_and_record(config, ctx):
     results.append(trainer.train_step())
     bytes_before, calls_before = dict(ctx.comm.bytes_sent), dict(ctx.comm.calls)
     results.append(trainer.train_step())
-    traffic = {op: (n - bytes_before.get((kind, op), 0), ctx.comm.calls[kind, op] - calls_before.get((kind, op), 0))
-               for (kind, op), n in ctx.comm.bytes_sent.items() if kind == "dp"}
-    updates = {n: after - before for n, after, before in zip(names, trainer.optimizer.full_masters(), initial,
-                                                              strict=True)}
+    traffic = {
+        op: (n - bytes_before.get((kind, op), 0), ctx.comm.calls[kind, op] - calls_before.get((kind, op), 0))
+        for (kind, op), n in ctx.comm.bytes_sent.items()
+        if kind == "dp"
+    }
+    updates = {
+        n: after - before
+        for n, after, before in zip(names, trainer.optimizer.full_masters(), initial, strict=True)
+    }
     params = {n: p.detach().float().clone() for n, p in trainer.named_parameters()}
-    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "updates": updates,
-            "params": params, "traffic": traffic, "launches": launches, "buckets": data_parallel.buckets,
-            "parameters": len(names), "elements": data_parallel.flat_params.numel()}
+    return {
+        "losses": [r.loss for r in results],
+        "norms": [r.grad_norm for r in results],
+        "updates": updates,
+        "params": params,
+        "traffic": traffic,
+        "launches": launches,
+        "buckets": data_parallel.buckets,
+        "parameters": len(names),
+        "elements": data_parallel.flat_params.numel(),
+    }
 
 
 def _dp_cases(rank, configs):
@@ -107,8 +139,14 @@ def _dp_cases(rank, configs):
 
 
 # (dtype, zero_stage, bf16 path: native, upcast, or None for fp32)
-CASES = [("float32", 0, None), ("float32", 1, None), ("bfloat16", 0, True), ("bfloat16", 0, False),
-         ("bfloat16", 1, True), ("bfloat16", 1, False)]
+CASES = [
+    ("float32", 0, None),
+    ("float32", 1, None),
+    ("bfloat16", 0, True),
+    ("bfloat16", 0, False),
+    ("bfloat16", 1, True),
+    ("bfloat16", 1, False),
+]
 IDS = [f"{d}-zero{z}" + {None: "", True: "-native", False: "-upcast"}[n] for d, z, n in CASES]
 
 
@@ -122,8 +160,11 @@ def dp_results(tmp_path_factory):
     for dtype, zero, native in CASES:
         with precision_path(native):
             reference = train_and_record(case(tiny_config, dtype, zero, native, dp=1), ParallelContext())
-        exact = None if native is None else train_and_record(case(tiny_config, "float32", zero, native, dp=1),
-                                                             ParallelContext())
+        exact = (
+            None
+            if native is None
+            else train_and_record(case(tiny_config, "float32", zero, native, dp=1), ParallelContext())
+        )
         references.append((reference, exact))
     configs = [case(tiny_config, dtype, zero, native) for dtype, zero, native in CASES]
     return configs, references, run_ranks(_dp_cases, 2, configs, timeout=300)
@@ -137,13 +178,17 @@ def test_dp2_equals_one_process_over_three_steps_with_clipping(dp_results, index
     assert min(reference["norms"]) > 0.5  # clip_grad=0.5: clipping is active in every step
     for rank in per_rank:
         got = rank[index]
-        assert_close_to_reference(got["losses"], reference["losses"], exact and exact["losses"], label="losses")
+        assert_close_to_reference(
+            got["losses"], reference["losses"], exact and exact["losses"], label="losses"
+        )
         # The global grad norm (summed over the dp shards under ZeRO-1) is the single-process norm.
-        assert_close_to_reference(got["norms"], reference["norms"], exact and exact["norms"], fp32_rel=1e-4,
-                                  label="grad norms")
+        assert_close_to_reference(
+            got["norms"], reference["norms"], exact and exact["norms"], fp32_rel=1e-4, label="grad norms"
+        )
         for name, ref in reference["updates"].items():
-            assert_close_to_reference(got["updates"][name], ref, exact and exact["updates"][name], fp32_rel=1e-4,
-                                      label=name)
+            assert_close_to_reference(
+                got["updates"][name], ref, exact and exact["updates"][name], fp32_rel=1e-4, label=name
+            )
     for name, param in per_rank[0][index]["params"].items():  # the replicas stay identical
         assert torch.equal(param, per_rank[1][index]["params"][name]), name
 
@@ -172,18 +217,24 @@ def test_dp_bytes_per_step_equal_the_analytic_count(dp_results, index):
     got, n = per_rank[0][index], 2
     elements, buckets = got["elements"], len(got["buckets"])
     scalars = 3 + zero
-    expected = {"all_reduce": (2 * (n - 1) / n * 4 * (scalars + (elements if zero == 0 else 0)),
-                               scalars + (buckets if zero == 0 else 0))}
+    expected = {
+        "all_reduce": (
+            2 * (n - 1) / n * 4 * (scalars + (elements if zero == 0 else 0)),
+            scalars + (buckets if zero == 0 else 0),
+        )
+    }
     if zero == 1:
         expected["reduce_scatter"] = ((n - 1) / n * 4 * elements, buckets)
         expected["all_gather"] = ((n - 1) / n * (2 if dtype == "bfloat16" else 4) * elements, buckets)
-    assert {op: counts for op, counts in got["traffic"].items() if counts[1] and op != "wait"} == \
-        {op: (int(b), calls) for op, (b, calls) in expected.items()}
+    assert {op: counts for op, counts in got["traffic"].items() if counts[1] and op != "wait"} == {
+        op: (int(b), calls) for op, (b, calls) in expected.items()
+    }
 
 
 def held_bytes(trainer):
     """Bytes of the storages this rank really holds for parameters, gradients, master weights and Adam
     moments (each storage counted once, however many views point into it)."""
+
     def total(tensors):
         return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
@@ -193,8 +244,12 @@ def held_bytes(trainer):
     param_storages = {p.untyped_storage().data_ptr() for p in params}
     masters = [m for m in optimizer.masters if m.untyped_storage().data_ptr() not in param_storages]
     moments = [s[key] for s in optimizer.adam.state.values() for key in ("exp_avg", "exp_avg_sq")]
-    return {"params": total(params), "grads": total([trainer.data_parallel.flat_grads]), "masters": total(masters),
-            "moments": total(moments)}
+    return {
+        "params": total(params),
+        "grads": total([trainer.data_parallel.flat_grads]),
+        "masters": total(masters),
+        "moments": total(moments),
+    }
 
 
 def _memory(rank, configs):
@@ -204,8 +259,15 @@ def _memory(rank, configs):
         trainer = Trainer(config, ctx, log_to_console=False)
         trainer.train_step()  # Adam allocates its moments in the first step
         data_parallel = trainer.data_parallel
-        out.append((held_bytes(trainer), trainer.optimizer.memory_plan(), data_parallel.flat_params.numel(),
-                    data_parallel.padding, sum(p.numel() for _, p in trainer.named_parameters())))
+        out.append(
+            (
+                held_bytes(trainer),
+                trainer.optimizer.memory_plan(),
+                data_parallel.flat_params.numel(),
+                data_parallel.padding,
+                sum(p.numel() for _, p in trainer.named_parameters()),
+            )
+        )
     ctx.close()
     return out
 
@@ -215,9 +277,16 @@ def _memory(rank, configs):
 def test_bytes_held_per_rank_match_the_analytic_formula(tiny_config, dp):
     """bf16 parameters: 2 + 4 + 12/dp bytes per parameter with ZeRO-1 (2 + 4 + 12 without); fp32: 4 + 4 + 8/dp
     (the owned fp32 parameters are the master weights). The buffers' padding is counted, and reported."""
-    configs = [tiny_config(f"model.dtype={dtype}", f"optimizer.zero_stage={zero}", f"parallelism.dp={dp}",
-                           f"general.run=memory-{dtype}-{zero}-{dp}")
-               for dtype in ("bfloat16", "float32") for zero in (0, 1)]
+    configs = [
+        tiny_config(
+            f"model.dtype={dtype}",
+            f"optimizer.zero_stage={zero}",
+            f"parallelism.dp={dp}",
+            f"general.run=memory-{dtype}-{zero}-{dp}",
+        )
+        for dtype in ("bfloat16", "float32")
+        for zero in (0, 1)
+    ]
     per_rank = [_memory(0, configs)] if dp == 1 else run_ranks(_memory, dp, configs)
     for index, config in enumerate(configs):
         bf16, zero = config.model.dtype == "bfloat16", config.optimizer.zero_stage
@@ -228,8 +297,12 @@ def test_bytes_held_per_rank_match_the_analytic_formula(tiny_config, dp):
             assert held["params"] == (2 if bf16 else 4) * elements and held["grads"] == 4 * elements
             owned.append(held["moments"] // 8)
             assert held["moments"] == 8 * owned[-1] and held["masters"] == (4 * owned[-1] if bf16 else 0)
-            assert plan == {"params": held["params"], "grads": held["grads"], "master_weights": held["masters"],
-                            "adam_moments": held["moments"]}
+            assert plan == {
+                "params": held["params"],
+                "grads": held["grads"],
+                "master_weights": held["masters"],
+                "adam_moments": held["moments"],
+            }
         if zero == 0:
             assert owned == [params] * dp  # every rank holds all 12 (bf16) or 8 (fp32) bytes per parameter
         else:
@@ -237,8 +310,11 @@ def test_bytes_held_per_rank_match_the_analytic_formula(tiny_config, dp):
             assert max(owned) <= elements // dp  # ... and no rank holds more than its 1/dp share
 
 
-UNUSED_SECTION = {"tokens": {"train_steps": 10}, "data": {"dataset_folder": "unused"},
-                  "optimizer": {"learning_rate_scheduler": {"learning_rate": 1e-2}}}
+UNUSED_SECTION = {
+    "tokens": {"train_steps": 10},
+    "data": {"dataset_folder": "unused"},
+    "optimizer": {"learning_rate_scheduler": {"learning_rate": 1e-2}},
+}
 
 
 def _micro_batches_with_a_bias_used_once(params, micro_batches, dp=1, dp_rank=0):
@@ -256,11 +332,21 @@ def _micro_batches_with_a_bias_used_once(params, micro_batches, dp=1, dp_rank=0)
 
 def _unused_parameter(rank, sharded, bucket_mb):
     ctx = ParallelContext(dp=2, collective_timeout_seconds=60)
-    params = [torch.nn.Parameter(torch.randn(5, 4, generator=torch.Generator().manual_seed(7))),
-              torch.nn.Parameter(torch.zeros(5))]
-    data_parallel = DataParallel([("weight", params[0]), ("bias", params[1])], [[1, 0]], ctx.comm, ctx.dp_group,
-                                 ctx.dp_rank, micro_batches=2, bucket_mb=bucket_mb, grad_dtype=torch.float32,
-                                 sharded=sharded)
+    params = [
+        torch.nn.Parameter(torch.randn(5, 4, generator=torch.Generator().manual_seed(7))),
+        torch.nn.Parameter(torch.zeros(5)),
+    ]
+    data_parallel = DataParallel(
+        [("weight", params[0]), ("bias", params[1])],
+        [[1, 0]],
+        ctx.comm,
+        ctx.dp_group,
+        ctx.dp_rank,
+        micro_batches=2,
+        bucket_mb=bucket_mb,
+        grad_dtype=torch.float32,
+        sharded=sharded,
+    )
     optimizer = ZeroAdamW(params, data_parallel, load_config_dict(UNUSED_SECTION).optimizer)
     _micro_batches_with_a_bias_used_once(params, 2, dp=2, dp_rank=ctx.dp_rank)
     data_parallel.finish_reduction()
@@ -277,10 +363,21 @@ def test_a_parameter_without_a_gradient_on_some_rank_is_still_reduced_over_dp(sh
     """The bias gets a gradient only on dp rank 1, in one of its two micro-batches: its bucket never completes
     during backward on either rank, so finish_reduction must reduce it; both ranks then hold the dp sum, and
     the step equals one process accumulating all four micro-batches."""
-    params = [torch.nn.Parameter(torch.randn(5, 4, generator=torch.Generator().manual_seed(7))),
-              torch.nn.Parameter(torch.zeros(5))]
-    data_parallel = DataParallel([("weight", params[0]), ("bias", params[1])], [[1, 0]], Comm(), Group("dp", (0,)), 0,
-                                 micro_batches=4, bucket_mb=bucket_mb, grad_dtype=torch.float32, sharded=False)
+    params = [
+        torch.nn.Parameter(torch.randn(5, 4, generator=torch.Generator().manual_seed(7))),
+        torch.nn.Parameter(torch.zeros(5)),
+    ]
+    data_parallel = DataParallel(
+        [("weight", params[0]), ("bias", params[1])],
+        [[1, 0]],
+        Comm(),
+        Group("dp", (0,)),
+        0,
+        micro_batches=4,
+        bucket_mb=bucket_mb,
+        grad_dtype=torch.float32,
+        sharded=False,
+    )
     optimizer = ZeroAdamW(params, data_parallel, load_config_dict(UNUSED_SECTION).optimizer)
     _micro_batches_with_a_bias_used_once(params, 4)
     data_parallel.finish_reduction()

@@ -13,8 +13,17 @@ def test_shards_are_slices_of_the_full_single_device_tensor():
     for dim in (0, 1):
         pieces = []
         for rank in range(2):
-            p = make_param("layers.0.mlp.up_proj.weight", (8, 6), std=0.02, seed=5, dtype=torch.float32,
-                           device=torch.device("cpu"), shard_dim=dim, rank=rank, world=2)
+            p = make_param(
+                "layers.0.mlp.up_proj.weight",
+                (8, 6),
+                std=0.02,
+                seed=5,
+                dtype=torch.float32,
+                device=torch.device("cpu"),
+                shard_dim=dim,
+                rank=rank,
+                world=2,
+            )
             assert p.shard.global_shape == (8, 6)
             assert p.shard.local_slice[dim] == slice(rank * (8, 6)[dim] // 2, (rank + 1) * (8, 6)[dim] // 2)
             assert torch.equal(p.detach(), full[p.shard.local_slice])
@@ -23,7 +32,14 @@ def test_shards_are_slices_of_the_full_single_device_tensor():
 
 
 def test_norm_weights_start_at_one_and_tie_group_is_kept():
-    p = make_param("norm.weight", (4,), std=None, seed=0, dtype=torch.bfloat16, device=torch.device("cpu"),
-                   tie_group="norm")
+    p = make_param(
+        "norm.weight",
+        (4,),
+        std=None,
+        seed=0,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        tie_group="norm",
+    )
     assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), torch.ones(4, dtype=torch.bfloat16))
     assert p.shard.tie_group == "norm" and p.shard.local_slice == (slice(0, 4),)

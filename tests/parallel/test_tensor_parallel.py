@@ -52,8 +52,11 @@ def _compare_models(rank: int, tp_size: int, kv_heads: int):
         _assert_same(ours, fp32_reference, None, f"{mode} tied={tied} float32")
         for native in (True, False):
             with precision_path(native):
-                _assert_same(*_tp_and_reference(cfg, tp, torch.bfloat16), fp32_reference,
-                             f"{mode} tied={tied} bfloat16 native={native}")
+                _assert_same(
+                    *_tp_and_reference(cfg, tp, torch.bfloat16),
+                    fp32_reference,
+                    f"{mode} tied={tied} bfloat16 native={native}",
+                )
     ctx.close()
 
 
@@ -81,18 +84,35 @@ def test_three_optimizer_steps_equal_one_device(tiny_config, tp_size):
     """Losses, grad norms and weights over 3 AdamW steps (clipping active) equal tp=1: both modes, fp32
     and bf16 (on both CPU paths), tied and untied, a padded vocabulary."""
     cases, references = [], []
-    for mode, tied, dtype, native in [("ALL_REDUCE", False, "float32", None), ("REDUCE_SCATTER", True, "float32", None),
-                                      ("REDUCE_SCATTER", False, "bfloat16", True),
-                                      ("REDUCE_SCATTER", False, "bfloat16", False)]:
-        overrides = [f"model.model_config.tie_word_embeddings={tied}", "model.model_config.num_key_value_heads=4",
-                     "model.model_config.vocab_size=257", "optimizer.clip_grad=0.5",
-                     f"general.run={mode}-{tied}-{dtype}-{native}", *([SMOOTH_ADAM] if native is not None else [])]
+    for mode, tied, dtype, native in [
+        ("ALL_REDUCE", False, "float32", None),
+        ("REDUCE_SCATTER", True, "float32", None),
+        ("REDUCE_SCATTER", False, "bfloat16", True),
+        ("REDUCE_SCATTER", False, "bfloat16", False),
+    ]:
+        overrides = [
+            f"model.model_config.tie_word_embeddings={tied}",
+            "model.model_config.num_key_value_heads=4",
+            "model.model_config.vocab_size=257",
+            "optimizer.clip_grad=0.5",
+            f"general.run={mode}-{tied}-{dtype}-{native}",
+            *([SMOOTH_ADAM] if native is not None else []),
+        ]
         with precision_path(native):
             reference = record_steps(tiny_config(*overrides, f"model.dtype={dtype}"), ParallelContext())
         exact = record_steps(tiny_config(*overrides), ParallelContext()) if native is not None else None
         references.append((reference, exact))
-        cases.append((tiny_config(*overrides, f"model.dtype={dtype}", f"parallelism.tp={tp_size}",
-                                  f"parallelism.tp_mode={mode}"), native))
+        cases.append(
+            (
+                tiny_config(
+                    *overrides,
+                    f"model.dtype={dtype}",
+                    f"parallelism.tp={tp_size}",
+                    f"parallelism.tp_mode={mode}",
+                ),
+                native,
+            )
+        )
     results = run_ranks(_train_cases, tp_size, cases, timeout=240)
     for (config, _), (reference, exact), got in zip(cases, references, results[0], strict=True):
         assert_steps_match(got, reference, exact, label=config.general.run)
@@ -116,8 +136,12 @@ def _step_bytes(rank, config):
 @pytest.mark.parametrize("mode, dtype", [("ALL_REDUCE", "float32"), ("REDUCE_SCATTER", "bfloat16")])
 def test_tp_bytes_per_step_equal_the_analytic_count(tiny_config, mode, dtype):
     tp, accum = 2, 2
-    config = tiny_config(f"parallelism.tp={tp}", f"parallelism.tp_mode={mode}", f"model.dtype={dtype}",
-                         f"tokens.batch_accumulation_per_replica={accum}")
+    config = tiny_config(
+        f"parallelism.tp={tp}",
+        f"parallelism.tp_mode={mode}",
+        f"model.dtype={dtype}",
+        f"tokens.batch_accumulation_per_replica={accum}",
+    )
     m, tok = config.model.model_config_, config.tokens
     layers, hidden = m.num_hidden_layers, m.hidden_size
     tokens = tok.micro_batch_size * tok.sequence_length
@@ -135,10 +159,16 @@ def test_tp_bytes_per_step_equal_the_analytic_count(tiny_config, mode, dtype):
     else:
         # Replicated norm weights (fp32 gradients) are summed over tp once per step.
         norm_bytes = 2 * (tp - 1) / tp * (2 * layers + 1) * hidden * 4
-        assert calls == {"reduce_scatter": accum * (2 + 4 * layers), "all_gather": accum * (2 + 4 * layers),
-                         "all_reduce": accum * 3 + 1}
-        assert sent == {"reduce_scatter": activation_bytes, "all_gather": activation_bytes,
-                        "all_reduce": cross_entropy_bytes + norm_bytes}
+        assert calls == {
+            "reduce_scatter": accum * (2 + 4 * layers),
+            "all_gather": accum * (2 + 4 * layers),
+            "all_reduce": accum * 3 + 1,
+        }
+        assert sent == {
+            "reduce_scatter": activation_bytes,
+            "all_gather": activation_bytes,
+            "all_reduce": cross_entropy_bytes + norm_bytes,
+        }
 
 
 def test_head_split_is_checked_when_the_model_is_built():
@@ -155,19 +185,24 @@ def _start_report(rank, config):
     ctx = ParallelContext(tp=2, collective_timeout_seconds=60)
     ctx.hosts = ["node-a", "node-b"]  # as if the ranks had checked in from two machines
     trainer = Trainer(config, ctx, log_to_console=False)
-    out = (start_report.summary(config, ctx, trainer.model, trainer.optimizer, trainer.train_data, None, ""),
-           start_report.start_warnings(config, ctx, trainer.model, False, False))
+    out = (
+        start_report.summary(config, ctx, trainer.model, trainer.optimizer, trainer.train_data, None, ""),
+        start_report.start_warnings(config, ctx, trainer.model, False, False),
+    )
     ctx.close()
     return out
 
 
 @pytest.mark.distributed
 def test_T3_start_reports_padding_and_warns_when_a_tp_group_spans_hosts(tiny_config):
-    summary, warnings = run_ranks(_start_report, 2, tiny_config("parallelism.tp=2",
-                                                                "model.model_config.vocab_size=257"))[0]
+    summary, warnings = run_ranks(
+        _start_report, 2, tiny_config("parallelism.tp=2", "model.model_config.vocab_size=257")
+    )[0]
     assert "vocabulary padded from 257 to 258 rows to split evenly over tp=2" in summary
-    assert any("1 tensor-parallel group(s) span several hosts, e.g. ranks 0-1 on node-a, node-b" in w
-               for w in warnings)
+    assert any(
+        "1 tensor-parallel group(s) span several hosts, e.g. ranks 0-1 on node-a, node-b" in w
+        for w in warnings
+    )
 
 
 def _dp_tp(rank, config):
@@ -191,13 +226,17 @@ def _tiny_vocabulary(rank):
     cfg = llama_config(num_key_value_heads=4, vocab_size=5)
     ids, targets = random_batch(cfg.vocab_size)
     tp = TensorParallel(ctx.comm, ctx.tp_group, ctx.tp_rank)
-    out = (loss_and_grads(build_llama(cfg, tp=tp), ids, targets, tp)[0], loss_and_grads(build_llama(cfg), ids, targets)[0])
+    out = (
+        loss_and_grads(build_llama(cfg, tp=tp), ids, targets, tp)[0],
+        loss_and_grads(build_llama(cfg), ids, targets)[0],
+    )
     ctx.close()
     return out
 
 
 @pytest.mark.distributed
 def test_a_vocabulary_shard_of_only_padding_is_masked_whole():
-    """vocab 5 over tp=4: ceil(5/4) = 2 rows per rank, so rank 3 holds only padding; the loss still equals tp=1."""
+    """vocab 5 over tp=4: ceil(5/4) = 2 rows per rank, so rank 3 holds only padding; the loss still equals
+    tp=1."""
     for loss, reference in run_ranks(_tiny_vocabulary, 4, timeout=120):
         assert loss == pytest.approx(reference, rel=1e-6)

@@ -49,8 +49,9 @@ def parallelize_hf(hf: LlamaForCausalLM, sequence_parallel: bool) -> None:
     # Between blocks the residual stream is replicated, or (sequence parallel) split along the sequence.
     stream = Shard(1) if sequence_parallel else Replicate()
     top = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream,
-                                              use_local_output=not sequence_parallel),
+        "model.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=stream, use_local_output=not sequence_parallel
+        ),
         # Logits stay split over the vocabulary for loss_parallel.
         "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
     }
@@ -66,19 +67,27 @@ def parallelize_hf(hf: LlamaForCausalLM, sequence_parallel: bool) -> None:
             "self_attn.q_proj": ColwiseParallel(),
             "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel),
+            "self_attn.o_proj": RowwiseParallel(
+                output_layouts=stream, use_local_output=not sequence_parallel
+            ),
             "mlp.gate_proj": ColwiseParallel(),
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel),
         }
         if sequence_parallel:
-            plan.update({
-                "input_layernorm": SequenceParallel(),
-                "post_attention_layernorm": SequenceParallel(),
-                "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            })
+            plan.update(
+                {
+                    "input_layernorm": SequenceParallel(),
+                    "post_attention_layernorm": SequenceParallel(),
+                    "self_attn": PrepareModuleInput(
+                        input_kwarg_layouts={"hidden_states": Shard(1)},
+                        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                    ),
+                    "mlp": PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                    ),
+                }
+            )
         parallelize_module(layer, mesh, plan)
     # HF's attention infers the head count from the local q/k/v width (view with -1 heads); its
     # repeat_kv factor (query heads per kv head) must still match the local shards: 4 q heads, 1 kv head.
@@ -91,14 +100,17 @@ def dtensor_loss_and_grads(hf: LlamaForCausalLM, ids: torch.Tensor, targets: tor
     logits = hf(input_ids=ids).logits  # a DTensor split over the vocabulary
     count = (targets != IGNORE_INDEX).sum()
     with loss_parallel():
-        loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum",
-                                                     ignore_index=IGNORE_INDEX)
+        loss_sum = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+        )
         loss = loss_sum / count
         loss.backward()
     # Norm weights outside the plan (ALL_REDUCE) stay plain tensors with whole, identical gradients;
     # under SequenceParallel their DTensor gradients are Partial, and full_tensor() sums them.
-    grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-             for name, p in hf.named_parameters()}
+    grads = {
+        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        for name, p in hf.named_parameters()
+    }
     return loss.full_tensor().item(), logits.full_tensor().detach(), grads
 
 
@@ -121,7 +133,8 @@ def _compare(rank: int) -> list[str]:
         tp = TensorParallel(ctx.comm, ctx.tp_group, ctx.tp_rank, sequence_parallel=sp)
         loss, logits, grads = femtotron_loss_and_grads(build_llama(cfg, tp=tp), ids, targets, tp)
 
-        # The reference starts from the full weights of a one-device model (init depends on seed and name only).
+        # The reference starts from the full weights of a one-device model (init depends on seed and name
+        # only).
         full = {name: p.detach() for name, p in build_llama(cfg).named_parameters()}
         hf = hf_llama(cfg, full, attn_implementation="eager")
         parallelize_hf(hf, sp)

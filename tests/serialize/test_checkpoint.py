@@ -27,16 +27,25 @@ LAYERS = 4
 
 
 def make(tiny_config, run, *more, dp=1, tp=1, pp=1, zero=0, steps=6):
-    """The tiny model with 4 layers; the global batch is 16 samples of 32 tokens for every dp. The learning rate
-    decays over 4 steps after the 2 of warm-up whatever train_steps is, so a run cut short follows the
+    """The tiny model with 4 layers; the global batch is 16 samples of 32 tokens for every dp. The learning
+    rate decays over 4 steps after the 2 of warm-up whatever train_steps is, so a run cut short follows the
     schedule of the whole run."""
-    return tiny_config(f"general.run={run}", f"model.model_config.num_hidden_layers={LAYERS}",
-                       "optimizer.learning_rate_scheduler.lr_decay_steps=4",
-                       "model.model_config.num_key_value_heads=4", "tokens.micro_batch_size=2",
-                       f"tokens.batch_accumulation_per_replica={8 // dp}", f"tokens.train_steps={steps}",
-                       f"parallelism.dp={dp}", f"parallelism.tp={tp}", f"parallelism.pp={pp}",
-                       f"optimizer.zero_stage={zero}", "parallelism.dp_bucket_size_mb=0.02",
-                       "parallelism.collective_timeout_seconds=60", *more)
+    return tiny_config(
+        f"general.run={run}",
+        f"model.model_config.num_hidden_layers={LAYERS}",
+        "optimizer.learning_rate_scheduler.lr_decay_steps=4",
+        "model.model_config.num_key_value_heads=4",
+        "tokens.micro_batch_size=2",
+        f"tokens.batch_accumulation_per_replica={8 // dp}",
+        f"tokens.train_steps={steps}",
+        f"parallelism.dp={dp}",
+        f"parallelism.tp={tp}",
+        f"parallelism.pp={pp}",
+        f"optimizer.zero_stage={zero}",
+        "parallelism.dp_bucket_size_mb=0.02",
+        "parallelism.collective_timeout_seconds=60",
+        *more,
+    )
 
 
 def train(config, ctx):
@@ -45,7 +54,9 @@ def train(config, ctx):
     trainer = Trainer(config, ctx, log_to_console=False)
     seen, step_at = [], trainer.batches.step_at
 
-    def recording(consumed_samples):  # every tp and pp rank of a replica reads the same samples: count them once
+    def recording(
+        consumed_samples,
+    ):  # every tp and pp rank of a replica reads the same samples: count them once
         batches = step_at(consumed_samples)
         if ctx.tp_rank == 0 and ctx.pp_rank == 0:
             seen.append((trainer.state.step, [row.tolist() for batch in batches for row in batch.inputs]))
@@ -54,8 +65,10 @@ def train(config, ctx):
     trainer.batches.step_at = recording
     losses = [r.loss for r in trainer.train()]
     weights = {n: full_tensor(p, p.shard, trainer.tp).float().clone() for n, p in trainer.named_parameters()}
-    masters = {n: full_tensor(m, p.shard, trainer.tp).clone()
-               for (n, p), m in zip(trainer.named_parameters(), trainer.optimizer.full_masters(), strict=True)}
+    masters = {
+        n: full_tensor(m, p.shard, trainer.tp).clone()
+        for (n, p), m in zip(trainer.named_parameters(), trainer.optimizer.full_masters(), strict=True)
+    }
     return {"losses": losses, "weights": weights, "masters": masters, "seen": seen}
 
 
@@ -83,11 +96,23 @@ def merged(per_rank, index):
 def test_C3_resume_on_one_rank_is_bit_exact(tiny_config, dtype, native):
     with precision_path(native):
         whole = train(make(tiny_config, f"whole-{dtype}", f"model.dtype={dtype}"), ParallelContext())
-        first = make(tiny_config, f"first-{dtype}", f"model.dtype={dtype}", "checkpoints.checkpoint_interval=3",
-                     steps=3)
+        first = make(
+            tiny_config,
+            f"first-{dtype}",
+            f"model.dtype={dtype}",
+            "checkpoints.checkpoint_interval=3",
+            steps=3,
+        )
         half = train(first, ParallelContext())
-        rest = train(make(tiny_config, f"rest-{dtype}", f"model.dtype={dtype}",
-                          f"checkpoints.resume_checkpoint_path={first.run_dir / 'checkpoints'}"), ParallelContext())
+        rest = train(
+            make(
+                tiny_config,
+                f"rest-{dtype}",
+                f"model.dtype={dtype}",
+                f"checkpoints.resume_checkpoint_path={first.run_dir / 'checkpoints'}",
+            ),
+            ParallelContext(),
+        )
         assert half["losses"] + rest["losses"] == whole["losses"]  # identical, not approximately
         for name, weight in whole["weights"].items():
             assert torch.equal(rest["weights"][name], weight), name
@@ -103,8 +128,11 @@ def three_d(tmp_path_factory):
     layout = dict(dp=2, tp=2, pp=2, zero=1)
     first = make(tiny_config, "first", "checkpoints.checkpoint_interval=3", **layout, steps=3)
     saved = first.run_dir / "checkpoints"
-    configs = [make(tiny_config, "whole", **layout), first,
-               make(tiny_config, "rest", f"checkpoints.resume_checkpoint_path={saved}", **layout)]
+    configs = [
+        make(tiny_config, "whole", **layout),
+        first,
+        make(tiny_config, "rest", f"checkpoints.resume_checkpoint_path={saved}", **layout),
+    ]
     return tiny_config, run_ranks(ranks_train, 8, configs, timeout=600), saved
 
 
@@ -121,8 +149,11 @@ def test_C3_resume_on_2x2x2_with_zero1_is_bit_exact(three_d):
         assert torch.equal(rest_masters[name], masters[name]), name
 
 
-RESHARDED = {"dp2-tp1-pp4-zero0": dict(dp=2, tp=1, pp=4, zero=0), "dp1-tp1-pp1": dict(dp=1, tp=1, pp=1, zero=0),
-             "dp4-tp2-pp1-zero1": dict(dp=4, tp=2, pp=1, zero=1)}
+RESHARDED = {
+    "dp2-tp1-pp4-zero0": dict(dp=2, tp=1, pp=4, zero=0),
+    "dp1-tp1-pp1": dict(dp=1, tp=1, pp=1, zero=0),
+    "dp4-tp2-pp1-zero1": dict(dp=4, tp=2, pp=1, zero=1),
+}
 
 
 @pytest.mark.distributed
@@ -134,7 +165,9 @@ def test_C1_resume_on_another_mesh_continues_the_run(three_d, label):
     layout = RESHARDED[label]
     config = make(tiny_config, f"resharded-{label}", f"checkpoints.resume_checkpoint_path={saved}", **layout)
     world = layout["dp"] * layout["tp"] * layout["pp"]
-    results = [ranks_train(0, [config])] if world == 1 else run_ranks(ranks_train, world, [config], timeout=600)
+    results = (
+        [ranks_train(0, [config])] if world == 1 else run_ranks(ranks_train, world, [config], timeout=600)
+    )
     losses, weights, _, seen = merged(results, 0)
     whole_losses, whole_weights, _, whole_seen = merged(per_rank, 0)
     assert losses == pytest.approx(whole_losses[3:], rel=1e-5)
@@ -157,8 +190,15 @@ def test_a_resharded_resume_says_what_changed(three_d, capsys):
 def test_the_manifest_records_mesh_counters_slices_and_checksums(three_d):
     _, _, saved = three_d
     manifest = json.loads((saved / "step-0000003" / MANIFEST).read_text())
-    assert manifest["mesh"] == {"dp": 2, "tp": 2, "pp": 2, "pp_engine": "1f1b", "pp_virtual_stages": 1,
-                                "tp_mode": "ALL_REDUCE", "zero_stage": 1}
+    assert manifest["mesh"] == {
+        "dp": 2,
+        "tp": 2,
+        "pp": 2,
+        "pp_engine": "1f1b",
+        "pp_virtual_stages": 1,
+        "tp_mode": "ALL_REDUCE",
+        "zero_stage": 1,
+    }
     assert (manifest["step"], manifest["consumed_samples"], manifest["optimizer_steps"]) == (3, 48, 3)
     assert manifest["consumed_tokens"] == 3 * 16 * 32
     assert sorted(manifest["files"]) == [rank_file(r) for r in range(8)]
@@ -199,9 +239,11 @@ def test_bad_checkpoints_are_named_with_the_fix(tiny_config):
     step = saved / "step-0000004"
     data = step / rank_file(0)
     original = data.read_bytes()
-    data.write_bytes(original[:len(original) // 2])
-    assert f"checkpoint file {data} has {len(original) // 2:,} bytes but the manifest says {len(original):,}" \
+    data.write_bytes(original[: len(original) // 2])
+    assert (
+        f"checkpoint file {data} has {len(original) // 2:,} bytes but the manifest says {len(original):,}"
         in resume_error(tiny_config, step)
+    )
     data.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
     assert f"checkpoint file {data} fails its sha256 checksum" in resume_error(tiny_config, step)
     data.unlink()
@@ -214,7 +256,10 @@ def test_bad_checkpoints_are_named_with_the_fix(tiny_config):
     assert f"{step / MANIFEST} is not valid JSON" in resume_error(tiny_config, step)
     (step / MANIFEST).write_text(json.dumps(manifest))
     message = resume_error(tiny_config, step, "model.model_config.hidden_size=128")
-    assert "was saved from a different model:\n  model.model_config.hidden_size: checkpoint 64, config 128" in message
+    assert (
+        "was saved from a different model:\n  model.model_config.hidden_size: checkpoint 64, config 128"
+        in message
+    )
     assert "does not exist" in resume_error(tiny_config, saved / "nowhere")
     assert "holds no committed checkpoint" in resume_error(tiny_config, saved.parent)
 
@@ -224,7 +269,9 @@ def test_a_half_written_save_is_ignored_with_a_warning_and_the_previous_one_load
     (saved / ".tmp-step-0000006").mkdir()
     (saved / ".tmp-step-0000006" / rank_file(0)).write_bytes(b"partial")
     trainer = Trainer(make(tiny_config, "half-resume", steps=6), ParallelContext())
-    assert checkpoint.load(trainer.parts, saved)[0].startswith(f"resumed from {saved / 'step-0000004'} at step 4")
+    assert checkpoint.load(trainer.parts, saved)[0].startswith(
+        f"resumed from {saved / 'step-0000004'} at step 4"
+    )
     assert f"ignoring {saved / '.tmp-step-0000006'}: a save that did not finish" in capsys.readouterr().out
 
 
@@ -257,8 +304,11 @@ def test_C2_a_rank_that_never_finishes_its_save_is_named_and_nothing_is_committe
 
 def test_resuming_a_finished_run_trains_nothing(tiny_config):
     saved = _checkpointed_run(tiny_config, "done")
-    trainer = Trainer(make(tiny_config, "done-resume", f"checkpoints.resume_checkpoint_path={saved}", steps=4),
-                      ParallelContext(), log_to_console=False)
+    trainer = Trainer(
+        make(tiny_config, "done-resume", f"checkpoints.resume_checkpoint_path={saved}", steps=4),
+        ParallelContext(),
+        log_to_console=False,
+    )
     assert trainer.train() == [] and trainer.state.step == 4
     assert trainer.state.consumed_tokens == 4 * 16 * 32 and trainer.state.consumed_samples == 4 * 16
 
@@ -285,13 +335,18 @@ sys.exit(main(["train", sys.argv[1]]))
 def test_C2_a_save_killed_part_way_leaves_the_previous_checkpoint_and_the_run_resumes(tiny_config, tmp_path):
     whole = train(make(tiny_config, "whole"), ParallelContext())
     config = make(tiny_config, "killed", "checkpoints.checkpoint_interval=2")
-    died = subprocess.run([sys.executable, "-c", KILL_DURING_SECOND_SAVE, write_yaml(config, tmp_path / "c.yaml")],
-                          capture_output=True, text=True, timeout=300)
+    died = subprocess.run(
+        [sys.executable, "-c", KILL_DURING_SECOND_SAVE, write_yaml(config, tmp_path / "c.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert died.returncode == -signal.SIGKILL, died.stderr
     saved = config.run_dir / "checkpoints"
     assert (saved / ".tmp-step-0000004").is_dir() and (saved / "latest").read_text().strip() == "step-0000002"
-    resumed = train(make(tiny_config, "killed-resume", f"checkpoints.resume_checkpoint_path={saved}"),
-                    ParallelContext())
+    resumed = train(
+        make(tiny_config, "killed-resume", f"checkpoints.resume_checkpoint_path={saved}"), ParallelContext()
+    )
     assert resumed["losses"] == whole["losses"][2:]  # from step 2's checkpoint, exactly as uninterrupted
     assert all(torch.equal(resumed["weights"][n], w) for n, w in whole["weights"].items())
 
@@ -299,8 +354,12 @@ def test_C2_a_save_killed_part_way_leaves_the_previous_checkpoint_and_the_run_re
 @pytest.mark.distributed
 def test_sigterm_saves_a_checkpoint_and_stops_then_the_run_resumes(tiny_config, tmp_path):
     config = make(tiny_config, "term", "logging.iteration_step_info_interval=1", steps=10**6)
-    run = subprocess.Popen([sys.executable, "-m", "femtotron", "train", write_yaml(config, tmp_path / "c.yaml")],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "femtotron", "train", write_yaml(config, tmp_path / "c.yaml")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     for line in run.stdout:
         if "step 2/" in line:  # training is under way
             run.send_signal(signal.SIGTERM)
@@ -312,27 +371,45 @@ def test_sigterm_saves_a_checkpoint_and_stops_then_the_run_resumes(tiny_config, 
     assert step >= 2 and "SIGTERM received: stopped after step" in output
     assert "Run the same command again to resume from it (checkpoints.auto_resume)" in output
     assert f"another run resumes it with checkpoints.resume_checkpoint_path={saved}" in output
-    trainer = Trainer(make(tiny_config, "term-resume", f"checkpoints.resume_checkpoint_path={saved}", steps=step + 1),
-                      ParallelContext(), log_to_console=False)
+    trainer = Trainer(
+        make(tiny_config, "term-resume", f"checkpoints.resume_checkpoint_path={saved}", steps=step + 1),
+        ParallelContext(),
+        log_to_console=False,
+    )
     assert len(trainer.train()) == 1 and trainer.state.step == step + 1
 
 
 def test_a_resume_with_another_global_batch_or_other_data_warns(tiny_config, capsys):
     saved = _checkpointed_run(tiny_config, "batch")
-    trainer = Trainer(make(tiny_config, "batch-resume", "tokens.micro_batch_size=1", steps=6), ParallelContext())
+    trainer = Trainer(
+        make(tiny_config, "batch-resume", "tokens.micro_batch_size=1", steps=6), ParallelContext()
+    )
     checkpoint.load(trainer.parts, saved)
-    assert "global batch size 16 at the save, 8 now: the data continues at the same global sample" \
+    assert (
+        "global batch size 16 at the save, 8 now: the data continues at the same global sample"
         in capsys.readouterr().out
+    )
     other = write_patterned_tokens(saved.parent / "other", documents=20)
-    trainer = Trainer(make(tiny_config, "data-resume", f"data.dataset_folder={other}", steps=6), ParallelContext())
+    trainer = Trainer(
+        make(tiny_config, "data-resume", f"data.dataset_folder={other}", steps=6), ParallelContext()
+    )
     checkpoint.load(trainer.parts, saved)
-    assert "the training data differs from the checkpoint's (8,400 tokens, now 14,000)" in capsys.readouterr().out
+    assert (
+        "the training data differs from the checkpoint's (8,400 tokens, now 14,000)"
+        in capsys.readouterr().out
+    )
 
 
 def test_keep_last_n_after_a_rollback_keeps_the_new_checkpoint_and_leaves_later_ones(tiny_config):
     saved = _checkpointed_run(tiny_config, "rollback")  # step-2 and step-4
-    config = make(tiny_config, "rollback", f"checkpoints.resume_checkpoint_path={saved / 'step-0000002'}",
-                  "checkpoints.checkpoint_interval=1", "checkpoints.keep_last_n=1", steps=3)
+    config = make(
+        tiny_config,
+        "rollback",
+        f"checkpoints.resume_checkpoint_path={saved / 'step-0000002'}",
+        "checkpoints.checkpoint_interval=1",
+        "checkpoints.keep_last_n=1",
+        steps=3,
+    )
     Trainer(config, ParallelContext(), log_to_console=False).train()
     assert sorted(p.name for p in saved.iterdir()) == ["latest", "step-0000003", "step-0000004"]
     assert (saved / "latest").read_text().strip() == "step-0000003"
@@ -368,8 +445,9 @@ def test_reshard_refuses_to_write_over_its_source(tiny_config):
 
 def test_a_bf16_checkpoint_resumed_in_fp16_starts_from_the_configured_loss_scale(tiny_config):
     saved = _checkpointed_run(tiny_config, "to-fp16", "model.dtype=bfloat16")
-    trainer = Trainer(make(tiny_config, "fp16", "model.dtype=float16", steps=6), ParallelContext(),
-                      log_to_console=False)
+    trainer = Trainer(
+        make(tiny_config, "fp16", "model.dtype=float16", steps=6), ParallelContext(), log_to_console=False
+    )
     checkpoint.load(trainer.parts, saved)
     assert trainer.scaler.scale == 2.0**16
 
@@ -394,9 +472,10 @@ def metrics_steps(config):
 
 
 def test_a_requeued_run_resumes_from_its_own_latest_checkpoint_and_keeps_its_metrics(tiny_config, capsys):
-    """A preempted job started again with the same config (no resume_checkpoint_path) continues from the newest
-    checkpoint in checkpoints_path, says so, and ends as if never stopped; metrics.jsonl keeps the steps before
-    the checkpoint, drops the ones the dead attempt logged after it, and has every step once, in order."""
+    """A preempted job started again with the same config (no resume_checkpoint_path) continues from the
+    newest checkpoint in checkpoints_path, says so, and ends as if never stopped; metrics.jsonl keeps the
+    steps before the checkpoint, drops the ones the dead attempt logged after it, and has every step once, in
+    order."""
     whole = train(make(tiny_config, "whole"), ParallelContext())
     config = make(tiny_config, "requeued", "checkpoints.checkpoint_interval=2")
     die_after(config, step=3)  # checkpoint at step 2, step 3 logged, then killed
@@ -418,32 +497,48 @@ def test_a_finished_run_started_again_exits_0_at_once_and_touches_nothing(tiny_c
     capsys.readouterr()
     assert main(["train", path]) == 0
     out = capsys.readouterr().out
-    assert f"already done: {config.run_dir / 'checkpoints' / 'step-0000004'} is step 4 of tokens.train_steps=4" in out
+    assert (
+        f"already done: {config.run_dir / 'checkpoints' / 'step-0000004'} is step 4 of tokens.train_steps=4"
+        in out
+    )
     assert {p: p.stat().st_mtime_ns for p in config.run_dir.rglob("*") if p.is_file()} == files_before
 
 
 def test_starting_over_existing_checkpoints_needs_auto_resume_off_and_says_so(tiny_config, capsys):
     saved = _checkpointed_run(tiny_config, "again")
-    config = make(tiny_config, "again", "checkpoints.checkpoint_interval=2", "checkpoints.auto_resume=false", steps=4)
+    config = make(
+        tiny_config, "again", "checkpoints.checkpoint_interval=2", "checkpoints.auto_resume=false", steps=4
+    )
     capsys.readouterr()
     trainer = Trainer(config, ParallelContext())
     assert len(trainer.train()) == 4  # from step 0
     out = capsys.readouterr().out
-    assert (f"WARNING: checkpoints.auto_resume=false: starting from step 0, although {saved} holds checkpoints up "
-            "to step-0000004; this run's saves replace them") in out
+    assert (
+        f"WARNING: checkpoints.auto_resume=false: starting from step 0, although {saved} holds checkpoints "
+        f"up "
+        "to step-0000004; this run's saves replace them"
+    ) in out
 
 
 def test_resume_checkpoint_path_wins_over_the_run_s_own_checkpoints_with_a_warning(tiny_config, capsys):
     other = _checkpointed_run(tiny_config, "other")
     own = _checkpointed_run(tiny_config, "own")
-    config = make(tiny_config, "own", "checkpoints.checkpoint_interval=2", f"checkpoints.resume_checkpoint_path={other}",
-                  steps=6)
+    config = make(
+        tiny_config,
+        "own",
+        "checkpoints.checkpoint_interval=2",
+        f"checkpoints.resume_checkpoint_path={other}",
+        steps=6,
+    )
     capsys.readouterr()
     Trainer(config, ParallelContext()).train()
     out = capsys.readouterr().out
     assert f"resumed from {other / 'step-0000004'} at step 4" in out
-    assert (f"WARNING: checkpoints.resume_checkpoint_path={other} is given, so the checkpoints of this run in {own} "
-            "(up to step-0000004) are not resumed") in out
+    assert (
+        f"WARNING: checkpoints.resume_checkpoint_path={other} is given, so the checkpoints of this run in "
+        f"{own} "
+        "(up to step-0000004) are not resumed"
+    ) in out
 
 
 def test_C3_a_same_layout_resume_restores_the_torch_numpy_and_python_rng_states(tiny_config):

@@ -32,10 +32,12 @@ def test_placements_map_a_padded_shard_into_its_global_tensor_and_drop_the_paddi
     local = torch.zeros(5, 3)
     local[:4] = torch.arange(18, 30, dtype=torch.float32).view(4, 3)  # global rows 6..9 hold 18..29
     covered = []
-    for place in placements(shard, (5, 3), 2, 15):  # from the middle of row 0 to the end, padding row included
-        values = local.view(-1)[place.flat_start:place.flat_stop].view(place.local_shape)[place.valid]
+    for place in placements(
+        shard, (5, 3), 2, 15
+    ):  # from the middle of row 0 to the end, padding row included
+        values = local.view(-1)[place.flat_start : place.flat_stop].view(place.local_shape)[place.valid]
         (low, high) = place.target
-        expected = torch.arange(30, dtype=torch.float32).view(10, 3)[low[0]:high[0], low[1]:high[1]]
+        expected = torch.arange(30, dtype=torch.float32).view(10, 3)[low[0] : high[0], low[1] : high[1]]
         assert torch.equal(values, expected)
         covered.append(place.target)
     assert covered == [((6, 2), (7, 3)), ((7, 0), (10, 3))]  # nothing from the padding row

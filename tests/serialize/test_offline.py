@@ -17,10 +17,18 @@ from femtotron.trainer import Trainer
 
 
 def config(tiny_config, run, *more, steps=4):
-    return tiny_config(f"general.run={run}", "model.model_config.num_hidden_layers=4",
-                       "model.model_config.num_key_value_heads=4", "model.model_config.tie_word_embeddings=true",
-                       "model.dtype=bfloat16", "tokens.micro_batch_size=2", "tokens.batch_accumulation_per_replica=8",
-                       f"tokens.train_steps={steps}", "parallelism.dp_bucket_size_mb=0.02", *more)
+    return tiny_config(
+        f"general.run={run}",
+        "model.model_config.num_hidden_layers=4",
+        "model.model_config.num_key_value_heads=4",
+        "model.model_config.tie_word_embeddings=true",
+        "model.dtype=bfloat16",
+        "tokens.micro_batch_size=2",
+        "tokens.batch_accumulation_per_replica=8",
+        f"tokens.train_steps={steps}",
+        "parallelism.dp_bucket_size_mb=0.02",
+        *more,
+    )
 
 
 @pytest.fixture
@@ -43,12 +51,44 @@ def test_C1_reshard_then_consolidate_gives_the_same_tensors(saved, tmp_path):
     weights, optimizer = consolidated(checkpoints, tmp_path / "original")
     assert weights["embed_tokens.weight"].dtype == torch.bfloat16 and "lm_head.weight" not in weights  # tied
     assert {k.split("/")[0] for k in optimizer} == {"master", "exp_avg", "exp_avg_sq"}
-    assert main(["reshard", str(checkpoints), "--out", str(tmp_path / "mesh"), "--dp", "2", "--tp", "2", "--pp", "2",
-                 "optimizer.zero_stage=1"]) == 0
-    assert sorted(p.name for p in (tmp_path / "mesh" / "step-0000002").glob("*.safetensors")) == \
-        [rank_file(r) for r in range(8)]
-    assert main(["reshard", str(tmp_path / "mesh"), "--out", str(tmp_path / "back"), "--dp", "1", "--tp", "1",
-                 "--pp", "1"]) == 0
+    assert (
+        main(
+            [
+                "reshard",
+                str(checkpoints),
+                "--out",
+                str(tmp_path / "mesh"),
+                "--dp",
+                "2",
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+                "optimizer.zero_stage=1",
+            ]
+        )
+        == 0
+    )
+    assert sorted(p.name for p in (tmp_path / "mesh" / "step-0000002").glob("*.safetensors")) == [
+        rank_file(r) for r in range(8)
+    ]
+    assert (
+        main(
+            [
+                "reshard",
+                str(tmp_path / "mesh"),
+                "--out",
+                str(tmp_path / "back"),
+                "--dp",
+                "1",
+                "--tp",
+                "1",
+                "--pp",
+                "1",
+            ]
+        )
+        == 0
+    )
     for directory in ("mesh", "back"):
         other_weights, other_optimizer = consolidated(tmp_path / directory, tmp_path / f"{directory}-full")
         for mine, theirs in ((weights, other_weights), (optimizer, other_optimizer)):
@@ -78,40 +118,79 @@ def _resume_and_record_files(rank, resumed):
 
 @pytest.mark.distributed
 def test_a_resharded_checkpoint_resumes_on_its_mesh_reading_its_optimizer_state_from_its_own_file(
-        saved, tiny_config, tmp_path):
+    saved, tiny_config, tmp_path
+):
     """Weights are saved once per dp group (1/dp by each rank), so a rank reads them from several files; its
     optimizer state is in its own file, but for what only tp rank 0 (the norms) or the first stage (a tied
     embedding) saves."""
     checkpoints, losses = saved
-    assert main(["reshard", str(checkpoints), "--out", str(tmp_path / "mesh"), "--dp", "2", "--tp", "2", "--pp", "2",
-                 "optimizer.zero_stage=1", "tokens.batch_accumulation_per_replica=4"]) == 0
-    resumed = config(tiny_config, "resumed", f"checkpoints.resume_checkpoint_path={tmp_path / 'mesh'}",
-                     "parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2", "optimizer.zero_stage=1",
-                     "tokens.batch_accumulation_per_replica=4", "parallelism.collective_timeout_seconds=60")
+    assert (
+        main(
+            [
+                "reshard",
+                str(checkpoints),
+                "--out",
+                str(tmp_path / "mesh"),
+                "--dp",
+                "2",
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+                "optimizer.zero_stage=1",
+                "tokens.batch_accumulation_per_replica=4",
+            ]
+        )
+        == 0
+    )
+    resumed = config(
+        tiny_config,
+        "resumed",
+        f"checkpoints.resume_checkpoint_path={tmp_path / 'mesh'}",
+        "parallelism.dp=2",
+        "parallelism.tp=2",
+        "parallelism.pp=2",
+        "optimizer.zero_stage=1",
+        "tokens.batch_accumulation_per_replica=4",
+        "parallelism.collective_timeout_seconds=60",
+    )
     per_rank = run_ranks(_resume_and_record_files, 8, resumed, timeout=300)
     for rank, (rank_losses, opened) in enumerate(per_rank):
         assert rank_losses == pytest.approx(losses[2:], rel=1e-2)  # bf16, another summation order
         at = coordinates_of(rank, dp=2, tp=2)
-        savers = {rank_file(rank_of(pp, at.dp_rank, tp, dp=2, tp=2)) for pp in {at.pp_rank, 0} for tp in {at.tp_rank, 0}}
+        savers = {
+            rank_file(rank_of(pp, at.dp_rank, tp, dp=2, tp=2))
+            for pp in {at.pp_rank, 0}
+            for tp in {at.tp_rank, 0}
+        }
         moments = {name for kind, name in opened if kind in ("exp_avg", "exp_avg_sq")}
         assert rank_file(rank) in moments and moments <= savers
 
 
 def test_a_consolidated_checkpoint_is_a_self_contained_run_directory(tiny_config, tmp_path, monkeypatch):
-    """The checkpoint keeps the run's tokenizer, so consolidate writes it beside the weights and `generate` works
-    from anywhere, even once the original tokenizer file is gone."""
+    """The checkpoint keeps the run's tokenizer, so consolidate writes it beside the weights and `generate`
+    works from anywhere, even once the original tokenizer file is gone."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("to be or not to be, that is the question " * 50)
     train_tokenizer([corpus], 300, tmp_path / "tok" / "tokenizer.json")
-    config = tiny_config("model.model_config.vocab_size=320", "tokens.train_steps=2", "general.run=tok",
-                         f"tokenizer.tokenizer_name_or_path={tmp_path / 'tok' / 'tokenizer.json'}",
-                         "checkpoints.checkpoint_interval=2", "checkpoints.save_final_state=false")
+    config = tiny_config(
+        "model.model_config.vocab_size=320",
+        "tokens.train_steps=2",
+        "general.run=tok",
+        f"tokenizer.tokenizer_name_or_path={tmp_path / 'tok' / 'tokenizer.json'}",
+        "checkpoints.checkpoint_interval=2",
+        "checkpoints.save_final_state=false",
+    )
     Trainer(config, ParallelContext(), log_to_console=False).train()
     (tmp_path / "tok" / "tokenizer.json").unlink()
     out = tmp_path / "out"
     assert main(["consolidate", str(config.run_dir / "checkpoints"), "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "model-parts.json", "model.safetensors",
-                                                     "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.yaml",
+        "model-parts.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
     assert main(["reshard", str(config.run_dir / "checkpoints"), "--out", str(tmp_path / "resharded")]) == 0
     assert (tmp_path / "resharded" / "step-0000002" / "tokenizer.json").is_file()
     monkeypatch.chdir(tmp_path / "tok")

@@ -70,8 +70,8 @@ class LlamaConfig(_Section):
 
     @property
     def layer_parameters(self) -> int:
-        """One decoder layer: q and o (hidden x hidden), k and v (hidden x kv heads' dims), the gated MLP's three
-        matrices and the two RMSNorm weights (no biases)."""
+        """One decoder layer: q and o (hidden x hidden), k and v (hidden x kv heads' dims), the gated MLP's
+        three matrices and the two RMSNorm weights (no biases)."""
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         return 2 * h * h + 2 * h * kv + 3 * h * self.intermediate_size + 2 * h
 
@@ -81,13 +81,18 @@ class LlamaConfig(_Section):
 
     @property
     def parameter_count(self) -> int:
-        """Every parameter: embedding, layers, final norm and the LM head (shared with the embedding when tied)."""
+        """Every parameter: embedding, layers, final norm and the LM head (shared with the embedding when
+        tied)."""
         heads = 1 if self.tie_word_embeddings else 2
-        return heads * self.embedding_parameters + self.num_hidden_layers * self.layer_parameters + self.hidden_size
+        return (
+            heads * self.embedding_parameters
+            + self.num_hidden_layers * self.layer_parameters
+            + self.hidden_size
+        )
 
     def layer_flops(self, sequence_length: int) -> float:
-        """Forward FLOPs per token of one decoder layer: 2 per matmul weight, and causal attention's scores and
-        weighted sum (4 * sequence * hidden at full width, halved by the causal mask)."""
+        """Forward FLOPs per token of one decoder layer: 2 per matmul weight, and causal attention's scores
+        and weighted sum (4 * sequence * hidden at full width, halved by the causal mask)."""
         return 2.0 * (self.layer_parameters - 2 * self.hidden_size) + 2.0 * sequence_length * self.hidden_size
 
     @property
@@ -208,8 +213,10 @@ class DataArgs(_Section):
         if not spec:
             raise ValueError(shape + ", and not empty")
         if isinstance(spec, dict) and not all(math.isfinite(w) and w > 0 for w in spec.values()):
-            raise ValueError("every blend weight must be a finite number > 0 (drop a dataset instead of "
-                             "giving it weight 0)")
+            raise ValueError(
+                "every blend weight must be a finite number > 0 (drop a dataset instead of "
+                "giving it weight 0)"
+            )
         return spec
 
 
@@ -221,7 +228,9 @@ class CheckpointsArgs(_Section):
     checkpoint_interval: NonNegativeInt = 0  # save a checkpoint every N steps (and after the last); 0: never
     save_initial_state: bool = False  # also save one before the first step
     save_final_state: bool = True  # full-shape weights in the run directory at the end
-    resume_checkpoint_path: str | None = None  # a step-NNNNNNN checkpoint, or a checkpoints directory (its latest)
+    resume_checkpoint_path: str | None = (
+        None  # a step-NNNNNNN checkpoint, or a checkpoints directory (its latest)
+    )
     keep_last_n: PositiveInt | None = None  # delete older checkpoints beyond the newest N; None: keep all
 
 
@@ -247,7 +256,9 @@ class Config(_Section):
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> Config:
         sched = self.optimizer.learning_rate_scheduler
-        if sched.lr_decay_starting_step is None:  # a warm-up longer than the run ends with it (config_warnings)
+        if (
+            sched.lr_decay_starting_step is None
+        ):  # a warm-up longer than the run ends with it (config_warnings)
             sched.lr_decay_starting_step = min(sched.lr_warmup_steps, self.tokens.train_steps)
         if sched.lr_decay_steps is None:
             sched.lr_decay_steps = max(0, self.tokens.train_steps - sched.lr_decay_starting_step)

@@ -24,7 +24,9 @@ from femtotron.config.rules import Problem, raise_problems, rule_problems
 _PLACEHOLDERS = {"tokens.train_steps": 1, "data.dataset_folder": "placeholder"}
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = (), sources: Mapping[str, str] | None = None) -> Config:
+def load_config(
+    path: str | Path, overrides: Sequence[str] = (), sources: Mapping[str, str] | None = None
+) -> Config:
     """Read a YAML config, apply `dotted.path=value` overrides and validate; ConfigError lists every problem.
     `sources` names where an override came from when it was not typed as one (e.g. {"parallelism.tp=3":
     "--tp 3"}); the others are "command line override '...'"."""
@@ -32,8 +34,11 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), sources: Mappin
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        _fail(path, f"file not found (relative paths start from {Path.cwd()}); check the path, "
-                    "e.g. `femtotron train examples/debug.yaml`")
+        _fail(
+            path,
+            f"file not found (relative paths start from {Path.cwd()}); check the path, "
+            "e.g. `femtotron train examples/debug.yaml`",
+        )
     except (OSError, UnicodeDecodeError) as e:
         _fail(path, f"cannot read the file: {e}")
     # safe_load, done in two steps so the node tree (with line numbers) is kept.
@@ -52,7 +57,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), sources: Mappin
     return _build(data, str(path), overrides, lines, duplicates, sources or {})
 
 
-def load_config_dict(mapping: Mapping[str, Any], source: str = "<dict>", overrides: Sequence[str] = ()) -> Config:
+def load_config_dict(
+    mapping: Mapping[str, Any], source: str = "<dict>", overrides: Sequence[str] = ()
+) -> Config:
     """Validate an in-memory config (tests, `Config.to_dict()` output) exactly like a YAML file."""
     return _build(mapping, source, overrides, {}, [], {})
 
@@ -79,8 +86,14 @@ def _map_lines(node: yaml.Node, prefix: str, lines: dict[str, int]) -> list[Prob
         for key_node, value_node in node.value:
             path, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
             if path in lines:
-                duplicates.append(Problem((path,), f"duplicate key (also set at line {lines[path]}); YAML keeps "
-                                          "only the last one. Delete one of them.", (f"line {line}",)))
+                duplicates.append(
+                    Problem(
+                        (path,),
+                        f"duplicate key (also set at line {lines[path]}); YAML keeps "
+                        "only the last one. Delete one of them.",
+                        (f"line {line}",),
+                    )
+                )
                 for stale in [p for p in lines if p.startswith(path + ".")]:  # the first block is discarded
                     del lines[stale]
             lines[path] = line
@@ -96,8 +109,13 @@ class _Locator:
     """Says where a dotted path got its value: a command line override, a YAML line, or the default."""
 
     def __init__(self, lines: dict[str, int], overrides: dict[str, str], sources: Mapping[str, str]) -> None:
-        self.lines, self.overrides = lines, {target: sources.get(text, f"command line override '{text}'")
-                                             for target, text in overrides.items()}
+        self.lines, self.overrides = (
+            lines,
+            {
+                target: sources.get(text, f"command line override '{text}'")
+                for target, text in overrides.items()
+            },
+        )
 
     def __call__(self, path: str) -> str:
         for target, where in self.overrides.items():
@@ -112,14 +130,29 @@ class _Locator:
 
 
 def _build(
-    data: Any, source: str, overrides: Sequence[str], lines: dict[str, int], found: list[Problem],
-    sources: Mapping[str, str]
+    data: Any,
+    source: str,
+    overrides: Sequence[str],
+    lines: dict[str, int],
+    found: list[Problem],
+    sources: Mapping[str, str],
 ) -> Config:
     if not isinstance(data, Mapping):
         got = "an empty file" if data is None else f"a {type(data).__name__}"
-        raise_problems(f"Invalid config {source}", [Problem((), (
-            f"the top level must be a mapping of sections (general, model, parallelism, tokens, optimizer, "
-            f"data, ...); got {got}. A config needs at least tokens.train_steps and data.dataset_folder."))])
+        raise_problems(
+            f"Invalid config {source}",
+            [
+                Problem(
+                    (),
+                    (
+                        f"the top level must be a mapping of sections (general, model, parallelism, tokens, "
+                        f"optimizer, "
+                        f"data, ...); got {got}. A config needs at least tokens.train_steps and "
+                        f"data.dataset_folder."
+                    ),
+                )
+            ],
+        )
     data = copy.deepcopy(dict(data))
     applied, override_problems = _apply_overrides(data, overrides)
     locate = _Locator(lines, applied, sources)
@@ -145,21 +178,34 @@ def _build(
 
 
 def _apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str, str], list[Problem]]:
-    """Apply `dotted.path=value` (value parsed as YAML) in place; return {path: text} applied and the problems."""
+    """Apply `dotted.path=value` (value parsed as YAML) in place; return {path: text} applied and the
+    problems."""
     applied: dict[str, str] = {}
     problems: list[Problem] = []
     for text in overrides:
         key, eq, raw = (part.strip() for part in text.partition("="))
         where = (f"command line override '{text}'",)
         if not eq or "" in key.split("."):
-            problems.append(Problem((key or text,), "an override must look like section.key=value, "
-                                    "e.g. parallelism.tp=2 or tokens.train_steps=50", where))
+            problems.append(
+                Problem(
+                    (key or text,),
+                    "an override must look like section.key=value, "
+                    "e.g. parallelism.tp=2 or tokens.train_steps=50",
+                    where,
+                )
+            )
             continue
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError as e:
-            problems.append(Problem((key,), f"the value {raw!r} is not valid YAML ({getattr(e, 'problem', e)}); "
-                                    "quote it if it is a string", where))
+            problems.append(
+                Problem(
+                    (key,),
+                    f"the value {raw!r} is not valid YAML ({getattr(e, 'problem', e)}); "
+                    "quote it if it is a string",
+                    where,
+                )
+            )
             continue
         *parents, leaf = key.split(".")
         node = data
@@ -168,8 +214,13 @@ def _apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> tuple[di
                 node[part] = {}  # create missing sections; unknown ones are reported by validation
             node = node[part]
             if not isinstance(node, dict):
-                problems.append(Problem((key,), f"cannot set '{leaf}': {'.'.join(parents[:i + 1])} is "
-                                        f"{node!r}, not a section", where))
+                problems.append(
+                    Problem(
+                        (key,),
+                        f"cannot set '{leaf}': {'.'.join(parents[: i + 1])} is {node!r}, not a section",
+                        where,
+                    )
+                )
                 break
         else:
             node[leaf] = value
@@ -232,7 +283,8 @@ def _all_paths(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
 
 
 def _unknown_key(parent: list[str], key: str) -> tuple[str, list[str]]:
-    """Message for an unknown key: the likely intended key, or the section it belongs in, or the valid keys."""
+    """Message for an unknown key: the likely intended key, or the section it belongs in, or the valid
+    keys."""
     section = ".".join(parent)
     info = _field(parent) if parent else None
     model = info.annotation if info is not None else Config

@@ -56,8 +56,12 @@ def with_changes(cfg: Config, changes: dict[str, Any]) -> Config:
         node[leaf] = value
 
     def apply(model: Any, update: dict[str, Any]) -> Any:
-        return model.model_copy(update={key: apply(getattr(model, key), value) if isinstance(value, dict) else value
-                                        for key, value in update.items()})
+        return model.model_copy(
+            update={
+                key: apply(getattr(model, key), value) if isinstance(value, dict) else value
+                for key, value in update.items()
+            }
+        )
 
     return apply(cfg, nested)
 
@@ -99,21 +103,30 @@ def working_tp(cfg: Config) -> list[int]:
     """tp values that split this model's heads, MLP (and sequence, for REDUCE_SCATTER) evenly."""
     m, seq = cfg.model.model_config_, cfg.tokens.sequence_length
     rs = cfg.parallelism.tp_mode == "REDUCE_SCATTER"
-    return [t for t in _divisors(math.gcd(m.num_attention_heads, m.num_key_value_heads))
-            if m.intermediate_size % t == 0 and (not rs or seq % t == 0)]
+    return [
+        t
+        for t in _divisors(math.gcd(m.num_attention_heads, m.num_key_value_heads))
+        if m.intermediate_size % t == 0 and (not rs or seq % t == 0)
+    ]
 
 
 def heads_split_hidden(cfg: Config) -> Problem | None:
     m = cfg.model.model_config_
     fields = (M + "hidden_size", M + "num_attention_heads")
     if m.hidden_size % m.num_attention_heads:
-        return Problem(fields, f"hidden_size={m.hidden_size} must be divisible by num_attention_heads="
-                       f"{m.num_attention_heads} (each head gets hidden_size / num_attention_heads dims). "
-                       f"Fix: {_head_fix(m.hidden_size, m.num_attention_heads)}.")
+        return Problem(
+            fields,
+            f"hidden_size={m.hidden_size} must be divisible by num_attention_heads="
+            f"{m.num_attention_heads} (each head gets hidden_size / num_attention_heads dims). "
+            f"Fix: {_head_fix(m.hidden_size, m.num_attention_heads)}.",
+        )
     if m.head_dim % 2:
-        return Problem(fields, f"head_dim = hidden_size / num_attention_heads = {m.hidden_size}/"
-                       f"{m.num_attention_heads} = {m.head_dim} is odd; RoPE rotates pairs of dims, so it must be "
-                       f"even. Fix: {_head_fix(m.hidden_size, m.num_attention_heads)}.")
+        return Problem(
+            fields,
+            f"head_dim = hidden_size / num_attention_heads = {m.hidden_size}/"
+            f"{m.num_attention_heads} = {m.head_dim} is odd; RoPE rotates pairs of dims, so it must be "
+            f"even. Fix: {_head_fix(m.hidden_size, m.num_attention_heads)}.",
+        )
     return None
 
 
@@ -121,30 +134,36 @@ def kv_heads_split_heads(cfg: Config) -> Problem | None:
     m = cfg.model.model_config_
     if m.num_attention_heads % m.num_key_value_heads == 0:
         return None
-    return Problem((M + "num_attention_heads", M + "num_key_value_heads"),
-                   f"num_attention_heads={m.num_attention_heads} must be divisible by num_key_value_heads="
-                   f"{m.num_key_value_heads} (each key/value head serves a whole group of query heads). "
-                   f"Fix: num_key_value_heads one of {_join(_divisors(m.num_attention_heads))}.")
+    return Problem(
+        (M + "num_attention_heads", M + "num_key_value_heads"),
+        f"num_attention_heads={m.num_attention_heads} must be divisible by num_key_value_heads="
+        f"{m.num_key_value_heads} (each key/value head serves a whole group of query heads). "
+        f"Fix: num_key_value_heads one of {_join(_divisors(m.num_attention_heads))}.",
+    )
 
 
 def heads_split_over_tp(cfg: Config) -> Problem | None:
     m, tp = cfg.model.model_config_, cfg.parallelism.tp
     if m.num_attention_heads % tp == 0 and m.num_key_value_heads % tp == 0:
         return None
-    return Problem((M + "num_attention_heads", M + "num_key_value_heads", "parallelism.tp"),
-                   f"num_attention_heads={m.num_attention_heads} and num_key_value_heads={m.num_key_value_heads} must "
-                   f"both be divisible by tp={tp} (each tensor-parallel rank holds whole query and key/value heads). "
-                   f"Fix: tp values that would work: {_join(working_tp(cfg))}.")
+    return Problem(
+        (M + "num_attention_heads", M + "num_key_value_heads", "parallelism.tp"),
+        f"num_attention_heads={m.num_attention_heads} and num_key_value_heads={m.num_key_value_heads} must "
+        f"both be divisible by tp={tp} (each tensor-parallel rank holds whole query and key/value heads). "
+        f"Fix: tp values that would work: {_join(working_tp(cfg))}.",
+    )
 
 
 def mlp_splits_over_tp(cfg: Config) -> Problem | None:
     m, tp = cfg.model.model_config_, cfg.parallelism.tp
     if m.intermediate_size % tp == 0:
         return None
-    return Problem((M + "intermediate_size", "parallelism.tp"),
-                   f"intermediate_size={m.intermediate_size} must be divisible by tp={tp} (the MLP is split over tp "
-                   f"ranks). Fix: intermediate_size={_nearest_multiples(m.intermediate_size, tp)}, "
-                   f"or tp one of {_join(working_tp(cfg))}.")
+    return Problem(
+        (M + "intermediate_size", "parallelism.tp"),
+        f"intermediate_size={m.intermediate_size} must be divisible by tp={tp} (the MLP is split over tp "
+        f"ranks). Fix: intermediate_size={_nearest_multiples(m.intermediate_size, tp)}, "
+        f"or tp one of {_join(working_tp(cfg))}.",
+    )
 
 
 def enough_layers_for_the_stages(cfg: Config) -> Problem | None:
@@ -152,113 +171,153 @@ def enough_layers_for_the_stages(cfg: Config) -> Problem | None:
     if layers >= par.pp * par.pp_virtual_stages:
         return None
     if par.pp_virtual_stages == 1:
-        return Problem((M + "num_hidden_layers", "parallelism.pp"),
-                       f"num_hidden_layers={layers} must be >= pp={par.pp} (every pipeline stage needs at least one "
-                       f"layer). Fix: pp={layers} or less, or num_hidden_layers={par.pp} or more.")
-    fewer_chunks = fixes_that_hold(cfg, [
-        *[(f"pp_virtual_stages={v}", {"parallelism.pp_virtual_stages": v}) for v in range(layers // par.pp, 1, -1)],
-        ("pp_engine=1f1b with pp_virtual_stages=1 (no interleaving)",
-         {"parallelism.pp_engine": "1f1b", "parallelism.pp_virtual_stages": 1}),
-    ])
-    return Problem((M + "num_hidden_layers", "parallelism.pp", "parallelism.pp_virtual_stages"),
-                   f"num_hidden_layers={layers} must be >= pp * pp_virtual_stages = {par.pp} * {par.pp_virtual_stages} "
-                   f"= {par.pp * par.pp_virtual_stages} (every virtual stage needs at least one layer). Fix: "
-                   + ", or ".join([*fewer_chunks[:1], f"num_hidden_layers={par.pp * par.pp_virtual_stages} or more"])
-                   + ".")
+        return Problem(
+            (M + "num_hidden_layers", "parallelism.pp"),
+            f"num_hidden_layers={layers} must be >= pp={par.pp} (every pipeline stage needs at least one "
+            f"layer). Fix: pp={layers} or less, or num_hidden_layers={par.pp} or more.",
+        )
+    fewer_chunks = fixes_that_hold(
+        cfg,
+        [
+            *[
+                (f"pp_virtual_stages={v}", {"parallelism.pp_virtual_stages": v})
+                for v in range(layers // par.pp, 1, -1)
+            ],
+            (
+                "pp_engine=1f1b with pp_virtual_stages=1 (no interleaving)",
+                {"parallelism.pp_engine": "1f1b", "parallelism.pp_virtual_stages": 1},
+            ),
+        ],
+    )
+    return Problem(
+        (M + "num_hidden_layers", "parallelism.pp", "parallelism.pp_virtual_stages"),
+        f"num_hidden_layers={layers} must be >= pp * pp_virtual_stages = {par.pp} * {par.pp_virtual_stages} "
+        f"= {par.pp * par.pp_virtual_stages} (every virtual stage needs at least one layer). Fix: "
+        + ", or ".join([*fewer_chunks[:1], f"num_hidden_layers={par.pp * par.pp_virtual_stages} or more"])
+        + ".",
+    )
 
 
 def interleaving_needs_several_ranks(cfg: Config) -> Problem | None:
     par = cfg.parallelism
     if par.pp_engine != "interleaved-1f1b" or par.pp >= 2:
         return None
-    return Problem(("parallelism.pp_engine", "parallelism.pp"),
-                   "pp_engine=interleaved-1f1b interleaves model chunks over several pipeline ranks, so pp must be "
-                   ">= 2. Fix: pp_engine=1f1b (with pp=1 every engine is the same).")
+    return Problem(
+        ("parallelism.pp_engine", "parallelism.pp"),
+        "pp_engine=interleaved-1f1b interleaves model chunks over several pipeline ranks, so pp must be "
+        ">= 2. Fix: pp_engine=1f1b (with pp=1 every engine is the same).",
+    )
 
 
 def interleaving_needs_several_chunks(cfg: Config) -> Problem | None:
     par = cfg.parallelism
     if par.pp_engine != "interleaved-1f1b" or par.pp_virtual_stages >= 2:
         return None
-    return Problem(("parallelism.pp_engine", "parallelism.pp_virtual_stages"),
-                   "pp_engine=interleaved-1f1b gives each pp rank several model chunks, so pp_virtual_stages must be "
-                   f">= 2 (it is {par.pp_virtual_stages}). Fix: pp_virtual_stages=2, or pp_engine=1f1b.")
+    return Problem(
+        ("parallelism.pp_engine", "parallelism.pp_virtual_stages"),
+        "pp_engine=interleaved-1f1b gives each pp rank several model chunks, so pp_virtual_stages must be "
+        f">= 2 (it is {par.pp_virtual_stages}). Fix: pp_virtual_stages=2, or pp_engine=1f1b.",
+    )
 
 
 def chunks_need_interleaving(cfg: Config) -> Problem | None:
     par = cfg.parallelism
     if par.pp_engine == "interleaved-1f1b" or par.pp_virtual_stages == 1:
         return None
-    return Problem(("parallelism.pp_engine", "parallelism.pp_virtual_stages"),
-                   f"pp_virtual_stages={par.pp_virtual_stages} needs pp_engine=interleaved-1f1b (pp_engine="
-                   f"{par.pp_engine} runs one model chunk per pp rank). Fix: pp_engine=interleaved-1f1b, or "
-                   "pp_virtual_stages=1.")
+    return Problem(
+        ("parallelism.pp_engine", "parallelism.pp_virtual_stages"),
+        f"pp_virtual_stages={par.pp_virtual_stages} needs pp_engine=interleaved-1f1b (pp_engine="
+        f"{par.pp_engine} runs one model chunk per pp rank). Fix: pp_engine=interleaved-1f1b, or "
+        "pp_virtual_stages=1.",
+    )
 
 
 def interleaving_takes_micro_batches_in_groups_of_pp(cfg: Config) -> Problem | None:
     par, accumulation = cfg.parallelism, cfg.tokens.batch_accumulation_per_replica
     if par.pp_engine != "interleaved-1f1b" or par.pp < 2 or accumulation % par.pp == 0:
         return None
-    return Problem(("parallelism.pp_engine", "tokens.batch_accumulation_per_replica", "parallelism.pp"),
-                   f"pp_engine=interleaved-1f1b sends micro-batches through the chunks in groups of pp, so "
-                   f"batch_accumulation_per_replica={accumulation} must be divisible by pp={par.pp}. Fix: "
-                   f"batch_accumulation_per_replica={_nearest_multiples(accumulation, par.pp)}.")
+    return Problem(
+        ("parallelism.pp_engine", "tokens.batch_accumulation_per_replica", "parallelism.pp"),
+        f"pp_engine=interleaved-1f1b sends micro-batches through the chunks in groups of pp, so "
+        f"batch_accumulation_per_replica={accumulation} must be divisible by pp={par.pp}. Fix: "
+        f"batch_accumulation_per_replica={_nearest_multiples(accumulation, par.pp)}.",
+    )
 
 
 def sequence_fits_the_positions(cfg: Config) -> Problem | None:
     sequence, positions = cfg.tokens.sequence_length, cfg.model.model_config_.max_position_embeddings
     if sequence <= positions:
         return None
-    return Problem(("tokens.sequence_length", M + "max_position_embeddings"),
-                   f"sequence_length={sequence} must be <= max_position_embeddings={positions} (RoPE is only set "
-                   f"up for that many positions). Fix: sequence_length={positions}, or max_position_embeddings="
-                   f"{sequence}.")
+    return Problem(
+        ("tokens.sequence_length", M + "max_position_embeddings"),
+        f"sequence_length={sequence} must be <= max_position_embeddings={positions} (RoPE is only set "
+        f"up for that many positions). Fix: sequence_length={positions}, or max_position_embeddings="
+        f"{sequence}.",
+    )
 
 
 def sequence_splits_over_tp(cfg: Config) -> Problem | None:
     par, sequence = cfg.parallelism, cfg.tokens.sequence_length
     if par.tp_mode != "REDUCE_SCATTER" or sequence % par.tp == 0:
         return None
-    return Problem(("parallelism.tp_mode", "tokens.sequence_length", "parallelism.tp"),
-                   f"tp_mode=REDUCE_SCATTER splits the sequence over tp ranks, so sequence_length={sequence} must be "
-                   f"divisible by tp={par.tp}. Fix: sequence_length={_nearest_multiples(sequence, par.tp)}, or "
-                   "tp_mode=ALL_REDUCE.")
+    return Problem(
+        ("parallelism.tp_mode", "tokens.sequence_length", "parallelism.tp"),
+        f"tp_mode=REDUCE_SCATTER splits the sequence over tp ranks, so sequence_length={sequence} must be "
+        f"divisible by tp={par.tp}. Fix: sequence_length={_nearest_multiples(sequence, par.tp)}, or "
+        "tp_mode=ALL_REDUCE.",
+    )
 
 
 def zero_stage_implemented(cfg: Config) -> Problem | None:
     stage = cfg.optimizer.zero_stage
     if stage <= 1:
         return None
-    return Problem(("optimizer.zero_stage",),
-                   f"zero_stage={stage} (sharded gradients or parameters) is not implemented: femtotron has ZeRO-1, "
-                   "which shards the fp32 master weights and Adam moments over dp, 12 of the 18 bytes a bf16 "
-                   "parameter costs. Fix: zero_stage=1; to save more memory raise tp or pp, set "
-                   "parallelism.recompute_layer=true, or lower tokens.micro_batch_size.")
+    return Problem(
+        ("optimizer.zero_stage",),
+        f"zero_stage={stage} (sharded gradients or parameters) is not implemented: femtotron has ZeRO-1, "
+        "which shards the fp32 master weights and Adam moments over dp, 12 of the 18 bytes a bf16 "
+        "parameter costs. Fix: zero_stage=1; to save more memory raise tp or pp, set "
+        "parallelism.recompute_layer=true, or lower tokens.micro_batch_size.",
+    )
 
 
 def loss_scale_range(cfg: Config) -> Problem | None:
     scaling = cfg.optimizer.loss_scale
     if scaling.min_scale <= scaling.initial_scale:
         return None
-    return Problem(("optimizer.loss_scale.min_scale", "optimizer.loss_scale.initial_scale"),
-                   f"min_scale={scaling.min_scale:g} must be <= initial_scale={scaling.initial_scale:g} (the scale "
-                   f"only goes down to min_scale). Fix: min_scale=1, or initial_scale={scaling.min_scale:g}.")
+    return Problem(
+        ("optimizer.loss_scale.min_scale", "optimizer.loss_scale.initial_scale"),
+        f"min_scale={scaling.min_scale:g} must be <= initial_scale={scaling.initial_scale:g} (the scale "
+        f"only goes down to min_scale). Fix: min_scale=1, or initial_scale={scaling.min_scale:g}.",
+    )
 
 
 def decay_ends_below_the_peak(cfg: Config) -> Problem | None:
     sched = cfg.optimizer.learning_rate_scheduler
     if sched.min_decay_lr <= sched.learning_rate:
         return None
-    return Problem(("optimizer.learning_rate_scheduler.min_decay_lr", "optimizer.learning_rate_scheduler.learning_rate"),
-                   f"min_decay_lr={sched.min_decay_lr:g} must be <= learning_rate={sched.learning_rate:g} (decay goes "
-                   f"down to it). Fix: min_decay_lr={sched.learning_rate / 10:g} (a tenth of learning_rate).")
+    return Problem(
+        ("optimizer.learning_rate_scheduler.min_decay_lr", "optimizer.learning_rate_scheduler.learning_rate"),
+        f"min_decay_lr={sched.min_decay_lr:g} must be <= learning_rate={sched.learning_rate:g} (decay goes "
+        f"down to it). Fix: min_decay_lr={sched.learning_rate / 10:g} (a tenth of learning_rate).",
+    )
 
 
 RULES: list[Callable[[Config], Problem | None]] = [
-    heads_split_hidden, kv_heads_split_heads, heads_split_over_tp, mlp_splits_over_tp, enough_layers_for_the_stages,
-    interleaving_needs_several_ranks, interleaving_needs_several_chunks, chunks_need_interleaving,
-    interleaving_takes_micro_batches_in_groups_of_pp, sequence_fits_the_positions, sequence_splits_over_tp,
-    zero_stage_implemented, loss_scale_range, decay_ends_below_the_peak,
+    heads_split_hidden,
+    kv_heads_split_heads,
+    heads_split_over_tp,
+    mlp_splits_over_tp,
+    enough_layers_for_the_stages,
+    interleaving_needs_several_ranks,
+    interleaving_needs_several_chunks,
+    chunks_need_interleaving,
+    interleaving_takes_micro_batches_in_groups_of_pp,
+    sequence_fits_the_positions,
+    sequence_splits_over_tp,
+    zero_stage_implemented,
+    loss_scale_range,
+    decay_ends_below_the_peak,
 ]
 
 
@@ -274,15 +333,19 @@ def gpu_problems(cfg: Config) -> list[str]:
         # NCCL pairs transfers between two ranks in issue order on one stream; with the batched send/receive
         # pairs of parallel/pipeline/p2p.py the interleaved order deadlocks there from 2 * pp micro-batches on
         # (tests/parallel/pipeline/test_schedules.py models it). Gloo is fine.
-        return ["parallelism.pp_engine=interleaved-1f1b on GPUs: its transfer order can deadlock on NCCL in this "
-                "version. Use parallelism.pp_engine=1f1b (or afab) on GPUs; interleaving runs on CPU (gloo)."]
+        return [
+            "parallelism.pp_engine=interleaved-1f1b on GPUs: its transfer order can deadlock on NCCL in this "
+            "version. Use parallelism.pp_engine=1f1b (or afab) on GPUs; interleaving runs on CPU (gloo)."
+        ]
     return []
 
 
 def refuse_on_gpus(cfg: Config) -> None:
     problems = gpu_problems(cfg)
     if problems:
-        raise ConfigError("This configuration asks for features this version lacks:\n  - " + "\n  - ".join(problems))
+        raise ConfigError(
+            "This configuration asks for features this version lacks:\n  - " + "\n  - ".join(problems)
+        )
 
 
 def check_world_size(config: Config, world_size: int) -> None:
@@ -292,8 +355,13 @@ def check_world_size(config: Config, world_size: int) -> None:
     if product == world_size:
         return
     fields = ("parallelism.dp", "parallelism.tp", "parallelism.pp")
-    valid = [(d, t, p) for d, t, p in _layouts(world_size)
-             if not rule_problems(with_changes(config, {"parallelism.dp": d, "parallelism.tp": t, "parallelism.pp": p}))]
+    valid = [
+        (d, t, p)
+        for d, t, p in _layouts(world_size)
+        if not rule_problems(
+            with_changes(config, {"parallelism.dp": d, "parallelism.tp": t, "parallelism.pp": p})
+        )
+    ]
     # Suggest keeping the user's tp and pp when that works: it changes the least.
     keep = (world_size // (par.tp * par.pp), par.tp, par.pp)
     best = keep if keep in valid else (valid[0] if valid else None)
@@ -308,13 +376,17 @@ def check_world_size(config: Config, world_size: int) -> None:
     )
     if best:
         dp, tp, pp = best
-        message += f" For example, add the overrides: parallelism.dp={dp} parallelism.tp={tp} parallelism.pp={pp}"
+        message += (
+            f" For example, add the overrides: parallelism.dp={dp} parallelism.tp={tp} parallelism.pp={pp}"
+        )
     raise_problems("Parallel layout does not match the number of processes", [Problem(fields, message)])
 
 
 def _layouts(world_size: int) -> list[tuple[int, int, int]]:
     """All (dp, tp, pp) with dp * tp * pp == world_size, most data-parallel first (the simplest layout)."""
-    triples = [(world_size // (t * p), t, p) for t in _divisors(world_size) for p in _divisors(world_size // t)]
+    triples = [
+        (world_size // (t * p), t, p) for t in _divisors(world_size) for p in _divisors(world_size // t)
+    ]
     return sorted(triples, key=lambda layout: (-layout[0], layout[1], layout[2]))
 
 
@@ -341,38 +413,64 @@ def config_warnings(config: Config) -> list[str]:
     n_params = config.model.model_config_.parameter_count
     typical = _typical_lr(n_params)
     if config.optimizer.clip_grad is None:
-        out.append("optimizer.clip_grad is null, so gradient clipping is off: one bad batch can push the weights "
-                   "to NaN mid-run. Set optimizer.clip_grad: 1.0 unless you mean it.")
+        out.append(
+            "optimizer.clip_grad is null, so gradient clipping is off: one bad batch can push the weights "
+            "to NaN mid-run. Set optimizer.clip_grad: 1.0 unless you mean it."
+        )
     if lr > 10 * typical:
-        out.append(f"optimizer.learning_rate_scheduler.learning_rate={lr:g} is {lr / typical:.0f}x the usual "
-                   f"{typical:g} for a {n_params / 1e6:.1f}M-parameter model; expect loss spikes or NaN. "
-                   f"Try learning_rate: {typical:g} or lower.")
+        out.append(
+            f"optimizer.learning_rate_scheduler.learning_rate={lr:g} is {lr / typical:.0f}x the usual "
+            f"{typical:g} for a {n_params / 1e6:.1f}M-parameter model; expect loss spikes or NaN. "
+            f"Try learning_rate: {typical:g} or lower."
+        )
     if lr < 1e-6:
-        out.append(f"optimizer.learning_rate_scheduler.learning_rate={lr:g} is so small the model will barely "
-                   f"move; the usual value for this size is about {typical:g}.")
+        out.append(
+            f"optimizer.learning_rate_scheduler.learning_rate={lr:g} is so small the model will barely "
+            f"move; the usual value for this size is about {typical:g}."
+        )
     if sched.lr_warmup_steps > steps:
-        out.append(f"optimizer.learning_rate_scheduler.lr_warmup_steps={sched.lr_warmup_steps} is longer than "
-                   f"tokens.train_steps={steps}: the warm-up is cut to the run's {steps} steps, so the learning rate "
-                   f"reaches its peak at the last step and never decays. For a whole schedule set lr_warmup_steps "
-                   f"below {steps} (e.g. {max(steps // 10, 1)}).")
+        out.append(
+            f"optimizer.learning_rate_scheduler.lr_warmup_steps={sched.lr_warmup_steps} is longer than "
+            f"tokens.train_steps={steps}: the warm-up is cut to the run's {steps} steps, so the learning "
+            f"rate "
+            f"reaches its peak at the last step and never decays. For a whole schedule set lr_warmup_steps "
+            f"below {steps} (e.g. {max(steps // 10, 1)})."
+        )
     if config.model.dtype == "float16":
-        out.append("model.dtype=float16 overflows above 65504: it trains with dynamic loss scaling, and a step "
-                   "whose gradients overflow is skipped (logged). Prefer model.dtype: bfloat16 where the hardware "
-                   "has it: same memory, float32's range, no loss scaling and no skipped steps.")
+        out.append(
+            "model.dtype=float16 overflows above 65504: it trains with dynamic loss scaling, and a step "
+            "whose gradients overflow is skipped (logged). Prefer model.dtype: bfloat16 where the hardware "
+            "has it: same memory, float32's range, no loss scaling and no skipped steps."
+        )
     par, accumulation = config.parallelism, config.tokens.batch_accumulation_per_replica
     if par.pp > 1 and accumulation < 4 * par.pp:
-        interleave = fixes_that_hold(config, [(
-            "pp_engine=interleaved-1f1b", {"parallelism.pp_engine": "interleaved-1f1b",
-                                           "parallelism.pp_virtual_stages": max(par.pp_virtual_stages, 2)})])
-        out.append(f"tokens.batch_accumulation_per_replica={accumulation} micro-batches with pp={par.pp}: the "
-                   f"pipeline idles for about {pipeline_bubble(par.pp, accumulation, par.pp_virtual_stages):.0%} of "
-                   f"each step (P2). Use at least 4 * pp = {4 * par.pp} micro-batches (lower "
-                   "tokens.micro_batch_size to keep the batch)"
-                   + (f", or {interleave[0]}." if interleave and par.pp_engine != "interleaved-1f1b" else "."))
+        interleave = fixes_that_hold(
+            config,
+            [
+                (
+                    "pp_engine=interleaved-1f1b",
+                    {
+                        "parallelism.pp_engine": "interleaved-1f1b",
+                        "parallelism.pp_virtual_stages": max(par.pp_virtual_stages, 2),
+                    },
+                )
+            ],
+        )
+        out.append(
+            f"tokens.batch_accumulation_per_replica={accumulation} micro-batches with pp={par.pp}: the "
+            f"pipeline idles for about {pipeline_bubble(par.pp, accumulation, par.pp_virtual_stages):.0%} of "
+            f"each step (P2). Use at least 4 * pp = {4 * par.pp} micro-batches (lower "
+            "tokens.micro_batch_size to keep the batch)"
+            + (f", or {interleave[0]}." if interleave and par.pp_engine != "interleaved-1f1b" else ".")
+        )
     if config.optimizer.zero_stage == 1 and par.dp == 1:
-        out.append("optimizer.zero_stage=1 with parallelism.dp=1: ZeRO-1 shards optimizer state over dp ranks, so "
-                   "with one replica it saves nothing. Raise parallelism.dp to save memory.")
+        out.append(
+            "optimizer.zero_stage=1 with parallelism.dp=1: ZeRO-1 shards optimizer state over dp ranks, so "
+            "with one replica it saves nothing. Raise parallelism.dp to save memory."
+        )
     if config.model.init_method.std > 0.1:
-        out.append(f"model.init_method.std={config.model.init_method.std:g} is large: activations grow layer by "
-                   "layer and the first steps can be NaN. The usual value is 0.02.")
+        out.append(
+            f"model.init_method.std={config.model.init_method.std:g} is large: activations grow layer by "
+            "layer and the first steps can be NaN. The usual value is 0.02."
+        )
     return out

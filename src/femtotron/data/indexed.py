@@ -157,7 +157,8 @@ class IndexedDataset:
             raise _corrupt(
                 idx_path,
                 self.path_prefix,
-                f"document index must run from 0 to the sequence count {count}, found first={first}, last={last}",
+                f"document index must run from 0 to the sequence count {count}, found first={first}, "
+                f"last={last}",
             )
         if np.any(np.diff(docs) < 0):
             raise _corrupt(idx_path, self.path_prefix, "document index is not sorted")

@@ -93,7 +93,8 @@ class Nanoset:
                 raise DataError(f"{ds.path_prefix}.bin holds {ds.dtype} values, not token ids")
             if n == 0:
                 raise DataError(
-                    f"{ds.path_prefix}: {ds.num_tokens} tokens is too few for one sample of sequence_length + 1 "
+                    f"{ds.path_prefix}: {ds.num_tokens} tokens is too few for one sample of sequence_length "
+                    f"+ 1 "
                     f"= {sequence_length + 1} tokens; use more data or a shorter tokens.sequence_length"
                 )
         self.weights = self._normalise(weights)
@@ -176,7 +177,9 @@ class MicroBatch:
         return cls(tokens[:, :-1], tokens[:, 1:])
 
     def to(self, device: torch.device) -> MicroBatch:
-        return MicroBatch(self.inputs.to(device, non_blocking=True), self.targets.to(device, non_blocking=True))
+        return MicroBatch(
+            self.inputs.to(device, non_blocking=True), self.targets.to(device, non_blocking=True)
+        )
 
     @property
     def counted_targets(self) -> int:
@@ -224,7 +227,11 @@ class MicroBatchIterator:
         per_rank = self.micro_batch_size * self.batch_accumulation
         first = consumed_samples + self.dp_rank * per_rank
         return [
-            MicroBatch.from_tokens(torch.from_numpy(np.stack([self.nanoset[g] for g in range(start, start + self.micro_batch_size)])))
+            MicroBatch.from_tokens(
+                torch.from_numpy(
+                    np.stack([self.nanoset[g] for g in range(start, start + self.micro_batch_size)])
+                )
+            )
             for start in range(first, first + per_rank, self.micro_batch_size)
         ]
 

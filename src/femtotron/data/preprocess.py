@@ -1,4 +1,5 @@
-"""Text documents -> tokens -> a Megatron-Core `.bin`/`.idx` pair, one sequence per document, EOS-terminated."""
+"""Text documents -> tokens -> a Megatron-Core `.bin`/`.idx` pair, one sequence per document,
+EOS-terminated."""
 
 from __future__ import annotations
 

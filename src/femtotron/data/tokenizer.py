@@ -31,9 +31,11 @@ def train_tokenizer(
     """
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
-        raise UsageError(f"--vocab-size {vocab_size} is too small: byte-level BPE needs at least {len(alphabet) + 1} "
-                         f"({len(alphabet)} bytes + {EOS_TOKENS[0]}). Fix: --vocab-size {len(alphabet) + 1} or more "
-                         "(8192 or more for real text).")
+        raise UsageError(
+            f"--vocab-size {vocab_size} is too small: byte-level BPE needs at least {len(alphabet) + 1} "
+            f"({len(alphabet)} bytes + {EOS_TOKENS[0]}). Fix: --vocab-size {len(alphabet) + 1} or more "
+            "(8192 or more for real text)."
+        )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -84,7 +86,8 @@ def eos_token_id(tokenizer: Tokenizer) -> int:
 
 
 def tokenizer_for_model(path: str | None, vocab_size: int) -> Tokenizer | None:
-    """The run's tokenizer (tokenizer.tokenizer_name_or_path), refused when it has ids the model cannot embed."""
+    """The run's tokenizer (tokenizer.tokenizer_name_or_path), refused when it has ids the model cannot
+    embed."""
     if path is None:
         return None
     tokenizer = load_tokenizer(path)
@@ -92,7 +95,8 @@ def tokenizer_for_model(path: str | None, vocab_size: int) -> Tokenizer | None:
     if size > vocab_size:
         raise ConfigError(
             f"tokenizer.tokenizer_name_or_path={path} has {size} tokens but model.model_config.vocab_size="
-            f"{vocab_size}: ids {vocab_size}..{size - 1} would have no embedding. Set model.model_config.vocab_size "
+            f"{vocab_size}: ids {vocab_size}..{size - 1} would have no embedding. Set "
+            f"model.model_config.vocab_size "
             f">= {size}, or use the tokenizer the data was preprocessed with."
         )
     return tokenizer

@@ -8,8 +8,11 @@ import torch
 from torch import nn
 
 
-def saved_activation_bytes(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, backward: bool = False) -> int:
-    """Bytes of activation storage autograd holds for backward after one forward pass of `model(ids, targets)`.
+def saved_activation_bytes(
+    model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, backward: bool = False
+) -> int:
+    """Bytes of activation storage autograd holds for backward after one forward pass of `model(ids,
+    targets)`.
 
     A pack hook sees every tensor saved for backward (under recomputation: each checkpointed layer's
     input, nothing from inside the layer). Each storage is counted once (a tensor and its views, or one

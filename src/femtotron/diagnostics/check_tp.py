@@ -64,8 +64,13 @@ class ModuleDiff:
     weight_grad_rel: float | None = None
 
     def worst(self) -> float:
-        values = (self.output_rel, self.input_rel, self.grad_output_rel, self.grad_input_rel,
-                  self.weight_grad_rel)
+        values = (
+            self.output_rel,
+            self.input_rel,
+            self.grad_output_rel,
+            self.grad_input_rel,
+            self.weight_grad_rel,
+        )
         return max(v for v in values if v is not None)
 
 
@@ -151,8 +156,9 @@ class TPCheckFailed(FemtotronError):
     exit_code = DIVERGES_EXIT_CODE  # the strongest form of diverging
 
 
-def _forward_backward(model: Llama, ids: torch.Tensor, targets: torch.Tensor,
-                      reference: _Run | None = None) -> _Run:
+def _forward_backward(
+    model: Llama, ids: torch.Tensor, targets: torch.Tensor, reference: _Run | None = None
+) -> _Run:
     """Loss, recorded activations and full-shape parameter gradients; `reference` explains a crash."""
     tp = model.tp
     recorder = _Recorder(model)
@@ -162,8 +168,10 @@ def _forward_backward(model: Llama, ids: torch.Tensor, targets: torch.Tensor,
         loss = loss_sum / count
         with warnings.catch_warnings():
             # The embedding's input is token ids: its hook sees only the output gradient, as intended.
-            warnings.filterwarnings("ignore", "Full backward hook is firing when gradients are computed with "
-                                    "respect to module outputs")
+            warnings.filterwarnings(
+                "ignore",
+                "Full backward hook is firing when gradients are computed with respect to module outputs",
+            )
             loss.backward()
     except RuntimeError as e:
         if reference is None:
@@ -174,8 +182,13 @@ def _forward_backward(model: Llama, ids: torch.Tensor, targets: torch.Tensor,
     return _Run(recorder, loss.detach(), full_gradients(model, tp))
 
 
-def _gather(tensor: torch.Tensor | None, dim: int | None, like: torch.Tensor | None,
-            tp: TensorParallel, parts: int = 1) -> torch.Tensor | None:
+def _gather(
+    tensor: torch.Tensor | None,
+    dim: int | None,
+    like: torch.Tensor | None,
+    tp: TensorParallel,
+    parts: int = 1,
+) -> torch.Tensor | None:
     """This rank's piece, split along `dim`, gathered to full shape; the padded vocabulary is cut to `like`'s.
 
     Every rank calls this in the same order with the same shapes, so the gathers pair up.
@@ -214,8 +227,10 @@ def _difference(ours: torch.Tensor | None, ref: torch.Tensor | None) -> tuple[fl
 
 def _dtype(config: Config) -> torch.dtype:
     if config.model.dtype not in DEFAULT_TOLERANCE:
-        raise ConfigError(f"model.dtype={config.model.dtype}: check-tp compares float32 or bfloat16 models; "
-                          "set model.dtype=bfloat16 (or float32 for the tightest comparison).")
+        raise ConfigError(
+            f"model.dtype={config.model.dtype}: check-tp compares float32 or bfloat16 models; "
+            "set model.dtype=bfloat16 (or float32 for the tightest comparison)."
+        )
     return torch.float32 if config.model.dtype == "float32" else torch.bfloat16
 
 
@@ -226,16 +241,19 @@ def _first_micro_batch(config: Config, device: torch.device) -> tuple[torch.Tens
     batch = MicroBatchIterator(data, tokens.micro_batch_size, 1, 0, 1).step_at(0)[0]
     vocab, largest = config.model.model_config_.vocab_size, int(batch.inputs.max())
     if largest >= vocab:
-        raise DataError(f"the training data holds token id {largest}, but model.model_config.vocab_size="
-                        f"{vocab} allows ids 0..{vocab - 1}. Set model.model_config.vocab_size >= "
-                        f"{largest + 1}, or point data.dataset_folder at data made with this model's "
-                        "tokenizer.")
+        raise DataError(
+            f"the training data holds token id {largest}, but model.model_config.vocab_size="
+            f"{vocab} allows ids 0..{vocab - 1}. Set model.model_config.vocab_size >= "
+            f"{largest + 1}, or point data.dataset_folder at data made with this model's "
+            "tokenizer."
+        )
     batch = batch.to(device)
     return batch.inputs, batch.targets
 
 
-def compare_tp(config: Config, ctx: ParallelContext, model: Llama | None = None,
-               tolerance: float | None = None) -> TPReport:
+def compare_tp(
+    config: Config, ctx: ParallelContext, model: Llama | None = None, tolerance: float | None = None
+) -> TPReport:
     """Run one micro-batch at tp=1 and at ctx.tp from the same weights; every tp rank calls this.
 
     `model`: the tensor-parallel model to check (default: built from the config like the trainer's).
@@ -245,8 +263,14 @@ def compare_tp(config: Config, ctx: ParallelContext, model: Llama | None = None,
     tolerance = DEFAULT_TOLERANCE[config.model.dtype] if tolerance is None else tolerance
     mcfg = config.model.model_config_
     ids, targets = _first_micro_batch(config, ctx.device)
-    build = partial(Llama, mcfg, std=config.model.init_method.std, seed=config.general.seed, dtype=dtype,
-                    device=ctx.device)
+    build = partial(
+        Llama,
+        mcfg,
+        std=config.model.init_method.std,
+        seed=config.general.seed,
+        dtype=dtype,
+        device=ctx.device,
+    )
     if model is None:
         model = build(tp=tensor_parallel(config, ctx.comm, ctx.tp_group, ctx.tp_rank))
     tp = model.tp
@@ -267,8 +291,17 @@ def compare_tp(config: Config, ctx: ParallelContext, model: Llama | None = None,
     mode = "REDUCE_SCATTER" if tp.sequence_parallel else "ALL_REDUCE"
     rounding = DEFAULT_TOLERANCE[config.model.dtype]
     first = _first_divergence(list(rows.values()), mine, param_rel, tolerance, rounding, mode)
-    return TPReport(tp.size, mode, config.model.dtype, tolerance, tuple(ids.shape), ref.loss.item(),
-                    ours.loss.item(), list(rows.values()), first)
+    return TPReport(
+        tp.size,
+        mode,
+        config.model.dtype,
+        tolerance,
+        tuple(ids.shape),
+        ref.loss.item(),
+        ours.loss.item(),
+        list(rows.values()),
+        first,
+    )
 
 
 def _module_diff(name: str, mine: _Recorder, theirs: _Recorder, tp: TensorParallel) -> ModuleDiff:
@@ -284,7 +317,9 @@ def _module_diff(name: str, mine: _Recorder, theirs: _Recorder, tp: TensorParall
     if name not in mine.grad_outputs and name not in theirs.grad_outputs:
         return row  # no gradient reached it in either model
     ref_grad = theirs.grad_outputs.get(name)
-    row.grad_output_rel = _difference(_gather(mine.grad_outputs.get(name), dim, ref_grad, tp, parts), ref_grad)[1]
+    row.grad_output_rel = _difference(
+        _gather(mine.grad_outputs.get(name), dim, ref_grad, tp, parts), ref_grad
+    )[1]
     ref_grad, tp_grad = theirs.grad_inputs.get(name), mine.grad_inputs.get(name)
     if ref_grad is not None or tp_grad is not None:
         tp_grad = _gather(tp_grad, _inferred_split(tp_grad, ref_grad), ref_grad, tp)
@@ -292,17 +327,25 @@ def _module_diff(name: str, mine: _Recorder, theirs: _Recorder, tp: TensorParall
     return row
 
 
-def _first_divergence(rows: list[ModuleDiff], recorder: _Recorder, param_rel: dict[str, float], tol: float,
-                      rounding: float, mode: str) -> Divergence | None:
+def _first_divergence(
+    rows: list[ModuleDiff],
+    recorder: _Recorder,
+    param_rel: dict[str, float],
+    tol: float,
+    rounding: float,
+    mode: str,
+) -> Divergence | None:
     by_name = {row.name: row for row in rows}
 
     def found(name: str, where: str, rel: float, parameter: str | None = None) -> Divergence:
         kind = by_name[name].kind if name in by_name else "parameter"
         explanation = _explain(name, kind, where, rel, tol, recorder, mode, parameter)
         if rel <= rounding:  # a tolerance tighter than the dtype's rounding flags summation order
-            explanation += (f"\nA difference of {rel:.1e} is within this dtype's usual rounding "
-                            f"({rounding:.0e}): tp sums in a different order, so this alone is not a bug; "
-                            "the default --tolerance allows for it.")
+            explanation += (
+                f"\nA difference of {rel:.1e} is within this dtype's usual rounding "
+                f"({rounding:.0e}): tp sums in a different order, so this alone is not a bug; "
+                "the default --tolerance allows for it."
+            )
         return Divergence(name, kind, where, rel, explanation)
 
     for row in rows:
@@ -324,32 +367,33 @@ def _first_divergence(rows: list[ModuleDiff], recorder: _Recorder, param_rel: di
 # What a difference first seen at a module of this kind usually means.
 _OUTPUT_ADVICE = {
     "ColumnParallelLinear": "this rank's weight rows are not the rows the reference computes with (a "
-                            "wrong shard of a fused qkv / gate-up weight), or under REDUCE_SCATTER the "
-                            "all-gather of the sequence before the layer",
+    "wrong shard of a fused qkv / gate-up weight), or under REDUCE_SCATTER the "
+    "all-gather of the sequence before the layer",
     "RowParallelLinear": "the partial sums are not combined over tp: the all-reduce (ALL_REDUCE) or "
-                         "reduce-scatter (REDUCE_SCATTER) after the layer is missing, or its weight columns "
-                         "do not line up with the preceding column-parallel layer's rows",
+    "reduce-scatter (REDUCE_SCATTER) after the layer is missing, or its weight columns "
+    "do not line up with the preceding column-parallel layer's rows",
     "VocabParallelEmbedding": "this rank's vocabulary range or out-of-range mask, or the all-reduce "
-                              "(ALL_REDUCE) / reduce-scatter (REDUCE_SCATTER) of the partial lookups",
+    "(ALL_REDUCE) / reduce-scatter (REDUCE_SCATTER) of the partial lookups",
     "RMSNorm": "a replicated layer: its weight must be identical on every tp rank, and under REDUCE_SCATTER "
-               "it normalises this rank's sequence shard",
+    "it normalises this rank's sequence shard",
     "loss": "the vocab-parallel cross-entropy: its max / sum-of-exponentials / target-logit all-reduces over "
-            "tp, or the padded vocabulary columns not masked out",
+    "tp, or the padded vocabulary columns not masked out",
 }
 _BETWEEN_ADVICE = {
     "Attention": "the attention core between qkv_proj and o_proj: how each rank's rows of the fused qkv are "
-                 "viewed as query/key/value heads (every rank must hold whole GQA groups: "
-                 "num_attention_heads and num_key_value_heads divisible by tp, T2), or the rotary embedding",
-    "MLP": "the gate/up split between gate_up_proj and down_proj (each rank's gate_up_proj output is [its gate "
-           "features | its up features], matching the columns of down_proj it holds)",
+    "viewed as query/key/value heads (every rank must hold whole GQA groups: "
+    "num_attention_heads and num_key_value_heads divisible by tp, T2), or the rotary embedding",
+    "MLP": "the gate/up split between gate_up_proj and down_proj (each rank's gate_up_proj output is [its "
+    "gate "
+    "features | its up features], matching the columns of down_proj it holds)",
 }
 _INPUT_GRADIENT_ADVICE = {
     "ColumnParallelLinear": "the gradient of its input is not summed over tp in backward: the all-reduce of "
-                            "copy_to_tp (ALL_REDUCE) or the reduce-scatter that undoes the sequence "
-                            "all-gather (REDUCE_SCATTER) is missing before this layer",
+    "copy_to_tp (ALL_REDUCE) or the reduce-scatter that undoes the sequence "
+    "all-gather (REDUCE_SCATTER) is missing before this layer",
     "RowParallelLinear": "the backward of the reduction after it: identity under ALL_REDUCE (another "
-                         "all-reduce there counts the gradient tp times), an all-gather of the sequence "
-                         "under REDUCE_SCATTER",
+    "all-reduce there counts the gradient tp times), an all-gather of the sequence "
+    "under REDUCE_SCATTER",
 }
 
 
@@ -380,9 +424,11 @@ def _crash_message(error: RuntimeError, mine: _Recorder, theirs: _Recorder, tp: 
         if got != expected:
             kind = type(module).__name__
             usual = _OUTPUT_ADVICE.get(kind, f"the code of {name} after its last submodule")
-            return (f"{message}\nFirst wrong shape: {name} ({kind}) returned {got}, but with "
-                    f"output_split_dim={module.output_split_dim} at tp={tp.size} it must return {expected} "
-                    f"(tp=1: {tuple(ref_out.shape)}).\nUsually: {usual}.")
+            return (
+                f"{message}\nFirst wrong shape: {name} ({kind}) returned {got}, but with "
+                f"output_split_dim={module.output_split_dim} at tp={tp.size} it must return {expected} "
+                f"(tp=1: {tuple(ref_out.shape)}).\nUsually: {usual}."
+            )
     return f"{message}\nEvery module that finished returned the shape its output_split_dim promises."
 
 
@@ -396,38 +442,64 @@ def _parent(name: str, recorder: _Recorder) -> tuple[str, str]:
     return "the model", "Llama"
 
 
-def _explain(name: str, kind: str, where: str, rel: float, tol: float, recorder: _Recorder, mode: str,
-             parameter: str | None) -> str:
+def _explain(
+    name: str,
+    kind: str,
+    where: str,
+    rel: float,
+    tol: float,
+    recorder: _Recorder,
+    mode: str,
+    parameter: str | None,
+) -> str:
     size = f"{rel:.1e} relative (tolerance {tol:.0e})"
     parent, parent_kind = _parent(name, recorder)
     if where == "output":
         what = f"its output differs from tp=1 by {size}, while its input and every module before it matched"
         usual = _OUTPUT_ADVICE.get(kind, f"the code of {name} after its last submodule")
     elif where == "input":
-        what = (f"its output differs by {size}, and so does its input, although every module before it "
-                f"matched: the code in {parent} that computes this input is wrong")
-        usual = _BETWEEN_ADVICE.get(parent_kind, f"the code of {parent} before {name} (a residual add, or a "
-                                                 "sequence layout that does not match the tp_mode)")
+        what = (
+            f"its output differs by {size}, and so does its input, although every module before it "
+            f"matched: the code in {parent} that computes this input is wrong"
+        )
+        usual = _BETWEEN_ADVICE.get(
+            parent_kind,
+            f"the code of {parent} before {name} (a residual add, or a "
+            "sequence layout that does not match the tp_mode)",
+        )
     elif where == "output gradient":
-        what = (f"every output matched, but the gradient arriving at its output differs by {size} while "
-                "every module after it matched: the backward of the code that consumes its output is wrong")
-        usual = ("the model's own code after it (Llama.head_logits / run_stage): the tied output head, or the "
-                 "backward of the vocab-parallel cross-entropy" if parent == "the model"
-                 else f"the code of {parent} after {name}")
+        what = (
+            f"every output matched, but the gradient arriving at its output differs by {size} while "
+            "every module after it matched: the backward of the code that consumes its output is wrong"
+        )
+        usual = (
+            "the model's own code after it (Llama.head_logits / run_stage): the tied output head, or the "
+            "backward of the vocab-parallel cross-entropy"
+            if parent == "the model"
+            else f"the code of {parent} after {name}"
+        )
     elif where == "input gradient":
-        what = (f"every output matched and the gradient arriving at its output too, but the gradient it "
-                f"hands back for its input differs by {size}: its own backward is wrong")
-        usual = _INPUT_GRADIENT_ADVICE.get(kind, "a collective in its backward that does not mirror its "
-                                                 "forward")
+        what = (
+            f"every output matched and the gradient arriving at its output too, but the gradient it "
+            f"hands back for its input differs by {size}: its own backward is wrong"
+        )
+        usual = _INPUT_GRADIENT_ADVICE.get(
+            kind, "a collective in its backward that does not mirror its forward"
+        )
     else:
-        what = (f"every output and activation gradient matched, but the gradient of {parameter} differs by "
-                f"{size}")
-        usual = ("its backward's weight gradient, or a hook or scaling applied to this parameter's gradient; "
-                 "for a replicated weight under REDUCE_SCATTER the sum over tp")
+        what = (
+            f"every output and activation gradient matched, but the gradient of {parameter} differs by {size}"
+        )
+        usual = (
+            "its backward's weight gradient, or a hook or scaling applied to this parameter's gradient; "
+            "for a replicated weight under REDUCE_SCATTER the sum over tp"
+        )
     other = "REDUCE_SCATTER" if mode == "ALL_REDUCE" else "ALL_REDUCE"
-    return (f"{what}.\nUsually: {usual}.\nThis ran with parallelism.tp_mode={mode} (the two modes lay "
-            f"activations out differently); add parallelism.tp_mode={other} to see whether the other mode is "
-            "affected too.")
+    return (
+        f"{what}.\nUsually: {usual}.\nThis ran with parallelism.tp_mode={mode} (the two modes lay "
+        f"activations out differently); add parallelism.tp_mode={other} to see whether the other mode is "
+        "affected too."
+    )
 
 
 def _number(value: float | None) -> str:
@@ -437,9 +509,11 @@ def _number(value: float | None) -> str:
 def format_report(report: TPReport) -> str:
     """A table of per-module differences and a verdict naming the first divergence and its usual cause."""
     b, s = report.batch_shape
-    header = (f"check-tp: tp={report.tp} (tp_mode={report.tp_mode}) against tp=1, {report.dtype}, one "
-              f"micro-batch of {b} x {s} tokens\ndifferences are max |tp - ref| (abs) and that over "
-              f"max |ref| (rel); tolerance {report.tolerance:.0e} rel")
+    header = (
+        f"check-tp: tp={report.tp} (tp_mode={report.tp_mode}) against tp=1, {report.dtype}, one "
+        f"micro-batch of {b} x {s} tokens\ndifferences are max |tp - ref| (abs) and that over "
+        f"max |ref| (rel); tolerance {report.tolerance:.0e} rel"
+    )
     columns = ("output abs", "output rel", "grad out rel", "grad in rel", "weight grad rel")
     width = max(len(row.name) for row in report.rows)
 
@@ -449,8 +523,13 @@ def format_report(report: TPReport) -> str:
 
     lines = [header, "", line("module", columns, "status")]
     for row in report.rows:
-        values = (row.output_abs, row.output_rel, row.grad_output_rel, row.grad_input_rel,
-                  row.weight_grad_rel)
+        values = (
+            row.output_abs,
+            row.output_rel,
+            row.grad_output_rel,
+            row.grad_input_rel,
+            row.weight_grad_rel,
+        )
         if row.output_rel > report.tolerance:
             status = "DIVERGES (output)"
         else:  # before the first divergence too: a wrong forward later sends wrong gradients back
@@ -462,20 +541,28 @@ def format_report(report: TPReport) -> str:
     lines.append(f"loss: tp=1 {report.reference_loss:.6f}, tp={report.tp} {report.loss:.6f}")
     first = report.first
     if first is None:
-        lines.append(f"tp={report.tp} matches tp=1 within tolerance {report.tolerance:.0e} "
-                     f"(tp_mode={report.tp_mode}, {report.dtype}).")
+        lines.append(
+            f"tp={report.tp} matches tp=1 within tolerance {report.tolerance:.0e} "
+            f"(tp_mode={report.tp_mode}, {report.dtype})."
+        )
     else:
         lines.append(f"FIRST DIVERGENCE: {first.module} ({first.kind}), {first.where}: {first.explanation}")
     return "\n".join(lines)
 
 
 def _working_tps(config: Config) -> list[int]:
-    return [tp for tp in (2, 4, 8)
-            if not rule_problems(with_changes(config, {"parallelism.tp": tp, "parallelism.dp": 1, "parallelism.pp": 1}))]
+    return [
+        tp
+        for tp in (2, 4, 8)
+        if not rule_problems(
+            with_changes(config, {"parallelism.tp": tp, "parallelism.dp": 1, "parallelism.pp": 1})
+        )
+    ]
 
 
-def run_check_tp(config_path: str, overrides: Sequence[str] = (), tp: int | None = None,
-                 tolerance: float | None = None) -> int:
+def run_check_tp(
+    config_path: str, overrides: Sequence[str] = (), tp: int | None = None, tolerance: float | None = None
+) -> int:
     """`femtotron check-tp CONFIG [--tp N] [overrides]`; returns the exit code.
 
     Without a launcher it starts tp local processes running the same command; in a rank it compares
@@ -488,16 +575,26 @@ def run_check_tp(config_path: str, overrides: Sequence[str] = (), tp: int | None
     if tp < 2:
         config = load_config(config_path, overrides)
         fits = ", ".join(map(str, _working_tps(config))) or "none up to 8 for this model"
-        raise ConfigError(f"check-tp compares a tensor-parallel run against tp=1, but parallelism.tp={tp} "
-                          f"and no --tp greater than 1 was given. Fix: pass --tp N, e.g. one of: {fits}.")
+        raise ConfigError(
+            f"check-tp compares a tensor-parallel run against tp=1, but parallelism.tp={tp} "
+            f"and no --tp greater than 1 was given. Fix: pass --tp N, e.g. one of: {fits}."
+        )
     if tolerance is not None and not tolerance > 0:
-        raise ConfigError(f"--tolerance {tolerance}: must be a positive relative difference, e.g. 1e-4 for "
-                          "float32 or 3e-2 for bfloat16 (the defaults).")
+        raise ConfigError(
+            f"--tolerance {tolerance}: must be a positive relative difference, e.g. 1e-4 for "
+            "float32 or 3e-2 for bfloat16 (the defaults)."
+        )
     # Later overrides win, so these pin the layout whatever the config or the user's overrides say.
     layout = [f"parallelism.tp={tp}", "parallelism.dp=1", "parallelism.pp=1"]
-    config = load_config(config_path, [*overrides, *layout], sources={
-        layout[0]: f"--tp {tp}", layout[1]: "check-tp's one model replica (dp=1)",
-        layout[2]: "check-tp's one model replica (pp=1)"})
+    config = load_config(
+        config_path,
+        [*overrides, *layout],
+        sources={
+            layout[0]: f"--tp {tp}",
+            layout[1]: "check-tp's one model replica (dp=1)",
+            layout[2]: "check-tp's one model replica (pp=1)",
+        },
+    )
     _dtype(config)
     if not launched_by_torchrun():
         # Data problems too are reported once, here, rather than by every rank.
@@ -509,9 +606,11 @@ def run_check_tp(config_path: str, overrides: Sequence[str] = (), tp: int | None
         return launch_local(tp, argv, what=f"check-tp at tp={tp}")
     world = int(os.environ["WORLD_SIZE"])
     if world != tp:
-        raise ConfigError(f"check-tp --tp {tp} runs as {tp} processes (dp=pp=1), but WORLD_SIZE={world} were "
-                          f"launched. Fix: launch {tp} processes (torchrun --nproc-per-node {tp}), run it "
-                          f"without a launcher (it starts them itself), or pass --tp {world}.")
+        raise ConfigError(
+            f"check-tp --tp {tp} runs as {tp} processes (dp=pp=1), but WORLD_SIZE={world} were "
+            f"launched. Fix: launch {tp} processes (torchrun --nproc-per-node {tp}), run it "
+            f"without a launcher (it starts them itself), or pass --tp {world}."
+        )
     with ParallelContext.from_config(config) as ctx:
         report = compare_tp(config, ctx, tolerance=tolerance)
     if ctx.rank == 0:

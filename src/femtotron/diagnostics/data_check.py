@@ -17,32 +17,43 @@ SCANNED_TOKENS = 1 << 24  # per dataset at start: ~30 ms; later tokens are check
 
 
 def check_token_range(nanoset: Nanoset, vocab_size: int, key: str = "data.dataset_folder") -> None:
-    """Token ids must be < vocab_size: the start of every dataset file is scanned before the model is built."""
+    """Token ids must be < vocab_size: the start of every dataset file is scanned before the model is
+    built."""
     for dataset in nanoset.datasets:
         head = dataset.tokens(0, min(dataset.num_tokens, SCANNED_TOKENS))
         largest = int(head.max()) if head.size else 0
         if largest >= vocab_size:
             position, count = int(np.argmax(head == largest)), int((head >= vocab_size).sum())
             raise DataError(
-                f"{dataset.path_prefix}.bin ({key}) holds token id {largest} (at token {position:,}; {count:,} of the "
-                f"first {head.size:,} tokens are out of range), but model.model_config.vocab_size={vocab_size} allows "
+                f"{dataset.path_prefix}.bin ({key}) holds token id {largest} (at token {position:,}; "
+                f"{count:,} of the "
+                f"first {head.size:,} tokens are out of range), but "
+                f"model.model_config.vocab_size={vocab_size} allows "
                 f"ids 0..{vocab_size - 1}: it was tokenized with a larger vocabulary. Set model.model_config."
-                f"vocab_size >= {largest + 1}, or re-run `femtotron preprocess` with the tokenizer this model is meant "
-                "for.")
+                f"vocab_size >= {largest + 1}, or re-run `femtotron preprocess` with the tokenizer this "
+                f"model is meant "
+                "for."
+            )
 
 
-def check_batch_token_ids(micro_batches: list[MicroBatch], vocab_size: int, comm: Comm, dp_group: Group,
-                          step: int) -> None:
+def check_batch_token_ids(
+    micro_batches: list[MicroBatch], vocab_size: int, comm: Comm, dp_group: Group, step: int
+) -> None:
     """An id >= vocab_size would crash the embedding (on GPU as an opaque device assert). The largest id is
     agreed over dp, so every rank stops here together instead of one leaving the others waiting."""
-    largest_id = torch.tensor(float(max(int(mb.inputs.max()) for mb in micro_batches)), device=micro_batches[0].inputs.device)
+    largest_id = torch.tensor(
+        float(max(int(mb.inputs.max()) for mb in micro_batches)), device=micro_batches[0].inputs.device
+    )
     largest = int(comm.all_reduce(largest_id, dp_group, op="max").item())
     if largest >= vocab_size:
         raise DataError(
-            f"step {step}: the training data holds token id {largest}, but model.model_config.vocab_size={vocab_size} "
-            f"allows ids 0..{vocab_size - 1}. The data was tokenized with a larger vocabulary than the model's: set "
+            f"step {step}: the training data holds token id {largest}, but "
+            f"model.model_config.vocab_size={vocab_size} "
+            f"allows ids 0..{vocab_size - 1}. The data was tokenized with a larger vocabulary than the "
+            f"model's: set "
             f"model.model_config.vocab_size >= {largest + 1} (a multiple of 64 or 128 is fastest), or re-run "
-            "`femtotron preprocess` with the tokenizer this model is meant for.")
+            "`femtotron preprocess` with the tokenizer this model is meant for."
+        )
 
 
 def first_loss_warning(loss: float, vocab_size: int) -> str | None:
@@ -50,12 +61,18 @@ def first_loss_warning(loss: float, vocab_size: int) -> str | None:
     expected = math.log(vocab_size)
     if abs(loss - expected) <= max(1.0, 0.25 * expected):
         return None
-    why = ("far below: the targets are too easy to predict (repeated or constant data, or inputs leaking into "
-           "the targets)" if loss < expected else
-           "far above: the initialisation is too large (model.init_method.std, usually 0.02) or the logits are "
-           "scaled wrongly")
-    return (f"step 1: loss {loss:.3f}, but a freshly initialised model should start near ln(vocab_size) = "
-            f"ln({vocab_size}) = {expected:.3f}; {why}. Look at the data with `femtotron inspect-data CONFIG`.")
+    why = (
+        "far below: the targets are too easy to predict (repeated or constant data, or inputs leaking into "
+        "the targets)"
+        if loss < expected
+        else "far above: the initialisation is too large (model.init_method.std, usually 0.02) or the logits "
+        "are "
+        "scaled wrongly"
+    )
+    return (
+        f"step 1: loss {loss:.3f}, but a freshly initialised model should start near ln(vocab_size) = "
+        f"ln({vocab_size}) = {expected:.3f}; {why}. Look at the data with `femtotron inspect-data CONFIG`."
+    )
 
 
 def inspect_samples(nanoset: Nanoset, tokenizer: Tokenizer | None, sequence_length: int, n: int) -> str:
@@ -68,9 +85,11 @@ def inspect_samples(nanoset: Nanoset, tokenizer: Tokenizer | None, sequence_leng
         dataset, index = nanoset.locate(g)
         sample = inputs[:1] + targets
         counted = sum(t != IGNORE_INDEX for t in targets)
-        lines.append(f"sample {g}: {nanoset.datasets[dataset].path_prefix}, sample {index} of that dataset, "
-                     f"{sequence_length} input tokens; {counted} of {len(targets)} target positions count in the "
-                     "loss" + ("" if counted == len(targets) else " (masked positions shown as [masked])"))
+        lines.append(
+            f"sample {g}: {nanoset.datasets[dataset].path_prefix}, sample {index} of that dataset, "
+            f"{sequence_length} input tokens; {counted} of {len(targets)} target positions count in the "
+            "loss" + ("" if counted == len(targets) else " (masked positions shown as [masked])")
+        )
         lines.append(f"  token ids: {sample[:16]}{' ...' if len(sample) > 16 else ''}")
         if tokenizer is not None:
             pieces = [tokenizer.decode([t]) if t != IGNORE_INDEX else "[masked]" for t in sample]

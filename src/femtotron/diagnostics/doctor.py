@@ -15,25 +15,39 @@ from femtotron.parallel.pipeline.partition import imbalance_warning, partition, 
 
 
 def worst_stage(config: Config, on_cpu: bool) -> RankEstimate:
-    return max((estimate_rank(config, p, on_cpu) for p in range(config.parallelism.pp)), key=lambda e: e.total)
+    return max(
+        (estimate_rank(config, p, on_cpu) for p in range(config.parallelism.pp)), key=lambda e: e.total
+    )
 
 
 def fixes(config: Config, budget: float, on_cpu: bool) -> list[str]:
-    """The guide's other knobs against OOM (ZeRO-1 and recomputation are in `variants`), each tried on its own,
-    with the largest rank's estimate it gives."""
+    """The guide's other knobs against OOM (ZeRO-1 and recomputation are in `variants`), each tried on its
+    own, with the largest rank's estimate it gives."""
     tokens, par = config.tokens, config.parallelism
     candidates: list[tuple[str, Config]] = []
     if tokens.micro_batch_size > 1:
         half, twice = tokens.micro_batch_size // 2, tokens.batch_accumulation_per_replica * 2
-        candidates.append((f"tokens.micro_batch_size={half} (and batch_accumulation_per_replica={twice} to keep the "
-                           "batch)", with_changes(config, {"tokens.micro_batch_size": half,
-                                                            "tokens.batch_accumulation_per_replica": twice})))
-    candidates.append((f"tokens.sequence_length={tokens.sequence_length // 2}",
-                       with_changes(config, {"tokens.sequence_length": tokens.sequence_length // 2})))
+        candidates.append(
+            (
+                f"tokens.micro_batch_size={half} (and batch_accumulation_per_replica={twice} to keep the "
+                "batch)",
+                with_changes(
+                    config, {"tokens.micro_batch_size": half, "tokens.batch_accumulation_per_replica": twice}
+                ),
+            )
+        )
+    candidates.append(
+        (
+            f"tokens.sequence_length={tokens.sequence_length // 2}",
+            with_changes(config, {"tokens.sequence_length": tokens.sequence_length // 2}),
+        )
+    )
     for key in ("tp", "pp"):
         bigger = with_changes(config, {f"parallelism.{key}": getattr(par, key) * 2})
         if not rule_problems(bigger):
-            candidates.append((f"parallelism.{key}={getattr(par, key) * 2} (twice the processes, or dp halved)", bigger))
+            candidates.append(
+                (f"parallelism.{key}={getattr(par, key) * 2} (twice the processes, or dp halved)", bigger)
+            )
     lines = []
     for label, changed in candidates:
         total = worst_stage(changed, on_cpu).total
@@ -45,11 +59,17 @@ def fixes(config: Config, budget: float, on_cpu: bool) -> list[str]:
 def variants(config: Config, budget: float | None, on_cpu: bool) -> list[str]:
     """The same layout with ZeRO-1 and recomputation switched the other way, whether or not it fits."""
     par = config.parallelism
-    toggles = [(f"parallelism.recompute_layer={str(not par.recompute_layer).lower()}",
-                with_changes(config, {"parallelism.recompute_layer": not par.recompute_layer}))]
+    toggles = [
+        (
+            f"parallelism.recompute_layer={str(not par.recompute_layer).lower()}",
+            with_changes(config, {"parallelism.recompute_layer": not par.recompute_layer}),
+        )
+    ]
     if par.dp > 1:
         other = 1 - config.optimizer.zero_stage
-        toggles.insert(0, (f"optimizer.zero_stage={other}", with_changes(config, {"optimizer.zero_stage": other})))
+        toggles.insert(
+            0, (f"optimizer.zero_stage={other}", with_changes(config, {"optimizer.zero_stage": other}))
+        )
     lines = []
     for label, changed in toggles:
         total = worst_stage(changed, on_cpu).total
@@ -71,7 +91,9 @@ def communication(config: Config, state: dict[str, int], device: str | None, gpu
         share = (par.dp - 1) / par.dp
         if config.optimizer.zero_stage == 1:
             gathered = state["params"]
-            lines.append(f"  dp: reduce-scatter {human(share * grads)} + all-gather {human(share * gathered)} per step")
+            lines.append(
+                f"  dp: reduce-scatter {human(share * grads)} + all-gather {human(share * gathered)} per step"
+            )
         else:
             lines.append(f"  dp: all-reduce {human(2 * share * grads)} per step")
     if par.tp > 1:
@@ -86,13 +108,20 @@ def communication(config: Config, state: dict[str, int], device: str | None, gpu
             link = "inside a node: NVLink or PCIe" if device is None else "inside a node: NVLink"
         lines.append(f"  tp: {human(volume)} per step ({par.tp_mode}; {link})")
     if par.pp > 1:
-        lines.append(f"  pp: {human(2 * micro * activation / (par.tp if par.tp_mode == 'REDUCE_SCATTER' else 1))} "
-                     "per step and stage boundary (activations forward, gradients back)")
+        lines.append(
+            f"  pp: {human(2 * micro * activation / (par.tp if par.tp_mode == 'REDUCE_SCATTER' else 1))} "
+            "per step and stage boundary (activations forward, gradients back)"
+        )
     return lines or ["  none (one process)"]
 
 
-def diagnose(config: Config, world_size: int | None, device: str | None, device_memory: float | None,
-             gpus_per_node: int) -> tuple[str, bool]:
+def diagnose(
+    config: Config,
+    world_size: int | None,
+    device: str | None,
+    device_memory: float | None,
+    gpus_per_node: int,
+) -> tuple[str, bool]:
     """The report, and whether everything fits."""
     par = config.parallelism
     world = par.dp * par.tp * par.pp
@@ -103,12 +132,16 @@ def diagnose(config: Config, world_size: int | None, device: str | None, device_
     lines = [f"config: every rule holds; layout dp={par.dp} tp={par.tp} pp={par.pp} = {world} process(es)"]
     lines += [f"warning: {w}" for w in config_warnings(config)]
     if par.tp > gpus_per_node:
-        lines.append(f"warning: tp={par.tp} > {gpus_per_node} GPUs per node: every layer's tp collectives cross the "
-                     "network between nodes (T3). Keep tp <= GPUs per node; use dp or pp across nodes.")
+        lines.append(
+            f"warning: tp={par.tp} > {gpus_per_node} GPUs per node: every layer's tp collectives cross the "
+            "network between nodes (T3). Keep tp <= GPUs per node; use dp or pp across nodes."
+        )
     if par.pp > 1:
         bubble = pipeline_bubble(par.pp, config.tokens.batch_accumulation_per_replica, par.pp_virtual_stages)
         lines.append(f"pipeline: {par.pp_engine}, each stage idles {bubble:.0%} of a step in theory (P2)")
-        stages = partition(config.model.model_config_, config.tokens.sequence_length, par.pp * par.pp_virtual_stages)
+        stages = partition(
+            config.model.model_config_, config.tokens.sequence_length, par.pp * par.pp_virtual_stages
+        )
         lines.append(stage_map(stages, par.pp))
         imbalance = imbalance_warning(config, stages)
         if imbalance:
@@ -121,19 +154,31 @@ def diagnose(config: Config, world_size: int | None, device: str | None, device_
     lines.append(f"memory per rank (estimate; device: {where}):")
     for e in estimates:
         state = " + ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in e.state.items())
-        lines.append(f"  pp rank {e.pp_rank}: {human(e.total)} = {state} + activations: a micro-batch keeps "
-                     f"{human(max(e.saved_per_micro_batch))} for its backward and peaks at {human(e.micro_batch_peak)}, "
-                     f"{e.micro_batches_held} held at most (+{human(e.waiting)})")
+        lines.append(
+            f"  pp rank {e.pp_rank}: {human(e.total)} = {state} + activations: a micro-batch keeps "
+            f"{human(max(e.saved_per_micro_batch))} for its backward and peaks at "
+            f"{human(e.micro_batch_peak)}, "
+            f"{e.micro_batches_held} held at most (+{human(e.waiting)})"
+        )
     worst = max(estimates, key=lambda e: e.total)
     lines += variants(config, budget, on_cpu)
     fits = budget is None or worst.total <= budget
     if budget is not None:
         if fits:
-            lines.append(f"fits: the largest rank needs {human(worst.total)} of {budget / GIB:.1f} GiB "
-                         f"({worst.total / budget:.0%})" + ("; within 2 GiB of the device: NCCL buffers and the "
-                         "allocator's slack (not in the estimate) may not fit" if budget - worst.total < 2 * GIB else ""))
+            lines.append(
+                f"fits: the largest rank needs {human(worst.total)} of {budget / GIB:.1f} GiB "
+                f"({worst.total / budget:.0%})"
+                + (
+                    "; within 2 GiB of the device: NCCL buffers and the "
+                    "allocator's slack (not in the estimate) may not fit"
+                    if budget - worst.total < 2 * GIB
+                    else ""
+                )
+            )
         else:
-            lines.append(f"does NOT fit (M1): pp rank {worst.pp_rank} needs {human(worst.total)}, the device has "
-                         f"{budget / GIB:.1f} GiB. More fixes, each on its own (ZeRO-1 and recomputation: above):")
+            lines.append(
+                f"does NOT fit (M1): pp rank {worst.pp_rank} needs {human(worst.total)}, the device has "
+                f"{budget / GIB:.1f} GiB. More fixes, each on its own (ZeRO-1 and recomputation: above):"
+            )
             lines += fixes(config, budget, on_cpu)
     return "\n".join(lines), fits

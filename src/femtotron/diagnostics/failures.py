@@ -19,54 +19,95 @@ def number(value: float) -> str:
     return f"{value:.4f}" if math.isfinite(value) else str(value)
 
 
-def diverged(config: Config, step: int, loss: float, grad_norm: float, where: str,
-             recent: Iterable[tuple[int, float, float]]) -> TrainingDiverged:
-    what = (f"loss {number(loss)} is not finite (grad norm {number(grad_norm)})" if not math.isfinite(loss) else
-            f"grad norm {number(grad_norm)} is not finite (loss {number(loss)})")
+def diverged(
+    config: Config,
+    step: int,
+    loss: float,
+    grad_norm: float,
+    where: str,
+    recent: Iterable[tuple[int, float, float]],
+) -> TrainingDiverged:
+    what = (
+        f"loss {number(loss)} is not finite (grad norm {number(grad_norm)})"
+        if not math.isfinite(loss)
+        else f"grad norm {number(grad_norm)} is not finite (loss {number(loss)})"
+    )
     history = ", ".join(f"step {s}: lr {lr:.2e} grad_norm {g:.3g}" for s, lr, g in recent) or "none"
-    dtype = {"bfloat16": "keep model.dtype=bfloat16 (float16 overflows far sooner); ",
-             "float16": "use model.dtype=bfloat16 (float32's range, no overflow at 65504); ", "float32": ""}
+    dtype = {
+        "bfloat16": "keep model.dtype=bfloat16 (float16 overflows far sooner); ",
+        "float16": "use model.dtype=bfloat16 (float32's range, no overflow at 65504); ",
+        "float32": "",
+    }
     return TrainingDiverged(
         f"step {step}: {what}; the optimizer step was skipped and training stopped.\nWhere: {where}.\n"
-        f"Recent steps: {history}\nFixes: lower optimizer.learning_rate_scheduler.learning_rate (e.g. by 3x), keep "
-        f"optimizer.clip_grad at 1.0, {dtype[config.model.dtype]}model.init_method.std=0.02; if it starts at the "
+        f"Recent steps: {history}\nFixes: lower optimizer.learning_rate_scheduler.learning_rate (e.g. by "
+        f"3x), keep "
+        f"optimizer.clip_grad at 1.0, {dtype[config.model.dtype]}model.init_method.std=0.02; if it starts at "
+        f"the "
         "embedding or the first layer, look at the data (`femtotron inspect-data CONFIG`). "
-        "optimizer.on_non_finite=skip drops such steps instead of stopping.")
+        "optimizer.on_non_finite=skip drops such steps instead of stopping."
+    )
 
 
 def non_finite_skipped(step: int, loss: float, grad_norm: float, where: str, skipped: int) -> str:
-    return (f"step {step}: loss {number(loss)} / grad norm {number(grad_norm)} is not finite: {where}; step skipped "
-            f"(optimizer.on_non_finite=skip; {skipped} skipped so far)")
+    return (
+        f"step {step}: loss {number(loss)} / grad norm {number(grad_norm)} is not finite: {where}; step "
+        f"skipped "
+        f"(optimizer.on_non_finite=skip; {skipped} skipped so far)"
+    )
 
 
 def fp16_overflow_at_minimum(step: int, scaler: DynamicLossScaler, loss: float) -> TrainingDiverged:
     return TrainingDiverged(
         f"step {step}: fp16 gradients overflowed at loss scale {scaler.scale:g}, which is "
-        f"optimizer.loss_scale.min_scale={scaler.min_scale:g} ({scaler.skipped_steps} steps skipped so far): the loss "
-        f"({loss:.4f}) is finite, but the gradients do not fit fp16 even at the smallest allowed scale, so training "
+        f"optimizer.loss_scale.min_scale={scaler.min_scale:g} ({scaler.skipped_steps} steps skipped so far): "
+        f"the loss "
+        f"({loss:.4f}) is finite, but the gradients do not fit fp16 even at the smallest allowed scale, so "
+        f"training "
         "stopped.\nFixes: use model.dtype=bfloat16 (fp32's range), or float32; lower "
-        "optimizer.learning_rate_scheduler.learning_rate; keep optimizer.clip_grad at 1.0.")
+        "optimizer.learning_rate_scheduler.learning_rate; keep optimizer.clip_grad at 1.0."
+    )
 
 
-def out_of_memory(error: BaseException, config: Config, step: int, rank: int, dp: int, where: str,
-                  model_state: dict[str, int], device: torch.device) -> OutOfMemory:
+def out_of_memory(
+    error: BaseException,
+    config: Config,
+    step: int,
+    rank: int,
+    dp: int,
+    where: str,
+    model_state: dict[str, int],
+    device: torch.device,
+) -> OutOfMemory:
     """`where`: the pass, micro-batch and stage it ran out in; `model_state`: this rank's bytes by kind."""
     state = ", ".join(f"{key.replace('_', ' ')} {human(value)}" for key, value in model_state.items())
-    memory = ", ".join(f"{k.removeprefix('mem_').removesuffix('_gib')} {v:.2f} GiB"
-                       for k, v in memory_gib(device).items())
+    memory = ", ".join(
+        f"{k.removeprefix('mem_').removesuffix('_gib')} {v:.2f} GiB" for k, v in memory_gib(device).items()
+    )
     tokens, par = config.tokens, config.parallelism
-    fixes = [f"tokens.micro_batch_size={max(tokens.micro_batch_size // 2, 1)} (activations scale with it; raise "
-             "batch_accumulation_per_replica to keep the batch)" if tokens.micro_batch_size > 1 else
-             f"tokens.sequence_length={tokens.sequence_length // 2} (activations scale with it)"]
+    fixes = [
+        f"tokens.micro_batch_size={max(tokens.micro_batch_size // 2, 1)} (activations scale with it; raise "
+        "batch_accumulation_per_replica to keep the batch)"
+        if tokens.micro_batch_size > 1
+        else f"tokens.sequence_length={tokens.sequence_length // 2} (activations scale with it)"
+    ]
     if not par.recompute_layer:
         fixes.append("parallelism.recompute_layer=true (76-90% fewer saved activations, ~25% more compute)")
     if config.optimizer.zero_stage == 0 and dp > 1:
         fixes.append(f"optimizer.zero_stage=1 (master weights and Adam moments / dp={dp})")
     fixes.append(f"parallelism.tp={par.tp * 2} or parallelism.pp={par.pp * 2} (fewer parameters per rank)")
-    gap = "" if device.type != "cuda" else (
-        " A large gap between reserved and allocated is fragmentation: keep general.cuda_expandable_segments "
-        "on (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).")
+    gap = (
+        ""
+        if device.type != "cuda"
+        else (
+            " A large gap between reserved and allocated is fragmentation: keep "
+            "general.cuda_expandable_segments "
+            "on (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)."
+        )
+    )
     first_line = (str(error).splitlines() or [type(error).__name__])[0][:200]
     return OutOfMemory(
-        f"step {step}: out of memory on rank {rank} in {where} ({first_line}).\nThis rank's model state: {state}; "
-        f"memory now: {memory}.{gap}\nFixes, in the usual order: " + "; ".join(fixes) + ".")
+        f"step {step}: out of memory on rank {rank} in {where} ({first_line}).\nThis rank's model state: "
+        f"{state}; "
+        f"memory now: {memory}.{gap}\nFixes, in the usual order: " + "; ".join(fixes) + "."
+    )

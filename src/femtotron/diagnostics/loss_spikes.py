@@ -31,7 +31,9 @@ class LossSpikes:
             return None
         message = f"step {step}: loss spike, {loss:.4f} against a running median of {median:.4f}"
         if sum(self.recent) >= self.persistent:
-            return (f"{message}; {sum(self.recent)} of the last {len(self.recent)} steps spiked, so it is not "
-                    "recovering: lower optimizer.learning_rate_scheduler.learning_rate, keep optimizer.clip_grad "
-                    "at 1.0, and check the data around these steps (`femtotron inspect-data`)")
+            return (
+                f"{message}; {sum(self.recent)} of the last {len(self.recent)} steps spiked, so it is not "
+                "recovering: lower optimizer.learning_rate_scheduler.learning_rate, keep optimizer.clip_grad "
+                "at 1.0, and check the data around these steps (`femtotron inspect-data`)"
+            )
         return f"{message} (isolated spikes that recover are normal; it is logged, not acted on)"

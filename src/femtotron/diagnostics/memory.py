@@ -34,12 +34,20 @@ from femtotron.precision import ESTIMATING_FOR_THIS_CPU
 
 GIB = 2**30
 # Usable memory per device: what the driver reports, less what the CUDA context keeps (~0.5-1 GiB).
-DEVICES = {"H100": 79.1, "H200": 139.8, "A100-80GB": 79.1, "A100-40GB": 39.4, "L40S": 44.4, "V100-32GB": 31.7,
-           "CPU": None}
+DEVICES = {
+    "H100": 79.1,
+    "H200": 139.8,
+    "A100-80GB": 79.1,
+    "A100-40GB": 39.4,
+    "L40S": 44.4,
+    "V100-32GB": 31.7,
+    "CPU": None,
+}
 
 
 class LiveMemory(TorchDispatchMode):
-    """While active: bytes of tensor storage created by tensor ops and still alive (`live`), and their peak."""
+    """While active: bytes of tensor storage created by tensor ops and still alive (`live`), and their
+    peak."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -48,7 +56,9 @@ class LiveMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {
+            id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         for tensor in tree_flatten(out)[0]:
             if not isinstance(tensor, torch.Tensor):
                 continue
@@ -71,7 +81,9 @@ class LiveMemory(TorchDispatchMode):
 class RankEstimate:
     pp_rank: int
     state: dict[str, int]  # params, grads, master_weights, adam_moments
-    saved_per_micro_batch: list[int]  # per model chunk: the activations a micro-batch keeps until its backward
+    saved_per_micro_batch: list[
+        int
+    ]  # per model chunk: the activations a micro-batch keeps until its backward
     micro_batch_peak: int  # the most alive while one micro-batch runs forward and backward
     waiting: int  # the activations of the other micro-batches held meanwhile (1F1B: up to pp - pp_rank - 1)
     micro_batches_held: int
@@ -81,7 +93,9 @@ class RankEstimate:
         return sum(self.state.values()) + self.waiting + self.micro_batch_peak
 
 
-def schedule_peak(engine: str, pp: int, pp_rank: int, micro_batches: int, saved: list[int]) -> tuple[int, int]:
+def schedule_peak(
+    engine: str, pp: int, pp_rank: int, micro_batches: int, saved: list[int]
+) -> tuple[int, int]:
     """The most activation bytes this rank holds for micro-batches whose backward has not run, and the most
     micro-batches at once, walking its action list."""
     held: dict[tuple[int, int], int] = {}
@@ -114,14 +128,20 @@ def _estimate_rank(config: Config, pp_rank: int) -> RankEstimate:
     saved, peaks = [], []
     for chunk_index, chunk in enumerate(model.chunks):
         stage = chunk_index * par.pp + pp_rank
-        batch = MicroBatch.from_tokens(torch.zeros(tokens.micro_batch_size, tokens.sequence_length + 1,
-                                                   dtype=torch.int64, device=meta))
+        batch = MicroBatch.from_tokens(
+            torch.zeros(tokens.micro_batch_size, tokens.sequence_length + 1, dtype=torch.int64, device=meta)
+        )
         with LiveMemory() as memory:
             if stage == 0:
                 inputs = batch.inputs
             else:  # what the previous stage sends; received into a new buffer
-                inputs = torch.empty(tokens.micro_batch_size, sequence, config.model.model_config_.hidden_size,
-                                     dtype=DTYPES[config.model.dtype], device=meta).requires_grad_()
+                inputs = torch.empty(
+                    tokens.micro_batch_size,
+                    sequence,
+                    config.model.model_config_.hidden_size,
+                    dtype=DTYPES[config.model.dtype],
+                    device=meta,
+                ).requires_grad_()
             output = chunk.run_stage(inputs, batch.targets)
             saved.append(memory.live)
             if stage == par.pp * par.pp_virtual_stages - 1:
@@ -130,7 +150,9 @@ def _estimate_rank(config: Config, pp_rank: int) -> RankEstimate:
                 torch.autograd.backward(output, torch.empty_like(output))
             del inputs, output
         peaks.append(memory.peak)
-    held_bytes, held = schedule_peak(par.pp_engine, par.pp, pp_rank, tokens.batch_accumulation_per_replica, saved)
+    held_bytes, held = schedule_peak(
+        par.pp_engine, par.pp, pp_rank, tokens.batch_accumulation_per_replica, saved
+    )
     waiting = held_bytes - max(saved) if held > 1 else 0  # the others, while the largest one runs
     return RankEstimate(pp_rank, state, saved, max(peaks), waiting, held)
 
@@ -146,7 +168,8 @@ def device_budget(device: str | None, device_memory: float | None) -> tuple[str,
         return "no device given (--device or --device-memory)", None
     name = next((k for k in DEVICES if k.lower() == device.lower()), None)
     if name is None:
-        raise ValueError(f"unknown device {device!r}; known: {', '.join(DEVICES)}, or give --device-memory GIB")
+        raise ValueError(
+            f"unknown device {device!r}; known: {', '.join(DEVICES)}, or give --device-memory GIB"
+        )
     memory = DEVICES[name]
     return (f"{name} ({memory:g} GiB usable)" if memory else name), (memory * GIB if memory else None)
-

@@ -34,9 +34,15 @@ class NonFinite:
     def describe(self) -> str:
         where = f"micro-batch {self.micro_batch}, pipeline stage {self.stage}, rank {self.rank}"
         if self.phase == "forward":
-            return f"the forward output of {self.module} is the first non-finite value (its inputs were finite; {where})"
-        return (f"forward was finite; in backward the first non-finite gradient reached the output of {self.module} "
-                f"(so it arose in the module that consumes that output; {where})")
+            return (
+                f"the forward output of {self.module} is the first non-finite value (its inputs were "
+                f"finite; {where})"
+            )
+        return (
+            f"forward was finite; in backward the first non-finite gradient reached the output of "
+            f"{self.module} "
+            f"(so it arose in the module that consumes that output; {where})"
+        )
 
     def order(self) -> tuple:
         """Earlier in the data flow first: forward before backward; forward from the first stage on,
@@ -58,7 +64,9 @@ def _finite(tensors: list[torch.Tensor]) -> bool:
 
 
 @contextmanager
-def watch(chunks: list[nn.Module], where: Callable[[], tuple[int, int]], rank: int) -> Iterator[list[NonFinite]]:
+def watch(
+    chunks: list[nn.Module], where: Callable[[], tuple[int, int]], rank: int
+) -> Iterator[list[NonFinite]]:
     """Hooks on every module of `chunks` while the block runs; yields the findings (forward first, in
     time order). `where()` gives the (micro-batch, stage) being computed."""
     found: list[NonFinite] = []
@@ -68,6 +76,7 @@ def watch(chunks: list[nn.Module], where: Callable[[], tuple[int, int]], rank: i
         def hook(grad: torch.Tensor) -> None:
             if not backward and not _finite([grad]):
                 backward.append(NonFinite("backward", name, *where(), rank))
+
         return hook
 
     def on_forward(name: str) -> Callable[..., None]:
@@ -78,10 +87,15 @@ def watch(chunks: list[nn.Module], where: Callable[[], tuple[int, int]], rank: i
             for tensor in outputs:
                 if tensor.requires_grad:
                     tensor.register_hook(on_gradient(name))
+
         return hook
 
-    handles = [module.register_forward_hook(on_forward(name))
-               for chunk in chunks for name, module in chunk.named_modules() if name]
+    handles = [
+        module.register_forward_hook(on_forward(name))
+        for chunk in chunks
+        for name, module in chunk.named_modules()
+        if name
+    ]
     try:
         yield found
     finally:
@@ -90,8 +104,9 @@ def watch(chunks: list[nn.Module], where: Callable[[], tuple[int, int]], rank: i
         found.extend(backward)
 
 
-def earliest_over_ranks(store: Store, rank: int, world_size: int, mine: NonFinite | None,
-                        timeout: float) -> NonFinite | None:
+def earliest_over_ranks(
+    store: Store, rank: int, world_size: int, mine: NonFinite | None, timeout: float
+) -> NonFinite | None:
     """Every rank's finding to rank 0 through the store; rank 0 picks the earliest and every rank gets it."""
     key = store.fresh_key("nan")
     store.post(f"{key}/rank{rank}", json.dumps(asdict(mine) if mine else None))
@@ -105,11 +120,17 @@ def earliest_over_ranks(store: Store, rank: int, world_size: int, mine: NonFinit
     return NonFinite(**json.loads(verdict)) if json.loads(verdict) else None
 
 
-def locate(pipeline: Pipeline, inputs: tuple[list[MicroBatch], torch.Tensor], store: Store, rank: int,
-           world_size: int, timeout: float) -> NonFinite | None:
-    """Run a step's micro-batches (`inputs`, as `Pipeline.train_step` takes them) again, from the same weights,
-    with a hook on every module (every rank does, as it is a whole pipeline step); the earliest module over
-    all ranks that went non-finite. The caller clears the gradients before and after."""
+def locate(
+    pipeline: Pipeline,
+    inputs: tuple[list[MicroBatch], torch.Tensor],
+    store: Store,
+    rank: int,
+    world_size: int,
+    timeout: float,
+) -> NonFinite | None:
+    """Run a step's micro-batches (`inputs`, as `Pipeline.train_step` takes them) again, from the same
+    weights, with a hook on every module (every rank does, as it is a whole pipeline step); the earliest
+    module over all ranks that went non-finite. The caller clears the gradients before and after."""
 
     def where() -> tuple[int, int]:
         action = pipeline.current

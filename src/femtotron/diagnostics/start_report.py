@@ -12,21 +12,34 @@ from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.pipeline.partition import imbalance_warning, stage_map
 
 
-def summary(config: Config, ctx: ParallelContext, model: RankModel, optimizer: ZeroAdamW, data: Nanoset,
-            loss_scale: float | None, mfu_yardstick: str) -> str:
+def summary(
+    config: Config,
+    ctx: ParallelContext,
+    model: RankModel,
+    optimizer: ZeroAdamW,
+    data: Nanoset,
+    loss_scale: float | None,
+    mfu_yardstick: str,
+) -> str:
     mcfg, tokens, par = config.model.model_config_, config.tokens, config.parallelism
     total_samples = config.global_batch_size * tokens.train_steps
     lines = [
         f"run: {config.general.project}/{config.general.run}, directory {config.run_dir}",
-        f"model: Llama {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, {mcfg.num_attention_heads} heads "
-        f"({mcfg.num_key_value_heads} kv), vocab {mcfg.vocab_size}: {mcfg.parameter_count / 1e6:.2f}M parameters, "
+        f"model: Llama {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, "
+        f"{mcfg.num_attention_heads} heads "
+        f"({mcfg.num_key_value_heads} kv), vocab {mcfg.vocab_size}: {mcfg.parameter_count / 1e6:.2f}M "
+        f"parameters, "
         f"{config.model.dtype} with fp32 master weights"
         + (f", dynamic loss scale from {loss_scale:g}" if loss_scale is not None else ""),
-        f"layout: dp={ctx.dp} tp={ctx.tp} pp={ctx.pp} on {ctx.world_size} process(es) on {len(set(ctx.hosts))} "
+        f"layout: dp={ctx.dp} tp={ctx.tp} pp={ctx.pp} on {ctx.world_size} process(es) on "
+        f"{len(set(ctx.hosts))} "
         f"host(s), device {ctx.device}",
-        f"batch: {tokens.micro_batch_size} x {tokens.sequence_length} tokens x {tokens.batch_accumulation_per_replica} "
-        f"micro-batches x dp {ctx.dp} = {config.tokens_per_step:,} tokens per step, {tokens.train_steps} steps",
-        f"data: {data.num_documents:,} documents, {data.num_tokens:,} tokens, {data.samples_per_epoch:,} samples per "
+        f"batch: {tokens.micro_batch_size} x {tokens.sequence_length} tokens x "
+        f"{tokens.batch_accumulation_per_replica} "
+        f"micro-batches x dp {ctx.dp} = {config.tokens_per_step:,} tokens per step, {tokens.train_steps} "
+        f"steps",
+        f"data: {data.num_documents:,} documents, {data.num_tokens:,} tokens, {data.samples_per_epoch:,} "
+        f"samples per "
         f"epoch; this run sees {data.epochs_for(total_samples):.2f} epochs",
         f"MFU is measured against {mfu_yardstick}",
         memory_summary(config, ctx, model, optimizer),
@@ -35,14 +48,20 @@ def summary(config: Config, ctx: ParallelContext, model: RankModel, optimizer: Z
         lines.append(f"tensor parallel: tp={ctx.tp}, tp_mode={par.tp_mode}")
     padded = model.chunks[0].padded_vocab_size
     if padded != mcfg.vocab_size:
-        lines.append(f"vocabulary padded from {mcfg.vocab_size} to {padded} rows to split evenly over tp={ctx.tp}; "
-                     "the padded logits are masked out of the loss")
+        lines.append(
+            f"vocabulary padded from {mcfg.vocab_size} to {padded} rows to split evenly over tp={ctx.tp}; "
+            "the padded logits are masked out of the loss"
+        )
     if ctx.pp > 1:
         accumulation = tokens.batch_accumulation_per_replica
         bubble = pipeline_bubble(ctx.pp, accumulation, par.pp_virtual_stages)
-        virtual = f" with {par.pp_virtual_stages} virtual stages per rank" if par.pp_virtual_stages > 1 else ""
-        lines.append(f"pipeline parallel: pp={ctx.pp}, pp_engine={par.pp_engine}{virtual}, {accumulation} "
-                     f"micro-batches: each stage idles {bubble:.0%} of a step in theory (bubble)")
+        virtual = (
+            f" with {par.pp_virtual_stages} virtual stages per rank" if par.pp_virtual_stages > 1 else ""
+        )
+        lines.append(
+            f"pipeline parallel: pp={ctx.pp}, pp_engine={par.pp_engine}{virtual}, {accumulation} "
+            f"micro-batches: each stage idles {bubble:.0%} of a step in theory (bubble)"
+        )
         lines.append(stage_map(model.stages, ctx.pp))
     return "\n".join(lines)
 
@@ -53,42 +72,61 @@ def memory_summary(config: Config, ctx: ParallelContext, model: RankModel, optim
     elements = data_parallel.flat_params.numel() - data_parallel.padding
     total = sum(plan.values())
     parts = " + ".join(f"{key.replace('_', ' ')} {value / 2**20:.1f}" for key, value in plan.items())
-    sharing = (f"ZeRO-1 shards master weights and Adam moments over dp={ctx.dp}"
-               if config.optimizer.zero_stage == 1 else "optimizer state on every dp rank (zero_stage 0)")
+    sharing = (
+        f"ZeRO-1 shards master weights and Adam moments over dp={ctx.dp}"
+        if config.optimizer.zero_stage == 1
+        else "optimizer state on every dp rank (zero_stage 0)"
+    )
     own_masters = " (fp32 parameters are their own master weights)" if not plan["master_weights"] else ""
-    reduction = (f"gradients reduced over dp in {len(data_parallel.buckets)} bucket(s) during backward"
-                 if ctx.dp > 1 else "no dp reduction (dp=1)")
-    return (f"model state on this rank: {elements / 1e6:.2f}M parameters in {total / 2**20:.1f} MiB = {parts} MiB"
-            f"{own_masters}, {total / elements:.1f} bytes per parameter; {sharing}; {reduction}; buffers padded "
-            f"by {data_parallel.padding:,} elements")
+    reduction = (
+        f"gradients reduced over dp in {len(data_parallel.buckets)} bucket(s) during backward"
+        if ctx.dp > 1
+        else "no dp reduction (dp=1)"
+    )
+    return (
+        f"model state on this rank: {elements / 1e6:.2f}M parameters in {total / 2**20:.1f} MiB = {parts} MiB"
+        f"{own_masters}, {total / elements:.1f} bytes per parameter; {sharing}; {reduction}; buffers padded "
+        f"by {data_parallel.padding:,} elements"
+    )
 
 
-def start_warnings(config: Config, ctx: ParallelContext, model: RankModel, has_validation: bool,
-                   upcasts: bool) -> list[str]:
+def start_warnings(
+    config: Config, ctx: ParallelContext, model: RankModel, has_validation: bool, upcasts: bool
+) -> list[str]:
     warnings = config_warnings(config)
     if config.tokens.val_check_interval and not has_validation:
-        warnings.append(f"tokens.val_check_interval={config.tokens.val_check_interval} but data.validation_folder is "
-                        "not set: no validation will run. Set it, or set tokens.val_check_interval=0.")
+        warnings.append(
+            f"tokens.val_check_interval={config.tokens.val_check_interval} but data.validation_folder is "
+            "not set: no validation will run. Set it, or set tokens.val_check_interval=0."
+        )
     warnings += tp_host_warnings(ctx.tp, ctx.hosts)
     imbalance = imbalance_warning(config, model.stages) if ctx.pp > 1 else None
     if imbalance:
         warnings.append(imbalance)
     if upcasts:
         warnings.append(
-            f"model.dtype={config.model.dtype} on a CPU without bf16 matrix units (no avx512_bf16 or amx_bf16): "
+            f"model.dtype={config.model.dtype} on a CPU without bf16 matrix units (no avx512_bf16 or "
+            f"amx_bf16): "
             "matmuls and attention run in fp32 on upcast copies, since emulated bf16 is far slower; "
-            "model.dtype=float32 avoids the casts and is faster still on this CPU.")
+            "model.dtype=float32 avoids the casts and is faster still on this CPU."
+        )
     return warnings
 
 
 def tp_host_warnings(tp: int, hosts: list[str]) -> list[str]:
     """T3: a tp group must sit on one host; every layer all-reduces activations within it."""
-    spanning = [list(range(first, first + tp)) for first in range(0, len(hosts), tp)
-                if len({hosts[r] for r in range(first, first + tp)}) > 1]  # tp groups are consecutive ranks
+    spanning = [
+        list(range(first, first + tp))
+        for first in range(0, len(hosts), tp)
+        if len({hosts[r] for r in range(first, first + tp)}) > 1
+    ]  # tp groups are consecutive ranks
     if not spanning:
         return []
     ranks = spanning[0]
-    return [f"{len(spanning)} tensor-parallel group(s) span several hosts, e.g. ranks {ranks[0]}-{ranks[-1]} on "
-            f"{', '.join(sorted({hosts[r] for r in ranks}))}: every layer all-reduces activations over the (slow) "
-            "network between them. Set parallelism.tp to at most the number of GPUs per node (and launch the "
-            "same number of processes on every node); use dp or pp across nodes."]
+    return [
+        f"{len(spanning)} tensor-parallel group(s) span several hosts, e.g. ranks {ranks[0]}-{ranks[-1]} on "
+        f"{', '.join(sorted({hosts[r] for r in ranks}))}: every layer all-reduces activations over the "
+        f"(slow) "
+        "network between them. Set parallelism.tp to at most the number of GPUs per node (and launch the "
+        "same number of processes on every node); use dp or pp across nodes."
+    ]

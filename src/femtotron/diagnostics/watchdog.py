@@ -33,11 +33,20 @@ EXIT_CODE = 4  # a distributed error, as DistributedError
 
 
 class Watchdog:
-    def __init__(self, comm: Comm, store: Store, rank: int, world_size: int, hang_timeout: float,
-                 where: Callable[[], str], interval: float = 2.0) -> None:
+    def __init__(
+        self,
+        comm: Comm,
+        store: Store,
+        rank: int,
+        world_size: int,
+        hang_timeout: float,
+        where: Callable[[], str],
+        interval: float = 2.0,
+    ) -> None:
         self.comm, self.messages, self.rank, self.world_size = comm, store, rank, world_size
         self.hang_timeout, self.where = hang_timeout, where
-        # A live rank's thread beats every `interval` s whatever its main thread does: 30 s of silence is death.
+        # A live rank's thread beats every `interval` s whatever its main thread does: 30 s of silence is
+        # death.
         self.interval, self.silent_seconds = interval, min(30.0, hang_timeout)
         self.beats = 0
         self.seen: dict[int, tuple[int, float]] = {}  # rank -> (its heartbeat, when it last changed here)
@@ -49,7 +58,9 @@ class Watchdog:
     def start(self) -> Watchdog:
         self.started_at = time.monotonic()
         if self.world_size > 1:
-            self.store = self.messages.new_client()  # its own connection: the main thread may wait on the store
+            self.store = (
+                self.messages.new_client()
+            )  # its own connection: the main thread may wait on the store
             self.thread.start()
         return self
 
@@ -59,14 +70,21 @@ class Watchdog:
         if self.thread.is_alive():
             self.thread.join(timeout=2 * self.interval)
             try:
-                self.store.set(self.keys[self.rank], json.dumps({**self.state(), "failed" if failed else "done": True}))
+                self.store.set(
+                    self.keys[self.rank], json.dumps({**self.state(), "failed" if failed else "done": True})
+                )
             except (RuntimeError, OSError):  # the store's server is gone too; nothing left to tell
                 pass
 
     def state(self) -> dict[str, Any]:
         op, last = self.comm.in_flight, self.comm.last_op
-        return {"rank": self.rank, "beat": self.beats, "where": self.where(), "op": _op(op),
-                "last_op": None if last is None or op is not None else _op(last)}
+        return {
+            "rank": self.rank,
+            "beat": self.beats,
+            "where": self.where(),
+            "op": _op(op),
+            "last_op": None if last is None or op is not None else _op(last),
+        }
 
     def _run(self) -> None:
         while not self.stopped.is_set():
@@ -76,9 +94,11 @@ class Watchdog:
                 states = self._states()
             except (RuntimeError, OSError) as e:  # the store is gone: whoever served it has died
                 if not self.stopped.is_set():
-                    self._end(f"the rendezvous store stopped answering ({str(e).splitlines()[0][:200]}): the "
-                              "process serving it (rank 0, or the launcher) has died. Look for its error or an "
-                              "out-of-memory kill (exit code 137) in its log.")
+                    self._end(
+                        f"the rendezvous store stopped answering ({str(e).splitlines()[0][:200]}): the "
+                        "process serving it (rank 0, or the launcher) has died. Look for its error or an "
+                        "out-of-memory kill (exit code 137) in its log."
+                    )
                 return
             now = time.monotonic()
             silent = []
@@ -93,42 +113,73 @@ class Watchdog:
                     self.seen[rank] = (state["beat"], now)
                 elif now - since > self.silent_seconds:
                     silent.append(rank)
-            missing = [r for r in range(self.world_size)
-                       if r not in states and now - self.started_at > self.silent_seconds]
+            missing = [
+                r
+                for r in range(self.world_size)
+                if r not in states and now - self.started_at > self.silent_seconds
+            ]
             op = self.comm.in_flight
             if silent or missing:
                 self._end(self.report(states, silent + missing, "stopped (failed, died or froze)"))
                 return
             if op is not None and now - op.started > self.hang_timeout:
-                self._end(self.report(states, [], f"has waited in {op.kind} on {op.group} for "
-                                                  f"{now - op.started:.0f} s (parallelism.hang_timeout_seconds="
-                                                  f"{self.hang_timeout:g})", stuck=True))
+                self._end(
+                    self.report(
+                        states,
+                        [],
+                        f"has waited in {op.kind} on {op.group} for "
+                        f"{now - op.started:.0f} s (parallelism.hang_timeout_seconds="
+                        f"{self.hang_timeout:g})",
+                        stuck=True,
+                    )
+                )
                 return
             self.stopped.wait(self.interval)
 
     def _states(self) -> dict[int, dict[str, Any]]:
         if self.store.check(self.keys):  # one request for all once every rank has reported
             return {r: json.loads(v.decode()) for r, v in enumerate(self.store.multi_get(self.keys))}
-        return {r: json.loads(self.store.get(k).decode()) for r, k in enumerate(self.keys) if self.store.check([k])}
+        return {
+            r: json.loads(self.store.get(k).decode())
+            for r, k in enumerate(self.keys)
+            if self.store.check([k])
+        }
 
-    def report(self, states: dict[int, dict[str, Any]], silent: list[int], problem: str, stuck: bool = False,
-               now: float | None = None) -> str:
+    def report(
+        self,
+        states: dict[int, dict[str, Any]],
+        silent: list[int],
+        problem: str,
+        stuck: bool = False,
+        now: float | None = None,
+    ) -> str:
         """Every rank's last published state, with its age as seen here: how long since its heartbeat last
         changed (a frozen rank's state can be far behind what the others do now)."""
         now = time.monotonic() if now is None else now
-        lines = [f"hang report from rank {self.rank}: " + (f"rank {self.rank} {problem}" if stuck else
-                 f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} {problem}") + ". What every rank is doing:"]
+        lines = [
+            f"hang report from rank {self.rank}: "
+            + (
+                f"rank {self.rank} {problem}"
+                if stuck
+                else f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} {problem}"
+            )
+            + ". What every rank is doing:"
+        ]
         for rank in range(self.world_size):
             state = states.get(rank)
             if state is None:
                 lines.append(f"  rank {rank}: never reported" + (" <- silent" if rank in silent else ""))
                 continue
             age = 0.0 if rank == self.rank else now - self.seen.get(rank, (0, now))[1]
-            lines.append(f"  rank {rank} (as of {age:.0f} s ago): {describe(state)}"
-                         + (" <- " + ("failed" if state.get("failed") else "silent") if rank in silent else ""))
+            lines.append(
+                f"  rank {rank} (as of {age:.0f} s ago): {describe(state)}"
+                + (" <- " + ("failed" if state.get("failed") else "silent") if rank in silent else "")
+            )
         lines += mismatches(states)
-        lines.append("A rank that took another code path (a different config, data, or an exception it swallowed) is "
-                     "the usual cause; its own log says more. The job is stopped rather than left waiting.")
+        lines.append(
+            "A rank that took another code path (a different config, data, or an exception it swallowed) is "
+            "the usual cause; its own log says more. The job is stopped rather than left waiting."
+        )
         return "\n".join(lines)
 
     def _end(self, report: str) -> None:
@@ -139,19 +190,34 @@ class Watchdog:
 def _op(op: Any) -> dict[str, Any] | None:
     if op is None:
         return None
-    return {"kind": op.kind, "group": op.group, "peer": op.peer, "shape": list(op.shape), "dtype": op.dtype,
-            "seconds": round(time.monotonic() - op.started, 1)}
+    return {
+        "kind": op.kind,
+        "group": op.group,
+        "peer": op.peer,
+        "shape": list(op.shape),
+        "dtype": op.dtype,
+        "seconds": round(time.monotonic() - op.started, 1),
+    }
 
 
 def describe(state: dict[str, Any]) -> str:
     op, last = state.get("op"), state.get("last_op")
     if op is not None:
-        doing = (f"in {op['kind']} on {op['group']}" + (f" with rank {op['peer']}" if op["peer"] is not None else "")
-                 + f" for a {tuple(op['shape'])} {op['dtype']} tensor, {op['seconds']:g} s so far")
+        doing = (
+            f"in {op['kind']} on {op['group']}"
+            + (f" with rank {op['peer']}" if op["peer"] is not None else "")
+            + f" for a {tuple(op['shape'])} {op['dtype']} tensor, {op['seconds']:g} s so far"
+        )
     else:  # on GPUs a collective returns once queued: what was issued last is then the best clue
-        doing = "no communication in flight" + ("" if last is None else (
-            f" (the last issued: {last['kind']} on {last['group']}"
-            + (f" with rank {last['peer']}" if last["peer"] is not None else "") + f", {last['seconds']:g} s ago)"))
+        doing = "no communication in flight" + (
+            ""
+            if last is None
+            else (
+                f" (the last issued: {last['kind']} on {last['group']}"
+                + (f" with rank {last['peer']}" if last["peer"] is not None else "")
+                + f", {last['seconds']:g} s ago)"
+            )
+        )
     return f"{doing}; {state['where']}"
 
 
@@ -166,11 +232,21 @@ def mismatches(states: dict[int, dict[str, Any]]) -> list[str]:
         other = states[peer].get("op")
         if other is not None and other["kind"] == "recv" and other["peer"] == rank:
             if rank < peer:
-                out.append(f"deadlock: rank {rank} and rank {peer} each wait to receive from the other ({state['where']}; "
-                           f"{states[peer]['where']}): one of them skipped or reordered a send")
+                out.append(
+                    f"deadlock: rank {rank} and rank {peer} each wait to receive from the other "
+                    f"({state['where']}; "
+                    f"{states[peer]['where']}): one of them skipped or reordered a send"
+                )
         elif other is None or other["kind"] != "send" or other["peer"] != rank:
-            doing = "computing" if other is None else f"in {other['kind']} on {other['group']}" + (
-                f" with rank {other['peer']}" if other["peer"] is not None else "")
-            out.append(f"mismatch: rank {rank} waits to receive from rank {peer} ({state['where']}), but rank {peer} "
-                       f"is {doing} ({states[peer]['where']})")
+            doing = (
+                "computing"
+                if other is None
+                else f"in {other['kind']} on {other['group']}"
+                + (f" with rank {other['peer']}" if other["peer"] is not None else "")
+            )
+            out.append(
+                f"mismatch: rank {rank} waits to receive from rank {peer} ({state['where']}), but rank "
+                f"{peer} "
+                f"is {doing} ({states[peer]['where']})"
+            )
     return out

@@ -2,7 +2,8 @@
 
 Only the two fused weights need work (see models/llama.py): `qkv_proj` holds, per key/value head,
 that group's query rows, then the key rows, then the value rows; `gate_up_proj` stacks gate and up
-as (2, intermediate_size, hidden_size). Everything else maps by name (HF adds a `model.` prefix to all but `lm_head`).
+as (2, intermediate_size, hidden_size). Everything else maps by name (HF adds a `model.` prefix to all but
+`lm_head`).
 """
 
 from __future__ import annotations

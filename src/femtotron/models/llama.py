@@ -81,22 +81,37 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, make: ParamFactory, name: str, cfg: LlamaConfig, out_std: float, rotary: Rotary,
-                 tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        make: ParamFactory,
+        name: str,
+        cfg: LlamaConfig,
+        out_std: float,
+        rotary: Rotary,
+        tp: TensorParallel,
+    ) -> None:
         super().__init__()
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         if heads % kv_heads or kv_heads % tp.size:
             raise ConfigError(
-                f"model.model_config.num_attention_heads={heads}, num_key_value_heads={kv_heads}, parallelism.tp="
-                f"{tp.size}: every tp rank must hold whole groups of query heads with their key/value head, so "
-                "num_key_value_heads must divide num_attention_heads and be divisible by tp. Choose tp dividing "
-                f"{kv_heads}.")
+                f"model.model_config.num_attention_heads={heads}, num_key_value_heads={kv_heads}, "
+                f"parallelism.tp="
+                f"{tp.size}: every tp rank must hold whole groups of query heads with their key/value head, "
+                f"so "
+                "num_key_value_heads must divide num_attention_heads and be divisible by tp. Choose tp "
+                "dividing "
+                f"{kv_heads}."
+            )
         self.head_dim = cfg.head_dim
         self.group_size = heads // kv_heads
         self.local_kv_heads = kv_heads // tp.size
         qkv_rows = (heads + 2 * kv_heads) * self.head_dim
-        self.qkv_proj = ColumnParallelLinear(make, f"{name}.qkv_proj", cfg.hidden_size, qkv_rows, make.std, tp)
-        self.o_proj = RowParallelLinear(make, f"{name}.o_proj", heads * self.head_dim, cfg.hidden_size, out_std, tp)
+        self.qkv_proj = ColumnParallelLinear(
+            make, f"{name}.qkv_proj", cfg.hidden_size, qkv_rows, make.std, tp
+        )
+        self.o_proj = RowParallelLinear(
+            make, f"{name}.o_proj", heads * self.head_dim, cfg.hidden_size, out_std, tp
+        )
         self.rotary = rotary
         self.output_split_dim = self.o_proj.output_split_dim
 
@@ -111,10 +126,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, make: ParamFactory, name: str, hidden: int, inner: int, out_std: float,
-                 tp: TensorParallel) -> None:
+    def __init__(
+        self, make: ParamFactory, name: str, hidden: int, inner: int, out_std: float, tp: TensorParallel
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(make, f"{name}.gate_up_proj", hidden, inner, make.std, tp, parts=2)
+        self.gate_up_proj = ColumnParallelLinear(
+            make, f"{name}.gate_up_proj", hidden, inner, make.std, tp, parts=2
+        )
         self.down_proj = RowParallelLinear(make, f"{name}.down_proj", inner, hidden, out_std, tp)
         self.output_split_dim = self.down_proj.output_split_dim
 
@@ -124,7 +142,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, make: ParamFactory, index: int, cfg: LlamaConfig, rotary: Rotary, tp: TensorParallel) -> None:
+    def __init__(
+        self, make: ParamFactory, index: int, cfg: LlamaConfig, rotary: Rotary, tp: TensorParallel
+    ) -> None:
         super().__init__()
         name = f"layers.{index}"
         # Residual-output projections are scaled down by depth so the residual stream's variance
@@ -133,7 +153,9 @@ class DecoderLayer(nn.Module):
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(make, f"{name}.input_layernorm", cfg.hidden_size, eps, tp)
         self.self_attn = Attention(make, f"{name}.self_attn", cfg, out_std, rotary, tp)
-        self.post_attention_layernorm = RMSNorm(make, f"{name}.post_attention_layernorm", cfg.hidden_size, eps, tp)
+        self.post_attention_layernorm = RMSNorm(
+            make, f"{name}.post_attention_layernorm", cfg.hidden_size, eps, tp
+        )
         self.mlp = MLP(make, f"{name}.mlp", cfg.hidden_size, cfg.intermediate_size, out_std, tp)
         self.output_split_dim = self.mlp.output_split_dim
 
@@ -166,14 +188,25 @@ class Llama(nn.Module):
     computes bit-identical activations, so gradients are unchanged.
     """
 
-    def __init__(self, cfg: LlamaConfig, *, std: float, seed: int, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel | None = None, stage: Stage | None = None,
-                 recompute_layer: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        *,
+        std: float,
+        seed: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TensorParallel | None = None,
+        stage: Stage | None = None,
+        recompute_layer: bool = False,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.recompute_layer = recompute_layer
         self.tp = tp = tp or TensorParallel.single()
-        self.stage = stage = stage or Stage(0, range(cfg.num_hidden_layers), embedding=True, head=True, cost=0.0)
+        self.stage = stage = stage or Stage(
+            0, range(cfg.num_hidden_layers), embedding=True, head=True, cost=0.0
+        )
         make = ParamFactory(std, seed, dtype, device)
         rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.rotary = rotary.to(device)
@@ -181,14 +214,24 @@ class Llama(nn.Module):
         if stage.embedding or (stage.head and tied):
             # A tied LM head on a later stage holds its own copy of the embedding (same name, same
             # init); the trainer sums the two copies' gradients so they stay equal.
-            self.embed_tokens = VocabParallelEmbedding(make, "embed_tokens", cfg.vocab_size, cfg.hidden_size, std,
-                                                       tp, "embed_tokens.weight" if tied else None)
-        self.layers = DecoderLayers({str(i): DecoderLayer(make, i, cfg, self.rotary, tp) for i in stage.layers})
+            self.embed_tokens = VocabParallelEmbedding(
+                make,
+                "embed_tokens",
+                cfg.vocab_size,
+                cfg.hidden_size,
+                std,
+                tp,
+                "embed_tokens.weight" if tied else None,
+            )
+        self.layers = DecoderLayers(
+            {str(i): DecoderLayer(make, i, cfg, self.rotary, tp) for i in stage.layers}
+        )
         if stage.head:
             self.norm = RMSNorm(make, "norm", cfg.hidden_size, cfg.rms_norm_eps, tp)
             if not tied:
-                self.lm_head = ColumnParallelLinear(make, "lm_head", cfg.hidden_size, cfg.vocab_size, std, tp,
-                                                    pad=True)
+                self.lm_head = ColumnParallelLinear(
+                    make, "lm_head", cfg.hidden_size, cfg.vocab_size, std, tp, pad=True
+                )
         self.vocab_start = tp.rank * shard_size(cfg.vocab_size, tp.size)
 
     @property
@@ -221,12 +264,15 @@ class Llama(nn.Module):
         x = self.hidden_states(inputs)
         if not self.stage.head:
             return x
-        return vocab_parallel_cross_entropy(self.head_logits(x), targets, self.vocab_start, self.cfg.vocab_size,
-                                            IGNORE_INDEX, self.tp)
+        return vocab_parallel_cross_entropy(
+            self.head_logits(x), targets, self.vocab_start, self.cfg.vocab_size, IGNORE_INDEX, self.tp
+        )
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits of the whole model (gathered over tp; for evaluation and generation)."""
-        return gather_full(self.head_logits(self.hidden_states(input_ids)), -1, self.tp)[..., : self.cfg.vocab_size]
+        return gather_full(self.head_logits(self.hidden_states(input_ids)), -1, self.tp)[
+            ..., : self.cfg.vocab_size
+        ]
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole model: summed loss over valid targets (fp32) and how many there were."""

@@ -8,8 +8,12 @@ from femtotron.parallel.comm import Group
 from femtotron.parallel.context import ParallelContext
 
 
-def global_grad_norm(grads: list[torch.Tensor], ctx: ParallelContext, counted: list[bool] | None = None,
-                     groups: list[Group] | None = None) -> torch.Tensor:
+def global_grad_norm(
+    grads: list[torch.Tensor],
+    ctx: ParallelContext,
+    counted: list[bool] | None = None,
+    groups: list[Group] | None = None,
+) -> torch.Tensor:
     """L2 norm of all gradients of the model (fp32): squares summed over `groups`, by default the
     model-parallel group (the tp and pp ranks of one replica); under ZeRO-1 the dp group too.
 
@@ -25,8 +29,13 @@ def global_grad_norm(grads: list[torch.Tensor], ctx: ParallelContext, counted: l
     return local_sq.sqrt()
 
 
-def clip_grads_(grads: list[torch.Tensor], max_norm: float | None, ctx: ParallelContext,
-                counted: list[bool] | None = None, groups: list[Group] | None = None) -> torch.Tensor:
+def clip_grads_(
+    grads: list[torch.Tensor],
+    max_norm: float | None,
+    ctx: ParallelContext,
+    counted: list[bool] | None = None,
+    groups: list[Group] | None = None,
+) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most `max_norm`; return the norm before."""
     norm = global_grad_norm(grads, ctx, counted, groups)
     if max_norm is not None and grads:

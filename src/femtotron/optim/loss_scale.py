@@ -18,8 +18,15 @@ from femtotron.parallel.context import ParallelContext
 
 
 class DynamicLossScaler:
-    def __init__(self, initial_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 1000, min_scale: float = 1.0, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        initial_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        min_scale: float = 1.0,
+        enabled: bool = True,
+    ) -> None:
         self.enabled = enabled
         self.scale = float(initial_scale) if enabled else 1.0
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
@@ -30,8 +37,14 @@ class DynamicLossScaler:
     @classmethod
     def from_config(cls, cfg: Any, enabled: bool) -> DynamicLossScaler:
         """`cfg` is the `optimizer.loss_scale` config section."""
-        return cls(cfg.initial_scale, cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval, cfg.min_scale,
-                   enabled=enabled)
+        return cls(
+            cfg.initial_scale,
+            cfg.growth_factor,
+            cfg.backoff_factor,
+            cfg.growth_interval,
+            cfg.min_scale,
+            enabled=enabled,
+        )
 
     def unscale_(self, grads: list[torch.Tensor], ctx: ParallelContext) -> bool:
         """Divide the (fp32) gradients by the scale in place; return True when any gradient on any rank is

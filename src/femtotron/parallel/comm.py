@@ -65,14 +65,22 @@ class Comm:
         self.calls: Counter[tuple[str, str]] = Counter()
         self._seconds: Counter[str] = Counter()  # group kind -> seconds in collectives
         self._pending_events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-        self.last_op: OpInFlight | None = None  # the op issued last, finished or not (on GPUs most return at once)
+        self.last_op: OpInFlight | None = (
+            None  # the op issued last, finished or not (on GPUs most return at once)
+        )
 
     @contextmanager
-    def _record(self, kind: str, group: Group, tensor: torch.Tensor, peer: int | None, sent: float) -> Iterator[None]:
+    def _record(
+        self, kind: str, group: Group, tensor: torch.Tensor, peer: int | None, sent: float
+    ) -> Iterator[None]:
         op = OpInFlight(kind, group.name, peer, tuple(tensor.shape), str(tensor.dtype), time.monotonic())
         self.in_flight = self.last_op = op
         # On CUDA the call returns before the transfer ends: time it with events on the stream.
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if tensor.is_cuda else None
+        events = (
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            if tensor.is_cuda
+            else None
+        )
         if events:
             events[0].record()
         start = time.perf_counter()
@@ -119,8 +127,10 @@ class Comm:
         if not tensors or group.size == 1:
             return
         flat = self.all_reduce(torch.cat([t.flatten() for t in tensors]), group)
-        torch._foreach_copy_(tensors, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in tensors]),
-                                                                      tensors, strict=True)])
+        torch._foreach_copy_(
+            tensors,
+            [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)],
+        )
 
     def all_gather(self, tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's `tensor` along `dim`, in group-rank order."""
@@ -148,7 +158,8 @@ class Comm:
         return out
 
     def start_all_reduce(self, tensor: torch.Tensor, group: Group) -> Work | None:
-        """Start an in-place sum over `group` and return at once; `wait` for the result (None: nothing to wait for)."""
+        """Start an in-place sum over `group` and return at once; `wait` for the result (None: nothing to wait
+        for)."""
         if group.size == 1 or tensor.is_meta:
             return None
         n = group.size
@@ -156,8 +167,8 @@ class Comm:
             return dist.all_reduce(tensor, group=group.handle, async_op=True)
 
     def start_reduce_scatter(self, shard: torch.Tensor, tensor: torch.Tensor, group: Group) -> Work | None:
-        """Start summing `tensor` over `group` into `shard`, this rank's equal part of it (`shard` may be a view
-        of that part of `tensor`: the reduction is then in place)."""
+        """Start summing `tensor` over `group` into `shard`, this rank's equal part of it (`shard` may be a
+        view of that part of `tensor`: the reduction is then in place)."""
         if group.size == 1 or tensor.is_meta:
             return None
         n = group.size
@@ -185,12 +196,23 @@ class Comm:
         sent = sum(_nbytes(tensor) for kind, tensor, _, _ in ops if kind == "send")
         kind, tensor, peer, _ = ops[0]
         with self._record("send" if sent else "recv", group, tensor, peer, sent):
-            return dist.batch_isend_irecv([
-                dist.P2POp(dist.isend if op == "send" else dist.irecv, t, peer=p, group=group.handle, tag=tag)
-                for op, t, p, tag in ops])
+            return dist.batch_isend_irecv(
+                [
+                    dist.P2POp(
+                        dist.isend if op == "send" else dist.irecv, t, peer=p, group=group.handle, tag=tag
+                    )
+                    for op, t, p, tag in ops
+                ]
+            )
 
-    def wait(self, work: Work | None, group: Group, tensor: torch.Tensor, peer: int | None = None,
-             kind: str = "wait") -> None:
+    def wait(
+        self,
+        work: Work | None,
+        group: Group,
+        tensor: torch.Tensor,
+        peer: int | None = None,
+        kind: str = "wait",
+    ) -> None:
         """Wait for an op started by `batch_p2p` or a `start_*` method to finish (the time spent here is time
         spent idle). `kind` names what is awaited in the op record ("recv", "send"), for hang reports."""
         if work is None:

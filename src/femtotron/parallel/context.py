@@ -75,8 +75,15 @@ class ParallelContext:
         if self.world_size > 1:
             host = os.environ.get("MASTER_ADDR", "127.0.0.1")
             port = int(os.environ.get("MASTER_PORT", "29500"))
-            self.hosts, tcp_store = rendezvous(self.rank, self.world_size, host, port, self.backend,
-                                               init_timeout_seconds, collective_timeout_seconds)
+            self.hosts, tcp_store = rendezvous(
+                self.rank,
+                self.world_size,
+                host,
+                port,
+                self.backend,
+                init_timeout_seconds,
+                collective_timeout_seconds,
+            )
             self.store = Store(tcp_store, (host, port))
         coords = coordinates_of(self.rank, dp, tp)
         self.pp_rank, self.dp_rank, self.tp_rank = coords.pp_rank, coords.dp_rank, coords.tp_rank
@@ -85,8 +92,13 @@ class ParallelContext:
     @classmethod
     def from_config(cls, config: Config) -> ParallelContext:
         par = config.parallelism
-        return cls(par.dp, par.tp, par.pp, init_timeout_seconds=par.init_timeout_seconds,
-                   collective_timeout_seconds=par.collective_timeout_seconds)
+        return cls(
+            par.dp,
+            par.tp,
+            par.pp,
+            init_timeout_seconds=par.init_timeout_seconds,
+            collective_timeout_seconds=par.collective_timeout_seconds,
+        )
 
     def __enter__(self) -> ParallelContext:
         return self
@@ -108,8 +120,11 @@ class ParallelContext:
         # Model-parallel group: every rank holding a piece of one model replica (for grad norms).
         mp_groups = [[rank_of(p, d, t, dp, tp) for p in range(pp) for t in range(tp)] for d in range(dp)]
         # First and last pipeline stage of each (dp, tp) position: they share tied embeddings.
-        embedding_groups = [sorted({rank_of(0, d, t, dp, tp), rank_of(pp - 1, d, t, dp, tp)})
-                            for d in range(dp) for t in range(tp)]
+        embedding_groups = [
+            sorted({rank_of(0, d, t, dp, tp), rank_of(pp - 1, d, t, dp, tp)})
+            for d in range(dp)
+            for t in range(tp)
+        ]
         self.tp_group = self._mine("tp", tp_groups)
         self.dp_group = self._mine("dp", dp_groups)
         self.pp_group = self._mine("pp", pp_groups)
@@ -139,7 +154,13 @@ class ParallelContext:
 
 
 def rendezvous(
-    rank: int, world_size: int, host: str, port: int, backend: str, init_timeout: float, collective_timeout: float
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    backend: str,
+    init_timeout: float,
+    collective_timeout: float,
 ) -> tuple[list[str], dist.Store]:
     """Join the job and create the default process group; return each rank's hostname, and the store
     (it stays reachable when collectives are stuck, so it carries what must get through regardless).
@@ -151,8 +172,14 @@ def rendezvous(
     is_server = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     where = f"{host}:{port} (backend {backend}, rank {rank} of {world_size})"
     try:
-        store = dist.TCPStore(host, port, world_size, is_master=is_server,
-                              timeout=timedelta(seconds=init_timeout), wait_for_workers=False)
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=is_server,
+            timeout=timedelta(seconds=init_timeout),
+            wait_for_workers=False,
+        )
     except (RuntimeError, OSError) as e:
         raise DistributedError(
             f"Could not reach the rendezvous store at {where} within {init_timeout:g} s: {e}.\n"
@@ -174,14 +201,20 @@ def rendezvous(
             "Raise parallelism.init_timeout_seconds if nodes start slowly."
         ) from None
     hosts = [store.get(k).decode() for k in keys]
-    dist.init_process_group(backend, store=dist.PrefixStore(f"{attempt}/pg", store), rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=collective_timeout))
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"{attempt}/pg", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=collective_timeout),
+    )
     return hosts, store
 
 
 _NETWORK_ADVICE = (
     "On several nodes, the usual cause is the wrong network interface: set NCCL_SOCKET_IFNAME and "
-    "GLOO_SOCKET_IFNAME (e.g. =eth0; `ip -br addr` lists them) on every node, and check MASTER_ADDR/MASTER_PORT."
+    "GLOO_SOCKET_IFNAME (e.g. =eth0; `ip -br addr` lists them) on every node, and check "
+    "MASTER_ADDR/MASTER_PORT."
 )
 
 

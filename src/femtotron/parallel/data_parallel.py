@@ -52,8 +52,9 @@ class Piece:
     end: int
 
 
-def plan_buckets(numels: list[int], groups: list[list[int]], bucket_elements: int,
-                 dp: int) -> tuple[list[int], list[Bucket]]:
+def plan_buckets(
+    numels: list[int], groups: list[list[int]], bucket_elements: int, dp: int
+) -> tuple[list[int], list[Bucket]]:
     """Offsets of the parameters in the flat buffers, and the buckets.
 
     `groups` lists parameter indices in the order their gradients are expected; a bucket never spans
@@ -80,9 +81,19 @@ def plan_buckets(numels: list[int], groups: list[list[int]], bucket_elements: in
 class DataParallel:
     """Owns the flat buffers of one rank's parameters and gradients, and their reduction over dp."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], groups: list[list[int]], comm: Comm,
-                 dp_group: Group, dp_rank: int, *, micro_batches: int, bucket_mb: float, grad_dtype: torch.dtype,
-                 sharded: bool) -> None:
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        groups: list[list[int]],
+        comm: Comm,
+        dp_group: Group,
+        dp_rank: int,
+        *,
+        micro_batches: int,
+        bucket_mb: float,
+        grad_dtype: torch.dtype,
+        sharded: bool,
+    ) -> None:
         self.names, params = [n for n, _ in named_params], [p for _, p in named_params]
         self.comm, self.group, self.dp, self.dp_rank = comm, dp_group, dp_group.size, dp_rank
         self.micro_batches, self.sharded = micro_batches, sharded
@@ -98,10 +109,10 @@ class DataParallel:
         self.grads: list[torch.Tensor] = []  # per parameter: its gradient, shaped like it
         with torch.no_grad():
             for param, offset, numel in zip(params, self.offsets, numels, strict=True):
-                view = self.flat_params[offset:offset + numel].view_as(param)
+                view = self.flat_params[offset : offset + numel].view_as(param)
                 view.copy_(param)
                 param.data = view
-                self.grads.append(self.flat_grads[offset:offset + numel].view_as(param))
+                self.grads.append(self.flat_grads[offset : offset + numel].view_as(param))
         self.bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in bucket.params}
         self.arrivals = [0] * len(params)  # gradients received this step, per parameter
         self.complete = [0] * len(self.buckets)  # parameters of the bucket with all their gradients in
@@ -129,9 +140,11 @@ class DataParallel:
             self.arrivals[index] += 1
             if self.arrivals[index] > self.micro_batches:
                 raise FemtotronError(
-                    f"{self.names[index]} received {self.arrivals[index]} gradients in one step, but a step has "
+                    f"{self.names[index]} received {self.arrivals[index]} gradients in one step, but a step "
+                    f"has "
                     f"{self.micro_batches} micro-batches: its bucket was already reduced over dp. Call "
-                    "zero_grad() after each optimizer step.")
+                    "zero_grad() after each optimizer step."
+                )
             if self.arrivals[index] == self.micro_batches:
                 bucket = self.bucket_of[index]
                 self.complete[bucket] += 1
@@ -144,7 +157,7 @@ class DataParallel:
         if self.dp == 1:
             return
         bucket = self.buckets[index]
-        grads = self.flat_grads[bucket.start:bucket.end]
+        grads = self.flat_grads[bucket.start : bucket.end]
         if self.sharded:
             low, high = bucket.shard(self.dp, self.dp_rank)
             self.pending[index] = self.comm.start_reduce_scatter(self.flat_grads[low:high], grads, self.group)
@@ -159,7 +172,9 @@ class DataParallel:
                 if index not in self.pending:
                     self._launch(index)
             for index, work in self.pending.items():
-                self.comm.wait(work, self.group, self.flat_grads[self.buckets[index].start:self.buckets[index].end])
+                self.comm.wait(
+                    work, self.group, self.flat_grads[self.buckets[index].start : self.buckets[index].end]
+                )
         self.pending.clear()
 
     def zero_grad(self) -> None:
@@ -173,13 +188,16 @@ class DataParallel:
         included), and for the elements it owns fp32 master weights (none when the parameters are fp32: they
         are their own masters) and Adam's two moments (optim/zero.py)."""
         owned = sum(piece.end - piece.start for piece in self.pieces)
-        return {"params": self.flat_params.nbytes, "grads": self.flat_grads.nbytes,
-                "master_weights": 0 if self.flat_params.dtype == torch.float32 else 4 * owned,
-                "adam_moments": 8 * owned}
+        return {
+            "params": self.flat_params.nbytes,
+            "grads": self.flat_grads.nbytes,
+            "master_weights": 0 if self.flat_params.dtype == torch.float32 else 4 * owned,
+            "adam_moments": 8 * owned,
+        }
 
     def owned(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """This rank's pieces of a flat buffer (or of any tensor laid out like one), as 1-D views."""
-        return [flat[piece.start:piece.end] for piece in self.pieces]
+        return [flat[piece.start : piece.end] for piece in self.pieces]
 
     def gather_params(self) -> None:
         """ZeRO-1, after the step: every rank's updated shard of the parameters to every rank."""
@@ -188,22 +206,30 @@ class DataParallel:
         works = []
         for bucket in self.buckets:
             low, high = bucket.shard(self.dp, self.dp_rank)
-            works.append(self.comm.start_all_gather(self.flat_params[bucket.start:bucket.end],
-                                                    self.flat_params[low:high], self.group))
+            works.append(
+                self.comm.start_all_gather(
+                    self.flat_params[bucket.start : bucket.end], self.flat_params[low:high], self.group
+                )
+            )
         for bucket, work in zip(self.buckets, works, strict=True):
-            self.comm.wait(work, self.group, self.flat_params[bucket.start:bucket.end])
+            self.comm.wait(work, self.group, self.flat_params[bucket.start : bucket.end])
 
     def full(self, owned: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per parameter, the whole tensor from every rank's owned pieces (e.g. fp32 master weights):
         each element is owned by exactly one rank, so a sum over dp assembles them."""
-        flat = torch.zeros(self.flat_grads.numel(), dtype=owned[0].dtype if owned else torch.float32,
-                           device=self.flat_grads.device)
+        flat = torch.zeros(
+            self.flat_grads.numel(),
+            dtype=owned[0].dtype if owned else torch.float32,
+            device=self.flat_grads.device,
+        )
         for piece, values in zip(self.pieces, owned, strict=True):
-            flat[piece.start:piece.end] = values
+            flat[piece.start : piece.end] = values
         if self.sharded:
             self.comm.all_reduce(flat, self.group)
-        return [flat[offset:offset + grad.numel()].view_as(grad) for offset, grad in zip(self.offsets, self.grads,
-                                                                                          strict=True)]
+        return [
+            flat[offset : offset + grad.numel()].view_as(grad)
+            for offset, grad in zip(self.offsets, self.grads, strict=True)
+        ]
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -18,7 +18,8 @@ class Store:
         self.store, self.address = store, address
         self._posted: dict[str, str] = {}
         self._keys = 0
-        # torchrun's store outlives a worker restart: keys carry the attempt, so none is read from the last one
+        # torchrun's store outlives a worker restart: keys carry the attempt, so none is read from the last
+        # one
         self.key_prefix = f"femtotron/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
     def fresh_key(self, prefix: str) -> str:
@@ -27,12 +28,15 @@ class Store:
         return f"{prefix}{self._keys}"
 
     def new_client(self) -> dist.Store | None:
-        """Another connection to the store (None with one process): a client serves one request at a time, so a
-        thread that must get through while the main thread waits on the store (the watchdog) needs its own."""
+        """Another connection to the store (None with one process): a client serves one request at a time, so
+        a thread that must get through while the main thread waits on the store (the watchdog) needs its
+        own."""
         if self.address is None:
             return None
         host, port = self.address
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
+        return dist.TCPStore(
+            host, port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False
+        )
 
     def post(self, key: str, value: str) -> None:
         """Publish a string under `key`."""
@@ -46,13 +50,17 @@ class Store:
         unless the wait timed out: the caller names the missing ones). `remove`: delete them from the store
         (when only this rank reads them), so a long run does not pile them up."""
         if self.store is None:
-            return {k: (self._posted.pop if remove else self._posted.get)(k) for k in keys if k in self._posted}
+            return {
+                k: (self._posted.pop if remove else self._posted.get)(k) for k in keys if k in self._posted
+            }
         full = [f"{self.key_prefix}post/{k}" for k in keys]
         try:
             self.store.wait(full, timedelta(seconds=timeout))
         except (RuntimeError, OSError):  # a timeout: some key never came
             pass
-        got = {k: self.store.get(f).decode() for k, f in zip(keys, full, strict=True) if self.store.check([f])}
+        got = {
+            k: self.store.get(f).decode() for k, f in zip(keys, full, strict=True) if self.store.check([f])
+        }
         if remove:
             for key in got:
                 self.store.delete_key(f"{self.key_prefix}post/{key}")

@@ -116,7 +116,9 @@ def leave_row_parallel(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return _ScatterSequence.apply(x, tp) if tp.sequence_parallel else _ReduceFromTP.apply(x, tp)
 
 
-def vocab_embedding(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, tp: TensorParallel) -> torch.Tensor:
+def vocab_embedding(
+    ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, tp: TensorParallel
+) -> torch.Tensor:
     """Look up ids in this rank's rows [vocab_start, vocab_start + rows) and sum over tp."""
     if tp.size == 1:
         return torch.nn.functional.embedding(ids, weight)
@@ -132,8 +134,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     per token (max, sum of exponentials, target logit) instead of gathering (tokens x vocab) logits."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, ignore_index: int,
-                tp: TensorParallel) -> torch.Tensor:
+    def forward(
+        ctx,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        vocab_start: int,
+        ignore_index: int,
+        tp: TensorParallel,
+    ) -> torch.Tensor:
         logits_dtype = logits.dtype
         logits = logits.float()
         row_max = logits.max(dim=-1).values
@@ -163,22 +171,31 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits.to(ctx.logits_dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab_size: int,
-                                 ignore_index: int, tp: TensorParallel) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    ignore_index: int,
+    tp: TensorParallel,
+) -> torch.Tensor:
     """Sum of cross-entropy over valid targets, from this rank's logits for [vocab_start, ...).
 
     Columns past `vocab_size` (the padding that makes the vocabulary divisible by tp) are masked
     to -inf, so they get probability 0 and no gradient.
     """
     columns = logits.shape[-1]
-    padding = min(vocab_start + columns - vocab_size, columns)  # a tiny vocabulary can leave a shard all padding
+    padding = min(
+        vocab_start + columns - vocab_size, columns
+    )  # a tiny vocabulary can leave a shard all padding
     if padding > 0:
         mask = torch.zeros(columns, dtype=torch.bool, device=logits.device)
-        mask[columns - padding:] = True
+        mask[columns - padding :] = True
         logits = logits.masked_fill(mask, float("-inf"))
     if tp.size == 1:
-        return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum",
-                                                 ignore_index=ignore_index)
+        return torch.nn.functional.cross_entropy(
+            logits.flatten(0, -2).float(), targets.flatten(), reduction="sum", ignore_index=ignore_index
+        )
     return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, ignore_index, tp)
 
 
@@ -197,8 +214,10 @@ def gather_full(tensor: torch.Tensor, dim: int | None, tp: TensorParallel, parts
 def _split(name: str, what: str, n: int, tp: TensorParallel) -> None:
     # The config rules (T2) catch this first; a model built by hand must not pad weights silently.
     if n % tp.size:
-        raise ConfigError(f"{name}: {what}={n} is not divisible by tp={tp.size}, so it cannot be split over "
-                          f"parallelism.tp ranks. Choose parallelism.tp dividing {n}.")
+        raise ConfigError(
+            f"{name}: {what}={n} is not divisible by tp={tp.size}, so it cannot be split over "
+            f"parallelism.tp ranks. Choose parallelism.tp dividing {n}."
+        )
 
 
 class ColumnParallelLinear(nn.Module):
@@ -209,8 +228,17 @@ class ColumnParallelLinear(nn.Module):
     [part 0 | part 1 | ...] of its own features, each part contiguous.
     """
 
-    def __init__(self, make: Callable[..., nn.Parameter], name: str, d_in: int, d_out: int, std: float | None,
-                 tp: TensorParallel, pad: bool = False, parts: int = 1) -> None:
+    def __init__(
+        self,
+        make: Callable[..., nn.Parameter],
+        name: str,
+        d_in: int,
+        d_out: int,
+        std: float | None,
+        tp: TensorParallel,
+        pad: bool = False,
+        parts: int = 1,
+    ) -> None:
         super().__init__()
         if not pad:
             _split(f"{name}.weight", "output features", d_out, tp)
@@ -226,8 +254,15 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's columns (input features) split over tp; partial outputs are summed."""
 
-    def __init__(self, make: Callable[..., nn.Parameter], name: str, d_in: int, d_out: int, std: float | None,
-                 tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        make: Callable[..., nn.Parameter],
+        name: str,
+        d_in: int,
+        d_out: int,
+        std: float | None,
+        tp: TensorParallel,
+    ) -> None:
         super().__init__()
         _split(f"{name}.weight", "input features", d_in, tp)
         self.tp = tp
@@ -241,13 +276,22 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split over tp, the vocabulary padded up to a multiple of tp."""
 
-    def __init__(self, make: Callable[..., nn.Parameter], name: str, vocab: int, dim: int, std: float,
-                 tp: TensorParallel, tie_group: str | None) -> None:
+    def __init__(
+        self,
+        make: Callable[..., nn.Parameter],
+        name: str,
+        vocab: int,
+        dim: int,
+        std: float,
+        tp: TensorParallel,
+        tie_group: str | None,
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.vocab_start = tp.rank * shard_size(vocab, tp.size)
-        self.weight = make(f"{name}.weight", (vocab, dim), std, shard_dim=0, rank=tp.rank, world=tp.size,
-                           tie_group=tie_group)
+        self.weight = make(
+            f"{name}.weight", (vocab, dim), std, shard_dim=0, rank=tp.rank, world=tp.size, tie_group=tie_group
+        )
         self.output_split_dim = SEQUENCE_DIM if tp.sequence_parallel else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -56,8 +56,15 @@ from femtotron.serialize.weights import TOKENIZER_FILE, weights_present
 from femtotron.train_state import TrainState
 
 LATEST = "latest"
-MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "tie_word_embeddings")
+MODEL_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+)
 
 
 @dataclass
@@ -81,9 +88,15 @@ def checkpoint_root(config: Config) -> Path:
 
 def mesh_of(config: Config) -> dict[str, Any]:
     par = config.parallelism
-    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "pp_engine": par.pp_engine,
-            "pp_virtual_stages": par.pp_virtual_stages, "tp_mode": par.tp_mode,
-            "zero_stage": config.optimizer.zero_stage}
+    return {
+        "dp": par.dp,
+        "tp": par.tp,
+        "pp": par.pp,
+        "pp_engine": par.pp_engine,
+        "pp_virtual_stages": par.pp_virtual_stages,
+        "tp_mode": par.tp_mode,
+        "zero_stage": config.optimizer.zero_stage,
+    }
 
 
 @dataclass(frozen=True)
@@ -107,27 +120,50 @@ def saved_slices(model: RankModel) -> list[SavedSlice]:
             continue
         name, param = named[piece.param]
         offset = data_parallel.offsets[piece.param]
-        owner = next(i for i, p in enumerate(data_parallel.pieces) if p.start <= piece.start and piece.end <= p.end)
+        owner = next(
+            i for i, p in enumerate(data_parallel.pieces) if p.start <= piece.start and piece.end <= p.end
+        )
         for place in placements(param.shard, tuple(param.shape), piece.start - offset, piece.end - offset):
-            out.append(SavedSlice(name, param.shard.global_shape, place, offset + place.flat_start,
-                                  offset + place.flat_stop, owner))
+            out.append(
+                SavedSlice(
+                    name,
+                    param.shard.global_shape,
+                    place,
+                    offset + place.flat_start,
+                    offset + place.flat_stop,
+                    owner,
+                )
+            )
     return out
 
 
-def rank_slices(model: RankModel, optimizer: ZeroAdamW) -> list[tuple[str, tuple[int, ...], Box, torch.Tensor]]:
+def rank_slices(
+    model: RankModel, optimizer: ZeroAdamW
+) -> list[tuple[str, tuple[int, ...], Box, torch.Tensor]]:
     """(tensor name, global shape, box, values) for every slice this rank saves, from the live tensors."""
     data_parallel = model.data_parallel
-    kinds = ("master", "exp_avg", "exp_avg_sq") if data_parallel.flat_params.dtype != torch.float32 \
-        else ("exp_avg", "exp_avg_sq")  # fp32 weights are their own masters
+    kinds = (
+        ("master", "exp_avg", "exp_avg_sq")
+        if data_parallel.flat_params.dtype != torch.float32
+        else ("exp_avg", "exp_avg_sq")
+    )  # fp32 weights are their own masters
     states = {kind: optimizer.state(kind) for kind in kinds}
     out = []
     for saved in saved_slices(model):
         start = data_parallel.pieces[saved.owner].start
-        sources = {"model": data_parallel.flat_params[saved.low:saved.high]}
-        sources.update({kind: states[kind][saved.owner][saved.low - start:saved.high - start] for kind in kinds})
+        sources = {"model": data_parallel.flat_params[saved.low : saved.high]}
+        sources.update(
+            {kind: states[kind][saved.owner][saved.low - start : saved.high - start] for kind in kinds}
+        )
         for kind, flat in sources.items():
-            out.append((f"{kind}/{saved.name}", saved.shape, saved.place.target,
-                        flat.view(saved.place.local_shape)[saved.place.valid]))
+            out.append(
+                (
+                    f"{kind}/{saved.name}",
+                    saved.shape,
+                    saved.place.target,
+                    flat.view(saved.place.local_shape)[saved.place.valid],
+                )
+            )
     return out
 
 
@@ -137,8 +173,14 @@ def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     tensors = {"rng/torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors["rng/torch_cuda"] = torch.cuda.get_rng_state()
-    return tensors, {"rng": json.dumps({"python": [python[0], list(python[1]), python[2]],
-                                        "numpy": [kind, keys.tolist(), position, has_gauss, cached]})}
+    return tensors, {
+        "rng": json.dumps(
+            {
+                "python": [python[0], list(python[1]), python[2]],
+                "numpy": [kind, keys.tolist(), position, has_gauss, cached],
+            }
+        )
+    }
 
 
 def set_rng_state(reader: CheckpointReader, file: str) -> None:
@@ -178,13 +220,17 @@ def save(parts: TrainingParts) -> Path:
             raise prepared
         tmp.mkdir(parents=True, exist_ok=True)  # on another node of a shared file system it may show up late
         extra, metadata = rng_state()
-        record = {**write_rank_file(tmp, ctx.rank, rank_slices(parts.model, parts.optimizer), extra, metadata),
-                  "rng": True}
+        record = {
+            **write_rank_file(tmp, ctx.rank, rank_slices(parts.model, parts.optimizer), extra, metadata),
+            "rng": True,
+        }
     except Exception as e:  # noqa: BLE001 - whatever it is (disk full: SafetensorError), rank 0 must hear of it
         store.post(f"{key}/rank{ctx.rank}", json.dumps({"error": f"{type(e).__name__}: {e}"}))
         if ctx.rank != 0:
-            raise CheckpointError(f"rank {ctx.rank} could not write its part of checkpoint {final}: {e}. Check "
-                                  f"free space and permissions under {root}.") from None
+            raise CheckpointError(
+                f"rank {ctx.rank} could not write its part of checkpoint {final}: {e}. Check "
+                f"free space and permissions under {root}."
+            ) from None
     else:
         store.post(f"{key}/rank{ctx.rank}", json.dumps(record))
     timeout = config.parallelism.collective_timeout_seconds
@@ -195,9 +241,14 @@ def save(parts: TrainingParts) -> Path:
                 records.append(file_record(tmp / TOKENIZER_FILE))
             commit(tmp, final, run_state(parts), records)
         except (CheckpointError, OSError) as e:
-            verdict = e if isinstance(e, CheckpointError) else CheckpointError(
-                f"checkpoint {final} was not committed: {type(e).__name__}: {e}. Check free space and "
-                f"permissions under {root}; the previous checkpoint is intact.")
+            verdict = (
+                e
+                if isinstance(e, CheckpointError)
+                else CheckpointError(
+                    f"checkpoint {final} was not committed: {type(e).__name__}: {e}. Check free space and "
+                    f"permissions under {root}; the previous checkpoint is intact."
+                )
+            )
             store.post(f"{key}/commit", str(verdict))
             raise verdict from None
         store.post(f"{key}/commit", "ok")
@@ -207,8 +258,10 @@ def save(parts: TrainingParts) -> Path:
         # Rank 0 may itself wait `timeout` for a slow rank before it commits.
         outcome = store.collect([f"{key}/commit"], 2 * timeout + 60).get(f"{key}/commit")
         if outcome != "ok":
-            raise CheckpointError(f"rank {ctx.rank}: checkpoint {final} was not committed by rank 0: "
-                                  f"{outcome or f'no word from rank 0 within {2 * timeout + 60:g} s'}")
+            raise CheckpointError(
+                f"rank {ctx.rank}: checkpoint {final} was not committed by rank 0: "
+                f"{outcome or f'no word from rank 0 within {2 * timeout + 60:g} s'}"
+            )
     return final
 
 
@@ -222,12 +275,18 @@ def collect_records(store: Store, world: int, key: str, final: Path, timeout: fl
         details = "".join(f"\n  rank {r}: {message}" for r, message in failed.items())
         raise CheckpointError(
             f"checkpoint {final} was not committed: "
-            + (f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} did not finish writing "
-               f"{'their files' if len(missing) > 1 else 'its file'} within {timeout:g} s "
-               "(parallelism.collective_timeout_seconds): died, or stuck on the file system. " if missing else "")
+            + (
+                f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} did not finish writing "
+                f"{'their files' if len(missing) > 1 else 'its file'} within {timeout:g} s "
+                "(parallelism.collective_timeout_seconds): died, or stuck on the file system. "
+                if missing
+                else ""
+            )
             + (f"Ranks failed to write:{details}\n" if failed else "")
-            + f"The previous checkpoint is intact; the half-written {final.parent / ('.tmp-' + final.name)} is "
-            "ignored on resume.")
+            + f"The previous checkpoint is intact; the half-written {final.parent / ('.tmp-' + final.name)} "
+            f"is "
+            "ignored on resume."
+        )
     return [records[r] for r in range(world)]
 
 
@@ -236,8 +295,10 @@ def run_state(parts: TrainingParts) -> dict[str, Any]:
     config, state = parts.config, parts.state.state_dict()
     state["lr_schedule"]["style"] = config.optimizer.learning_rate_scheduler.lr_decay_style
     return {
-        **state, "optimizer_steps": parts.optimizer.steps_taken(),
-        "mesh": mesh_of(config), "world_size": parts.ctx.world_size,
+        **state,
+        "optimizer_steps": parts.optimizer.steps_taken(),
+        "mesh": mesh_of(config),
+        "world_size": parts.ctx.world_size,
         "global_batch_size": config.global_batch_size,
         "data": {"samples_per_epoch": parts.data.samples_per_epoch, "tokens": parts.data.num_tokens},
         "config": config.to_dict(),
@@ -269,7 +330,7 @@ def prune(root: Path, keep: int | None, newest: Path) -> list[str]:
         return []
     older = [p for p in committed_checkpoints(root) if p.name < newest.name]
     warnings = []
-    for old in older[:max(len(older) - (keep - 1), 0)]:
+    for old in older[: max(len(older) - (keep - 1), 0)]:
         try:
             shutil.rmtree(old)
         except OSError as e:
@@ -286,22 +347,30 @@ def resolve(path: Path, what: str = "checkpoints.resume_checkpoint_path") -> tup
     """The checkpoint directory `path` means (a step-NNNNNNN directory, or the newest committed one in a
     checkpoints directory), and warnings to log. `what` names where the path came from, for messages."""
     if not path.exists():
-        raise CheckpointError(f"{what}: {path} does not exist. Give a checkpoint (a step-NNNNNNN directory) or the "
-                              "checkpoints directory that holds them.")
+        raise CheckpointError(
+            f"{what}: {path} does not exist. Give a checkpoint (a step-NNNNNNN directory) or the "
+            "checkpoints directory that holds them."
+        )
     if (path / MANIFEST).is_file() or path.name.startswith("step-"):
         return path, []
-    warnings = [f"ignoring {tmp}: a save that did not finish (the process died while writing it)"
-                for tmp in sorted(path.glob(".tmp-step-*"))]
+    warnings = [
+        f"ignoring {tmp}: a save that did not finish (the process died while writing it)"
+        for tmp in sorted(path.glob(".tmp-step-*"))
+    ]
     committed = committed_checkpoints(path)
     if not committed:
-        raise CheckpointError(f"{what}: {path} holds no committed checkpoint (no step-NNNNNNN directory with a "
-                              f"{MANIFEST}). Give another run's checkpoints, or start without it.")
+        raise CheckpointError(
+            f"{what}: {path} holds no committed checkpoint (no step-NNNNNNN directory with a "
+            f"{MANIFEST}). Give another run's checkpoints, or start without it."
+        )
     latest = path / LATEST
     named = path / latest.read_text().strip() if latest.is_file() else None
     if named is not None and named in committed:
         return named, warnings
-    warnings.append(f"{latest} {'is missing' if named is None else f'names {named.name}, which is not committed'}; "
-                    f"taking the newest committed checkpoint, {committed[-1].name}")
+    warnings.append(
+        f"{latest} {'is missing' if named is None else f'names {named.name}, which is not committed'}; "
+        f"taking the newest committed checkpoint, {committed[-1].name}"
+    )
     return committed[-1], warnings
 
 
@@ -313,15 +382,28 @@ def resume_source(config: Config) -> tuple[Path | None, str, list[str]]:
     own_latest = committed_checkpoints(own)[-1:] if own.is_dir() else []
     if given is not None:
         unused = own_latest and own.resolve() not in (Path(given).resolve(), Path(given).resolve().parent)
-        return Path(given), "checkpoints.resume_checkpoint_path", [
-            f"checkpoints.resume_checkpoint_path={given} is given, so the checkpoints of this run in {own} (up to "
-            f"{own_latest[0].name}) are not resumed; remove resume_checkpoint_path to continue from them"] if unused \
-            else []
+        return (
+            Path(given),
+            "checkpoints.resume_checkpoint_path",
+            [
+                f"checkpoints.resume_checkpoint_path={given} is given, so the checkpoints of this run in "
+                f"{own} (up to "
+                f"{own_latest[0].name}) are not resumed; remove resume_checkpoint_path to continue from them"
+            ]
+            if unused
+            else [],
+        )
     if not own_latest:
         return None, "", []
     if not config.checkpoints.auto_resume:
-        return None, "", [f"checkpoints.auto_resume=false: starting from step 0, although {own} holds checkpoints up "
-                          f"to {own_latest[0].name}; this run's saves replace them"]
+        return (
+            None,
+            "",
+            [
+                f"checkpoints.auto_resume=false: starting from step 0, although {own} holds checkpoints up "
+                f"to {own_latest[0].name}; this run's saves replace them"
+            ],
+        )
     return own, "checkpoints.checkpoints_path (the run's own, checkpoints.auto_resume=true)", []
 
 
@@ -336,23 +418,34 @@ def already_done(config: Config) -> str | None:
     train_steps = config.tokens.train_steps
     if step < train_steps or (config.checkpoints.save_final_state and not weights_present(config.run_dir)):
         return None
-    return (f"already done: {directory} is step {step} of tokens.train_steps={train_steps} and the weights are in "
-            f"{config.run_dir}. Nothing to train: raise tokens.train_steps to go on, or set "
-            "checkpoints.auto_resume=false to start over.")
+    return (
+        f"already done: {directory} is step {step} of tokens.train_steps={train_steps} and the weights are "
+        f"in "
+        f"{config.run_dir}. Nothing to train: raise tokens.train_steps to go on, or set "
+        "checkpoints.auto_resume=false to start over."
+    )
 
 
 def check_model_matches(manifest: dict[str, Any], config: Config, directory: Path) -> None:
     saved = manifest["config"]["model"]["model_config"]
     current = config.model.model_config_
-    wrong = [f"model.model_config.{field}: checkpoint {saved.get(field)!r}, config {getattr(current, field)!r}"
-             for field in MODEL_FIELDS if saved.get(field) != getattr(current, field)]
+    wrong = [
+        f"model.model_config.{field}: checkpoint {saved.get(field)!r}, config {getattr(current, field)!r}"
+        for field in MODEL_FIELDS
+        if saved.get(field) != getattr(current, field)
+    ]
     if wrong:
-        raise CheckpointError(f"checkpoint {directory} was saved from a different model:\n  " + "\n  ".join(wrong)
-                              + f"\nSet these fields as in the checkpoint's config ({directory / MANIFEST}), or "
-                              "start a new run from step 0.")
+        raise CheckpointError(
+            f"checkpoint {directory} was saved from a different model:\n  "
+            + "\n  ".join(wrong)
+            + f"\nSet these fields as in the checkpoint's config ({directory / MANIFEST}), or "
+            "start a new run from step 0."
+        )
 
 
-def load(parts: TrainingParts, path: Path, what: str = "checkpoints.resume_checkpoint_path") -> tuple[str, Path]:
+def load(
+    parts: TrainingParts, path: Path, what: str = "checkpoints.resume_checkpoint_path"
+) -> tuple[str, Path]:
     """Restore the run from the checkpoint at (or latest under) `path`; return a line for the log and the
     checkpoint's directory. Rank 0 decides which checkpoint `path` means (ranks reading `latest` on their
     own could see different ones on a shared file system); every rank loads its own part and checks the
@@ -373,12 +466,13 @@ def load(parts: TrainingParts, path: Path, what: str = "checkpoints.resume_check
         else:
             decided = json.loads(store.collect([key], ctx.collective_timeout_seconds).get(key, "{}"))
             if "directory" not in decided:
-                raise CheckpointError(decided.get("error", f"rank {ctx.rank}: no word from rank 0 on which "
-                                                           "checkpoint to load"))
+                raise CheckpointError(
+                    decided.get("error", f"rank {ctx.rank}: no word from rank 0 on which checkpoint to load")
+                )
             directory = Path(decided["directory"])
         with CheckpointReader(directory) as reader:
             files = sorted(reader.manifest["files"])
-            for name in files[ctx.rank::ctx.world_size]:  # each file's checksum read by one rank only
+            for name in files[ctx.rank :: ctx.world_size]:  # each file's checksum read by one rank only
                 reader.verify(name)
             check_model_matches(reader.manifest, parts.config, directory)
             load_tensors(parts.model, parts.optimizer, reader)
@@ -386,25 +480,36 @@ def load(parts: TrainingParts, path: Path, what: str = "checkpoints.resume_check
     except CheckpointError as e:
         failure = e
     except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks, or they wait for a timeout
-        failure = CheckpointError(f"rank {ctx.rank}: loading checkpoint {directory} failed: {type(e).__name__}: "
-                                  f"{e}")
+        failure = CheckpointError(
+            f"rank {ctx.rank}: loading checkpoint {directory} failed: {type(e).__name__}: {e}"
+        )
     failed = torch.tensor(float(failure is not None), device=ctx.device)
     ctx.comm.all_reduce(failed, ctx.world_group, op="max")
     if failure is not None:
         raise failure
     if failed.item():
-        raise CheckpointError(f"rank {ctx.rank}: another rank could not load the checkpoint; its error says why.")
+        raise CheckpointError(
+            f"rank {ctx.rank}: another rank could not load the checkpoint; its error says why."
+        )
     return summary, directory
 
 
-def fill(target: torch.Tensor, param: torch.nn.Parameter, start: int, stop: int, reader: CheckpointReader,
-         tensor: str) -> None:
+def fill(
+    target: torch.Tensor,
+    param: torch.nn.Parameter,
+    start: int,
+    stop: int,
+    reader: CheckpointReader,
+    tensor: str,
+) -> None:
     """Fill `target`, elements [start, stop) of `param`'s local tensor flattened, from the checkpoint."""
     if reader.shape(tensor) != param.shard.global_shape:
-        raise CheckpointError(f"checkpoint {reader.directory}: {tensor} has global shape {reader.shape(tensor)}, "
-                              f"this model's is {param.shard.global_shape}. The checkpoint belongs to another model.")
+        raise CheckpointError(
+            f"checkpoint {reader.directory}: {tensor} has global shape {reader.shape(tensor)}, "
+            f"this model's is {param.shard.global_shape}. The checkpoint belongs to another model."
+        )
     for place in placements(param.shard, tuple(param.shape), start, stop):
-        view = target[place.flat_start - start:place.flat_stop - start].view(place.local_shape)
+        view = target[place.flat_start - start : place.flat_stop - start].view(place.local_shape)
         view[place.valid] = reader.read(tensor, place.target).to(device=view.device, dtype=view.dtype)
 
 
@@ -428,28 +533,37 @@ def load_tensors(model: RankModel, optimizer: ZeroAdamW, reader: CheckpointReade
 def restore_counters(parts: TrainingParts, reader: CheckpointReader, directory: Path) -> str:
     manifest, state, config = reader.manifest, parts.state, parts.config
     # Only an fp16 run's scale means anything; a bf16 or fp32 one is 1 (and would be fp16's minimum).
-    state.load_state_dict(manifest, loss_scale=state.scaler.enabled and manifest["config"]["model"].get("dtype")
-                          == "float16")
+    state.load_state_dict(
+        manifest, loss_scale=state.scaler.enabled and manifest["config"]["model"].get("dtype") == "float16"
+    )
     saved, current = manifest["mesh"], mesh_of(config)
     same_layout = saved == current and manifest.get("world_size") == parts.ctx.world_size
     rng_file = manifest.get("rng", {}).get(str(parts.ctx.rank))
     if same_layout and rng_file is not None:
         set_rng_state(reader, rng_file)
-    line = (f"resumed from {directory} at step {state.step} ({state.consumed_samples:,} samples, "
-            f"{state.consumed_tokens:,} tokens consumed)")
+    line = (
+        f"resumed from {directory} at step {state.step} ({state.consumed_samples:,} samples, "
+        f"{state.consumed_tokens:,} tokens consumed)"
+    )
     data = {"samples_per_epoch": parts.data.samples_per_epoch, "tokens": parts.data.num_tokens}
     if manifest.get("data", data) != data:
-        parts.log.warn(f"the training data differs from the checkpoint's ({manifest['data']['tokens']:,} tokens, now "
-                       f"{data['tokens']:,}): the run continues at global sample {state.consumed_samples:,} of the new "
-                       "data, not where the old data left off")
+        parts.log.warn(
+            f"the training data differs from the checkpoint's ({manifest['data']['tokens']:,} tokens, now "
+            f"{data['tokens']:,}): the run continues at global sample {state.consumed_samples:,} of the new "
+            "data, not where the old data left off"
+        )
     batch = manifest.get("global_batch_size", config.global_batch_size)
     if batch != config.global_batch_size:
-        parts.log.warn(f"global batch size {batch} at the save, {config.global_batch_size} now: the data continues "
-                       "at the same global sample and the lr schedule by step, but the losses will not match a run "
-                       "that kept the batch")
+        parts.log.warn(
+            f"global batch size {batch} at the save, {config.global_batch_size} now: the data continues "
+            "at the same global sample and the lr schedule by step, but the losses will not match a run "
+            "that kept the batch"
+        )
     if same_layout:
         return line if rng_file is not None else f"{line}; no RNG states in the checkpoint (written offline)"
     changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in current.items() if saved.get(k) != v)
-    return (f"{line}; resharded ({changed}): weights, master weights and Adam moments read as slices of the "
-            "global tensors for this layout; the data continues at the same global sample; RNG states not "
-            "restored (the ranks changed)")
+    return (
+        f"{line}; resharded ({changed}): weights, master weights and Adam moments read as slices of the "
+        "global tensors for this layout; the data continues at the same global sample; RNG states not "
+        "restored (the ranks changed)"
+    )

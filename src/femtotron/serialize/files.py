@@ -30,7 +30,12 @@ from femtotron.serialize.geometry import Box, intersect, relative, volume
 FORMAT = "femtotron-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "uint8": torch.uint8,
+}
 
 
 class CheckpointError(FemtotronError):
@@ -77,21 +82,32 @@ class SliceRecord:
     stop: tuple[int, ...]
 
 
-def write_rank_file(directory: Path, rank: int, slices: list[tuple[str, tuple[int, ...], Box, torch.Tensor]],
-                    extra: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
+def write_rank_file(
+    directory: Path,
+    rank: int,
+    slices: list[tuple[str, tuple[int, ...], Box, torch.Tensor]],
+    extra: dict[str, torch.Tensor],
+    metadata: dict[str, str],
+) -> dict[str, Any]:
     """Write one rank's slices, given as (tensor name, global shape, box, values), plus `extra` tensors
     (RNG states) and string `metadata`; return what the manifest needs to know about the file."""
     tensors, records = dict(extra), []
     for index, (name, shape, (start, stop), values) in enumerate(slices):
         key = f"{index}:{name}"
         tensors[key] = values.detach().to("cpu").contiguous()
-        records.append(SliceRecord(name, tuple(shape), str(values.dtype).removeprefix("torch."), key, start, stop))
+        records.append(
+            SliceRecord(name, tuple(shape), str(values.dtype).removeprefix("torch."), key, start, stop)
+        )
     path = directory / rank_file(rank)
     save_file(tensors, str(path), metadata=metadata)
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-    return {"file": path.name, "sha256": sha256_of(path), "bytes": path.stat().st_size,
-            "slices": [vars(r) for r in records]}
+    return {
+        "file": path.name,
+        "sha256": sha256_of(path),
+        "bytes": path.stat().st_size,
+        "slices": [vars(r) for r in records],
+    }
 
 
 def file_record(path: Path) -> dict[str, Any]:
@@ -104,13 +120,24 @@ def build_manifest(state: dict[str, Any], files: list[dict[str, Any]]) -> dict[s
     tensors: dict[str, dict[str, Any]] = {}
     for record in files:
         for piece in record["slices"]:
-            entry = tensors.setdefault(piece["tensor"], {"shape": list(piece["shape"]), "dtype": piece["dtype"],
-                                                         "slices": []})
-            entry["slices"].append({"file": record["file"], "key": piece["key"], "start": list(piece["start"]),
-                                    "stop": list(piece["stop"])})
-    return {"format": FORMAT, "version": VERSION, **state,
-            "files": {r["file"]: {"sha256": r["sha256"], "bytes": r["bytes"]} for r in files},
-            "tensors": dict(sorted(tensors.items()))}
+            entry = tensors.setdefault(
+                piece["tensor"], {"shape": list(piece["shape"]), "dtype": piece["dtype"], "slices": []}
+            )
+            entry["slices"].append(
+                {
+                    "file": record["file"],
+                    "key": piece["key"],
+                    "start": list(piece["start"]),
+                    "stop": list(piece["stop"]),
+                }
+            )
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        **state,
+        "files": {r["file"]: {"sha256": r["sha256"], "bytes": r["bytes"]} for r in files},
+        "tensors": dict(sorted(tensors.items())),
+    }
 
 
 class CheckpointReader:
@@ -144,16 +171,22 @@ class CheckpointReader:
         path = self.directory / name
         expected = self.manifest["files"].get(name)
         if expected is None:
-            raise CheckpointError(f"{self.directory / MANIFEST} names a slice in {name} but lists no such file: "
-                                  "the manifest is damaged. Resume from an earlier checkpoint.")
+            raise CheckpointError(
+                f"{self.directory / MANIFEST} names a slice in {name} but lists no such file: "
+                "the manifest is damaged. Resume from an earlier checkpoint."
+            )
         if not path.is_file():
-            raise CheckpointError(f"checkpoint file {path} is missing (the manifest lists it). Copy the whole "
-                                  "checkpoint directory again, or resume from an earlier checkpoint.")
+            raise CheckpointError(
+                f"checkpoint file {path} is missing (the manifest lists it). Copy the whole "
+                "checkpoint directory again, or resume from an earlier checkpoint."
+            )
         size = path.stat().st_size
         if size != expected["bytes"]:
-            raise CheckpointError(f"checkpoint file {path} has {size:,} bytes but the manifest says "
-                                  f"{expected['bytes']:,}: it is truncated or was overwritten. Copy the "
-                                  "checkpoint again, or resume from an earlier checkpoint.")
+            raise CheckpointError(
+                f"checkpoint file {path} has {size:,} bytes but the manifest says "
+                f"{expected['bytes']:,}: it is truncated or was overwritten. Copy the "
+                "checkpoint again, or resume from an earlier checkpoint."
+            )
         return path
 
     def verify(self, name: str) -> None:
@@ -162,9 +195,11 @@ class CheckpointReader:
             return
         path = self._path(name)
         if sha256_of(path) != self.manifest["files"][name]["sha256"]:
-            raise CheckpointError(f"checkpoint file {path} fails its sha256 checksum (the manifest has "
-                                  f"{self.manifest['files'][name]['sha256'][:16]}...): its contents are corrupt. "
-                                  "Copy the checkpoint again, or resume from an earlier checkpoint.")
+            raise CheckpointError(
+                f"checkpoint file {path} fails its sha256 checksum (the manifest has "
+                f"{self.manifest['files'][name]['sha256'][:16]}...): its contents are corrupt. "
+                "Copy the checkpoint again, or resume from an earlier checkpoint."
+            )
         self._verified.add(name)
 
     def _file(self, name: str) -> Any:
@@ -175,8 +210,10 @@ class CheckpointReader:
             try:
                 self._open[name] = safe_open(str(path), framework="pt", device="cpu")
             except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"checkpoint file {path} cannot be read as safetensors ({e}). Resume from "
-                                      "an earlier checkpoint.") from None
+                raise CheckpointError(
+                    f"checkpoint file {path} cannot be read as safetensors ({e}). Resume from "
+                    "an earlier checkpoint."
+                ) from None
         return self._open[name]
 
     def keys(self, name: str) -> list[str]:
@@ -187,9 +224,11 @@ class CheckpointReader:
 
     def _entry(self, tensor: str) -> dict[str, Any]:
         if tensor not in self.tensors:
-            raise CheckpointError(f"checkpoint {self.directory} holds no tensor {tensor!r}: it was saved from a "
-                                  "different model. Check model.model_config against the checkpoint's config "
-                                  f"({self.directory / MANIFEST}).")
+            raise CheckpointError(
+                f"checkpoint {self.directory} holds no tensor {tensor!r}: it was saved from a "
+                "different model. Check model.model_config against the checkpoint's config "
+                f"({self.directory / MANIFEST})."
+            )
         return self.tensors[tensor]
 
     def read(self, tensor: str, box: Box) -> torch.Tensor:
@@ -205,14 +244,18 @@ class CheckpointReader:
             try:
                 values = self._file(piece["file"]).get_slice(piece["key"])[relative(overlap, stored[0])]
             except SafetensorError as e:
-                raise CheckpointError(f"checkpoint file {self.directory / piece['file']}: cannot read "
-                                      f"{piece['key']} ({e}). Resume from an earlier checkpoint.") from None
+                raise CheckpointError(
+                    f"checkpoint file {self.directory / piece['file']}: cannot read "
+                    f"{piece['key']} ({e}). Resume from an earlier checkpoint."
+                ) from None
             out[relative(overlap, box[0])] = values
             covered += volume(overlap)
         if covered != volume(box):
-            raise CheckpointError(f"checkpoint {self.directory}: the slices of {tensor} cover {covered:,} of the "
-                                  f"{volume(box):,} elements asked for ({box}): files are missing from the "
-                                  "manifest. Resume from an earlier checkpoint.")
+            raise CheckpointError(
+                f"checkpoint {self.directory}: the slices of {tensor} cover {covered:,} of the "
+                f"{volume(box):,} elements asked for ({box}): files are missing from the "
+                "manifest. Resume from an earlier checkpoint."
+            )
         return out
 
     def metadata(self, name: str) -> dict[str, str]:
@@ -222,29 +265,37 @@ class CheckpointReader:
         try:
             return self._file(name).get_tensor(key)
         except SafetensorError as e:
-            raise CheckpointError(f"checkpoint file {self.directory / name}: cannot read {key} ({e}). Resume from "
-                                  "an earlier checkpoint.") from None
+            raise CheckpointError(
+                f"checkpoint file {self.directory / name}: cannot read {key} ({e}). Resume from "
+                "an earlier checkpoint."
+            ) from None
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST
     if not path.is_file():
-        raise CheckpointError(f"{directory} is not a committed checkpoint: it has no {MANIFEST} (a save that "
-                              "did not finish leaves none). Give a step-NNNNNNN directory that has one, or the "
-                              "checkpoints directory that holds them (its latest is taken).")
+        raise CheckpointError(
+            f"{directory} is not a committed checkpoint: it has no {MANIFEST} (a save that "
+            "did not finish leaves none). Give a step-NNNNNNN directory that has one, or the "
+            "checkpoints directory that holds them (its latest is taken)."
+        )
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}): the checkpoint is damaged. Resume from an "
-                              "earlier checkpoint.") from None
+        raise CheckpointError(
+            f"{path} is not valid JSON ({e}): the checkpoint is damaged. Resume from an earlier checkpoint."
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a femtotron checkpoint manifest (no \"format\": \"{FORMAT}\").")
+        raise CheckpointError(f'{path} is not a femtotron checkpoint manifest (no "format": "{FORMAT}").')
     if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{path} has format version {manifest.get('version')!r}; this femtotron reads "
-                              f"version {VERSION}. Use the femtotron version that wrote it (or convert it with "
-                              "that version's `femtotron consolidate`).")
+        raise CheckpointError(
+            f"{path} has format version {manifest.get('version')!r}; this femtotron reads "
+            f"version {VERSION}. Use the femtotron version that wrote it (or convert it with "
+            "that version's `femtotron consolidate`)."
+        )
     for key in ("step", "config", "mesh", "files", "tensors"):
         if key not in manifest:
-            raise CheckpointError(f"{path} lacks the field {key!r}: the manifest is damaged. Resume from an "
-                                  "earlier checkpoint.")
+            raise CheckpointError(
+                f"{path} lacks the field {key!r}: the manifest is damaged. Resume from an earlier checkpoint."
+            )
     return manifest

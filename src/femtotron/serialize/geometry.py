@@ -29,14 +29,18 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tupl
     row = start // inner
     if row == (stop - 1) // inner:  # inside one row: split that row one dimension down
         base = row * inner
-        return [(base + a, base + b, ((row, *s), (row + 1, *e)))
-                for a, b, (s, e) in flat_range_boxes(shape[1:], start - base, stop - base)]
+        return [
+            (base + a, base + b, ((row, *s), (row + 1, *e)))
+            for a, b, (s, e) in flat_range_boxes(shape[1:], start - base, stop - base)
+        ]
     head_end = min(stop, -(-start // inner) * inner)  # end of the partial first row (= start if none)
     body_end = max(head_end, stop // inner * inner)  # end of the whole rows
     boxes = flat_range_boxes(shape, start, head_end)
     if body_end > head_end:
         rest = tuple(shape[1:])
-        boxes.append((head_end, body_end, ((head_end // inner, *(0,) * len(rest)), (body_end // inner, *rest))))
+        boxes.append(
+            (head_end, body_end, ((head_end // inner, *(0,) * len(rest)), (body_end // inner, *rest)))
+        )
     return boxes + flat_range_boxes(shape, body_end, stop)
 
 
@@ -62,10 +66,19 @@ def placements(shard: ShardInfo, local_shape: tuple[int, ...], start: int, stop:
         if any(h <= lo for lo, h in zip(low, clipped_high, strict=True)):
             continue
         offsets = [piece.start for piece in shard.local_slice]
-        target = (tuple(lo + o for lo, o in zip(low, offsets, strict=True)),
-                  tuple(h + o for h, o in zip(clipped_high, offsets, strict=True)))
-        out.append(Placement(flat_start, flat_stop, tuple(h - lo for lo, h in zip(low, high, strict=True)),
-                             tuple(slice(0, h - lo) for lo, h in zip(low, clipped_high, strict=True)), target))
+        target = (
+            tuple(lo + o for lo, o in zip(low, offsets, strict=True)),
+            tuple(h + o for h, o in zip(clipped_high, offsets, strict=True)),
+        )
+        out.append(
+            Placement(
+                flat_start,
+                flat_stop,
+                tuple(h - lo for lo, h in zip(low, high, strict=True)),
+                tuple(slice(0, h - lo) for lo, h in zip(low, clipped_high, strict=True)),
+                target,
+            )
+        )
     return out
 
 

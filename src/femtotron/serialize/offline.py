@@ -37,22 +37,39 @@ def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
     for the config the checkpoint was saved with plus `overrides` (e.g. parallelism.tp=4)."""
     directory, _ = resolve(source, SOURCE)
     if out.resolve() == directory.parent.resolve():
-        raise CheckpointError(f"--out {out} is the directory the checkpoint {directory.name} is in: resharding "
-                              "there would replace the checkpoint it reads. Choose another --out.")
+        raise CheckpointError(
+            f"--out {out} is the directory the checkpoint {directory.name} is in: resharding "
+            "there would replace the checkpoint it reads. Choose another --out."
+        )
     with CheckpointReader(directory, verify_all=True) as reader:
         manifest = reader.manifest
         config = load_config_dict(manifest["config"], overrides=overrides)
         tmp, final = out / f".tmp-{directory.name}", out / directory.name
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        records = [write_rank_file(tmp, rank, rank_slices(config, rank, reader), {}, {})
-                   for rank in range(config.parallelism.dp * config.parallelism.tp * config.parallelism.pp)]
+        records = [
+            write_rank_file(tmp, rank, rank_slices(config, rank, reader), {}, {})
+            for rank in range(config.parallelism.dp * config.parallelism.tp * config.parallelism.pp)
+        ]
         if (directory / TOKENIZER_FILE).is_file():
             shutil.copyfile(directory / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
             records.append(file_record(tmp / TOKENIZER_FILE))
-        state = {key: manifest[key] for key in ("step", "consumed_samples", "consumed_tokens", "non_finite_skips",
-                                                "recent", "optimizer_steps", "lr_schedule", "loss_scale",
-                                                "global_batch_size", "data") if key in manifest}
+        state = {
+            key: manifest[key]
+            for key in (
+                "step",
+                "consumed_samples",
+                "consumed_tokens",
+                "non_finite_skips",
+                "recent",
+                "optimizer_steps",
+                "lr_schedule",
+                "loss_scale",
+                "global_batch_size",
+                "data",
+            )
+            if key in manifest
+        }
         state.update(mesh=mesh_of(config), world_size=len(records), config=config.to_dict())
         commit(tmp, final, state, records)
     return final
@@ -61,18 +78,27 @@ def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
 def rank_slices(config: Config, rank: int, reader: CheckpointReader) -> list:
     """What `rank` of `config`'s mesh would save, with the values read from `reader`."""
     model = meta_rank_model(config, rank)
-    return [(f"{kind}/{saved.name}", saved.shape, saved.place.target,
-             reader.read(f"{kind}/{saved.name}", saved.place.target))
-            for saved in saved_slices(model) for kind in KINDS if reader.has(f"{kind}/{saved.name}")]
+    return [
+        (
+            f"{kind}/{saved.name}",
+            saved.shape,
+            saved.place.target,
+            reader.read(f"{kind}/{saved.name}", saved.place.target),
+        )
+        for saved in saved_slices(model)
+        for kind in KINDS
+        if reader.has(f"{kind}/{saved.name}")
+    ]
 
 
 def consolidate(source: Path, out: Path, with_optimizer: bool = False) -> Path:
-    """A run directory in `out`: full-shape weights (`model.safetensors`), `config.yaml` and the tokenizer; with
-    `with_optimizer` also the fp32 master weights and Adam moments at full shape (`optimizer.safetensors`, keys
-    `<kind>/<name>`)."""
+    """A run directory in `out`: full-shape weights (`model.safetensors`), `config.yaml` and the tokenizer;
+    with `with_optimizer` also the fp32 master weights and Adam moments at full shape
+    (`optimizer.safetensors`, keys `<kind>/<name>`)."""
     directory, _ = resolve(source, SOURCE)
     out.mkdir(parents=True, exist_ok=True)
     with CheckpointReader(directory, verify_all=True) as reader:
+
         def full(tensor: str) -> torch.Tensor:
             shape = reader.shape(tensor)
             return reader.read(tensor, ((0,) * len(shape), shape))

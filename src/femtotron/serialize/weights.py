@@ -2,8 +2,9 @@
 
     RUN_DIR/
       config.yaml          the run's config
-      model.safetensors    every weight at full shape (or, after pipeline-parallel training, one file per stage:
-      model-parts.json     model-pp00-of-02.safetensors ..., listed here)
+      model.safetensors    every weight at full shape (after pipeline-parallel training one file per
+                           stage instead, model-pp00-of-02.safetensors ...)
+      model-parts.json     which files hold the weights
       tokenizer.json       the tokenizer, so the directory is self-contained
 
 `femtotron train` writes it at the end, `femtotron consolidate` from a checkpoint; `femtotron generate`
@@ -59,15 +60,21 @@ def save_weights(ctx: ParallelContext, model: RankModel, run_dir: Path, log: Run
     """Full-shape weights, gathered over tp. With pp > 1 each stage writes its own part (no stage holds all
     the weights) and rank 0 lists them in model-parts.json."""
     weights = {n: full_tensor(p, p.shard, model.tp).cpu().contiguous() for n, p in model.named_parameters()}
-    parts = [WEIGHTS_FILE] if ctx.pp == 1 else [f"model-pp{p:02d}-of-{ctx.pp:02d}.safetensors" for p in range(ctx.pp)]
+    parts = (
+        [WEIGHTS_FILE]
+        if ctx.pp == 1
+        else [f"model-pp{p:02d}-of-{ctx.pp:02d}.safetensors" for p in range(ctx.pp)]
+    )
     if ctx.dp_rank == 0 and ctx.tp_rank == 0:
         with atomic_path(run_dir / parts[ctx.pp_rank if ctx.pp > 1 else 0]) as tmp:
             save_file(weights, tmp)
     ctx.comm.barrier(ctx.mp_group)  # rank 0's model-parallel group holds every writer
     if ctx.rank == 0:
         write_parts(run_dir, parts)
-        log.info(f"saved weights to {run_dir / parts[0]}" + (f" and {len(parts) - 1} more parts" if len(parts) > 1
-                                                             else ""))
+        log.info(
+            f"saved weights to {run_dir / parts[0]}"
+            + (f" and {len(parts) - 1} more parts" if len(parts) > 1 else "")
+        )
     return run_dir / parts[0]
 
 
@@ -77,7 +84,9 @@ def load_weights(run_dir: Path, device: str = "cpu") -> tuple[Config, dict[str, 
     try:
         parts = json.loads(parts_path.read_text())["parts"] if parts_path.is_file() else [WEIGHTS_FILE]
     except (ValueError, KeyError, TypeError):
-        raise FemtotronError(f"{parts_path} is not a list of weight files: re-run the training that wrote it.") from None
+        raise FemtotronError(
+            f"{parts_path} is not a list of weight files: re-run the training that wrote it."
+        ) from None
     for path in (config_path, *(run_dir / part for part in parts)):
         if not path.is_file():
             raise FemtotronError(
@@ -89,16 +98,21 @@ def load_weights(run_dir: Path, device: str = "cpu") -> tuple[Config, dict[str, 
         for part in parts:  # a tied embedding appears in the first and the last stage's part: equal
             weights.update(load_file(str(run_dir / part), device=device))
     except SafetensorError as e:
-        raise FemtotronError(f"the weights in {run_dir} ({', '.join(parts)}) cannot be read: {str(e).splitlines()[0]}. "
-                             "Re-run the training that wrote them.") from None
+        raise FemtotronError(
+            f"the weights in {run_dir} ({', '.join(parts)}) cannot be read: {str(e).splitlines()[0]}. "
+            "Re-run the training that wrote them."
+        ) from None
     return load_config(config_path), weights
 
 
 def weights_present(run_dir: Path) -> bool:
     """Whether `run_dir` holds every weight file its parts list names (a finished run's)."""
     try:
-        parts = json.loads((run_dir / PARTS_FILE).read_text())["parts"] if (run_dir / PARTS_FILE).is_file() \
+        parts = (
+            json.loads((run_dir / PARTS_FILE).read_text())["parts"]
+            if (run_dir / PARTS_FILE).is_file()
             else [WEIGHTS_FILE]
+        )
     except (ValueError, KeyError, TypeError, OSError):
         return False
     return all((run_dir / part).is_file() for part in parts)

@@ -13,14 +13,26 @@ from femtotron.parallel.pipeline.partition import imbalance_warning, partition, 
 
 
 def model(layers: int, vocab: int = 256, hidden: int = 64) -> LlamaConfig:
-    return LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=4 * hidden, vocab_size=vocab)
+    return LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=4 * hidden,
+        vocab_size=vocab,
+    )
 
 
 def config(layers: int, vocab: int, pp: int, *overrides: str):
-    return load_config_dict({"model": {"model_config": model(layers, vocab).model_dump()},
-                             "tokens": {"train_steps": 10, "sequence_length": 128, "batch_accumulation_per_replica": 8},
-                             "parallelism": {"pp": pp}, "data": {"dataset_folder": "unused"}}, overrides=overrides)
+    return load_config_dict(
+        {
+            "model": {"model_config": model(layers, vocab).model_dump()},
+            "tokens": {"train_steps": 10, "sequence_length": 128, "batch_accumulation_per_replica": 8},
+            "parallelism": {"pp": pp},
+            "data": {"dataset_folder": "unused"},
+        },
+        overrides=overrides,
+    )
 
 
 def brute_force_best(cfg, seq: int, stages: int) -> float:
@@ -34,8 +46,19 @@ def brute_force_best(cfg, seq: int, stages: int) -> float:
     return best
 
 
-@pytest.mark.parametrize("layers, stages, vocab", [(4, 2, 256), (5, 2, 256), (5, 4, 256), (9, 8, 256), (7, 3, 32000),
-                                                   (12, 4, 128000), (32, 4, 32000), (6, 6, 2048)])
+@pytest.mark.parametrize(
+    "layers, stages, vocab",
+    [
+        (4, 2, 256),
+        (5, 2, 256),
+        (5, 4, 256),
+        (9, 8, 256),
+        (7, 3, 32000),
+        (12, 4, 128000),
+        (32, 4, 32000),
+        (6, 6, 2048),
+    ],
+)
 def test_partition_is_contiguous_complete_and_optimal(layers, stages, vocab):
     cfg = model(layers, vocab)
     result = partition(cfg, 128, stages)
@@ -58,7 +81,10 @@ def test_M3_stage_map_names_every_stage_and_warns_on_imbalance():
     assert "stage 0 (pp rank 0, chunk 0): embedding + layer 0" in text
     assert "stage 3 (pp rank 1, chunk 1): layer 3 + final norm + LM head" in text
     warning = imbalance_warning(config(4, 8192, 2), partition(model(4, 8192), 128, 2))
-    assert warning is not None and "pipeline stage 1 (layer 3 + final norm + LM head) makes its pp rank compute" in warning
+    assert (
+        warning is not None
+        and "pipeline stage 1 (layer 3 + final norm + LM head) makes its pp rank compute" in warning
+    )
     assert "num_hidden_layers=7 (room for the LM head on the last stage)" in warning
     hopeless = imbalance_warning(config(8, 128000, 2), partition(model(8, 128000), 128, 2))
     assert "The final norm + LM head alone cost 117.6 layers' worth: fewer pipeline stages" in hopeless
@@ -66,15 +92,19 @@ def test_M3_stage_map_names_every_stage_and_warns_on_imbalance():
 
 
 @pytest.mark.parametrize("layers, vocab, pp", [(2, 8192, 2), (3, 2048, 3), (4, 8192, 2), (12, 32000, 3)])
-def test_M3_every_fix_the_imbalance_warning_suggests_is_accepted_by_the_rules_and_balances_better(layers, vocab, pp):
-    """No advice in a circle: a 2-layer model at pp=2 cannot interleave (it needs pp * 2 layers), so the warning
-    suggests the layer count that balances instead; whatever it suggests passes the config rules."""
+def test_M3_every_fix_the_imbalance_warning_suggests_is_accepted_by_the_rules_and_balances_better(
+    layers, vocab, pp
+):
+    """No advice in a circle: a 2-layer model at pp=2 cannot interleave (it needs pp * 2 layers), so the
+    warning suggests the layer count that balances instead; whatever it suggests passes the config rules."""
     base = config(layers, vocab, pp)
     stages = partition(base.model.model_config_, 128, pp)
     warning = imbalance_warning(base, stages)
     assert warning is not None
-    fixes = re.findall(r"(parallelism\.pp_engine=\S+ with pp_virtual_stages=\d+|model\.model_config\.num_hidden_layers=\d+)",
-                       warning)
+    fixes = re.findall(
+        r"(parallelism\.pp_engine=\S+ with pp_virtual_stages=\d+|model\.model_config\.num_hidden_layers=\d+)",
+        warning,
+    )
     assert fixes, warning
     worst = max(s.cost for s in stages) * len(stages) / sum(s.cost for s in stages)
     for fix in fixes:

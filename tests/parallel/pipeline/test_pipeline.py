@@ -25,43 +25,79 @@ def _cases(rank, world, tp, cases):
     return out
 
 
-def case_config(tiny_config, layers, engine="1f1b", virtual=1, tied=False, dtype="float32", tp_mode="ALL_REDUCE",
-                accumulation=4, zero=0, native=None, **parallel):
+def case_config(
+    tiny_config,
+    layers,
+    engine="1f1b",
+    virtual=1,
+    tied=False,
+    dtype="float32",
+    tp_mode="ALL_REDUCE",
+    accumulation=4,
+    zero=0,
+    native=None,
+    **parallel,
+):
     """`native`: the bf16 path of a bf16 case (None for fp32); its fp32 counterpart gets the same."""
-    overrides = [f"model.model_config.num_hidden_layers={layers}", f"model.model_config.tie_word_embeddings={tied}",
-                 f"model.dtype={dtype}", f"tokens.batch_accumulation_per_replica={accumulation}", "tokens.micro_batch_size=2",
-                 "model.model_config.num_key_value_heads=4", "optimizer.clip_grad=0.5", f"optimizer.zero_stage={zero}",
-                 "parallelism.dp_bucket_size_mb=0.02",  # several buckets per stage
-                 *([SMOOTH_ADAM] if native is not None else []),
-                 f"general.run={engine}-{layers}-{tied}-{dtype}-{tp_mode}-{zero}-{native}-"
-                 + "-".join(map(str, parallel.values()))]
+    overrides = [
+        f"model.model_config.num_hidden_layers={layers}",
+        f"model.model_config.tie_word_embeddings={tied}",
+        f"model.dtype={dtype}",
+        f"tokens.batch_accumulation_per_replica={accumulation}",
+        "tokens.micro_batch_size=2",
+        "model.model_config.num_key_value_heads=4",
+        "optimizer.clip_grad=0.5",
+        f"optimizer.zero_stage={zero}",
+        "parallelism.dp_bucket_size_mb=0.02",  # several buckets per stage
+        *([SMOOTH_ADAM] if native is not None else []),
+        f"general.run={engine}-{layers}-{tied}-{dtype}-{tp_mode}-{zero}-{native}-"
+        + "-".join(map(str, parallel.values())),
+    ]
     overrides += [f"parallelism.{key}={value}" for key, value in parallel.items()]
     if parallel:
-        overrides += [f"parallelism.pp_engine={engine}", f"parallelism.pp_virtual_stages={virtual}",
-                      f"parallelism.tp_mode={tp_mode}"]
+        overrides += [
+            f"parallelism.pp_engine={engine}",
+            f"parallelism.pp_virtual_stages={virtual}",
+            f"parallelism.tp_mode={tp_mode}",
+        ]
     return tiny_config(*overrides)
 
 
 def references(tiny_config, layers, tied, dtype, native, accumulation=4) -> tuple[Steps, Steps | None]:
     """One process's steps, and for bf16 the same in fp32."""
     with precision_path(native):
-        reference = record_steps(case_config(tiny_config, layers, tied=tied, dtype=dtype, accumulation=accumulation,
-                                             native=native), ParallelContext())
+        reference = record_steps(
+            case_config(
+                tiny_config, layers, tied=tied, dtype=dtype, accumulation=accumulation, native=native
+            ),
+            ParallelContext(),
+        )
     if native is None:
         return reference, None
-    return reference, record_steps(case_config(tiny_config, layers, tied=tied, accumulation=accumulation,
-                                               native=native), ParallelContext())
+    return reference, record_steps(
+        case_config(tiny_config, layers, tied=tied, accumulation=accumulation, native=native),
+        ParallelContext(),
+    )
 
 
 PP_CASES = {
     # (pp, tp): [(layers, engine, virtual stages, tied, dtype, tp_mode, bf16 path)]
-    (2, 1): [(5, "afab", 1, False, "float32", "ALL_REDUCE", None), (4, "1f1b", 1, True, "float32", "ALL_REDUCE", None),
-             (5, "interleaved-1f1b", 2, False, "float32", "ALL_REDUCE", None),
-             (5, "1f1b", 1, True, "bfloat16", "ALL_REDUCE", True), (5, "1f1b", 1, True, "bfloat16", "ALL_REDUCE", False)],
-    (4, 1): [(5, "afab", 1, True, "float32", "ALL_REDUCE", None), (8, "1f1b", 1, False, "float32", "ALL_REDUCE", None),
-             (9, "interleaved-1f1b", 2, True, "float32", "ALL_REDUCE", None)],
-    (2, 2): [(5, "1f1b", 1, True, "float32", "REDUCE_SCATTER", None),
-             (4, "interleaved-1f1b", 2, False, "float32", "ALL_REDUCE", None)],
+    (2, 1): [
+        (5, "afab", 1, False, "float32", "ALL_REDUCE", None),
+        (4, "1f1b", 1, True, "float32", "ALL_REDUCE", None),
+        (5, "interleaved-1f1b", 2, False, "float32", "ALL_REDUCE", None),
+        (5, "1f1b", 1, True, "bfloat16", "ALL_REDUCE", True),
+        (5, "1f1b", 1, True, "bfloat16", "ALL_REDUCE", False),
+    ],
+    (4, 1): [
+        (5, "afab", 1, True, "float32", "ALL_REDUCE", None),
+        (8, "1f1b", 1, False, "float32", "ALL_REDUCE", None),
+        (9, "interleaved-1f1b", 2, True, "float32", "ALL_REDUCE", None),
+    ],
+    (2, 2): [
+        (5, "1f1b", 1, True, "float32", "REDUCE_SCATTER", None),
+        (4, "interleaved-1f1b", 2, False, "float32", "ALL_REDUCE", None),
+    ],
 }
 
 
@@ -75,14 +111,27 @@ def test_P3_pipeline_equals_one_process(tiny_config, pp, tp):
     expected, cases = [], []
     for layers, engine, virtual, tied, dtype, tp_mode, native in PP_CASES[pp, tp]:
         expected.append(references(tiny_config, layers, tied, dtype, native))
-        cases.append((case_config(tiny_config, layers, engine, virtual, tied, dtype, tp_mode, native=native, pp=pp,
-                                  tp=tp), native))
+        cases.append(
+            (
+                case_config(
+                    tiny_config, layers, engine, virtual, tied, dtype, tp_mode, native=native, pp=pp, tp=tp
+                ),
+                native,
+            )
+        )
     per_rank = run_ranks(_cases, pp * tp, pp * tp, tp, cases, timeout=300)
     for index, ((config, _), (reference, exact)) in enumerate(zip(cases, expected, strict=True)):
-        assert_steps_match(functools.reduce(Steps.merge, [rank[index] for rank in per_rank]), reference, exact,
-                           label=config.general.run)
+        assert_steps_match(
+            functools.reduce(Steps.merge, [rank[index] for rank in per_rank]),
+            reference,
+            exact,
+            label=config.general.run,
+        )
         for rank in per_rank:
-            assert (rank[index].loss, rank[index].losses) == (per_rank[0][index].loss, per_rank[0][index].losses)
+            assert (rank[index].loss, rank[index].losses) == (
+                per_rank[0][index].loss,
+                per_rank[0][index].losses,
+            )
 
 
 def _p2p_bytes(rank, config):
@@ -91,7 +140,9 @@ def _p2p_bytes(rank, config):
     trainer.train_step()  # the first step also sends the one-off shape descriptions
     before = dict(ctx.comm.bytes_sent)
     trainer.train_step()
-    sent = {op: n - before.get((kind, op), 0) for (kind, op), n in ctx.comm.bytes_sent.items() if kind == "pp"}
+    sent = {
+        op: n - before.get((kind, op), 0) for (kind, op), n in ctx.comm.bytes_sent.items() if kind == "pp"
+    }
     ctx.close()
     return sent
 
@@ -119,8 +170,9 @@ def test_p2p_bytes_per_step_equal_the_analytic_count(tiny_config, engine, virtua
 def _mismatch(rank):
     ctx = ParallelContext(pp=2, collective_timeout_seconds=20)
     try:  # as if rank 1 had been started with hidden_size 32 instead of 64
-        PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device, (2, 16, 64 if rank == 0 else 32),
-                    torch.float32).handshake([1 - rank])
+        PipelineP2P(
+            ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device, (2, 16, 64 if rank == 0 else 32), torch.float32
+        ).handshake([1 - rank])
     finally:
         ctx.close()
 
@@ -155,7 +207,8 @@ THREE_D_CASES = [  # (layers, engine, virtual stages, tied, dtype, tp_mode, zero
     (4, "interleaved-1f1b", 2, True, "float32", "REDUCE_SCATTER", 0, None),
     (5, "1f1b", 1, False, "bfloat16", "ALL_REDUCE", 0, True),
     (5, "1f1b", 1, True, "float32", "REDUCE_SCATTER", 1, None),
-    (4, "interleaved-1f1b", 2, True, "bfloat16", "ALL_REDUCE", 1, False)]
+    (4, "interleaved-1f1b", 2, True, "bfloat16", "ALL_REDUCE", 1, False),
+]
 
 
 @pytest.mark.distributed
@@ -167,10 +220,29 @@ def test_dp_tp_pp_2x2x2_on_8_ranks_equals_one_process(tiny_config):
     expected, cases = [], []
     for layers, engine, virtual, tied, dtype, tp_mode, zero, native in THREE_D_CASES:
         expected.append(references(tiny_config, layers, tied, dtype, native, accumulation=8))
-        cases.append((case_config(tiny_config, layers, engine, virtual, tied, dtype, tp_mode, zero=zero, native=native,
-                                  dp=2, tp=2, pp=2), native))
+        cases.append(
+            (
+                case_config(
+                    tiny_config,
+                    layers,
+                    engine,
+                    virtual,
+                    tied,
+                    dtype,
+                    tp_mode,
+                    zero=zero,
+                    native=native,
+                    dp=2,
+                    tp=2,
+                    pp=2,
+                ),
+                native,
+            )
+        )
     per_rank = run_ranks(_three_d, 8, cases, timeout=600)
     for index, ((config, _), (reference, exact)) in enumerate(zip(cases, expected, strict=True)):
         for dp_rank in range(2):  # ranks dp_rank*2 + tp_rank + 4*pp_rank: one replica's stages
             replica = [per_rank[pp * 4 + dp_rank * 2][index] for pp in range(2)]
-            assert_steps_match(functools.reduce(Steps.merge, replica), reference, exact, label=config.general.run)
+            assert_steps_match(
+                functools.reduce(Steps.merge, replica), reference, exact, label=config.general.run
+            )

@@ -90,8 +90,11 @@ def simulate(lists: list[list[Action]], pp: int, chunks: int) -> SimResult:
                         break  # blocked: try the other ranks
                     head, sent_at = queue[0]
                     if head != msg:
-                        return SimResult("error", f"rank {rank}: {a!r} awaits {msg!r} from rank {src} "
-                                                  f"but the channel's head is {head!r}")
+                        return SimResult(
+                            "error",
+                            f"rank {rank}: {a!r} awaits {msg!r} from rank {src} "
+                            f"but the channel's head is {head!r}",
+                        )
                     queue.popleft()
                     start = max(start, sent_at)
                 clock[rank] = start + (F_COST if a.kind == "F" else B_COST)
@@ -106,8 +109,9 @@ def simulate(lists: list[list[Action]], pp: int, chunks: int) -> SimResult:
                 progress = True
 
     if any(pc[r] < len(lists[r]) for r in range(pp)):
-        blocked = {r: (lists[r][pc[r]], awaited(r, lists[r][pc[r]])[0])
-                   for r in range(pp) if pc[r] < len(lists[r])}
+        blocked = {
+            r: (lists[r][pc[r]], awaited(r, lists[r][pc[r]])[0]) for r in range(pp) if pc[r] < len(lists[r])
+        }
         detail = "; ".join(f"rank {r} blocked at {a!r} awaiting {m!r}" for r, (a, m) in blocked.items())
         return SimResult("deadlock", detail, blocked, clock)
     leftover = {k: [m for m, _ in q] for k, q in channels.items() if q}
@@ -141,6 +145,7 @@ def max_in_flight(actions: list[Action]) -> int:
 
 # 1. Completeness and per-rank order.
 
+
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
 def test_every_forward_has_one_backward_after_it(engine, pp):
@@ -158,6 +163,7 @@ def test_every_forward_has_one_backward_after_it(engine, pp):
 
 # 2. Warm-up: the forwards a rank runs before its first backward. The list holds the warm-up
 # forwards, then the steady phase opens with one more forward before the first backward.
+
 
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
 def test_warmup_counts(pp):
@@ -178,13 +184,30 @@ def test_warmup_examples():
     assert [repr(a) for a in schedule("1f1b", 4, 3, 4)] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
     assert [repr(a) for a in schedule("1f1b", 4, 1, 4)] == ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"]
     # pp=2, v=2, m=2: rank 1 warms up with (v - 1) * pp = 2 forwards, rank 0 with 2 more.
-    assert [repr(a) for a in schedule("interleaved-1f1b", 2, 1, 2, 2)] == \
-        ["F0", "F1", "F0.1", "B0.1", "F1.1", "B1.1", "B0", "B1"]
-    assert [repr(a) for a in schedule("interleaved-1f1b", 2, 0, 2, 2)] == \
-        ["F0", "F1", "F0.1", "F1.1", "B0.1", "B1.1", "B0", "B1"]
+    assert [repr(a) for a in schedule("interleaved-1f1b", 2, 1, 2, 2)] == [
+        "F0",
+        "F1",
+        "F0.1",
+        "B0.1",
+        "F1.1",
+        "B1.1",
+        "B0",
+        "B1",
+    ]
+    assert [repr(a) for a in schedule("interleaved-1f1b", 2, 0, 2, 2)] == [
+        "F0",
+        "F1",
+        "F0.1",
+        "F1.1",
+        "B0.1",
+        "B1.1",
+        "B0",
+        "B1",
+    ]
 
 
 # 3. Activations held: forwards whose backward has not run yet.
+
 
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
 def test_in_flight_bound(pp):
@@ -199,6 +222,7 @@ def test_in_flight_bound(pp):
 
 
 # 4. Every schedule completes: no deadlock, every receive finds its message at its channel's head.
+
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("pp", range(1, 9))
@@ -232,6 +256,7 @@ def test_small_interleaved_pipelines_complete(pp, v, groups):
 # drain cost pp - 1 chunk-steps, i.e. (pp - 1) / v stage-steps. So the simulation matches
 # pipeline_bubble exactly for AFAB, 1F1B and interleaved-1F1B (e.g. pp=4, v=2, m=4: 9/33 = 0.2727).
 
+
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
 def test_bubble_matches_pipeline_bubble(engine, pp):
@@ -253,6 +278,7 @@ def test_interleaving_shrinks_the_bubble(pp):
 
 # 5. Interleaving needs whole groups of pp micro-batches.
 
+
 @pytest.mark.parametrize("pp,m", [(2, 1), (2, 3), (4, 2), (4, 6), (3, 4)])
 def test_interleaved_needs_micro_batches_divisible_by_pp(pp, m):
     with pytest.raises(ValueError, match="divisible by pp"):
@@ -266,6 +292,7 @@ def test_unknown_engine():
 
 # 6. The simulator can fail.
 
+
 def test_simulator_reports_a_deadlock():
     lists = lists_for("1f1b", 2, 2, 1)
     assert [repr(a) for a in lists[1]] == ["F0", "B0", "F1", "B1"]
@@ -275,8 +302,10 @@ def test_simulator_reports_a_deadlock():
     lists[1] = [Action("F", 0, 0), Action("F", 1, 0), Action("B", 0, 0), Action("B", 1, 0)]
     result = simulate(lists, 2, 1)
     assert result.status == "deadlock"
-    assert result.blocked == {0: (Action("B", 0, 0), Message("grad", 0, 1, 0)),
-                              1: (Action("F", 1, 0), Message("act", 1, 0, 1))}
+    assert result.blocked == {
+        0: (Action("B", 0, 0), Message("grad", 0, 1, 0)),
+        1: (Action("F", 1, 0), Message("act", 1, 0, 1)),
+    }
     assert "rank 0 blocked at B0" in result.detail and "rank 1 blocked at F1" in result.detail
 
 
@@ -300,7 +329,6 @@ def test_single_stage_needs_no_communication():
     assert result.status == "ok" and result.finish == [3 * (F_COST + B_COST)]
 
 
-
 # 7. The same schedules under NCCL's rules. The executor issues, per rank, a sequence of groups of
 # point-to-point operations (one batch_isend_irecv each): group 0 holds the receive action 0 needs,
 # group i + 1 the send action i produces plus the receive action i + 1 needs. NCCL runs a
@@ -308,6 +336,7 @@ def test_single_stage_needs_no_communication():
 # let a later group overtake it), matches the k-th send from rank a to rank b with the k-th receive
 # on b from a (tags ignored), and a transfer happens only while both of its groups are in flight
 # (rendezvous). So unlike gloo a send can block, and a rank can only receive after its earlier sends.
+
 
 @dataclass(frozen=True)
 class Op:
@@ -393,11 +422,14 @@ def simulate_nccl(groups: list[list[list[Op]]]) -> NcclResult:
         s, rv = sends.get((src, dst), []), recvs.get((src, dst), [])
         for k, (a, b) in enumerate(zip(s, rv, strict=False)):
             if op_at(a).message != op_at(b).message:
-                return NcclResult("mismatch", f"rank {src} -> rank {dst}, transfer #{k}: rank {src} group {a[1]} "
-                                              f"{op_at(a)!r} meets rank {dst} group {b[1]} {op_at(b)!r}")
+                return NcclResult(
+                    "mismatch",
+                    f"rank {src} -> rank {dst}, transfer #{k}: rank {src} group {a[1]} "
+                    f"{op_at(a)!r} meets rank {dst} group {b[1]} {op_at(b)!r}",
+                )
             partner[a], partner[b] = b, a
         if len(s) != len(rv):
-            extra = [op_at(x) for x in (s[len(rv):] or rv[len(s):])]
+            extra = [op_at(x) for x in (s[len(rv) :] or rv[len(s) :])]
             return NcclResult("mismatch", f"rank {src} -> rank {dst}: unmatched {extra}")
 
     cur = [0] * pp
@@ -458,11 +490,19 @@ def test_nccl_groups_example():
     # pp = 2, 1F1B, m = 2: rank 0 runs F0 F1 B0 B1, rank 1 F0 B0 F1 B1.
     groups = nccl_groups_for(lists_for("1f1b", 2, 2, 1), 1)
     assert [[repr(op) for op in g] for g in groups[0]] == [
-        [], ["send act(mb0, 0->1) to rank 1"], ["send act(mb1, 0->1) to rank 1", "recv grad(mb0, 1->0) from rank 1"],
-        ["recv grad(mb1, 1->0) from rank 1"], []]
+        [],
+        ["send act(mb0, 0->1) to rank 1"],
+        ["send act(mb1, 0->1) to rank 1", "recv grad(mb0, 1->0) from rank 1"],
+        ["recv grad(mb1, 1->0) from rank 1"],
+        [],
+    ]
     assert [[repr(op) for op in g] for g in groups[1]] == [
-        ["recv act(mb0, 0->1) from rank 0"], [], ["send grad(mb0, 1->0) to rank 0", "recv act(mb1, 0->1) from rank 0"],
-        [], ["send grad(mb1, 1->0) to rank 0"]]
+        ["recv act(mb0, 0->1) from rank 0"],
+        [],
+        ["send grad(mb0, 1->0) to rank 0", "recv act(mb1, 0->1) from rank 0"],
+        [],
+        ["send grad(mb1, 1->0) to rank 0"],
+    ]
     assert simulate_nccl(groups).status == "ok"
 
 
@@ -471,9 +511,15 @@ def test_nccl_group_operations_progress_independently():
     # only two groups after receiving act(mb0). The send finishes first; the receive waits.
     groups = nccl_groups_for(lists_for("afab", 2, 1, 1), 1)
     assert [[repr(op) for op in g] for g in groups[0]] == [
-        [], ["send act(mb0, 0->1) to rank 1", "recv grad(mb0, 1->0) from rank 1"], []]
+        [],
+        ["send act(mb0, 0->1) to rank 1", "recv grad(mb0, 1->0) from rank 1"],
+        [],
+    ]
     assert [[repr(op) for op in g] for g in groups[1]] == [
-        ["recv act(mb0, 0->1) from rank 0"], [], ["send grad(mb0, 1->0) to rank 0"]]
+        ["recv act(mb0, 0->1) from rank 0"],
+        [],
+        ["send grad(mb0, 1->0) to rank 0"],
+    ]
     assert simulate_nccl(groups).status == "ok"
 
 
@@ -484,8 +530,14 @@ def test_interleaved_nccl_deadlock_example():
     lists = lists_for("interleaved-1f1b", 2, 4, 2)
     assert simulate(lists, 2, 2).status == "ok"
     groups = nccl_groups_for(lists, 2)
-    assert [repr(op) for op in groups[0][7]] == ["send act(mb3, 0->1) to rank 1", "recv grad(mb1, 3->2) from rank 1"]
-    assert [repr(op) for op in groups[1][7]] == ["send act(mb2, 1->2) to rank 0", "recv grad(mb0, 2->1) from rank 0"]
+    assert [repr(op) for op in groups[0][7]] == [
+        "send act(mb3, 0->1) to rank 1",
+        "recv grad(mb1, 3->2) from rank 1",
+    ]
+    assert [repr(op) for op in groups[1][7]] == [
+        "send act(mb2, 1->2) to rank 0",
+        "recv grad(mb0, 2->1) from rank 0",
+    ]
     result = simulate_nccl(groups)
     assert result.status == "deadlock"
     assert {r: (gi, [repr(op) for op in g]) for r, (gi, g) in result.stuck.items()} == {
@@ -502,14 +554,16 @@ def test_nccl_simulator_reports_a_deadlock():
     a, b = Message("act", 0, 0, 1), Message("grad", 0, 1, 0)
     # Each rank sends first, then receives, in separate groups: a send waits for its receive, which
     # the other rank posts only after its own send completed.
-    groups = [[[Op("send", 1, a)], [Op("recv", 1, b)]],
-              [[Op("send", 0, b)], [Op("recv", 0, a)]]]
+    groups = [[[Op("send", 1, a)], [Op("recv", 1, b)]], [[Op("send", 0, b)], [Op("recv", 0, a)]]]
     result = simulate_nccl(groups)
     assert result.status == "deadlock"
     assert result.stuck == {0: (0, [Op("send", 1, a)]), 1: (0, [Op("send", 0, b)])}
     assert "rank 0 stuck at group 0" in result.detail and "rank 1 stuck at group 0" in result.detail
     # The same operations in one group per rank complete together.
-    assert simulate_nccl([[[Op("send", 1, a), Op("recv", 1, b)]], [[Op("send", 0, b), Op("recv", 0, a)]]]).status == "ok"
+    assert (
+        simulate_nccl([[[Op("send", 1, a), Op("recv", 1, b)]], [[Op("send", 0, b), Op("recv", 0, a)]]]).status
+        == "ok"
+    )
 
 
 def test_nccl_simulator_reports_a_mismatch():
@@ -517,5 +571,8 @@ def test_nccl_simulator_reports_a_mismatch():
     lists[1] = [Action("F", 1, 0), Action("B", 1, 0), Action("F", 0, 0), Action("B", 0, 0)]
     result = simulate_nccl(nccl_groups_for(lists, 1))
     assert result.status == "mismatch"
-    assert "send act(mb0, 0->1) to rank 1" in result.detail and "recv act(mb1, 0->1) from rank 0" in result.detail
+    assert (
+        "send act(mb0, 0->1) to rank 1" in result.detail
+        and "recv act(mb1, 0->1) from rank 0" in result.detail
+    )
     assert simulate_nccl([[[Op("send", 1, Message("act", 0, 0, 1))]], [[]]]).status == "mismatch"

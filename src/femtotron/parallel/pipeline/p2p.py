@@ -57,14 +57,22 @@ class Transfer:
 class PipelineP2P:
     """Point-to-point over the pp group for tensors of one shape and dtype; peers named by pp rank."""
 
-    def __init__(self, comm: Comm, group: Group, pp_rank: int, device: torch.device, shape: tuple[int, ...],
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        comm: Comm,
+        group: Group,
+        pp_rank: int,
+        device: torch.device,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> None:
         self.comm, self.group, self.pp_rank, self.device = comm, group, pp_rank, device
         self.shape, self.dtype = tuple(shape), dtype
         self.pending: list[tuple[Work, torch.Tensor, int]] = []
 
     def handshake(self, neighbours: list[int]) -> None:
-        """Exchange the transfer shape and dtype with the neighbouring pp ranks; raise on disagreement (P1)."""
+        """Exchange the transfer shape and dtype with the neighbouring pp ranks; raise on disagreement
+        (P1)."""
         neighbours = sorted(set(neighbours) - {self.pp_rank})
         if not neighbours:
             return
@@ -79,22 +87,27 @@ class PipelineP2P:
             if (shape, dtype) != (self.shape, self.dtype):
                 raise DistributedError(
                     f"pipeline stages disagree on the activations they exchange: rank {self.group.ranks[p]} "
-                    f"(pp rank {p}) sends and expects shape {shape} {dtype}, rank {self.group.ranks[self.pp_rank]} "
+                    f"(pp rank {p}) sends and expects shape {shape} {dtype}, rank "
+                    f"{self.group.ranks[self.pp_rank]} "
                     f"(pp rank {self.pp_rank}) shape {self.shape} {self.dtype}. Every rank must run the same "
                     "config: check that all ranks got the same YAML and overrides (tokens.micro_batch_size, "
                     "tokens.sequence_length, model.model_config.hidden_size, model.dtype, parallelism.tp and "
                     "tp_mode)."
                 )
 
-    def exchange(self, send: tuple[torch.Tensor, Transfer] | None, recv: Transfer | None) -> PendingRecv | None:
+    def exchange(
+        self, send: tuple[torch.Tensor, Transfer] | None, recv: Transfer | None
+    ) -> PendingRecv | None:
         """Start sending `send` and receiving `recv` as one batch; returns the receive to `take` later."""
         ops = []
         if send is not None:
             tensor, to = send
             if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
                 raise DistributedError(
-                    f"pp rank {self.pp_rank} would send {to.what} of shape {tuple(tensor.shape)} {tensor.dtype} to pp "
-                    f"rank {to.pp_rank}, but every pipeline transfer is {self.shape} {self.dtype}: a stage returned "
+                    f"pp rank {self.pp_rank} would send {to.what} of shape {tuple(tensor.shape)} "
+                    f"{tensor.dtype} to pp "
+                    f"rank {to.pp_rank}, but every pipeline transfer is {self.shape} {self.dtype}: a stage "
+                    f"returned "
                     "the wrong shape (a model bug, not a config problem)."
                 )
             ops.append(("send", tensor.detach().contiguous(), self.group.ranks[to.pp_rank], to.tag))

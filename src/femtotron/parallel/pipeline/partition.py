@@ -34,9 +34,15 @@ class Stage:
     parameters: int = 0  # how many parameters it holds (memory, M3); a tied head's copy counts
 
     def describe(self) -> str:
-        parts = (["embedding"] if self.embedding else []) + [
-            f"layer {self.layers.start}" if len(self.layers) == 1 else f"layers {self.layers.start}-{self.layers.stop - 1}"
-        ] + (["final norm + LM head"] if self.head else [])
+        parts = (
+            (["embedding"] if self.embedding else [])
+            + [
+                f"layer {self.layers.start}"
+                if len(self.layers) == 1
+                else f"layers {self.layers.start}-{self.layers.stop - 1}"
+            ]
+            + (["final norm + LM head"] if self.head else [])
+        )
         return " + ".join(parts)
 
 
@@ -73,24 +79,33 @@ def partition(cfg: LlamaConfig, sequence_length: int, stages: int) -> list[Stage
 
     def parameters(start: int, stop: int) -> int:
         first, last = start == 0, stop == n
-        return ((stop - start) * cfg.layer_parameters + (embedding if first else 0)
-                + (cfg.hidden_size + embedding if last else 0))  # final norm + LM head (or the tied copy)
+        return (
+            (stop - start) * cfg.layer_parameters
+            + (embedding if first else 0)
+            + (cfg.hidden_size + embedding if last else 0)
+        )  # final norm + LM head (or the tied copy)
 
-    return [Stage(s, range(a, b), s == 0, s == stages - 1, cost(a, b), parameters(a, b))
-            for s, (a, b) in enumerate(bounds)]
+    return [
+        Stage(s, range(a, b), s == 0, s == stages - 1, cost(a, b), parameters(a, b))
+        for s, (a, b) in enumerate(bounds)
+    ]
 
 
 def stage_map(stages: list[Stage], pp: int) -> str:
     """The layer-to-stage map for the log."""
     total = sum(s.cost for s in stages)
-    lines = [f"  stage {s.index} (pp rank {s.index % pp}{f', chunk {s.index // pp}' if len(stages) > pp else ''}): "
-             f"{s.describe()}, {s.cost / total:.0%} of the compute, {s.parameters / 1e6:.2f}M parameters"
-             for s in stages]
+    lines = [
+        f"  stage {s.index} (pp rank "
+        f"{s.index % pp}{f', chunk {s.index // pp}' if len(stages) > pp else ''}): "
+        f"{s.describe()}, {s.cost / total:.0%} of the compute, {s.parameters / 1e6:.2f}M parameters"
+        for s in stages
+    ]
     return "pipeline stages:\n" + "\n".join(lines)
 
 
 def rank_imbalance(stages: list[Stage], pp: int) -> float:
-    """The busiest pp rank's compute per micro-batch (all its chunks) over the mean rank's: the others wait."""
+    """The busiest pp rank's compute per micro-batch (all its chunks) over the mean rank's: the others
+    wait."""
     costs = [sum(s.cost for s in stages if s.index % pp == rank) for rank in range(pp)]
     return max(costs) * pp / sum(costs)
 
@@ -106,23 +121,50 @@ def imbalance_warning(config: Config, stages: list[Stage]) -> str | None:
 
     def imbalance(layers: int, virtual: int) -> float:
         finer = mcfg.model_copy(update={"num_hidden_layers": layers})
-        return rank_imbalance(partition(finer, sequence, par.pp * virtual), par.pp) if layers >= par.pp * virtual \
+        return (
+            rank_imbalance(partition(finer, sequence, par.pp * virtual), par.pp)
+            if layers >= par.pp * virtual
             else float("inf")
+        )
 
     virtual = par.pp_virtual_stages + 1 if par.pp_virtual_stages > 1 else 2
-    fixes = fixes_that_hold(config, [(
-        f"parallelism.pp_engine=interleaved-1f1b with pp_virtual_stages={virtual}" if virtual == 2 else
-        f"parallelism.pp_virtual_stages={virtual}",
-        {"parallelism.pp_engine": "interleaved-1f1b", "parallelism.pp_virtual_stages": virtual},
-    )]) if imbalance(mcfg.num_hidden_layers, virtual) < ratio else []
+    fixes = (
+        fixes_that_hold(
+            config,
+            [
+                (
+                    f"parallelism.pp_engine=interleaved-1f1b with pp_virtual_stages={virtual}"
+                    if virtual == 2
+                    else f"parallelism.pp_virtual_stages={virtual}",
+                    {"parallelism.pp_engine": "interleaved-1f1b", "parallelism.pp_virtual_stages": virtual},
+                )
+            ],
+        )
+        if imbalance(mcfg.num_hidden_layers, virtual) < ratio
+        else []
+    )
     # More layers give the LM head room on the last stage: the smallest count that balances within the limit.
-    layers = next((n for n in range(mcfg.num_hidden_layers + 1, 4 * mcfg.num_hidden_layers + 4 * par.pp)
-                   if imbalance(n, par.pp_virtual_stages) <= 1 + IMBALANCE_WARNING), None)
+    layers = next(
+        (
+            n
+            for n in range(mcfg.num_hidden_layers + 1, 4 * mcfg.num_hidden_layers + 4 * par.pp)
+            if imbalance(n, par.pp_virtual_stages) <= 1 + IMBALANCE_WARNING
+        ),
+        None,
+    )
     if layers is not None:
-        fixes.append(f"model.model_config.num_hidden_layers={layers} (room for the LM head on the last stage)")
+        fixes.append(
+            f"model.model_config.num_hidden_layers={layers} (room for the LM head on the last stage)"
+        )
     head_layers = mcfg.head_flops / mcfg.layer_flops(sequence)
-    advice = (f" Balance them with {', or '.join(fixes)}." if fixes else
-              f" The final norm + LM head alone cost {head_layers:.1f} layers' worth: fewer pipeline stages "
-              "(parallelism.pp) balance better.")
-    return (f"pipeline stage {slowest.index} ({slowest.describe()}) makes its pp rank compute {ratio:.2f}x the mean "
-            f"rank, and every other rank waits for it on each micro-batch (M3).{advice}")
+    advice = (
+        f" Balance them with {', or '.join(fixes)}."
+        if fixes
+        else f" The final norm + LM head alone cost {head_layers:.1f} layers' worth: fewer pipeline stages "
+        "(parallelism.pp) balance better."
+    )
+    return (
+        f"pipeline stage {slowest.index} ({slowest.describe()}) makes its pp rank compute {ratio:.2f}x the "
+        f"mean "
+        f"rank, and every other rank waits for it on each micro-batch (M3).{advice}"
+    )

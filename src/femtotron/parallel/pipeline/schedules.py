@@ -38,7 +38,9 @@ class Action:
 
 
 def afab(pp: int, rank: int, micro_batches: int) -> list[Action]:
-    return [Action("F", mb, 0) for mb in range(micro_batches)] + [Action("B", mb, 0) for mb in range(micro_batches)]
+    return [Action("F", mb, 0) for mb in range(micro_batches)] + [
+        Action("B", mb, 0) for mb in range(micro_batches)
+    ]
 
 
 def one_f_one_b(pp: int, rank: int, micro_batches: int) -> list[Action]:
@@ -101,7 +103,9 @@ class Pipeline:
         self.stages = pp * len(chunks)
         self.current = Action("F", 0, 0)
         # Stage s talks to stages s - 1 and s + 1: with interleaving that wraps around the pp ranks.
-        neighbours = [pp_rank - 1, pp_rank + 1] if len(chunks) == 1 else [(pp_rank - 1) % pp, (pp_rank + 1) % pp]
+        neighbours = (
+            [pp_rank - 1, pp_rank + 1] if len(chunks) == 1 else [(pp_rank - 1) % pp, (pp_rank + 1) % pp]
+        )
         p2p.handshake([p for p in neighbours if 0 <= p < pp])
 
     def stage_of(self, chunk: int) -> int:
@@ -127,7 +131,9 @@ class Pipeline:
         for i, action in enumerate(actions):
             self.current = action  # for diagnostics: the micro-batch and chunk being computed
             send = step(action, received)
-            received = self.p2p.exchange(send, self.receive_for(actions[i + 1]) if i + 1 < len(actions) else None)
+            received = self.p2p.exchange(
+                send, self.receive_for(actions[i + 1]) if i + 1 < len(actions) else None
+            )
         self.p2p.wait_sends()
 
     def train_step(self, micro_batches: list[MicroBatch], global_tokens: torch.Tensor) -> torch.Tensor:
@@ -168,8 +174,9 @@ class Pipeline:
         self.run(forward_only(len(micro_batches), len(self.chunks)), step)
         return loss_sum
 
-    def forward(self, action: Action, batch: MicroBatch,
-                received: PendingRecv | None) -> tuple[torch.Tensor, torch.Tensor, Send | None]:
+    def forward(
+        self, action: Action, batch: MicroBatch, received: PendingRecv | None
+    ) -> tuple[torch.Tensor, torch.Tensor, Send | None]:
         stage, mb = self.stage_of(action.chunk), action.micro_batch
         if received is None:  # the first stage reads the tokens
             inputs = batch.inputs
@@ -178,11 +185,15 @@ class Pipeline:
         output = self.chunks[action.chunk].run_stage(inputs, batch.targets)
         if stage == self.stages - 1:
             return inputs, output, None
-        return inputs, output, (output, Transfer((stage + 1) % self.pp, self.tag(mb, stage, gradient=False),
-                                                 "activations"))
+        return (
+            inputs,
+            output,
+            (output, Transfer((stage + 1) % self.pp, self.tag(mb, stage, gradient=False), "activations")),
+        )
 
-    def backward(self, action: Action, inputs: torch.Tensor, output: torch.Tensor,
-                 received: PendingRecv | None) -> Send | None:
+    def backward(
+        self, action: Action, inputs: torch.Tensor, output: torch.Tensor, received: PendingRecv | None
+    ) -> Send | None:
         stage, mb = self.stage_of(action.chunk), action.micro_batch
         if received is None:  # the last stage starts from its loss
             output.backward()
@@ -190,4 +201,6 @@ class Pipeline:
             torch.autograd.backward(output, self.p2p.take(received))
         if stage == 0:
             return None
-        return inputs.grad, Transfer((stage - 1) % self.pp, self.tag(mb, stage - 1, gradient=True), "gradients")
+        return inputs.grad, Transfer(
+            (stage - 1) % self.pp, self.tag(mb, stage - 1, gradient=True), "gradients"
+        )
