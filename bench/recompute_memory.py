@@ -55,9 +55,8 @@ def bench_case(name: str, rounds: int) -> None:
     print(
         f"\n[{name}] hidden {shape['hidden_size']}, intermediate {shape['intermediate_size']}, "
         f"{shape['num_hidden_layers']} layers, {shape['num_attention_heads']} heads, vocab "
-        f"{shape['vocab_size']}, "
-        f"micro-batch {shape['micro_batch_size']} x {shape['sequence_length']}, fp32, "
-        f"{torch.get_num_threads()} threads, {rounds} steps each",
+        f"{shape['vocab_size']}, micro-batch {shape['micro_batch_size']} x {shape['sequence_length']}, "
+        f"fp32, {torch.get_num_threads()} threads, {rounds} steps each",
         flush=True,
     )
     with tempfile.TemporaryDirectory() as tmp:

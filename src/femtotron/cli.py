@@ -188,9 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = verbs.add_parser(
         "check-tp",
-        help="run one batch at tp=1 and at tp=N from the same weights and name "
-        "the first module whose output or gradient differs; starts the "
-        "tp processes itself, or runs as one rank under torchrun",
+        help="run one batch at tp=1 and at tp=N from the same weights and name the first module whose "
+        "output or gradient differs; starts the tp processes itself, or runs as one rank under torchrun",
     )
     check.add_argument("config", help="YAML config, e.g. examples/debug.yaml")
     check.add_argument(

@@ -79,9 +79,8 @@ def generate_text(
     if not tokenizer_path.is_file():
         if config.tokenizer.tokenizer_name_or_path is None:
             raise FemtotronError(
-                f"{run_dir} has no tokenizer.json and its config.yaml no "
-                "tokenizer.tokenizer_name_or_path: set it to the tokenizer.json the data was "
-                "preprocessed with, and train again."
+                f"{run_dir} has no tokenizer.json and its config.yaml no tokenizer.tokenizer_name_or_path: "
+                "set it to the tokenizer.json the data was preprocessed with, and train again."
             )
         tokenizer_path = Path(config.tokenizer.tokenizer_name_or_path)
     tokenizer = load_tokenizer(tokenizer_path)

@@ -17,7 +17,9 @@ from femtotron.models.llama import Llama
 from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.context import ParallelContext, coordinates_of
 from femtotron.parallel.data_parallel import DataParallel
+from femtotron.parallel.pipeline.p2p import PipelineP2P
 from femtotron.parallel.pipeline.partition import Stage, partition
+from femtotron.parallel.pipeline.schedules import Pipeline
 from femtotron.parallel.sharding import split_dim
 from femtotron.parallel.tensor_parallel import TensorParallel
 
@@ -124,6 +126,17 @@ def _build(
         counted,
         tied_copy.index(True) if any(tied_copy) else None,
     )
+
+
+def build_pipeline(config: Config, ctx: ParallelContext, model: RankModel) -> Pipeline:
+    """The schedule executor over this rank's chunks; it checks the transfer shape with its neighbours."""
+    tokens, hidden = config.tokens, config.model.model_config_.hidden_size
+    sequence = tokens.sequence_length // (ctx.tp if model.tp.sequence_parallel else 1)
+    shape = (tokens.micro_batch_size, sequence, hidden)
+    p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device, shape, DTYPES[config.model.dtype])
+    pipeline = Pipeline(model.chunks, config.parallelism.pp_engine, ctx.pp, ctx.pp_rank, p2p)
+    ctx.comm.take_seconds()  # the start-up handshake is not part of any step's communication
+    return pipeline
 
 
 def bucket_groups(chunks: list[Llama], own_bucket: list[bool]) -> list[list[int]]:

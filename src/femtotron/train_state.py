@@ -1,4 +1,5 @@
-"""Where a run is, as data: what a checkpoint records besides the tensors, and what the log needs to go on."""
+"""Where a run is, as data (what a checkpoint records besides the tensors, and what the log needs to go on),
+and the pieces of a run that checkpoints and reports are handed instead of the trainer."""
 
 from __future__ import annotations
 
@@ -6,7 +7,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenizers import Tokenizer
+
+from femtotron.config import Config
+from femtotron.data.nanoset import Nanoset
+from femtotron.layout import RankModel
 from femtotron.optim.loss_scale import DynamicLossScaler
+from femtotron.optim.zero import ZeroAdamW
+from femtotron.parallel.context import ParallelContext
+from femtotron.run_log import RunLog
 
 
 @dataclass
@@ -41,3 +50,17 @@ class TrainState:
         self.recent = deque((tuple(r) for r in state.get("recent", [])), maxlen=self.recent.maxlen)
         if loss_scale and state.get("loss_scale"):
             self.scaler.load_state_dict(state["loss_scale"])
+
+
+@dataclass
+class TrainingParts:
+    """What a checkpoint saves and restores and the start report describes, handed over by whoever trains."""
+
+    config: Config
+    ctx: ParallelContext
+    model: RankModel
+    optimizer: ZeroAdamW
+    state: TrainState
+    data: Nanoset  # its size is recorded, and compared on resume
+    log: RunLog
+    tokenizer: Tokenizer | None = None  # saved beside the tensors: a checkpoint is self-contained

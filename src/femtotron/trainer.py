@@ -15,28 +15,25 @@ from tqdm import tqdm
 
 from femtotron.config import Config
 from femtotron.config.rules import refuse_on_gpus
-from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch, MicroBatchIterator, open_nanoset
-from femtotron.data.tokenizer import tokenizer_for_model
+from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch, MicroBatchIterator
 from femtotron.diagnostics import failures, start_report
-from femtotron.diagnostics.data_check import check_batch_token_ids, check_token_range, first_loss_warning
+from femtotron.diagnostics.data_check import check_batch_token_ids, first_loss_warning, open_run_data
 from femtotron.diagnostics.loss_spikes import LossSpikes
 from femtotron.diagnostics.nan_origin import locate
 from femtotron.diagnostics.watchdog import Watchdog
 from femtotron.errors import DataError, TrainingInterrupted, is_out_of_memory
-from femtotron.layout import DTYPES, build_rank_model
+from femtotron.layout import DTYPES, build_pipeline, build_rank_model
 from femtotron.optim.clip import clip_grads_
 from femtotron.optim.loss_scale import DynamicLossScaler
 from femtotron.optim.lr_schedule import lr_at
 from femtotron.optim.zero import ZeroAdamW
 from femtotron.parallel.context import ParallelContext
-from femtotron.parallel.pipeline.p2p import PipelineP2P
-from femtotron.parallel.pipeline.schedules import Pipeline
 from femtotron.precision import CPU_MULTIPLIES_BF16, emulated_low_precision
 from femtotron.run_log import RunLog, StepLogger, StepResult
 from femtotron.serialize import checkpoint
 from femtotron.serialize.weights import save_weights, write_config, write_tokenizer
 from femtotron.stop_signals import StopSignals
-from femtotron.train_state import TrainState
+from femtotron.train_state import TrainingParts, TrainState
 
 
 class Trainer:
@@ -44,84 +41,47 @@ class Trainer:
         self.config, self.ctx, self.run_dir = config, ctx, config.run_dir
         if ctx.device.type == "cuda":
             refuse_on_gpus(config)
-        tokens, mcfg = config.tokens, config.model.model_config_
-        self.log = RunLog(
-            ctx.log_prefix, self.run_dir, ctx.rank == 0, log_to_console, config.logging.log_level
-        )
+        level, tokens = config.logging.log_level, config.tokens
+        self.log = RunLog(ctx.log_prefix, self.run_dir, ctx.rank == 0, log_to_console, level)
         # Data first: a wrong dataset path must fail before minutes go into building the model.
-        self.train_data = open_nanoset(config.data.dataset_folder, tokens.sequence_length, config.data.seed)
-        self.val_data = (
-            open_nanoset(config.data.validation_folder, tokens.sequence_length, config.data.seed)
-            if config.data.validation_folder is not None
-            else None
-        )
-        self.tokenizer = tokenizer_for_model(config.tokenizer.tokenizer_name_or_path, mcfg.vocab_size)
-        check_token_range(self.train_data, mcfg.vocab_size)
-        if self.val_data is not None:
-            check_token_range(self.val_data, mcfg.vocab_size, key="data.validation_folder")
-        self.batches = MicroBatchIterator(
-            self.train_data,
-            tokens.micro_batch_size,
-            tokens.batch_accumulation_per_replica,
-            ctx.dp_rank,
-            ctx.dp,
-        )
+        self.train_data, self.val_data, self.tokenizer = open_run_data(config)
+        size, accumulation = tokens.micro_batch_size, tokens.batch_accumulation_per_replica
+        self.batches = MicroBatchIterator(self.train_data, size, accumulation, ctx.dp_rank, ctx.dp)
         self.model = build_rank_model(config, ctx)
         self.tp, self.chunks, self.data_parallel = self.model.tp, self.model.chunks, self.model.data_parallel
+        self.pipeline = build_pipeline(config, ctx, self.model)
         dtype = DTYPES[config.model.dtype]
         # fp16 only (N1): the loss is multiplied by a dynamic scale; bf16 and fp32 get a disabled one.
-        self.scaler = DynamicLossScaler.from_config(
-            config.optimizer.loss_scale, enabled=dtype == torch.float16
-        )
+        self.scaler = DynamicLossScaler.from_config(config.optimizer.loss_scale, dtype == torch.float16)
         self.state = TrainState(self.scaler)
-        self.optimizer = ZeroAdamW(
-            [p for _, p in self.named_parameters()], self.data_parallel, config.optimizer
-        )
+        params = [p for _, p in self.named_parameters()]
+        self.optimizer = ZeroAdamW(params, self.data_parallel, config.optimizer)
         # The grad norm sums the pieces this rank owns over the model-parallel group, and under ZeRO-1,
         # where each dp rank owns different pieces, over dp too.
         self.counted_pieces = [self.model.counted[piece.param] for piece in self.data_parallel.pieces]
         self.norm_groups = [ctx.mp_group] + ([ctx.dp_group] if self.data_parallel.sharded else [])
         # Under sequence parallelism each rank saw only its part of the sequence: the gradients of the
         # weights every tp rank holds whole (the norms) are summed over tp.
-        self.summed_over_tp = (
-            {i for i, r in enumerate(self.model.replicated) if r}
-            if self.tp.sequence_parallel and ctx.tp > 1
-            else set()
-        )
-        local_sequence = tokens.sequence_length // (ctx.tp if self.tp.sequence_parallel else 1)
-        p2p = PipelineP2P(
-            ctx.comm,
-            ctx.pp_group,
-            ctx.pp_rank,
-            ctx.device,
-            (tokens.micro_batch_size, local_sequence, mcfg.hidden_size),
-            dtype,
-        )
-        self.pipeline = Pipeline(self.chunks, config.parallelism.pp_engine, ctx.pp, ctx.pp_rank, p2p)
-        ctx.comm.take_seconds()  # the pipeline's start-up handshake is not part of any step's communication
-        self.parts = checkpoint.TrainingParts(
-            config, ctx, self.model, self.optimizer, self.state, self.train_data, self.log, self.tokenizer
+        sequence_parallel = self.tp.sequence_parallel and ctx.tp > 1
+        self.summed_over_tp = {i for i, r in enumerate(self.model.replicated) if r and sequence_parallel}
+        model, data = self.model, self.train_data
+        self.parts = TrainingParts(
+            config, ctx, model, self.optimizer, self.state, data, self.log, self.tokenizer
         )
         self.last_checkpoint: Path | None = None
         self.spikes = LossSpikes()
         self.upcasts = emulated_low_precision(torch.empty(0, dtype=dtype, device=ctx.device))
         # MFU against the matmul the hardware runs: fp32 on a CPU without bf16 units (precision.py).
-        cpu_fp32 = ctx.device.type == "cpu" and not CPU_MULTIPLIES_BF16
-        self.step_logger = StepLogger.for_run(config, ctx, self.log, torch.float32 if cpu_fp32 else dtype)
+        fp32 = ctx.device.type == "cpu" and not CPU_MULTIPLIES_BF16
+        self.step_logger = StepLogger.for_run(config, ctx, self.log, torch.float32 if fp32 else dtype)
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters over all its model chunks, by their names in the whole model."""
         return self.model.named_parameters()
 
     def train(self) -> list[StepResult]:
-        watchdog = Watchdog(
-            self.ctx.comm,
-            self.ctx.store,
-            self.ctx.rank,
-            self.ctx.world_size,
-            self.config.parallelism.hang_timeout_seconds,
-            self.whereabouts,
-        ).start()
+        hang_timeout = self.config.parallelism.hang_timeout_seconds
+        watchdog = Watchdog(self.ctx, hang_timeout, self.whereabouts).start()
         try:
             results = self.train_until_done()
             # Every rank is done before any stops watching: the first to exit may take the store with it.
@@ -134,11 +94,8 @@ class Trainer:
 
     def whereabouts(self) -> str:
         """Where this rank is in training, for hang reports (read from the watchdog thread)."""
-        action = self.pipeline.current
-        return (
-            f"step {self.state.step + 1}, pipeline {'forward' if action.kind == 'F' else 'backward'} of "
-            f"micro-batch {action.micro_batch} on stage {self.pipeline.stage_of(action.chunk)}"
-        )
+        action, step = self.pipeline.current, self.state.step + 1
+        return f"step {step}, pipeline {action.describe()} on stage {self.pipeline.stage_of(action.chunk)}"
 
     def train_until_done(self) -> list[StepResult]:
         ckpt, train_steps = self.config.checkpoints, self.config.tokens.train_steps
@@ -150,20 +107,8 @@ class Trainer:
             self.log.info(summary)
         last_saved = self.state.step if path is not None else None  # that state is on disk already
         self.log.start_at(self.state.step)  # the run starts: metrics.jsonl keeps the steps before it
-        self.log.info(
-            start_report.summary(
-                self.config,
-                self.ctx,
-                self.model,
-                self.optimizer,
-                self.train_data,
-                self.scaler.scale if self.scaler.enabled else None,
-                self.step_logger.yardstick,
-            )
-        )
-        for warning in start_report.start_warnings(
-            self.config, self.ctx, self.model, self.val_data is not None, self.upcasts
-        ):
+        self.log.info(start_report.summary(self.parts, self.step_logger.yardstick))
+        for warning in start_report.start_warnings(self.parts, self.val_data is not None, self.upcasts):
             self.log.warn(warning)
         if self.ctx.rank == 0:
             write_config(self.run_dir, self.config.to_dict())
@@ -176,7 +121,7 @@ class Trainer:
             unit="step",
             dynamic_ncols=True,
             leave=False,
-            disable=None if self.ctx.rank == 0 else True,
+            disable=True if self.ctx.rank else None,
         )
         with StopSignals() as signals:
             while self.state.step < train_steps:
@@ -206,35 +151,32 @@ class Trainer:
 
     def warn_on_loss(self, loss: float) -> None:
         """N3: a first loss far from ln(vocab); N4: spikes against the running median."""
-        vocab = self.config.model.model_config_.vocab_size
-        warnings = [
-            first_loss_warning(loss, vocab) if self.state.step == 1 else None,
-            self.spikes.observe(self.state.step, loss) if math.isfinite(loss) else None,
-        ]
-        for warning in filter(None, warnings):
+        first = (
+            first_loss_warning(loss, self.config.model.model_config_.vocab_size)
+            if self.state.step == 1
+            else None
+        )
+        spike = self.spikes.observe(self.state.step, loss) if math.isfinite(loss) else None
+        for warning in filter(None, [first, spike]):
             self.log.warn(warning)
 
     def save_checkpoint(self) -> int:
         start = time.perf_counter()
         path = self.last_checkpoint = checkpoint.save(self.parts)
-        size = sum(f.stat().st_size for f in path.iterdir()) if self.ctx.rank == 0 else 0
-        self.log.info(
-            f"saved checkpoint {path} ({size / 2**20:,.1f} MiB in {time.perf_counter() - start:.1f} s)"
-        )
+        mib = sum(f.stat().st_size for f in path.iterdir()) / 2**20 if self.ctx.rank == 0 else 0
+        self.log.info(f"saved checkpoint {path} ({mib:,.1f} MiB in {time.perf_counter() - start:.1f} s)")
         self.ctx.comm.take_seconds()  # the save's store and barrier time is not part of any training step
         return self.state.step
 
     def stop(self, signum: int, last_saved: int | None) -> None:
-        """Some rank got SIGTERM or SIGUSR1: save a checkpoint (unless this step's is saved) and stop (exit
-        7)."""
+        """Some rank got SIGTERM or SIGUSR1: save a checkpoint (unless this step's is saved), then stop."""
         if last_saved != self.state.step:
             self.save_checkpoint()
+        path, name = self.last_checkpoint, signal.Signals(signum).name
         raise TrainingInterrupted(
-            f"{signal.Signals(signum).name} received: stopped after step {self.state.step} and saved "
-            f"checkpoint "
-            f"{self.last_checkpoint}. Run the same command again to resume from it "
-            f"(checkpoints.auto_resume); "
-            f"another run resumes it with checkpoints.resume_checkpoint_path={self.last_checkpoint.parent}."
+            f"{name} received: stopped after step {self.state.step} and saved checkpoint {path}. Run the "
+            "same command again to resume from it (checkpoints.auto_resume); another run resumes it with "
+            f"checkpoints.resume_checkpoint_path={path.parent}."
         )
 
     def train_step(self) -> StepResult:
@@ -245,21 +187,9 @@ class Trainer:
         except (RuntimeError, MemoryError) as e:
             if not is_out_of_memory(e):
                 raise
-            action = self.pipeline.current
-            where = (
-                f"the {'forward' if action.kind == 'F' else 'backward'} of micro-batch {action.micro_batch}, "
-                f"pipeline stage {self.pipeline.stage_of(action.chunk)}"
-            )
-            raise failures.out_of_memory(
-                e,
-                self.config,
-                self.state.step + 1,
-                self.ctx.rank,
-                self.ctx.dp,
-                where,
-                self.optimizer.memory_plan(),
-                self.ctx.device,
-            ) from None
+            action, plan = self.pipeline.current, self.optimizer.memory_plan()
+            where = f"the {action.describe()}, pipeline stage {self.pipeline.stage_of(action.chunk)}"
+            raise failures.out_of_memory(e, self.config, self.ctx, self.state.step + 1, where, plan) from None
 
     def one_step(self) -> StepResult:
         start, state = time.perf_counter(), self.state
@@ -268,12 +198,11 @@ class Trainer:
         # fp16: back to true units before clipping; an overflow (agreed by every rank) with a finite loss
         # skips the step. A non-finite loss is a real divergence and is handled below.
         overflow = self.scaler.unscale_(grads, self.ctx) and math.isfinite(loss)
+        clip = self.config.optimizer.clip_grad
         grad_norm = (
             math.inf
             if overflow
-            else clip_grads_(
-                grads, self.config.optimizer.clip_grad, self.ctx, self.counted_pieces, self.norm_groups
-            ).item()
+            else clip_grads_(grads, clip, self.ctx, self.counted_pieces, self.norm_groups).item()
         )
         if overflow:
             self.skip_fp16_step(loss)
@@ -287,90 +216,59 @@ class Trainer:
         self.optimizer.zero_grad()
         state.step += 1
         state.consumed_tokens += tokens
-        return StepResult(
-            loss,
-            grad_norm,
-            lr,
-            tokens,
-            time.perf_counter() - start,
-            self.ctx.comm.take_seconds(),
-            loss_scale=self.scaler.scale if self.scaler.enabled else None,
-            skipped=math.isinf(grad_norm),
-        )
+        seconds, scale = time.perf_counter() - start, self.scaler.scale if self.scaler.enabled else None
+        comm, skipped = self.ctx.comm.take_seconds(), math.isinf(grad_norm)
+        return StepResult(loss, grad_norm, lr, tokens, seconds, comm, scale, skipped)
 
     def skip_non_finite_step(self, loss: float, grad_norm: float) -> None:
         """The loss or gradient norm is inf/NaN: find the module it came from, then stop (or, with
         optimizer.on_non_finite=skip, drop the step and go on). The weights are left as they were."""
         self.optimizer.zero_grad()
-        origin = locate(
-            self.pipeline,
-            self.last_inputs,
-            self.ctx.store,
-            self.ctx.rank,
-            self.ctx.world_size,
-            self.config.parallelism.collective_timeout_seconds,
-        )
+        origin = locate(self.pipeline, self.last_inputs, self.ctx)
         self.data_parallel.finish_reduction()  # the re-run's buckets, dropped with zero_grad after the step
         where = origin.describe() if origin else "no module produced it when the step was run again"
+        step, state = self.state.step + 1, self.state
         if self.config.optimizer.on_non_finite == "stop":
-            raise failures.diverged(
-                self.config, self.state.step + 1, loss, grad_norm, where, self.state.recent
-            )
-        self.state.non_finite_skips += 1
-        self.log.warn(
-            failures.non_finite_skipped(
-                self.state.step + 1, loss, grad_norm, where, self.state.non_finite_skips
-            )
-        )
+            raise failures.diverged(self.config, step, loss, grad_norm, where, state.recent)
+        state.non_finite_skips += 1
+        self.log.warn(failures.non_finite_skipped(step, loss, grad_norm, where, state.non_finite_skips))
 
     def skip_fp16_step(self, loss: float) -> None:
         """fp16 gradients overflowed: drop them, lower the loss scale, leave the weights as they are."""
-        scale = self.scaler.scale
+        step, scale = self.state.step + 1, self.scaler.scale
         if self.scaler.at_minimum:
-            raise failures.fp16_overflow_at_minimum(self.state.step + 1, self.scaler, loss)
+            raise failures.fp16_overflow_at_minimum(step, self.scaler, loss)
         self.scaler.update(overflow=True)
         self.log.warn(
-            f"step {self.state.step + 1}: fp16 gradients overflowed at loss scale {scale:g}; step skipped, "
-            f"scale lowered to {self.scaler.scale:g} ({self.scaler.skipped_steps} skipped so far)"
+            f"step {step}: fp16 gradients overflowed at loss scale {scale:g}; step skipped, scale "
+            f"lowered to {self.scaler.scale:g} ({self.scaler.skipped_steps} skipped so far)"
         )
 
     def compute_gradients(self) -> tuple[float, int, list[torch.Tensor]]:
         """Forward and backward over this step's micro-batches; returns loss, tokens and fp32 grads (with fp16
         still multiplied by the loss scale: `one_step` unscales them). Every rank of a dp replica reads the
-        same micro-batches: the first pipeline stage needs the inputs, the last the targets, all the token
-        count."""
-        micro_batches = [mb.to(self.ctx.device) for mb in self.batches.step_at(self.state.consumed_samples)]
+        same micro-batches: the first pipeline stage needs the inputs, the last the targets, all the count."""
+        ctx, step = self.ctx, self.state.step + 1
+        micro_batches = [mb.to(ctx.device) for mb in self.batches.step_at(self.state.consumed_samples)]
         self.state.consumed_samples += self.config.global_batch_size
-        check_batch_token_ids(
-            micro_batches,
-            self.config.model.model_config_.vocab_size,
-            self.ctx.comm,
-            self.ctx.dp_group,
-            self.state.step + 1,
-        )
+        check_batch_token_ids(micro_batches, self.config.model.model_config_.vocab_size, ctx, step)
         # Token-weighted loss: divide by the valid-token count of the whole global batch, so any
         # split into micro-batches and dp ranks gives the same loss and gradients.
-        global_tokens = torch.tensor(
-            float(sum(mb.counted_targets for mb in micro_batches)), device=self.ctx.device
-        )
-        self.ctx.comm.all_reduce(global_tokens, self.ctx.dp_group)
-        if global_tokens.item() == 0:
+        count = torch.tensor(float(sum(mb.counted_targets for mb in micro_batches)), device=ctx.device)
+        global_tokens = ctx.comm.all_reduce(count, ctx.dp_group).item()  # summed in place
+        if global_tokens == 0:
             raise DataError(
-                f"step {self.state.step + 1}: no target token of the whole batch counts in the loss "
-                f"(every position is {IGNORE_INDEX}): the loss mask is empty, so there is nothing to "
-                "learn. Check the data with `femtotron inspect-data CONFIG`."
+                f"step {step}: no target token of the whole batch counts in the loss (every position "
+                f"is {IGNORE_INDEX}): the loss mask is empty, so there is nothing to learn. Check the "
+                "data with `femtotron inspect-data CONFIG`."
             )
         # fp16: dividing by global_tokens / scale multiplies the loss, so every gradient, by the loss scale.
-        self.last_inputs = (
-            micro_batches,
-            global_tokens / self.scaler.scale,
-        )  # to run the step again (NaN origin)
+        self.last_inputs = (micro_batches, count / self.scaler.scale)  # to run the step again (NaN origin)
         loss_sum = self.pipeline.train_step(*self.last_inputs)
         grads = self.reduce_gradients()
         # Only the last stage computed the loss: summed over pp, every rank logs the same number (P3).
-        self.ctx.comm.all_reduce(loss_sum, self.ctx.pp_group)
-        loss = self.ctx.comm.all_reduce(loss_sum, self.ctx.dp_group).item() / global_tokens.item()
-        return loss, int(global_tokens.item()), grads
+        ctx.comm.all_reduce(loss_sum, ctx.pp_group)
+        return ctx.comm.all_reduce(loss_sum, ctx.dp_group).item() / global_tokens, int(global_tokens), grads
 
     def reduce_gradients(self) -> list[torch.Tensor]:
         """The fp32 gradients of the elements this rank steps, summed over everything that computed a part:
@@ -379,30 +277,23 @@ class Trainer:
         these groups), under sequence parallelism the tp-replicated parameters over tp (each tp rank saw part
         of the sequence), and a tied embedding over the first and last pipeline stage."""
         self.data_parallel.finish_reduction()
-        grads, pieces = self.optimizer.grads(), self.data_parallel.pieces
-        comm = self.ctx.comm
-        comm.all_reduce_many(
-            [g for p, g in zip(pieces, grads, strict=True) if p.param in self.summed_over_tp],
-            self.ctx.tp_group,
-        )
-        comm.all_reduce_many(
-            [g for p, g in zip(pieces, grads, strict=True) if p.param == self.model.tied_embedding],
-            self.ctx.embedding_group,
-        )
+        grads, pieces, comm = self.optimizer.grads(), self.data_parallel.pieces, self.ctx.comm
+        by_param = [(p.param, g) for p, g in zip(pieces, grads, strict=True)]
+        comm.all_reduce_many([g for param, g in by_param if param in self.summed_over_tp], self.ctx.tp_group)
+        tied = self.model.tied_embedding
+        comm.all_reduce_many([g for param, g in by_param if param == tied], self.ctx.embedding_group)
         return grads
 
     @torch.no_grad()
     def validate(self) -> float:
         """The loss over the first `limit_val_batches` micro-batches of the validation data, logged."""
-        tokens = self.config.tokens
-        batches = MicroBatchIterator(
-            self.val_data, tokens.micro_batch_size, tokens.limit_val_batches, self.ctx.dp_rank, self.ctx.dp
-        )
-        micro_batches: list[MicroBatch] = [batch.to(self.ctx.device) for batch in batches.step_at(0)]
-        loss_sum = self.ctx.comm.all_reduce(self.pipeline.evaluate(micro_batches), self.ctx.pp_group)
-        count = torch.tensor(float(sum(mb.counted_targets for mb in micro_batches)), device=self.ctx.device)
-        totals = self.ctx.comm.all_reduce(torch.stack([loss_sum, count]), self.ctx.dp_group)
-        self.ctx.comm.take_seconds()  # validation's collectives are not part of any training step
+        ctx, size, limit = self.ctx, self.config.tokens.micro_batch_size, self.config.tokens.limit_val_batches
+        batches = MicroBatchIterator(self.val_data, size, limit, ctx.dp_rank, ctx.dp).step_at(0)
+        micro_batches: list[MicroBatch] = [batch.to(ctx.device) for batch in batches]
+        loss_sum = ctx.comm.all_reduce(self.pipeline.evaluate(micro_batches), ctx.pp_group)
+        count = torch.tensor(float(sum(mb.counted_targets for mb in micro_batches)), device=ctx.device)
+        totals = ctx.comm.all_reduce(torch.stack([loss_sum, count]), ctx.dp_group)
+        ctx.comm.take_seconds()  # validation's collectives are not part of any training step
         val_loss = (totals[0] / totals[1]).item()
         self.log.record({"step": self.state.step, "val_loss": val_loss})
         self.log.info(f"step {self.state.step} | validation loss {val_loss:.4f}")

@@ -349,10 +349,9 @@ def test_D1_debug_example_loads_without_warnings():
 @pytest.mark.distributed
 def test_loading_a_config_does_not_import_torch():
     code = (
-        "import sys; from femtotron.config import load_config, check_world_size, config_warnings; "
-        f"c = load_config({str(REPO / 'examples' / 'debug.yaml')!r}); config_warnings(c); "
-        f"check_world_size(c, 1); "
-        "assert 'torch' not in sys.modules, 'torch was imported'"
+        "import sys; from femtotron.config import load_config, check_world_size, config_warnings; c = "
+        f"load_config({str(REPO / 'examples' / 'debug.yaml')!r}); config_warnings(c); check_world_size(c, "
+        "1); assert 'torch' not in sys.modules, 'torch was imported'"
     )
     result = subprocess.run(
         [sys.executable, "-c", code],

@@ -146,9 +146,8 @@ def test_L2_several_problems_reported_at_once(tmp_path):
 def test_missing_required_field_says_where_to_add_it(tmp_path):
     error = errors(tmp_path, GOOD.replace("  train_steps: 10\n", ""))
     assert find(error, "tokens.train_steps") == (
-        "tokens.train_steps (not set): required field is missing (number of optimizer steps, an integer >= "
-        "1); "
-        "add it under 'tokens:' (line 14)"
+        "tokens.train_steps (not set): required field is missing (number of optimizer steps, an integer "
+        ">= 1); add it under 'tokens:' (line 14)"
     )
 
 

@@ -19,7 +19,6 @@ def test_the_out_of_range_message_gives_the_largest_id_with_its_own_position(tmp
         check_token_range(Nanoset([str(tmp_path / "d")], None, 4, seed=0), vocab_size=256)
     assert (
         f"{tmp_path / 'd'}.bin (data.dataset_folder) holds token id 900 (at token 3; 2 of the first 12 "
-        f"tokens "
-        "are out of range)" in str(info.value)
+        "tokens are out of range)" in str(info.value)
     )
     assert "vocab_size >= 901" in str(info.value)

@@ -55,9 +55,8 @@ def test_M1_running_out_of_memory_on_the_cpu_is_the_same_report(tiny_config):
     with pytest.raises(OutOfMemory) as info:
         trainer.train_step()
     assert str(info.value).startswith(
-        "step 1: out of memory on rank 0 in the backward of micro-batch 0, pipeline "
-        "stage 0 ([enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't "
-        "allocate memory"
+        "step 1: out of memory on rank 0 in the backward of micro-batch 0, pipeline stage 0 ([enforce "
+        "fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory"
     )
 
 

@@ -14,8 +14,7 @@ import yaml
 from distributed import free_port
 
 from femtotron.diagnostics.watchdog import Watchdog
-from femtotron.parallel.comm import Comm
-from femtotron.parallel.store import Store
+from femtotron.parallel.context import ParallelContext
 
 # One rank of a job, started the way torchrun or srun would. `how` breaks it: "skip-send" drops rank 0's
 # pipeline send of micro-batch 1; "freeze" stops rank 1 (SIGSTOP) after its first step.
@@ -107,8 +106,7 @@ def test_P1_a_rank_that_skips_a_send_ends_the_job_with_a_report_naming_the_pair(
     assert (
         "deadlock: rank 0 and rank 1 each wait to receive from the other (step 1, pipeline backward of "
         "micro-batch 1 on stage 0; step 1, pipeline forward of micro-batch 1 on stage 1): one of them "
-        "skipped or "
-        "reordered a send"
+        "skipped or reordered a send"
     ) in report
 
 
@@ -130,7 +128,8 @@ def test_P1_a_frozen_rank_ends_the_job_on_the_others_within_60_s(tiny_config, tm
 def test_the_report_says_how_old_each_rank_s_state_is():
     """A frozen rank's last published state can be far behind: the report gives its age, as seen by the
     reporting rank (the time since that rank's heartbeat last changed), so "step 1" is not read as now."""
-    dog = Watchdog(Comm(), Store(), rank=0, world_size=2, hang_timeout=600, where=lambda: "step 9")
+    dog = Watchdog(ParallelContext(), hang_timeout=600, where=lambda: "step 9")
+    dog.world_size = 2  # as if a second rank had published its state
     states = {
         0: {
             "rank": 0,

@@ -186,8 +186,8 @@ def _start_report(rank, config):
     ctx.hosts = ["node-a", "node-b"]  # as if the ranks had checked in from two machines
     trainer = Trainer(config, ctx, log_to_console=False)
     out = (
-        start_report.summary(config, ctx, trainer.model, trainer.optimizer, trainer.train_data, None, ""),
-        start_report.start_warnings(config, ctx, trainer.model, False, False),
+        start_report.summary(trainer.parts, ""),
+        start_report.start_warnings(trainer.parts, False, False),
     )
     ctx.close()
     return out

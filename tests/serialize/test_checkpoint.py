@@ -515,8 +515,7 @@ def test_starting_over_existing_checkpoints_needs_auto_resume_off_and_says_so(ti
     out = capsys.readouterr().out
     assert (
         f"WARNING: checkpoints.auto_resume=false: starting from step 0, although {saved} holds checkpoints "
-        f"up "
-        "to step-0000004; this run's saves replace them"
+        "up to step-0000004; this run's saves replace them"
     ) in out
 
 
@@ -536,8 +535,7 @@ def test_resume_checkpoint_path_wins_over_the_run_s_own_checkpoints_with_a_warni
     assert f"resumed from {other / 'step-0000004'} at step 4" in out
     assert (
         f"WARNING: checkpoints.resume_checkpoint_path={other} is given, so the checkpoints of this run in "
-        f"{own} "
-        "(up to step-0000004) are not resumed"
+        f"{own} (up to step-0000004) are not resumed"
     ) in out
 
 

@@ -145,10 +145,9 @@ def _build(
                 Problem(
                     (),
                     (
-                        f"the top level must be a mapping of sections (general, model, parallelism, tokens, "
-                        f"optimizer, "
-                        f"data, ...); got {got}. A config needs at least tokens.train_steps and "
-                        f"data.dataset_folder."
+                        "the top level must be a mapping of sections (general, model, parallelism, "
+                        f"tokens, optimizer, data, ...); got {got}. A config needs at least "
+                        "tokens.train_steps and data.dataset_folder."
                     ),
                 )
             ],

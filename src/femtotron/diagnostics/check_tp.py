@@ -242,10 +242,9 @@ def _first_micro_batch(config: Config, device: torch.device) -> tuple[torch.Tens
     vocab, largest = config.model.model_config_.vocab_size, int(batch.inputs.max())
     if largest >= vocab:
         raise DataError(
-            f"the training data holds token id {largest}, but model.model_config.vocab_size="
-            f"{vocab} allows ids 0..{vocab - 1}. Set model.model_config.vocab_size >= "
-            f"{largest + 1}, or point data.dataset_folder at data made with this model's "
-            "tokenizer."
+            f"the training data holds token id {largest}, but model.model_config.vocab_size={vocab} allows "
+            f"ids 0..{vocab - 1}. Set model.model_config.vocab_size >= {largest + 1}, or point "
+            "data.dataset_folder at data made with this model's tokenizer."
         )
     batch = batch.to(device)
     return batch.inputs, batch.targets
@@ -384,16 +383,14 @@ _BETWEEN_ADVICE = {
     "viewed as query/key/value heads (every rank must hold whole GQA groups: "
     "num_attention_heads and num_key_value_heads divisible by tp, T2), or the rotary embedding",
     "MLP": "the gate/up split between gate_up_proj and down_proj (each rank's gate_up_proj output is [its "
-    "gate "
-    "features | its up features], matching the columns of down_proj it holds)",
+    "gate features | its up features], matching the columns of down_proj it holds)",
 }
 _INPUT_GRADIENT_ADVICE = {
     "ColumnParallelLinear": "the gradient of its input is not summed over tp in backward: the all-reduce of "
     "copy_to_tp (ALL_REDUCE) or the reduce-scatter that undoes the sequence "
     "all-gather (REDUCE_SCATTER) is missing before this layer",
     "RowParallelLinear": "the backward of the reduction after it: identity under ALL_REDUCE (another "
-    "all-reduce there counts the gradient tp times), an all-gather of the sequence "
-    "under REDUCE_SCATTER",
+    "all-reduce there counts the gradient tp times), an all-gather of the sequence under REDUCE_SCATTER",
 }
 
 

@@ -9,9 +9,11 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch, MicroBatchIterator, Nanoset
+from femtotron.config import Config
+from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch, MicroBatchIterator, Nanoset, open_nanoset
+from femtotron.data.tokenizer import tokenizer_for_model
 from femtotron.errors import DataError
-from femtotron.parallel.comm import Comm, Group
+from femtotron.parallel.context import ParallelContext
 
 SCANNED_TOKENS = 1 << 24  # per dataset at start: ~30 ms; later tokens are checked batch by batch
 
@@ -26,33 +28,45 @@ def check_token_range(nanoset: Nanoset, vocab_size: int, key: str = "data.datase
             position, count = int(np.argmax(head == largest)), int((head >= vocab_size).sum())
             raise DataError(
                 f"{dataset.path_prefix}.bin ({key}) holds token id {largest} (at token {position:,}; "
-                f"{count:,} of the "
-                f"first {head.size:,} tokens are out of range), but "
-                f"model.model_config.vocab_size={vocab_size} allows "
-                f"ids 0..{vocab_size - 1}: it was tokenized with a larger vocabulary. Set model.model_config."
-                f"vocab_size >= {largest + 1}, or re-run `femtotron preprocess` with the tokenizer this "
-                f"model is meant "
-                "for."
+                f"{count:,} of the first {head.size:,} tokens are out of range), but "
+                f"model.model_config.vocab_size={vocab_size} allows ids 0..{vocab_size - 1}: it was "
+                f"tokenized with a larger vocabulary. Set model.model_config.vocab_size >= {largest + 1}, "
+                "or re-run `femtotron preprocess` with the tokenizer this model is meant for."
             )
 
 
+def open_run_data(config: Config) -> tuple[Nanoset, Nanoset | None, Tokenizer | None]:
+    """The training and validation data and the tokenizer the run names, checked against the model's
+    vocabulary before the model is built (a wrong path or vocabulary fails in seconds, not after minutes)."""
+    sequence, seed, vocab = (
+        config.tokens.sequence_length,
+        config.data.seed,
+        config.model.model_config_.vocab_size,
+    )
+    train = open_nanoset(config.data.dataset_folder, sequence, seed)
+    validation = config.data.validation_folder
+    val = open_nanoset(validation, sequence, seed) if validation is not None else None
+    tokenizer = tokenizer_for_model(config.tokenizer.tokenizer_name_or_path, vocab)
+    check_token_range(train, vocab)
+    if val is not None:
+        check_token_range(val, vocab, key="data.validation_folder")
+    return train, val, tokenizer
+
+
 def check_batch_token_ids(
-    micro_batches: list[MicroBatch], vocab_size: int, comm: Comm, dp_group: Group, step: int
+    micro_batches: list[MicroBatch], vocab_size: int, ctx: ParallelContext, step: int
 ) -> None:
     """An id >= vocab_size would crash the embedding (on GPU as an opaque device assert). The largest id is
     agreed over dp, so every rank stops here together instead of one leaving the others waiting."""
-    largest_id = torch.tensor(
-        float(max(int(mb.inputs.max()) for mb in micro_batches)), device=micro_batches[0].inputs.device
-    )
-    largest = int(comm.all_reduce(largest_id, dp_group, op="max").item())
+    largest_id = torch.tensor(float(max(int(mb.inputs.max()) for mb in micro_batches)), device=ctx.device)
+    largest = int(ctx.comm.all_reduce(largest_id, ctx.dp_group, op="max").item())
     if largest >= vocab_size:
         raise DataError(
-            f"step {step}: the training data holds token id {largest}, but "
-            f"model.model_config.vocab_size={vocab_size} "
-            f"allows ids 0..{vocab_size - 1}. The data was tokenized with a larger vocabulary than the "
-            f"model's: set "
-            f"model.model_config.vocab_size >= {largest + 1} (a multiple of 64 or 128 is fastest), or re-run "
-            "`femtotron preprocess` with the tokenizer this model is meant for."
+            f"step {step}: the training data holds token id {largest}, but model.model_config.vocab_size="
+            f"{vocab_size} allows ids 0..{vocab_size - 1}. The data was tokenized with a larger vocabulary "
+            f"than "
+            f"the model's: set model.model_config.vocab_size >= {largest + 1} (a multiple of 64 or 128 is "
+            "fastest), or re-run `femtotron preprocess` with the tokenizer this model is meant for."
         )
 
 
@@ -65,9 +79,8 @@ def first_loss_warning(loss: float, vocab_size: int) -> str | None:
         "far below: the targets are too easy to predict (repeated or constant data, or inputs leaking into "
         "the targets)"
         if loss < expected
-        else "far above: the initialisation is too large (model.init_method.std, usually 0.02) or the logits "
-        "are "
-        "scaled wrongly"
+        else "far above: the initialisation is too large (model.init_method.std, usually 0.02) or the "
+        "logits are scaled wrongly"
     )
     return (
         f"step 1: loss {loss:.3f}, but a freshly initialised model should start near ln(vocab_size) = "

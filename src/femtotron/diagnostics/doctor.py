@@ -157,8 +157,7 @@ def diagnose(
         lines.append(
             f"  pp rank {e.pp_rank}: {human(e.total)} = {state} + activations: a micro-batch keeps "
             f"{human(max(e.saved_per_micro_batch))} for its backward and peaks at "
-            f"{human(e.micro_batch_peak)}, "
-            f"{e.micro_batches_held} held at most (+{human(e.waiting)})"
+            f"{human(e.micro_batch_peak)}, {e.micro_batches_held} held at most (+{human(e.waiting)})"
         )
     worst = max(estimates, key=lambda e: e.total)
     lines += variants(config, budget, on_cpu)

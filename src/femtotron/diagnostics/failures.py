@@ -6,13 +6,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-import torch
-
 from femtotron.config import Config
 from femtotron.diagnostics.memory import human
 from femtotron.errors import OutOfMemory, TrainingDiverged
 from femtotron.metrics import memory_gib
 from femtotron.optim.loss_scale import DynamicLossScaler
+from femtotron.parallel.context import ParallelContext
 
 
 def number(value: float) -> str:
@@ -39,47 +38,42 @@ def diverged(
         "float32": "",
     }
     return TrainingDiverged(
-        f"step {step}: {what}; the optimizer step was skipped and training stopped.\nWhere: {where}.\n"
-        f"Recent steps: {history}\nFixes: lower optimizer.learning_rate_scheduler.learning_rate (e.g. by "
-        f"3x), keep "
-        f"optimizer.clip_grad at 1.0, {dtype[config.model.dtype]}model.init_method.std=0.02; if it starts at "
-        f"the "
-        "embedding or the first layer, look at the data (`femtotron inspect-data CONFIG`). "
-        "optimizer.on_non_finite=skip drops such steps instead of stopping."
+        f"step {step}: {what}; the optimizer step was skipped and training stopped.\nWhere: "
+        f"{where}.\nRecent steps: {history}\nFixes: lower optimizer.learning_rate_scheduler.learning_rate "
+        "(e.g. by 3x), keep optimizer.clip_grad at 1.0, "
+        f"{dtype[config.model.dtype]}model.init_method.std=0.02; if it starts at the embedding or the "
+        "first layer, look at the data (`femtotron inspect-data CONFIG`). optimizer.on_non_finite=skip "
+        "drops such steps instead of stopping."
     )
 
 
 def non_finite_skipped(step: int, loss: float, grad_norm: float, where: str, skipped: int) -> str:
     return (
         f"step {step}: loss {number(loss)} / grad norm {number(grad_norm)} is not finite: {where}; step "
-        f"skipped "
-        f"(optimizer.on_non_finite=skip; {skipped} skipped so far)"
+        f"skipped (optimizer.on_non_finite=skip; {skipped} skipped so far)"
     )
 
 
 def fp16_overflow_at_minimum(step: int, scaler: DynamicLossScaler, loss: float) -> TrainingDiverged:
     return TrainingDiverged(
         f"step {step}: fp16 gradients overflowed at loss scale {scaler.scale:g}, which is "
-        f"optimizer.loss_scale.min_scale={scaler.min_scale:g} ({scaler.skipped_steps} steps skipped so far): "
-        f"the loss "
-        f"({loss:.4f}) is finite, but the gradients do not fit fp16 even at the smallest allowed scale, so "
-        f"training "
-        "stopped.\nFixes: use model.dtype=bfloat16 (fp32's range), or float32; lower "
-        "optimizer.learning_rate_scheduler.learning_rate; keep optimizer.clip_grad at 1.0."
+        f"optimizer.loss_scale.min_scale={scaler.min_scale:g} ({scaler.skipped_steps} steps skipped so "
+        f"far): the loss ({loss:.4f}) is finite, but the gradients do not fit fp16 even at the smallest "
+        "allowed scale, so training stopped.\nFixes: use model.dtype=bfloat16 (fp32's range), or float32; "
+        "lower optimizer.learning_rate_scheduler.learning_rate; keep optimizer.clip_grad at 1.0."
     )
 
 
 def out_of_memory(
     error: BaseException,
     config: Config,
+    ctx: ParallelContext,
     step: int,
-    rank: int,
-    dp: int,
     where: str,
     model_state: dict[str, int],
-    device: torch.device,
 ) -> OutOfMemory:
     """`where`: the pass, micro-batch and stage it ran out in; `model_state`: this rank's bytes by kind."""
+    rank, dp, device = ctx.rank, ctx.dp, ctx.device
     state = ", ".join(f"{key.replace('_', ' ')} {human(value)}" for key, value in model_state.items())
     memory = ", ".join(
         f"{k.removeprefix('mem_').removesuffix('_gib')} {v:.2f} GiB" for k, v in memory_gib(device).items()
@@ -101,13 +95,11 @@ def out_of_memory(
         if device.type != "cuda"
         else (
             " A large gap between reserved and allocated is fragmentation: keep "
-            "general.cuda_expandable_segments "
-            "on (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)."
+            "general.cuda_expandable_segments on (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)."
         )
     )
     first_line = (str(error).splitlines() or [type(error).__name__])[0][:200]
     return OutOfMemory(
         f"step {step}: out of memory on rank {rank} in {where} ({first_line}).\nThis rank's model state: "
-        f"{state}; "
-        f"memory now: {memory}.{gap}\nFixes, in the usual order: " + "; ".join(fixes) + "."
+        f"{state}; memory now: {memory}.{gap}\nFixes, in the usual order: " + "; ".join(fixes) + "."
     )

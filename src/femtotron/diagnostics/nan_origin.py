@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from femtotron.data.nanoset import MicroBatch
+from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.pipeline.schedules import Pipeline
-from femtotron.parallel.store import Store
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,8 @@ class NonFinite:
                 f"finite; {where})"
             )
         return (
-            f"forward was finite; in backward the first non-finite gradient reached the output of "
-            f"{self.module} "
-            f"(so it arose in the module that consumes that output; {where})"
+            "forward was finite; in backward the first non-finite gradient reached the output of "
+            f"{self.module} (so it arose in the module that consumes that output; {where})"
         )
 
     def order(self) -> tuple:
@@ -104,10 +103,9 @@ def watch(
         found.extend(backward)
 
 
-def earliest_over_ranks(
-    store: Store, rank: int, world_size: int, mine: NonFinite | None, timeout: float
-) -> NonFinite | None:
+def earliest_over_ranks(ctx: ParallelContext, mine: NonFinite | None) -> NonFinite | None:
     """Every rank's finding to rank 0 through the store; rank 0 picks the earliest and every rank gets it."""
+    store, rank, world_size, timeout = ctx.store, ctx.rank, ctx.world_size, ctx.collective_timeout_seconds
     key = store.fresh_key("nan")
     store.post(f"{key}/rank{rank}", json.dumps(asdict(mine) if mine else None))
     if rank == 0:
@@ -121,12 +119,7 @@ def earliest_over_ranks(
 
 
 def locate(
-    pipeline: Pipeline,
-    inputs: tuple[list[MicroBatch], torch.Tensor],
-    store: Store,
-    rank: int,
-    world_size: int,
-    timeout: float,
+    pipeline: Pipeline, inputs: tuple[list[MicroBatch], torch.Tensor], ctx: ParallelContext
 ) -> NonFinite | None:
     """Run a step's micro-batches (`inputs`, as `Pipeline.train_step` takes them) again, from the same
     weights, with a hook on every module (every rank does, as it is a whole pipeline step); the earliest
@@ -136,6 +129,6 @@ def locate(
         action = pipeline.current
         return action.micro_batch, pipeline.stage_of(action.chunk)
 
-    with watch(pipeline.chunks, where, rank) as found:
+    with watch(pipeline.chunks, where, ctx.rank) as found:
         pipeline.train_step(*inputs)
-    return earliest_over_ranks(store, rank, world_size, found[0] if found else None, timeout)
+    return earliest_over_ranks(ctx, found[0] if found else None)

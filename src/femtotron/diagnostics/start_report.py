@@ -3,57 +3,42 @@ warnings about legal but risky settings (N1, N2, P2, M3, T3)."""
 
 from __future__ import annotations
 
-from femtotron.config import Config, config_warnings
+from femtotron.config import config_warnings
 from femtotron.config.rules import pipeline_bubble
-from femtotron.data.nanoset import Nanoset
-from femtotron.layout import RankModel
-from femtotron.optim.zero import ZeroAdamW
-from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.pipeline.partition import imbalance_warning, stage_map
+from femtotron.train_state import TrainingParts
 
 
-def summary(
-    config: Config,
-    ctx: ParallelContext,
-    model: RankModel,
-    optimizer: ZeroAdamW,
-    data: Nanoset,
-    loss_scale: float | None,
-    mfu_yardstick: str,
-) -> str:
+def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
+    config, ctx, data, scaler = parts.config, parts.ctx, parts.data, parts.state.scaler
     mcfg, tokens, par = config.model.model_config_, config.tokens, config.parallelism
-    total_samples = config.global_batch_size * tokens.train_steps
+    accumulation = tokens.batch_accumulation_per_replica
+    epochs = data.epochs_for(config.global_batch_size * tokens.train_steps)
     lines = [
         f"run: {config.general.project}/{config.general.run}, directory {config.run_dir}",
         f"model: Llama {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, "
-        f"{mcfg.num_attention_heads} heads "
-        f"({mcfg.num_key_value_heads} kv), vocab {mcfg.vocab_size}: {mcfg.parameter_count / 1e6:.2f}M "
-        f"parameters, "
-        f"{config.model.dtype} with fp32 master weights"
-        + (f", dynamic loss scale from {loss_scale:g}" if loss_scale is not None else ""),
+        f"{mcfg.num_attention_heads} heads ({mcfg.num_key_value_heads} kv), vocab {mcfg.vocab_size}: "
+        f"{mcfg.parameter_count / 1e6:.2f}M parameters, {config.model.dtype} with fp32 master weights"
+        + (f", dynamic loss scale from {scaler.scale:g}" if scaler.enabled else ""),
         f"layout: dp={ctx.dp} tp={ctx.tp} pp={ctx.pp} on {ctx.world_size} process(es) on "
-        f"{len(set(ctx.hosts))} "
-        f"host(s), device {ctx.device}",
-        f"batch: {tokens.micro_batch_size} x {tokens.sequence_length} tokens x "
-        f"{tokens.batch_accumulation_per_replica} "
-        f"micro-batches x dp {ctx.dp} = {config.tokens_per_step:,} tokens per step, {tokens.train_steps} "
-        f"steps",
+        f"{len(set(ctx.hosts))} host(s), device {ctx.device}",
+        f"batch: {tokens.micro_batch_size} x {tokens.sequence_length} tokens x {accumulation} micro-batches "
+        f"x dp "
+        f"{ctx.dp} = {config.tokens_per_step:,} tokens per step, {tokens.train_steps} steps",
         f"data: {data.num_documents:,} documents, {data.num_tokens:,} tokens, {data.samples_per_epoch:,} "
-        f"samples per "
-        f"epoch; this run sees {data.epochs_for(total_samples):.2f} epochs",
+        f"samples per epoch; this run sees {epochs:.2f} epochs",
         f"MFU is measured against {mfu_yardstick}",
-        memory_summary(config, ctx, model, optimizer),
+        memory_summary(parts),
     ]
     if ctx.tp > 1:
         lines.append(f"tensor parallel: tp={ctx.tp}, tp_mode={par.tp_mode}")
-    padded = model.chunks[0].padded_vocab_size
+    padded = parts.model.chunks[0].padded_vocab_size
     if padded != mcfg.vocab_size:
         lines.append(
-            f"vocabulary padded from {mcfg.vocab_size} to {padded} rows to split evenly over tp={ctx.tp}; "
-            "the padded logits are masked out of the loss"
+            f"vocabulary padded from {mcfg.vocab_size} to {padded} rows to split evenly over "
+            f"tp={ctx.tp}; the padded logits are masked out of the loss"
         )
     if ctx.pp > 1:
-        accumulation = tokens.batch_accumulation_per_replica
         bubble = pipeline_bubble(ctx.pp, accumulation, par.pp_virtual_stages)
         virtual = (
             f" with {par.pp_virtual_stages} virtual stages per rank" if par.pp_virtual_stages > 1 else ""
@@ -62,71 +47,69 @@ def summary(
             f"pipeline parallel: pp={ctx.pp}, pp_engine={par.pp_engine}{virtual}, {accumulation} "
             f"micro-batches: each stage idles {bubble:.0%} of a step in theory (bubble)"
         )
-        lines.append(stage_map(model.stages, ctx.pp))
+        lines.append(stage_map(parts.model.stages, ctx.pp))
     return "\n".join(lines)
 
 
-def memory_summary(config: Config, ctx: ParallelContext, model: RankModel, optimizer: ZeroAdamW) -> str:
+def memory_summary(parts: TrainingParts) -> str:
     """Where this rank's bytes for the model state go, and how dp reduces gradients."""
-    data_parallel, plan = model.data_parallel, optimizer.memory_plan()
+    data_parallel, plan, dp = parts.model.data_parallel, parts.optimizer.memory_plan(), parts.ctx.dp
     elements = data_parallel.flat_params.numel() - data_parallel.padding
     total = sum(plan.values())
-    parts = " + ".join(f"{key.replace('_', ' ')} {value / 2**20:.1f}" for key, value in plan.items())
+    kinds = " + ".join(f"{key.replace('_', ' ')} {value / 2**20:.1f}" for key, value in plan.items())
     sharing = (
-        f"ZeRO-1 shards master weights and Adam moments over dp={ctx.dp}"
-        if config.optimizer.zero_stage == 1
+        f"ZeRO-1 shards master weights and Adam moments over dp={dp}"
+        if parts.config.optimizer.zero_stage
         else "optimizer state on every dp rank (zero_stage 0)"
     )
     own_masters = " (fp32 parameters are their own master weights)" if not plan["master_weights"] else ""
     reduction = (
         f"gradients reduced over dp in {len(data_parallel.buckets)} bucket(s) during backward"
-        if ctx.dp > 1
+        if dp > 1
         else "no dp reduction (dp=1)"
     )
     return (
-        f"model state on this rank: {elements / 1e6:.2f}M parameters in {total / 2**20:.1f} MiB = {parts} MiB"
-        f"{own_masters}, {total / elements:.1f} bytes per parameter; {sharing}; {reduction}; buffers padded "
-        f"by {data_parallel.padding:,} elements"
+        f"model state on this rank: {elements / 1e6:.2f}M parameters in {total / 2**20:.1f} MiB = {kinds} "
+        f"MiB{own_masters}, {total / elements:.1f} bytes per parameter; {sharing}; {reduction}; buffers "
+        f"padded by {data_parallel.padding:,} elements"
     )
 
 
-def start_warnings(
-    config: Config, ctx: ParallelContext, model: RankModel, has_validation: bool, upcasts: bool
-) -> list[str]:
+def start_warnings(parts: TrainingParts, has_validation: bool, upcasts: bool) -> list[str]:
+    config, ctx = parts.config, parts.ctx
     warnings = config_warnings(config)
     if config.tokens.val_check_interval and not has_validation:
         warnings.append(
-            f"tokens.val_check_interval={config.tokens.val_check_interval} but data.validation_folder is "
-            "not set: no validation will run. Set it, or set tokens.val_check_interval=0."
+            f"tokens.val_check_interval={config.tokens.val_check_interval} but data.validation_folder "
+            "is not set: no validation will run. Set it, or set tokens.val_check_interval=0."
         )
     warnings += tp_host_warnings(ctx.tp, ctx.hosts)
-    imbalance = imbalance_warning(config, model.stages) if ctx.pp > 1 else None
+    imbalance = imbalance_warning(config, parts.model.stages) if ctx.pp > 1 else None
     if imbalance:
         warnings.append(imbalance)
     if upcasts:
         warnings.append(
             f"model.dtype={config.model.dtype} on a CPU without bf16 matrix units (no avx512_bf16 or "
-            f"amx_bf16): "
-            "matmuls and attention run in fp32 on upcast copies, since emulated bf16 is far slower; "
-            "model.dtype=float32 avoids the casts and is faster still on this CPU."
+            "amx_bf16): matmuls and attention run in fp32 on upcast copies, since emulated bf16 is "
+            "far slower; model.dtype=float32 avoids the casts and is faster still on this CPU."
         )
     return warnings
 
 
 def tp_host_warnings(tp: int, hosts: list[str]) -> list[str]:
-    """T3: a tp group must sit on one host; every layer all-reduces activations within it."""
+    """T3: a tp group must sit on one host; every layer all-reduces activations within it. tp groups are
+    consecutive ranks."""
     spanning = [
         list(range(first, first + tp))
         for first in range(0, len(hosts), tp)
         if len({hosts[r] for r in range(first, first + tp)}) > 1
-    ]  # tp groups are consecutive ranks
+    ]
     if not spanning:
         return []
     ranks = spanning[0]
     return [
-        f"{len(spanning)} tensor-parallel group(s) span several hosts, e.g. ranks {ranks[0]}-{ranks[-1]} on "
-        f"{', '.join(sorted({hosts[r] for r in ranks}))}: every layer all-reduces activations over the "
-        f"(slow) "
-        "network between them. Set parallelism.tp to at most the number of GPUs per node (and launch the "
-        "same number of processes on every node); use dp or pp across nodes."
+        f"{len(spanning)} tensor-parallel group(s) span several hosts, e.g. ranks {ranks[0]}-{ranks[-1]} "
+        f"on {', '.join(sorted({hosts[r] for r in ranks}))}: every layer all-reduces activations over the "
+        "(slow) network between them. Set parallelism.tp to at most the number of GPUs per node (and "
+        "launch the same number of processes on every node); use dp or pp across nodes."
     ]

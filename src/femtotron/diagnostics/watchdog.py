@@ -26,24 +26,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from femtotron.parallel.comm import Comm
-from femtotron.parallel.store import Store
+from femtotron.parallel.context import ParallelContext
 
 EXIT_CODE = 4  # a distributed error, as DistributedError
 
 
 class Watchdog:
     def __init__(
-        self,
-        comm: Comm,
-        store: Store,
-        rank: int,
-        world_size: int,
-        hang_timeout: float,
-        where: Callable[[], str],
-        interval: float = 2.0,
-    ) -> None:
-        self.comm, self.messages, self.rank, self.world_size = comm, store, rank, world_size
+        self, ctx: ParallelContext, hang_timeout: float, where: Callable[[], str], interval: float = 2.0
+    ):
+        self.comm, self.messages, self.rank, self.world_size = ctx.comm, ctx.store, ctx.rank, ctx.world_size
         self.hang_timeout, self.where = hang_timeout, where
         # A live rank's thread beats every `interval` s whatever its main thread does: 30 s of silence is
         # death.
@@ -52,7 +44,7 @@ class Watchdog:
         self.seen: dict[int, tuple[int, float]] = {}  # rank -> (its heartbeat, when it last changed here)
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="femtotron-watchdog", daemon=True)
-        self.keys = [f"{store.key_prefix}state/{r}" for r in range(world_size)]
+        self.keys = [f"{ctx.store.key_prefix}state/{r}" for r in range(ctx.world_size)]
         self.store: Any = None
 
     def start(self) -> Watchdog:
@@ -127,9 +119,8 @@ class Watchdog:
                     self.report(
                         states,
                         [],
-                        f"has waited in {op.kind} on {op.group} for "
-                        f"{now - op.started:.0f} s (parallelism.hang_timeout_seconds="
-                        f"{self.hang_timeout:g})",
+                        f"has waited in {op.kind} on {op.group} for {now - op.started:.0f} s "
+                        f"(parallelism.hang_timeout_seconds={self.hang_timeout:g})",
                         stuck=True,
                     )
                 )
@@ -234,8 +225,7 @@ def mismatches(states: dict[int, dict[str, Any]]) -> list[str]:
             if rank < peer:
                 out.append(
                     f"deadlock: rank {rank} and rank {peer} each wait to receive from the other "
-                    f"({state['where']}; "
-                    f"{states[peer]['where']}): one of them skipped or reordered a send"
+                    f"({state['where']}; {states[peer]['where']}): one of them skipped or reordered a send"
                 )
         elif other is None or other["kind"] != "send" or other["peer"] != rank:
             doing = (
@@ -246,7 +236,6 @@ def mismatches(states: dict[int, dict[str, Any]]) -> list[str]:
             )
             out.append(
                 f"mismatch: rank {rank} waits to receive from rank {peer} ({state['where']}), but rank "
-                f"{peer} "
-                f"is {doing} ({states[peer]['where']})"
+                f"{peer} is {doing} ({states[peer]['where']})"
             )
     return out

@@ -95,12 +95,9 @@ class Attention(nn.Module):
         if heads % kv_heads or kv_heads % tp.size:
             raise ConfigError(
                 f"model.model_config.num_attention_heads={heads}, num_key_value_heads={kv_heads}, "
-                f"parallelism.tp="
-                f"{tp.size}: every tp rank must hold whole groups of query heads with their key/value head, "
-                f"so "
-                "num_key_value_heads must divide num_attention_heads and be divisible by tp. Choose tp "
-                "dividing "
-                f"{kv_heads}."
+                f"parallelism.tp={tp.size}: every tp rank must hold whole groups of query heads with their "
+                "key/value head, so num_key_value_heads must divide num_attention_heads and be divisible "
+                f"by tp. Choose tp dividing {kv_heads}."
             )
         self.head_dim = cfg.head_dim
         self.group_size = heads // kv_heads

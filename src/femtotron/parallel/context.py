@@ -194,11 +194,10 @@ def rendezvous(
         joined = [r for r in range(world_size) if store.check([keys[r]])]
         missing = sorted(set(range(world_size)) - set(joined))
         raise DistributedError(
-            f"Process-group init timed out after {init_timeout:g} s at {where}: "
-            f"ranks {_ranges(joined)} joined, ranks {_ranges(missing)} never did.\n"
-            f"Check that those ranks were launched, that WORLD_SIZE={world_size} matches the launcher, "
-            f"and that they can reach {host}:{port}. {_NETWORK_ADVICE}\n"
-            "Raise parallelism.init_timeout_seconds if nodes start slowly."
+            f"Process-group init timed out after {init_timeout:g} s at {where}: ranks {_ranges(joined)} "
+            f"joined, ranks {_ranges(missing)} never did.\nCheck that those ranks were launched, that "
+            f"WORLD_SIZE={world_size} matches the launcher, and that they can reach {host}:{port}. "
+            f"{_NETWORK_ADVICE}\nRaise parallelism.init_timeout_seconds if nodes start slowly."
         ) from None
     hosts = [store.get(k).decode() for k in keys]
     dist.init_process_group(

@@ -140,10 +140,9 @@ class DataParallel:
             self.arrivals[index] += 1
             if self.arrivals[index] > self.micro_batches:
                 raise FemtotronError(
-                    f"{self.names[index]} received {self.arrivals[index]} gradients in one step, but a step "
-                    f"has "
-                    f"{self.micro_batches} micro-batches: its bucket was already reduced over dp. Call "
-                    "zero_grad() after each optimizer step."
+                    f"{self.names[index]} received {self.arrivals[index]} gradients in one step, but a "
+                    f"step has {self.micro_batches} micro-batches: its bucket was already reduced over dp. "
+                    "Call zero_grad() after each optimizer step."
                 )
             if self.arrivals[index] == self.micro_batches:
                 bucket = self.bucket_of[index]

@@ -30,16 +30,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer
 
 from femtotron.atomic import atomic_path
 from femtotron.config import Config
-from femtotron.data.nanoset import Nanoset
 from femtotron.layout import RankModel
 from femtotron.optim.zero import ZeroAdamW
-from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.store import Store
-from femtotron.run_log import RunLog
 from femtotron.serialize.files import (
     MANIFEST,
     CheckpointError,
@@ -53,7 +49,7 @@ from femtotron.serialize.files import (
 )
 from femtotron.serialize.geometry import Box, Placement, placements
 from femtotron.serialize.weights import TOKENIZER_FILE, weights_present
-from femtotron.train_state import TrainState
+from femtotron.train_state import TrainingParts
 
 LATEST = "latest"
 MODEL_FIELDS = (
@@ -65,20 +61,6 @@ MODEL_FIELDS = (
     "num_key_value_heads",
     "tie_word_embeddings",
 )
-
-
-@dataclass
-class TrainingParts:
-    """What a checkpoint saves and restores, handed over by whoever trains."""
-
-    config: Config
-    ctx: ParallelContext
-    model: RankModel
-    optimizer: ZeroAdamW
-    state: TrainState
-    data: Nanoset  # its size is recorded, and compared on resume
-    log: RunLog
-    tokenizer: Tokenizer | None = None  # saved beside the tensors: a checkpoint is self-contained
 
 
 def checkpoint_root(config: Config) -> Path:
@@ -283,9 +265,8 @@ def collect_records(store: Store, world: int, key: str, final: Path, timeout: fl
                 else ""
             )
             + (f"Ranks failed to write:{details}\n" if failed else "")
-            + f"The previous checkpoint is intact; the half-written {final.parent / ('.tmp-' + final.name)} "
-            f"is "
-            "ignored on resume."
+            + "The previous checkpoint is intact; the half-written "
+            f"{final.parent / ('.tmp-' + final.name)} is ignored on resume."
         )
     return [records[r] for r in range(world)]
 
@@ -420,8 +401,7 @@ def already_done(config: Config) -> str | None:
         return None
     return (
         f"already done: {directory} is step {step} of tokens.train_steps={train_steps} and the weights are "
-        f"in "
-        f"{config.run_dir}. Nothing to train: raise tokens.train_steps to go on, or set "
+        f"in {config.run_dir}. Nothing to train: raise tokens.train_steps to go on, or set "
         "checkpoints.auto_resume=false to start over."
     )
 

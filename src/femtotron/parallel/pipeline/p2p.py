@@ -86,13 +86,12 @@ class PipelineP2P:
             shape, dtype = _read(theirs[p].cpu())
             if (shape, dtype) != (self.shape, self.dtype):
                 raise DistributedError(
-                    f"pipeline stages disagree on the activations they exchange: rank {self.group.ranks[p]} "
-                    f"(pp rank {p}) sends and expects shape {shape} {dtype}, rank "
-                    f"{self.group.ranks[self.pp_rank]} "
-                    f"(pp rank {self.pp_rank}) shape {self.shape} {self.dtype}. Every rank must run the same "
-                    "config: check that all ranks got the same YAML and overrides (tokens.micro_batch_size, "
-                    "tokens.sequence_length, model.model_config.hidden_size, model.dtype, parallelism.tp and "
-                    "tp_mode)."
+                    "pipeline stages disagree on the activations they exchange: rank "
+                    f"{self.group.ranks[p]} (pp rank {p}) sends and expects shape {shape} {dtype}, rank "
+                    f"{self.group.ranks[self.pp_rank]} (pp rank {self.pp_rank}) shape {self.shape} "
+                    f"{self.dtype}. Every rank must run the same config: check that all ranks got the same "
+                    "YAML and overrides (tokens.micro_batch_size, tokens.sequence_length, "
+                    "model.model_config.hidden_size, model.dtype, parallelism.tp and tp_mode)."
                 )
 
     def exchange(
@@ -105,10 +104,8 @@ class PipelineP2P:
             if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
                 raise DistributedError(
                     f"pp rank {self.pp_rank} would send {to.what} of shape {tuple(tensor.shape)} "
-                    f"{tensor.dtype} to pp "
-                    f"rank {to.pp_rank}, but every pipeline transfer is {self.shape} {self.dtype}: a stage "
-                    f"returned "
-                    "the wrong shape (a model bug, not a config problem)."
+                    f"{tensor.dtype} to pp rank {to.pp_rank}, but every pipeline transfer is {self.shape} "
+                    f"{self.dtype}: a stage returned the wrong shape (a model bug, not a config problem)."
                 )
             ops.append(("send", tensor.detach().contiguous(), self.group.ranks[to.pp_rank], to.tag))
         buffer = None

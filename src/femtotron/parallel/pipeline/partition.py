@@ -165,6 +165,5 @@ def imbalance_warning(config: Config, stages: list[Stage]) -> str | None:
     )
     return (
         f"pipeline stage {slowest.index} ({slowest.describe()}) makes its pp rank compute {ratio:.2f}x the "
-        f"mean "
-        f"rank, and every other rank waits for it on each micro-batch (M3).{advice}"
+        f"mean rank, and every other rank waits for it on each micro-batch (M3).{advice}"
     )

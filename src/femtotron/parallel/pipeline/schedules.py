@@ -33,6 +33,9 @@ class Action:
     micro_batch: int
     chunk: int  # this rank's model chunk; its virtual stage is chunk * pp + rank
 
+    def describe(self) -> str:
+        return f"{'forward' if self.kind == 'F' else 'backward'} of micro-batch {self.micro_batch}"
+
     def __repr__(self) -> str:
         return f"{self.kind}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
 
