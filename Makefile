@@ -28,6 +28,7 @@ test: $(BIN)/femtotron
 	$(BIN)/python -m pytest -q
 
 lint: $(BIN)/femtotron
+	$(BIN)/ruff format --check src tests bench
 	$(BIN)/ruff check src tests bench
 
 bench: $(BIN)/femtotron

@@ -6,7 +6,11 @@ too; imports for type checking only do not."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "femtotron"
@@ -156,3 +160,14 @@ def test_every_failure_mode_has_a_test_named_after_it():
     tests = "\n".join(path.read_text() for path in root.rglob("test_*.py"))
     assert len(rows) == 25
     assert sorted(row for row in rows if f"def test_{row}_" not in tests) == []
+
+
+@pytest.mark.distributed
+def test_the_code_is_formatted_and_lint_clean():
+    """`ruff format` at the declared 110 columns and `ruff check` (E501 too) hold for src, tests, bench."""
+    root, ruff = Path(__file__).resolve().parents[1], Path(sys.executable).parent / "ruff"
+    for command in (["format", "--check"], ["check"]):
+        result = subprocess.run(
+            [str(ruff), *command, "src", "tests", "bench"], cwd=root, capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stdout + result.stderr

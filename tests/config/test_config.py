@@ -12,10 +12,10 @@ import yaml
 from femtotron.config import (
     Config,
     check_world_size,
-    config_warnings,
     load_config,
     load_config_dict,
 )
+from femtotron.diagnostics.advice import config_warnings
 from femtotron.errors import ConfigError
 from femtotron.optim.lr_schedule import lr_at
 
@@ -349,7 +349,8 @@ def test_D1_debug_example_loads_without_warnings():
 @pytest.mark.distributed
 def test_loading_a_config_does_not_import_torch():
     code = (
-        "import sys; from femtotron.config import load_config, check_world_size, config_warnings; c = "
+        "import sys; from femtotron.config import load_config, check_world_size; from femtotron.diagnostics."
+        "advice import config_warnings; c = "
         f"load_config({str(REPO / 'examples' / 'debug.yaml')!r}); config_warnings(c); check_world_size(c, "
         "1); assert 'torch' not in sys.modules, 'torch was imported'"
     )

@@ -390,86 +390,9 @@ def _layouts(world_size: int) -> list[tuple[int, int, int]]:
     return sorted(triples, key=lambda layout: (-layout[0], layout[1], layout[2]))
 
 
-def _typical_lr(n_params: int) -> float:
-    """Rough usual peak AdamW lr by model size: small models tolerate (and need) larger steps."""
-    if n_params < 100_000_000:
-        return 3e-3
-    return 1e-3 if n_params < 1_000_000_000 else 3e-4
-
-
 def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
     """The share of a step a pipeline stage idles (P2): fill and drain take pp - 1 stage-steps, which
     interleaving shortens by its number of virtual stages (AFAB and 1F1B idle alike; 1F1B holds fewer
     activations)."""
     idle = (pp - 1) / virtual_stages
     return idle / (micro_batches + idle)
-
-
-def config_warnings(config: Config) -> list[str]:
-    """Legal but risky settings (N1, N2, P2), worded as advice; the trainer logs them at start."""
-    out: list[str] = []
-    sched = config.optimizer.learning_rate_scheduler
-    lr, steps = sched.learning_rate, config.tokens.train_steps
-    n_params = config.model.model_config_.parameter_count
-    typical = _typical_lr(n_params)
-    if config.optimizer.clip_grad is None:
-        out.append(
-            "optimizer.clip_grad is null, so gradient clipping is off: one bad batch can push the weights "
-            "to NaN mid-run. Set optimizer.clip_grad: 1.0 unless you mean it."
-        )
-    if lr > 10 * typical:
-        out.append(
-            f"optimizer.learning_rate_scheduler.learning_rate={lr:g} is {lr / typical:.0f}x the usual "
-            f"{typical:g} for a {n_params / 1e6:.1f}M-parameter model; expect loss spikes or NaN. "
-            f"Try learning_rate: {typical:g} or lower."
-        )
-    if lr < 1e-6:
-        out.append(
-            f"optimizer.learning_rate_scheduler.learning_rate={lr:g} is so small the model will barely "
-            f"move; the usual value for this size is about {typical:g}."
-        )
-    if sched.lr_warmup_steps > steps:
-        out.append(
-            f"optimizer.learning_rate_scheduler.lr_warmup_steps={sched.lr_warmup_steps} is longer than "
-            f"tokens.train_steps={steps}: the warm-up is cut to the run's {steps} steps, so the learning "
-            "rate reaches its peak at the last step and never decays. For a whole schedule set "
-            f"lr_warmup_steps below {steps} (e.g. {max(steps // 10, 1)})."
-        )
-    if config.model.dtype == "float16":
-        out.append(
-            "model.dtype=float16 overflows above 65504: it trains with dynamic loss scaling, and a step "
-            "whose gradients overflow is skipped (logged). Prefer model.dtype: bfloat16 where the hardware "
-            "has it: same memory, float32's range, no loss scaling and no skipped steps."
-        )
-    par, accumulation = config.parallelism, config.tokens.batch_accumulation_per_replica
-    if par.pp > 1 and accumulation < 4 * par.pp:
-        interleave = fixes_that_hold(
-            config,
-            [
-                (
-                    "pp_engine=interleaved-1f1b",
-                    {
-                        "parallelism.pp_engine": "interleaved-1f1b",
-                        "parallelism.pp_virtual_stages": max(par.pp_virtual_stages, 2),
-                    },
-                )
-            ],
-        )
-        out.append(
-            f"tokens.batch_accumulation_per_replica={accumulation} micro-batches with pp={par.pp}: the "
-            f"pipeline idles for about {pipeline_bubble(par.pp, accumulation, par.pp_virtual_stages):.0%} of "
-            f"each step (P2). Use at least 4 * pp = {4 * par.pp} micro-batches (lower "
-            "tokens.micro_batch_size to keep the batch)"
-            + (f", or {interleave[0]}." if interleave and par.pp_engine != "interleaved-1f1b" else ".")
-        )
-    if config.optimizer.zero_stage == 1 and par.dp == 1:
-        out.append(
-            "optimizer.zero_stage=1 with parallelism.dp=1: ZeRO-1 shards optimizer state over dp ranks, so "
-            "with one replica it saves nothing. Raise parallelism.dp to save memory."
-        )
-    if config.model.init_method.std > 0.1:
-        out.append(
-            f"model.init_method.std={config.model.init_method.std:g} is large: activations grow layer by "
-            "layer and the first steps can be NaN. The usual value is 0.02."
-        )
-    return out

@@ -7,11 +7,12 @@ memory.py) against the device; when it does not fit, the usual fixes, each with 
 
 from __future__ import annotations
 
-from femtotron.config import Config, check_world_size, config_warnings
+from femtotron.config import Config, check_world_size
 from femtotron.config.rules import pipeline_bubble, refuse_on_gpus, rule_problems, with_changes
+from femtotron.diagnostics.advice import config_warnings, imbalance_warning
 from femtotron.diagnostics.memory import GIB, RankEstimate, device_budget, estimate_rank, human
 from femtotron.layout import DTYPES
-from femtotron.parallel.pipeline.partition import imbalance_warning, partition, stage_map
+from femtotron.parallel.pipeline.partition import partition, stage_map
 
 
 def worst_stage(config: Config, on_cpu: bool) -> RankEstimate:

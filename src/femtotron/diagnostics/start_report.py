@@ -3,9 +3,9 @@ warnings about legal but risky settings (N1, N2, P2, M3, T3)."""
 
 from __future__ import annotations
 
-from femtotron.config import config_warnings
 from femtotron.config.rules import pipeline_bubble
-from femtotron.parallel.pipeline.partition import imbalance_warning, stage_map
+from femtotron.diagnostics.advice import config_warnings, imbalance_warning
+from femtotron.parallel.pipeline.partition import stage_map
 from femtotron.train_state import TrainingParts
 
 

@@ -52,15 +52,9 @@ from femtotron.serialize.weights import TOKENIZER_FILE, weights_present
 from femtotron.train_state import TrainingParts
 
 LATEST = "latest"
-MODEL_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "tie_word_embeddings",
-)
+# The model_config fields that decide the tensors' shapes: a checkpoint only loads into an equal model.
+MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+MODEL_FIELDS += ("num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
 
 
 def checkpoint_root(config: Config) -> Path:
@@ -69,15 +63,9 @@ def checkpoint_root(config: Config) -> Path:
 
 
 def mesh_of(config: Config) -> dict[str, Any]:
-    par = config.parallelism
-    return {
-        "dp": par.dp,
-        "tp": par.tp,
-        "pp": par.pp,
-        "pp_engine": par.pp_engine,
-        "pp_virtual_stages": par.pp_virtual_stages,
-        "tp_mode": par.tp_mode,
-        "zero_stage": config.optimizer.zero_stage,
+    keys = ("dp", "tp", "pp", "pp_engine", "pp_virtual_stages", "tp_mode")
+    return {key: getattr(config.parallelism, key) for key in keys} | {
+        "zero_stage": config.optimizer.zero_stage
     }
 
 
@@ -102,19 +90,12 @@ def saved_slices(model: RankModel) -> list[SavedSlice]:
             continue
         name, param = named[piece.param]
         offset = data_parallel.offsets[piece.param]
-        owner = next(
-            i for i, p in enumerate(data_parallel.pieces) if p.start <= piece.start and piece.end <= p.end
-        )
-        for place in placements(param.shard, tuple(param.shape), piece.start - offset, piece.end - offset):
+        pieces = data_parallel.pieces
+        owner = next(i for i, p in enumerate(pieces) if p.start <= piece.start and piece.end <= p.end)
+        shape, low, high = param.shard.global_shape, piece.start - offset, piece.end - offset
+        for place in placements(param.shard, tuple(param.shape), low, high):
             out.append(
-                SavedSlice(
-                    name,
-                    param.shard.global_shape,
-                    place,
-                    offset + place.flat_start,
-                    offset + place.flat_stop,
-                    owner,
-                )
+                SavedSlice(name, shape, place, offset + place.flat_start, offset + place.flat_stop, owner)
             )
     return out
 
@@ -124,11 +105,8 @@ def rank_slices(
 ) -> list[tuple[str, tuple[int, ...], Box, torch.Tensor]]:
     """(tensor name, global shape, box, values) for every slice this rank saves, from the live tensors."""
     data_parallel = model.data_parallel
-    kinds = (
-        ("master", "exp_avg", "exp_avg_sq")
-        if data_parallel.flat_params.dtype != torch.float32
-        else ("exp_avg", "exp_avg_sq")
-    )  # fp32 weights are their own masters
+    fp32 = data_parallel.flat_params.dtype == torch.float32  # fp32 weights are their own masters
+    kinds = ("exp_avg", "exp_avg_sq") if fp32 else ("master", "exp_avg", "exp_avg_sq")
     states = {kind: optimizer.state(kind) for kind in kinds}
     out = []
     for saved in saved_slices(model):
@@ -150,19 +128,15 @@ def rank_slices(
 
 
 def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    python = random.getstate()
-    kind, keys, position, has_gauss, cached = np.random.get_state()
+    python, (kind, keys, position, has_gauss, cached) = random.getstate(), np.random.get_state()
+    states = {
+        "python": [python[0], list(python[1]), python[2]],
+        "numpy": [kind, keys.tolist(), position, has_gauss, cached],
+    }
     tensors = {"rng/torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors["rng/torch_cuda"] = torch.cuda.get_rng_state()
-    return tensors, {
-        "rng": json.dumps(
-            {
-                "python": [python[0], list(python[1]), python[2]],
-                "numpy": [kind, keys.tolist(), position, has_gauss, cached],
-            }
-        )
-    }
+    return tensors, {"rng": json.dumps(states)}
 
 
 def set_rng_state(reader: CheckpointReader, file: str) -> None:
@@ -201,11 +175,8 @@ def save(parts: TrainingParts) -> Path:
         if prepared is not None:
             raise prepared
         tmp.mkdir(parents=True, exist_ok=True)  # on another node of a shared file system it may show up late
-        extra, metadata = rng_state()
-        record = {
-            **write_rank_file(tmp, ctx.rank, rank_slices(parts.model, parts.optimizer), extra, metadata),
-            "rng": True,
-        }
+        slices, (extra, metadata) = rank_slices(parts.model, parts.optimizer), rng_state()
+        record = write_rank_file(tmp, ctx.rank, slices, extra, metadata) | {"rng": True}
     except Exception as e:  # noqa: BLE001 - whatever it is (disk full: SafetensorError), rank 0 must hear of it
         store.post(f"{key}/rank{ctx.rank}", json.dumps({"error": f"{type(e).__name__}: {e}"}))
         if ctx.rank != 0:

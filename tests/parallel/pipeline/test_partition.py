@@ -9,7 +9,8 @@ import pytest
 
 from femtotron.config import LlamaConfig, load_config_dict
 from femtotron.config.rules import rule_problems
-from femtotron.parallel.pipeline.partition import imbalance_warning, partition, stage_map
+from femtotron.diagnostics.advice import imbalance_warning
+from femtotron.parallel.pipeline.partition import partition, stage_map
 
 
 def model(layers: int, vocab: int = 256, hidden: int = 64) -> LlamaConfig:

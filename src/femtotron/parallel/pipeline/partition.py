@@ -15,10 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from femtotron.config.rules import fixes_that_hold
-
 if TYPE_CHECKING:
-    from femtotron.config import Config, LlamaConfig
+    from femtotron.config import LlamaConfig
 
 # A stage this much above the mean cost is reported: the others wait for it every micro-batch.
 IMBALANCE_WARNING = 0.2
@@ -101,69 +99,3 @@ def stage_map(stages: list[Stage], pp: int) -> str:
         for s in stages
     ]
     return "pipeline stages:\n" + "\n".join(lines)
-
-
-def rank_imbalance(stages: list[Stage], pp: int) -> float:
-    """The busiest pp rank's compute per micro-batch (all its chunks) over the mean rank's: the others
-    wait."""
-    costs = [sum(s.cost for s in stages if s.index % pp == rank) for rank in range(pp)]
-    return max(costs) * pp / sum(costs)
-
-
-def imbalance_warning(config: Config, stages: list[Stage]) -> str | None:
-    """M3: a warning when one pp rank computes much more than the mean, with fixes that the config rules
-    accept and that balance the ranks better."""
-    par, mcfg, sequence = config.parallelism, config.model.model_config_, config.tokens.sequence_length
-    ratio = rank_imbalance(stages, par.pp)
-    if ratio <= 1 + IMBALANCE_WARNING:
-        return None
-    slowest = max(stages, key=lambda s: s.cost)
-
-    def imbalance(layers: int, virtual: int) -> float:
-        finer = mcfg.model_copy(update={"num_hidden_layers": layers})
-        return (
-            rank_imbalance(partition(finer, sequence, par.pp * virtual), par.pp)
-            if layers >= par.pp * virtual
-            else float("inf")
-        )
-
-    virtual = par.pp_virtual_stages + 1 if par.pp_virtual_stages > 1 else 2
-    fixes = (
-        fixes_that_hold(
-            config,
-            [
-                (
-                    f"parallelism.pp_engine=interleaved-1f1b with pp_virtual_stages={virtual}"
-                    if virtual == 2
-                    else f"parallelism.pp_virtual_stages={virtual}",
-                    {"parallelism.pp_engine": "interleaved-1f1b", "parallelism.pp_virtual_stages": virtual},
-                )
-            ],
-        )
-        if imbalance(mcfg.num_hidden_layers, virtual) < ratio
-        else []
-    )
-    # More layers give the LM head room on the last stage: the smallest count that balances within the limit.
-    layers = next(
-        (
-            n
-            for n in range(mcfg.num_hidden_layers + 1, 4 * mcfg.num_hidden_layers + 4 * par.pp)
-            if imbalance(n, par.pp_virtual_stages) <= 1 + IMBALANCE_WARNING
-        ),
-        None,
-    )
-    if layers is not None:
-        fixes.append(
-            f"model.model_config.num_hidden_layers={layers} (room for the LM head on the last stage)"
-        )
-    head_layers = mcfg.head_flops / mcfg.layer_flops(sequence)
-    advice = (
-        f" Balance them with {', or '.join(fixes)}."
-        if fixes
-        else f" The final norm + LM head alone cost {head_layers:.1f} layers' worth: fewer pipeline stages "
-        "(parallelism.pp) balance better."
-    )
-    return (
-        f"pipeline stage {slowest.index} ({slowest.describe()}) makes its pp rank compute {ratio:.2f}x the "
-        f"mean rank, and every other rank waits for it on each micro-batch (M3).{advice}"
-    )

@@ -1,0 +1,151 @@
+"""Advice on settings that are legal but risky (N1, N2, P2) or slow (M3), worded as warnings; the trainer
+logs them at start and `femtotron doctor` prints them. Like the config itself, this needs no torch."""
+
+from __future__ import annotations
+
+from femtotron.config import Config
+from femtotron.config.rules import fixes_that_hold, pipeline_bubble
+from femtotron.parallel.pipeline.partition import IMBALANCE_WARNING, Stage, partition
+
+
+def _typical_lr(n_params: int) -> float:
+    """Rough usual peak AdamW lr by model size: small models tolerate (and need) larger steps."""
+    if n_params < 100_000_000:
+        return 3e-3
+    return 1e-3 if n_params < 1_000_000_000 else 3e-4
+
+
+def config_warnings(config: Config) -> list[str]:
+    """Legal but risky settings (N1, N2, P2), worded as advice; the trainer logs them at start."""
+    out: list[str] = []
+    sched = config.optimizer.learning_rate_scheduler
+    lr, steps = sched.learning_rate, config.tokens.train_steps
+    n_params = config.model.model_config_.parameter_count
+    typical = _typical_lr(n_params)
+    if config.optimizer.clip_grad is None:
+        out.append(
+            "optimizer.clip_grad is null, so gradient clipping is off: one bad batch can push the weights "
+            "to NaN mid-run. Set optimizer.clip_grad: 1.0 unless you mean it."
+        )
+    if lr > 10 * typical:
+        out.append(
+            f"optimizer.learning_rate_scheduler.learning_rate={lr:g} is {lr / typical:.0f}x the usual "
+            f"{typical:g} for a {n_params / 1e6:.1f}M-parameter model; expect loss spikes or NaN. "
+            f"Try learning_rate: {typical:g} or lower."
+        )
+    if lr < 1e-6:
+        out.append(
+            f"optimizer.learning_rate_scheduler.learning_rate={lr:g} is so small the model will barely "
+            f"move; the usual value for this size is about {typical:g}."
+        )
+    if sched.lr_warmup_steps > steps:
+        out.append(
+            f"optimizer.learning_rate_scheduler.lr_warmup_steps={sched.lr_warmup_steps} is longer than "
+            f"tokens.train_steps={steps}: the warm-up is cut to the run's {steps} steps, so the learning "
+            "rate reaches its peak at the last step and never decays. For a whole schedule set "
+            f"lr_warmup_steps below {steps} (e.g. {max(steps // 10, 1)})."
+        )
+    if config.model.dtype == "float16":
+        out.append(
+            "model.dtype=float16 overflows above 65504: it trains with dynamic loss scaling, and a step "
+            "whose gradients overflow is skipped (logged). Prefer model.dtype: bfloat16 where the hardware "
+            "has it: same memory, float32's range, no loss scaling and no skipped steps."
+        )
+    par, accumulation = config.parallelism, config.tokens.batch_accumulation_per_replica
+    if par.pp > 1 and accumulation < 4 * par.pp:
+        interleave = fixes_that_hold(
+            config,
+            [
+                (
+                    "pp_engine=interleaved-1f1b",
+                    {
+                        "parallelism.pp_engine": "interleaved-1f1b",
+                        "parallelism.pp_virtual_stages": max(par.pp_virtual_stages, 2),
+                    },
+                )
+            ],
+        )
+        out.append(
+            f"tokens.batch_accumulation_per_replica={accumulation} micro-batches with pp={par.pp}: the "
+            f"pipeline idles for about {pipeline_bubble(par.pp, accumulation, par.pp_virtual_stages):.0%} of "
+            f"each step (P2). Use at least 4 * pp = {4 * par.pp} micro-batches (lower "
+            "tokens.micro_batch_size to keep the batch)"
+            + (f", or {interleave[0]}." if interleave and par.pp_engine != "interleaved-1f1b" else ".")
+        )
+    if config.optimizer.zero_stage == 1 and par.dp == 1:
+        out.append(
+            "optimizer.zero_stage=1 with parallelism.dp=1: ZeRO-1 shards optimizer state over dp ranks, so "
+            "with one replica it saves nothing. Raise parallelism.dp to save memory."
+        )
+    if config.model.init_method.std > 0.1:
+        out.append(
+            f"model.init_method.std={config.model.init_method.std:g} is large: activations grow layer by "
+            "layer and the first steps can be NaN. The usual value is 0.02."
+        )
+    return out
+
+
+def rank_imbalance(stages: list[Stage], pp: int) -> float:
+    """The busiest pp rank's compute per micro-batch (all its chunks) over the mean rank's: the others
+    wait."""
+    costs = [sum(s.cost for s in stages if s.index % pp == rank) for rank in range(pp)]
+    return max(costs) * pp / sum(costs)
+
+
+def imbalance_warning(config: Config, stages: list[Stage]) -> str | None:
+    """M3: a warning when one pp rank computes much more than the mean, with fixes that the config rules
+    accept and that balance the ranks better."""
+    par, mcfg, sequence = config.parallelism, config.model.model_config_, config.tokens.sequence_length
+    ratio = rank_imbalance(stages, par.pp)
+    if ratio <= 1 + IMBALANCE_WARNING:
+        return None
+    slowest = max(stages, key=lambda s: s.cost)
+
+    def imbalance(layers: int, virtual: int) -> float:
+        finer = mcfg.model_copy(update={"num_hidden_layers": layers})
+        return (
+            rank_imbalance(partition(finer, sequence, par.pp * virtual), par.pp)
+            if layers >= par.pp * virtual
+            else float("inf")
+        )
+
+    virtual = par.pp_virtual_stages + 1 if par.pp_virtual_stages > 1 else 2
+    fixes = (
+        fixes_that_hold(
+            config,
+            [
+                (
+                    f"parallelism.pp_engine=interleaved-1f1b with pp_virtual_stages={virtual}"
+                    if virtual == 2
+                    else f"parallelism.pp_virtual_stages={virtual}",
+                    {"parallelism.pp_engine": "interleaved-1f1b", "parallelism.pp_virtual_stages": virtual},
+                )
+            ],
+        )
+        if imbalance(mcfg.num_hidden_layers, virtual) < ratio
+        else []
+    )
+    # More layers give the LM head room on the last stage: the smallest count that balances within the limit.
+    layers = next(
+        (
+            n
+            for n in range(mcfg.num_hidden_layers + 1, 4 * mcfg.num_hidden_layers + 4 * par.pp)
+            if imbalance(n, par.pp_virtual_stages) <= 1 + IMBALANCE_WARNING
+        ),
+        None,
+    )
+    if layers is not None:
+        fixes.append(
+            f"model.model_config.num_hidden_layers={layers} (room for the LM head on the last stage)"
+        )
+    head_layers = mcfg.head_flops / mcfg.layer_flops(sequence)
+    advice = (
+        f" Balance them with {', or '.join(fixes)}."
+        if fixes
+        else f" The final norm + LM head alone cost {head_layers:.1f} layers' worth: fewer pipeline stages "
+        "(parallelism.pp) balance better."
+    )
+    return (
+        f"pipeline stage {slowest.index} ({slowest.describe()}) makes its pp rank compute {ratio:.2f}x the "
+        f"mean rank, and every other rank waits for it on each micro-batch (M3).{advice}"
+    )
