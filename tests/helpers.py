@@ -24,6 +24,16 @@ from femtotron.precision import cpu_low_precision_path
 from femtotron.trainer import Trainer
 
 TINY_VOCAB = 256
+# The ~100k-parameter model of the config-level tests: 4 heads of 16 dims, 2 kv heads.
+TINY_MODEL = {
+    "vocab_size": TINY_VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
 
 # bf16 keeps 8 significant bits: rounding to bf16 changes a value by at most 2^-8 of it.
 BF16_ROUNDOFF = 2.0**-8
@@ -136,18 +146,7 @@ def tiny_config_maker(runs_dir: Path, dataset: str):
     def make(*overrides: str, **sections):
         raw = {
             "general": {"run": "tiny", "seed": 3},
-            "model": {
-                "model_config": {
-                    "vocab_size": TINY_VOCAB,
-                    "hidden_size": 64,
-                    "intermediate_size": 128,
-                    "num_hidden_layers": 2,
-                    "num_attention_heads": 4,
-                    "num_key_value_heads": 2,
-                    "max_position_embeddings": 64,
-                },
-                "dtype": "float32",
-            },
+            "model": {"model_config": dict(TINY_MODEL), "dtype": "float32"},
             "tokens": {"sequence_length": 32, "micro_batch_size": 4, "train_steps": 10},
             "optimizer": {"learning_rate_scheduler": {"learning_rate": 3e-3, "lr_warmup_steps": 2}},
             "data": {"dataset_folder": dataset},
@@ -166,34 +165,25 @@ def write_yaml(config, path: Path) -> str:
     return str(path)
 
 
-def femtotron(*args: str, env: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
-    """`femtotron ARGS` in a process of its own, as a user runs it."""
+def femtotron(
+    *args: str, env: dict | None = None, timeout: int = 240, launcher=()
+) -> subprocess.CompletedProcess:
+    """`femtotron ARGS` in a process of its own, as a user runs it; `launcher`: e.g. `torchrun(2, port)`."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "femtotron.cli", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-    )
+    command = [sys.executable, "-m", *launcher, *(["-m"] if launcher else []), "femtotron.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+def torchrun(nprocs: int, port: int) -> tuple[str, ...]:
+    """The launcher arguments of `torchrun --nproc-per-node N --master-port PORT`, for `femtotron`."""
+    return ("torch.distributed.run", "--nproc-per-node", str(nprocs), "--master-port", str(port))
 
 
 def write_cli_config(path: Path, dataset: str, tokenizer: str | None, output_dir: Path, **tokens) -> Path:
     """A YAML config for command-line tests: the tiny fp32 model (vocab 320) on `dataset`, run `cli`."""
     config = {
         "general": {"run": "cli"},
-        "model": {
-            "model_config": {
-                "vocab_size": 320,
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "max_position_embeddings": 64,
-            },
-            "dtype": "float32",
-        },
+        "model": {"model_config": {**TINY_MODEL, "vocab_size": 320}, "dtype": "float32"},
         "tokenizer": {"tokenizer_name_or_path": tokenizer},
         "tokens": {"sequence_length": 32, "micro_batch_size": 4, "train_steps": 6, **tokens},
         "optimizer": {"learning_rate_scheduler": {"learning_rate": 3e-3}},

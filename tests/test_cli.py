@@ -2,14 +2,11 @@
 
 import gzip
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from distributed import free_port
-from helpers import femtotron
+from helpers import femtotron, torchrun
 from helpers import write_cli_config as write_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,26 +101,8 @@ def test_generate_without_a_finished_run_explains(tmp_path):
 def test_torchrun_data_parallel(corpus_and_tokenizer, tmp_path):
     _, prefix, tokenizer = corpus_and_tokenizer
     config = write_config(tmp_path / "cfg.yaml", prefix, tokenizer, tmp_path / "runs", micro_batch_size=2)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            "-m",
-            "femtotron",
-            "train",
-            str(config),
-            "parallelism.dp=2",
-            "tokens.train_steps=2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    result = femtotron(
+        "train", str(config), "parallelism.dp=2", "tokens.train_steps=2", launcher=torchrun(2, free_port())
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "starting them on this machine" not in result.stderr  # each rank trains; none launches more

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from distributed import free_port
-from helpers import femtotron
+from helpers import femtotron, torchrun
 from helpers import write_cli_config as write_config
 from safetensors.torch import load_file
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -75,29 +75,15 @@ def test_tensor_parallel_run_matches_one_process_under_both_launches(config, tmp
     assert auto.returncode == 0, auto.stderr[-3000:]
     assert "dp=1 tp=2 pp=1 needs 2 processes" in auto.stderr
     assert "tensor parallel: tp=2, tp_mode=REDUCE_SCATTER" in auto.stdout
-    torchrun = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            "-m",
-            "femtotron",
-            "train",
-            config,
-            "parallelism.tp=2",
-            "tokens.train_steps=3",
-            "general.run=torchrun",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    launched = femtotron(
+        "train",
+        config,
+        "parallelism.tp=2",
+        "tokens.train_steps=3",
+        "general.run=torchrun",
+        launcher=torchrun(2, free_port()),
     )
-    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    assert launched.returncode == 0, launched.stderr[-3000:]
     runs = tmp_path / "runs"
     reference = load_file(runs / "single" / "model.safetensors")
     for run in ("auto", "torchrun"):

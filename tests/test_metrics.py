@@ -3,6 +3,7 @@ import math
 import resource
 
 import torch
+from helpers import TINY_MODEL
 
 from femtotron.config import load_config_dict
 from femtotron.metrics import matmul_flops_rate, memory_gib, peak_flops
@@ -10,16 +11,7 @@ from femtotron.run_log import RunLog
 
 
 def tiny_model_config(**overrides):
-    model = {
-        "vocab_size": 256,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 64,
-        **overrides,
-    }
+    model = {**TINY_MODEL, **overrides}
     config = load_config_dict(
         {
             "model": {"model_config": model},

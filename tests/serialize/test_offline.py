@@ -15,6 +15,8 @@ from femtotron.serialize import files
 from femtotron.serialize.files import rank_file
 from femtotron.trainer import Trainer
 
+TO_2X2X2 = ["--dp", "2", "--tp", "2", "--pp", "2", "optimizer.zero_stage=1"]
+
 
 def config(tiny_config, run, *more, steps=4):
     return tiny_config(
@@ -51,24 +53,7 @@ def test_C1_reshard_then_consolidate_gives_the_same_tensors(saved, tmp_path):
     weights, optimizer = consolidated(checkpoints, tmp_path / "original")
     assert weights["embed_tokens.weight"].dtype == torch.bfloat16 and "lm_head.weight" not in weights  # tied
     assert {k.split("/")[0] for k in optimizer} == {"master", "exp_avg", "exp_avg_sq"}
-    assert (
-        main(
-            [
-                "reshard",
-                str(checkpoints),
-                "--out",
-                str(tmp_path / "mesh"),
-                "--dp",
-                "2",
-                "--tp",
-                "2",
-                "--pp",
-                "2",
-                "optimizer.zero_stage=1",
-            ]
-        )
-        == 0
-    )
+    assert main(["reshard", str(checkpoints), "--out", str(tmp_path / "mesh"), *TO_2X2X2]) == 0
     assert sorted(p.name for p in (tmp_path / "mesh" / "step-0000002").glob("*.safetensors")) == [
         rank_file(r) for r in range(8)
     ]
@@ -124,25 +109,8 @@ def test_a_resharded_checkpoint_resumes_on_its_mesh_reading_its_optimizer_state_
     optimizer state is in its own file, but for what only tp rank 0 (the norms) or the first stage (a tied
     embedding) saves."""
     checkpoints, losses = saved
-    assert (
-        main(
-            [
-                "reshard",
-                str(checkpoints),
-                "--out",
-                str(tmp_path / "mesh"),
-                "--dp",
-                "2",
-                "--tp",
-                "2",
-                "--pp",
-                "2",
-                "optimizer.zero_stage=1",
-                "tokens.batch_accumulation_per_replica=4",
-            ]
-        )
-        == 0
-    )
+    to_mesh = [*TO_2X2X2, "tokens.batch_accumulation_per_replica=4"]
+    assert main(["reshard", str(checkpoints), "--out", str(tmp_path / "mesh"), *to_mesh]) == 0
     resumed = config(
         tiny_config,
         "resumed",
