@@ -317,21 +317,10 @@ UNUSED_SECTION = {
 }
 
 
-def _micro_batches_with_a_bias_used_once(params, micro_batches, dp=1, dp_rank=0):
-    """Backward through y = x W^T (+ b only in the very first micro-batch of the global batch: dp rank 0's
-    never, so its bias gets no gradient at all, and the using rank's bias only 1 of its micro-batches')."""
-    weight, bias = params
-    for index in range(micro_batches):
-        global_index = dp_rank * micro_batches + index
-        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(global_index))
-        y = x @ weight.T
-        if global_index == dp * micro_batches - 1:
-            y = y + bias
-        y.pow(2).sum().backward()
-
-
-def _unused_parameter(rank, sharded, bucket_mb):
-    ctx = ParallelContext(dp=2, collective_timeout_seconds=60)
+def _step_with_a_bias_used_once(comm, group, dp_rank, micro_batches, bucket_mb, sharded):
+    """One step of y = x W^T (+ b only in the very last micro-batch of the global batch: on dp rank 0 of two
+    the bias gets no gradient at all, on rank 1 in one of its micro-batches); the gradients summed over dp,
+    whole, and the weights after the step."""
     params = [
         torch.nn.Parameter(torch.randn(5, 4, generator=torch.Generator().manual_seed(7))),
         torch.nn.Parameter(torch.zeros(5)),
@@ -339,21 +328,30 @@ def _unused_parameter(rank, sharded, bucket_mb):
     data_parallel = DataParallel(
         [("weight", params[0]), ("bias", params[1])],
         [[1, 0]],
-        ctx.comm,
-        ctx.dp_group,
-        ctx.dp_rank,
-        micro_batches=2,
+        comm,
+        group,
+        dp_rank,
+        micro_batches=micro_batches,
         bucket_mb=bucket_mb,
         grad_dtype=torch.float32,
         sharded=sharded,
     )
     optimizer = ZeroAdamW(params, data_parallel, load_config_dict(UNUSED_SECTION).optimizer)
-    _micro_batches_with_a_bias_used_once(params, 2, dp=2, dp_rank=ctx.dp_rank)
+    for index in range(micro_batches):
+        global_index = dp_rank * micro_batches + index
+        y = torch.randn(3, 4, generator=torch.Generator().manual_seed(global_index)) @ params[0].T
+        if global_index == group.size * micro_batches - 1:
+            y = y + params[1]
+        y.pow(2).sum().backward()
     data_parallel.finish_reduction()
     grads = [g.clone() for g in data_parallel.full(optimizer.grads())]
     optimizer.step(1e-2)
-    ctx.close()
     return grads, [p.detach().clone() for p in params]
+
+
+def _unused_parameter(rank, sharded, bucket_mb):
+    with ParallelContext(dp=2, collective_timeout_seconds=60) as ctx:
+        return _step_with_a_bias_used_once(ctx.comm, ctx.dp_group, ctx.dp_rank, 2, bucket_mb, sharded)
 
 
 @pytest.mark.distributed
@@ -363,29 +361,10 @@ def test_a_parameter_without_a_gradient_on_some_rank_is_still_reduced_over_dp(sh
     """The bias gets a gradient only on dp rank 1, in one of its two micro-batches: its bucket never completes
     during backward on either rank, so finish_reduction must reduce it; both ranks then hold the dp sum, and
     the step equals one process accumulating all four micro-batches."""
-    params = [
-        torch.nn.Parameter(torch.randn(5, 4, generator=torch.Generator().manual_seed(7))),
-        torch.nn.Parameter(torch.zeros(5)),
-    ]
-    data_parallel = DataParallel(
-        [("weight", params[0]), ("bias", params[1])],
-        [[1, 0]],
-        Comm(),
-        Group("dp", (0,)),
-        0,
-        micro_batches=4,
-        bucket_mb=bucket_mb,
-        grad_dtype=torch.float32,
-        sharded=False,
+    expected_grads, expected_weights = _step_with_a_bias_used_once(
+        Comm(), Group("dp", (0,)), 0, 4, bucket_mb, sharded=False
     )
-    optimizer = ZeroAdamW(params, data_parallel, load_config_dict(UNUSED_SECTION).optimizer)
-    _micro_batches_with_a_bias_used_once(params, 4)
-    data_parallel.finish_reduction()
-    expected_grads = [g.clone() for g in data_parallel.full(optimizer.grads())]
-    optimizer.step(1e-2)
     assert expected_grads[1].abs().sum() > 0  # the bias really has a gradient, from one micro-batch
     for grads, weights in run_ranks(_unused_parameter, 2, sharded, bucket_mb):
-        for got, expected in zip(grads, expected_grads, strict=True):
+        for got, expected in zip(grads + weights, expected_grads + expected_weights, strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
-        for got, expected in zip(weights, params, strict=True):
-            torch.testing.assert_close(got, expected.detach(), rtol=1e-6, atol=1e-7)
