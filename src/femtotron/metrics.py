@@ -101,8 +101,8 @@ def peak_flops(
     ):  # an unwritable home, a mangled file: measure only
         return matmul_flops_rate(
             m, n, k, dtype=dtype, device=device
-        ), f"{what}, measured now (no cache at {cache})"
-    return best, f"the fastest {what} measured on this machine (kept in {cache})"
+        ), f"{what}, measured now: no cache at {cache}"
+    return best, f"the fastest {what} measured on this machine, kept in {cache}"
 
 
 def _processor() -> str:
