@@ -43,7 +43,7 @@ def config_warnings(config: Config) -> list[str]:
             f"optimizer.learning_rate_scheduler.lr_warmup_steps={sched.lr_warmup_steps} is longer than "
             f"tokens.train_steps={steps}: the warm-up is cut to the run's {steps} steps, so the learning "
             "rate reaches its peak at the last step and never decays. For a whole schedule set "
-            f"lr_warmup_steps below {steps} (e.g. {max(steps // 10, 1)})."
+            f"lr_warmup_steps below {steps} (e.g. {steps // 10})."
         )
     if config.model.dtype == "float16":
         out.append(
