@@ -1,0 +1,56 @@
+"""The run's log: rank-prefixed console lines, and metrics.jsonl kept across restarts."""
+
+import json
+
+from femtotron.run_log import RunLog
+
+
+def test_run_log_main_rank_writes_jsonl_and_prefixed_lines(tmp_path, capsys):
+    log = RunLog("[rank 0 dp0 tp0 pp0]", tmp_path / "run", is_main=True)
+    log.record({"step": 1, "loss": 2.5})
+    log.record({"step": 2, "loss": 2.25, "note": "two\nlines"})
+    log.info("hello\nworld")
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"step": 1, "loss": 2.5},
+        {"step": 2, "loss": 2.25, "note": "two\nlines"},
+    ]
+    assert capsys.readouterr().out == "[rank 0 dp0 tp0 pp0] hello\n[rank 0 dp0 tp0 pp0] world\n"
+
+
+def test_run_log_touches_the_metrics_file_only_once_the_run_starts_and_keeps_the_steps_before(tmp_path):
+    earlier = [
+        {"step": 1, "loss": 3.0},
+        {"step": 2, "loss": 2.0},
+        {"step": 2, "val_loss": 2.5},
+        {"step": 3, "loss": 1.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier))
+    log = RunLog("[rank 0]", tmp_path, is_main=True)  # a run that may still fail to start
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == earlier
+    log.start_at(2)  # resumed from step 2: step 3 of the attempt that died is dropped, the rest kept
+    log.record({"step": 3, "loss": 1.5})
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        *earlier[:3],
+        {"step": 3, "loss": 1.5},
+    ]
+    RunLog("[rank 0]", tmp_path, is_main=True).start_at(0)  # a run from scratch keeps nothing
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_run_log_other_ranks_write_nothing_unless_asked(tmp_path, capsys):
+    log = RunLog("[rank 3 dp1 tp1 pp0]", tmp_path / "run", is_main=False)
+    log.record({"step": 1})
+    log.info("only on rank 0")
+    assert not (tmp_path / "run").exists()
+    assert capsys.readouterr().out == ""
+    log.info("a stage report", every_rank=True)
+    assert capsys.readouterr().out == "[rank 3 dp1 tp1 pp0] a stage report\n"
+
+
+def test_run_log_console_off_is_silent_but_still_records(tmp_path, capsys):
+    log = RunLog("[rank 0]", tmp_path, is_main=True, console=False)
+    log.info("quiet", every_rank=True)
+    log.record({"step": 1})
+    assert capsys.readouterr().out == ""
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
