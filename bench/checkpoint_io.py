@@ -75,7 +75,8 @@ def main() -> None:
         trainer.config.checkpoints.keep_last_n = 1
         trainer.train_step()
         tensors = {
-            f"{i}:{name}": values.contiguous() for i, (name, _, _, values) in enumerate(rank_slices(trainer.model, trainer.optimizer))
+            f"{i}:{name}": values.contiguous()
+            for i, (name, _, _, values) in enumerate(rank_slices(trainer.model, trainer.optimizer))
         }
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         raw = root / "raw.safetensors"
