@@ -86,9 +86,10 @@ def peak_flops(
     key = f"{_processor()} | {what} | torch {torch.__version__}"
     try:
         known = json.loads(cache.read_text()) if cache.is_file() else {}
-        # With a rate on record, one short trial more is enough: the record only ever rises.
+        # With a rate on record, one short trial more is enough (0.05 s): the record only ever rises.
         cached = float(known.get(key, 0.0))
-        measured = matmul_flops_rate(m, n, k, dtype=dtype, device=device, trials=1 if cached else 3)
+        trials, seconds = (1, 0.05) if cached else (3, 0.3)
+        measured = matmul_flops_rate(m, n, k, dtype=dtype, device=device, seconds=seconds, trials=trials)
         best = max(measured, cached)
         if best > cached:
             with atomic_path(cache) as tmp:
