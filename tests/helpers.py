@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -205,18 +205,11 @@ class Steps:
     losses: list[float]
     norms: list[float]
     updates: dict[str, torch.Tensor]
-    extra: dict = field(default_factory=dict)
 
     def merge(self, other: Steps) -> Steps:
         """The same run seen from another pipeline stage: its parameters added."""
-        return Steps(
-            self.loss,
-            {**self.grads, **other.grads},
-            self.losses,
-            self.norms,
-            {**self.updates, **other.updates},
-            self.extra,
-        )
+        grads, updates = {**self.grads, **other.grads}, {**self.updates, **other.updates}
+        return Steps(self.loss, grads, self.losses, self.norms, updates)
 
 
 def record_steps(config, ctx, steps: int = 3, prepare=None) -> Steps:

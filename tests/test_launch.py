@@ -227,9 +227,7 @@ def test_srun_style_tasks_train_together(config, tmp_path):
                 "femtotron",
                 "train",
                 config,
-                "parallelism.dp=2",
-                "tokens.train_steps=2",
-                "general.run=srun",
+                *"parallelism.dp=2 tokens.train_steps=2 general.run=srun".split(),
             ],
             env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
             stdout=subprocess.PIPE,
@@ -259,19 +257,15 @@ def test_D3_debug_sets_the_distributed_debug_variables_and_every_rank_logs(confi
 def test_sigterm_to_a_self_launched_run_saves_and_exits_7_as_under_torchrun(config, tmp_path):
     """A scheduler signals the process it started: the launcher. The ranks must get it, save a checkpoint and
     stop, and the launcher exit 7 (not torch's 143), so a requeue script sees the same code either way."""
+    overrides = [
+        "parallelism.dp=2",
+        "tokens.train_steps=100000",
+        "checkpoints.checkpoint_interval=1000",
+        "logging.iteration_step_info_interval=1",
+        "general.run=term",
+    ]
     run = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "femtotron",
-            "train",
-            config,
-            "parallelism.dp=2",
-            "tokens.train_steps=100000",
-            "checkpoints.checkpoint_interval=1000",
-            "logging.iteration_step_info_interval=1",
-            "general.run=term",
-        ],
+        [sys.executable, "-m", "femtotron", "train", config, *overrides],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -25,9 +25,11 @@ def test_run_log_touches_the_metrics_file_only_once_the_run_starts_and_keeps_the
         {"step": 2, "val_loss": 2.5},
         {"step": 3, "loss": 1.0},
     ]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier))
+    # The attempt that died was killed while writing a line: it is cut short.
+    written = "".join(json.dumps(r) + "\n" for r in earlier) + '{"step": 4, "lo'
+    (tmp_path / "metrics.jsonl").write_text(written)
     log = RunLog("[rank 0]", tmp_path, is_main=True)  # a run that may still fail to start
-    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == earlier
+    assert (tmp_path / "metrics.jsonl").read_text() == written  # untouched so far
     log.start_at(2)  # resumed from step 2: step 3 of the attempt that died is dropped, the rest kept
     log.record({"step": 3, "loss": 1.5})
     assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [

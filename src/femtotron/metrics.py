@@ -79,30 +79,27 @@ def peak_flops(
     # which reaches the peak already, whatever the micro-batch.
     m, n, k = (min(max(size, 1024), 4096) for size in gemm_shape)
     what = f"{dtype} matmul {m}x{k}x{n} on {device.type} with {torch.get_num_threads()} thread(s)"
-    cache = (
-        cache
-        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "femtotron" / "peak_flops.json"
+    default = (
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "femtotron" / "peak_flops.json"
     )
-    key = f"{_processor()} | {what} | torch {torch.__version__}"
+    cache, key = cache or default, f"{_processor()} | {what} | torch {torch.__version__}"
     try:
         known = json.loads(cache.read_text()) if cache.is_file() else {}
-        # With a rate on record, one short trial more is enough (0.05 s): the record only ever rises.
         cached = float(known.get(key, 0.0))
-        trials, seconds = (1, 0.05) if cached else (3, 0.3)
-        measured = matmul_flops_rate(m, n, k, dtype=dtype, device=device, seconds=seconds, trials=trials)
-        best = max(measured, cached)
-        if best > cached:
+    except (OSError, ValueError, TypeError, AttributeError):  # unreadable or mangled: measure afresh
+        known, cached = None, 0.0
+    # With a rate on record, one short trial more is enough (0.05 s): the record only ever rises.
+    trials, seconds = (1, 0.05) if cached else (3, 0.3)
+    best = max(matmul_flops_rate(m, n, k, dtype=dtype, device=device, seconds=seconds, trials=trials), cached)
+    unusable = (best, f"{what}, measured now: no cache at {cache}")
+    if known is None:
+        return unusable
+    if best > cached:
+        try:
             with atomic_path(cache) as tmp:
                 Path(tmp).write_text(json.dumps({**known, key: best}, indent=1))
-    except (
-        OSError,
-        ValueError,
-        TypeError,
-        AttributeError,
-    ):  # an unwritable home, a mangled file: measure only
-        return matmul_flops_rate(
-            m, n, k, dtype=dtype, device=device
-        ), f"{what}, measured now: no cache at {cache}"
+        except OSError:  # an unwritable home
+            return unusable
     return best, f"the fastest {what} measured on this machine, kept in {cache}"
 
 

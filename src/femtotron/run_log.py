@@ -38,13 +38,8 @@ class RunLog:
         before."""
         if not self.is_main:
             return
-        kept = []
-        if self.metrics_path.is_file():
-            kept = [
-                line
-                for line in self.metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step
-            ]
+        lines = self.metrics_path.read_text().splitlines() if self.metrics_path.is_file() else []
+        kept = [line for line in lines if _step_of(line) <= step]
         with atomic_path(self.metrics_path) as tmp:
             Path(tmp).write_text("".join(f"{line}\n" for line in kept))
 
@@ -172,3 +167,11 @@ class StepLogger:
             + (f" | loss scale {result.loss_scale:g}" if skipped_steps is not None else "")
             + (" | step skipped" if result.skipped else "")
         )
+
+
+def _step_of(line: str) -> float:
+    """The step a metrics.jsonl line records; infinite (dropped) for a line cut short by a killed process."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")

@@ -99,7 +99,7 @@ class Trainer:
 
     def train_until_done(self) -> list[StepResult]:
         ckpt, train_steps = self.config.checkpoints, self.config.tokens.train_steps
-        path, what, warnings = checkpoint.resume_source(self.config)
+        path, what, warnings = checkpoint.agreed_resume_source(self.config, self.ctx)
         for warning in warnings:
             self.log.warn(warning)
         if path is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from femtotron.data.indexed import IndexedDatasetWriter
 from femtotron.data.nanoset import Nanoset
@@ -22,3 +23,18 @@ def test_the_out_of_range_message_gives_the_largest_id_with_its_own_position(tmp
         "tokens are out of range)" in str(info.value)
     )
     assert "vocab_size >= 901" in str(info.value)
+
+
+def test_an_id_beyond_the_vocabulary_in_a_batch_is_caught_also_as_the_last_target():
+    """Past the scanned start of a dataset each batch is checked; a sample's last token is only a target."""
+    from femtotron.data.nanoset import MicroBatch
+    from femtotron.diagnostics.data_check import check_batch_token_ids
+    from femtotron.parallel.context import ParallelContext
+
+    tokens = torch.randint(0, 200, (2, 9))
+    tokens[1, -1] = 300
+    with pytest.raises(
+        DataError, match=r"step 5: the training data holds token id 300, but .*vocab_size=256"
+    ):
+        check_batch_token_ids([MicroBatch.from_tokens(tokens)], 256, ParallelContext(), step=5)
+    check_batch_token_ids([MicroBatch.from_tokens(tokens[:, :-1])], 256, ParallelContext(), step=5)

@@ -437,6 +437,38 @@ def test_a_rank_that_fails_to_write_stops_every_rank_at_once_with_its_reason(tin
     assert "No space left on device" in str(failed.value)
 
 
+def _decide_apart(rank, configs):
+    """Rank 1 is given a config that sees no checkpoint, as a node whose view of a shared file system lags."""
+    ctx = ParallelContext(dp=2, collective_timeout_seconds=30)
+    try:
+        source = checkpoint.agreed_resume_source(configs[rank], ctx)
+
+        def fail():
+            raise CheckpointError("rank 0 found no such checkpoint")
+
+        start = time.monotonic()
+        try:
+            checkpoint.decided_by_rank_0(ctx, "a test", fail if rank == 0 else lambda: "never run")
+        except CheckpointError as e:
+            return source, str(e), time.monotonic() - start
+    finally:
+        ctx.close()
+
+
+@pytest.mark.distributed
+def test_every_rank_resumes_from_what_rank_0_sees_and_gets_rank_0_s_error_at_once(tiny_config):
+    saved = _checkpointed_run(tiny_config, "seen")
+    configs = [
+        make(tiny_config, "apart", f"checkpoints.resume_checkpoint_path={saved}"),
+        make(tiny_config, "apart"),
+    ]
+    assert checkpoint.resume_source(configs[1])[0] is None  # on its own, rank 1 would start from step 0
+    results = run_ranks(_decide_apart, 2, configs, timeout=120)
+    for source, error, seconds in results:
+        assert source[:2] == (saved, "checkpoints.resume_checkpoint_path")
+        assert error == "rank 0 found no such checkpoint" and seconds < 20  # not the 30 s timeout
+
+
 def test_reshard_refuses_to_write_over_its_source(tiny_config):
     saved = _checkpointed_run(tiny_config, "self")
     with pytest.raises(CheckpointError, match="is the directory the checkpoint step-0000004 is in"):

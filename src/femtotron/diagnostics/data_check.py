@@ -58,7 +58,9 @@ def check_batch_token_ids(
 ) -> None:
     """An id >= vocab_size would crash the embedding (on GPU as an opaque device assert). The largest id is
     agreed over dp, so every rank stops here together instead of one leaving the others waiting."""
-    largest_id = torch.tensor(float(max(int(mb.inputs.max()) for mb in micro_batches)), device=ctx.device)
+    # Inputs and targets both: the last target of a sample is no input (a masked target is negative).
+    ids = max(max(int(mb.inputs.max()), int(mb.targets.max())) for mb in micro_batches)
+    largest_id = torch.tensor(float(ids), device=ctx.device)
     largest = int(ctx.comm.all_reduce(largest_id, ctx.dp_group, op="max").item())
     if largest >= vocab_size:
         raise DataError(

@@ -12,9 +12,10 @@ needs; when the mesh changed since the save nothing else has to happen (C1). Wei
 weights, Adam moments and step count, the train state (step, consumed samples/tokens, loss scale)
 are restored, and each rank's RNG states when the mesh is unchanged (C3).
 
-Which checkpoint a run starts from (`resume_source`): `checkpoints.resume_checkpoint_path` when given;
-else the newest committed one in `checkpoints_path`, so a requeued job continues where it stopped
-(`checkpoints.auto_resume: false` starts from step 0 instead, with a warning).
+Which checkpoint a run starts from (`resume_source`, decided by rank 0 for every rank):
+`checkpoints.resume_checkpoint_path` when given; else the newest committed one in `checkpoints_path`, so a
+requeued job continues where it stopped (`checkpoints.auto_resume: false` starts from step 0 instead, with
+a warning).
 
 Save and load take the pieces they need (`TrainingParts`), never the trainer.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from femtotron.atomic import atomic_path
 from femtotron.config import Config
 from femtotron.layout import RankModel
 from femtotron.optim.zero import ZeroAdamW
+from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.store import Store
 from femtotron.serialize.files import (
     MANIFEST,
@@ -242,6 +245,11 @@ def collect_records(store: Store, world: int, key: str, final: Path, timeout: fl
     return [records[r] for r in range(world)]
 
 
+def data_size(parts: TrainingParts) -> dict[str, int]:
+    """What the manifest records of the training data, to warn on resume when it changed."""
+    return {"samples_per_epoch": parts.data.samples_per_epoch, "tokens": parts.data.num_tokens}
+
+
 def run_state(parts: TrainingParts) -> dict[str, Any]:
     """What the manifest records besides the tensors: where the run is, and how it was laid out."""
     config, state = parts.config, parts.state.state_dict()
@@ -252,7 +260,7 @@ def run_state(parts: TrainingParts) -> dict[str, Any]:
         "mesh": mesh_of(config),
         "world_size": parts.ctx.world_size,
         "global_batch_size": config.global_batch_size,
-        "data": {"samples_per_epoch": parts.data.samples_per_epoch, "tokens": parts.data.num_tokens},
+        "data": data_size(parts),
         "config": config.to_dict(),
     }
 
@@ -333,18 +341,14 @@ def resume_source(config: Config) -> tuple[Path | None, str, list[str]]:
     own, given = checkpoint_root(config), config.checkpoints.resume_checkpoint_path
     own_latest = committed_checkpoints(own)[-1:] if own.is_dir() else []
     if given is not None:
-        unused = own_latest and own.resolve() not in (Path(given).resolve(), Path(given).resolve().parent)
-        return (
-            Path(given),
-            "checkpoints.resume_checkpoint_path",
-            [
-                f"checkpoints.resume_checkpoint_path={given} is given, so the checkpoints of this run in "
-                f"{own} (up to "
-                f"{own_latest[0].name}) are not resumed; remove resume_checkpoint_path to continue from them"
-            ]
-            if unused
-            else [],
-        )
+        warnings = []
+        if own_latest and own.resolve() not in (Path(given).resolve(), Path(given).resolve().parent):
+            warnings.append(
+                f"checkpoints.resume_checkpoint_path={given} is given, so the checkpoints of this "
+                f"run in {own} (up to {own_latest[0].name}) are not resumed; remove "
+                "resume_checkpoint_path to continue from them"
+            )
+        return Path(given), "checkpoints.resume_checkpoint_path", warnings
     if not own_latest:
         return None, "", []
     if not config.checkpoints.auto_resume:
@@ -357,6 +361,37 @@ def resume_source(config: Config) -> tuple[Path | None, str, list[str]]:
             ],
         )
     return own, "checkpoints.checkpoints_path (the run's own, checkpoints.auto_resume=true)", []
+
+
+def decided_by_rank_0(ctx: ParallelContext, topic: str, decide: Callable[[], Any]) -> Any:
+    """`decide()` run on rank 0, its JSON result given to every rank: all must take the same decision, and on
+    a shared file system one rank may see a checkpoint that another does not see yet. Rank 0's
+    CheckpointError reaches the others as theirs, at once rather than after a timeout."""
+    key = ctx.store.fresh_key("decision")
+    if ctx.rank == 0:
+        try:
+            posted = json.dumps({"value": decide()})
+        except CheckpointError as e:
+            ctx.store.post(key, json.dumps({"error": str(e)}))
+            raise
+        ctx.store.post(key, posted)
+    else:
+        posted = ctx.store.collect([key], ctx.collective_timeout_seconds).get(key, "{}")
+    decided = json.loads(posted)
+    if "value" not in decided:
+        raise CheckpointError(decided.get("error", f"rank {ctx.rank}: no word from rank 0 on {topic}"))
+    return decided["value"]
+
+
+def agreed_resume_source(config: Config, ctx: ParallelContext) -> tuple[Path | None, str, list[str]]:
+    """`resume_source` as rank 0 sees it, on every rank."""
+
+    def decide() -> list:
+        path, what, warnings = resume_source(config)
+        return [path and str(path), what, warnings]
+
+    path, what, warnings = decided_by_rank_0(ctx, "which checkpoint to resume from", decide)
+    return (Path(path) if path else None), what, warnings
 
 
 def already_done(config: Config) -> str | None:
@@ -401,26 +436,16 @@ def load(
     checkpoint's directory. Rank 0 decides which checkpoint `path` means (ranks reading `latest` on their
     own could see different ones on a shared file system); every rank loads its own part and checks the
     checksums of its share of the files; if any rank fails, all stop with the error."""
-    ctx, store = parts.ctx, parts.ctx.store
-    failure: CheckpointError | None = None
-    summary, directory, key = "", path, store.fresh_key("resume")
+    ctx, failure, summary, directory = parts.ctx, None, "", path
+
+    def pick() -> str:
+        chosen, warnings = resolve(path, what)
+        for warning in warnings:
+            parts.log.warn(warning)
+        return str(chosen)
+
     try:
-        if ctx.rank == 0:
-            try:
-                directory, warnings = resolve(path, what)
-            except CheckpointError as e:
-                store.post(key, json.dumps({"error": str(e)}))
-                raise
-            store.post(key, json.dumps({"directory": str(directory)}))
-            for warning in warnings:
-                parts.log.warn(warning)
-        else:
-            decided = json.loads(store.collect([key], ctx.collective_timeout_seconds).get(key, "{}"))
-            if "directory" not in decided:
-                raise CheckpointError(
-                    decided.get("error", f"rank {ctx.rank}: no word from rank 0 on which checkpoint to load")
-                )
-            directory = Path(decided["directory"])
+        directory = Path(decided_by_rank_0(ctx, "which checkpoint to load", pick))
         with CheckpointReader(directory) as reader:
             files = sorted(reader.manifest["files"])
             for name in files[ctx.rank :: ctx.world_size]:  # each file's checksum read by one rank only
@@ -496,7 +521,7 @@ def restore_counters(parts: TrainingParts, reader: CheckpointReader, directory: 
         f"resumed from {directory} at step {state.step} ({state.consumed_samples:,} samples, "
         f"{state.consumed_tokens:,} tokens consumed)"
     )
-    data = {"samples_per_epoch": parts.data.samples_per_epoch, "tokens": parts.data.num_tokens}
+    data = data_size(parts)
     if manifest.get("data", data) != data:
         parts.log.warn(
             f"the training data differs from the checkpoint's ({manifest['data']['tokens']:,} tokens, now "
