@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 DATA := examples/data/shakespeare
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench gpu-check clean
 
 $(BIN)/femtotron: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,14 @@ lint: $(BIN)/femtotron
 
 bench: $(BIN)/femtotron
 	$(BIN)/python bench/throughput.py
+
+# On one CUDA GPU: the CUDA-marked tests, a ~1B Llama against HF transformers, doctor's memory estimate against
+# the measured peak; writes docs/benchmarks-gpu.md (bench/gpu_check.py). No venv or install step, so it runs on
+# a GPU machine without network: .venv's python where there is one, else $(PYTHON), importing femtotron from src.
+GPU_CHECK_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_CHECK_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf runs $(DATA).bin $(DATA).idx

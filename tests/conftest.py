@@ -3,7 +3,18 @@ import os
 import subprocess
 
 import pytest
+import torch
 from helpers import tiny_config_maker, write_patterned_tokens
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` need a CUDA GPU: without one they are skipped, saying so."""
+    if torch.cuda.is_available():
+        return
+    no_gpu = pytest.mark.skip(reason="cuda: needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(no_gpu)
 
 
 @pytest.fixture(autouse=True)
