@@ -2,11 +2,12 @@ import json
 import math
 import resource
 
+import pytest
 import torch
 from helpers import TINY_MODEL
 
 from femtotron.config import load_config_dict
-from femtotron.metrics import matmul_flops_rate, memory_gib, peak_flops
+from femtotron.metrics import data_sheet_peak, describe_memory, matmul_flops_rate, memory_gib, peak_flops
 
 
 def tiny_model_config(**overrides):
@@ -66,3 +67,87 @@ def test_memory_gib_on_cpu_is_the_resident_set():
     assert set(memory) == {"mem_rss_gib"}
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
     assert 0.01 < memory["mem_rss_gib"] <= peak_gib * 1.01  # torch alone takes well over 10 MiB
+
+
+@pytest.mark.parametrize(
+    "name, dtype, tf32, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, True, 989e12),  # the SXM part's name
+        ("NVIDIA H100 PCIe", torch.bfloat16, True, 756e12),
+        ("NVIDIA H100 NVL", torch.float16, True, 835e12),
+        ("NVIDIA H200 NVL", torch.bfloat16, True, 835e12),
+        ("NVIDIA H200", torch.bfloat16, True, 989e12),
+        ("NVIDIA GH200 480GB", torch.bfloat16, True, 989e12),  # not "H200"
+        ("NVIDIA A100-PCIE-40GB", torch.bfloat16, True, 312e12),  # any case
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, True, 312e12),
+        ("NVIDIA L40S", torch.bfloat16, True, 362e12),  # not "L4"
+        ("NVIDIA L4", torch.bfloat16, True, 121e12),
+        ("NVIDIA H100 80GB HBM3", torch.float32, True, 495e12),  # fp32 runs as TF32
+        ("NVIDIA H100 PCIe", torch.float32, True, 378e12),
+        ("NVIDIA H100 80GB HBM3", torch.float32, False, None),  # plain fp32: measured instead
+        ("Tesla V100-SXM2-16GB", torch.float32, True, None),  # no TF32 units
+        ("Some Future GPU", torch.bfloat16, True, None),
+    ],
+)
+def test_the_data_sheet_peak_is_the_most_specific_name_s_for_the_run_s_dtype(name, dtype, tf32, peak):
+    assert data_sheet_peak(name, dtype, tf32) == peak
+
+
+class RecordingCuda:
+    """Stands in for torch.cuda's memory statistics: peaks that only rise until reset."""
+
+    def __init__(self):
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+        self.calls = []
+
+    def use(self, allocated, reserved):
+        self.allocated, self.reserved = allocated, reserved
+        self.peak_allocated, self.peak_reserved = (
+            max(self.peak_allocated, allocated),
+            max(self.peak_reserved, reserved),
+        )
+
+    def max_memory_allocated(self, device):
+        self.calls.append("max_memory_allocated")
+        return self.peak_allocated
+
+    def max_memory_reserved(self, device):
+        self.calls.append("max_memory_reserved")
+        return self.peak_reserved
+
+    def mem_get_info(self, device):
+        self.calls.append("mem_get_info")
+        return 80 * 2**30 - self.reserved, 80 * 2**30
+
+    def reset_peak_memory_stats(self, device):
+        self.calls.append("reset_peak_memory_stats")
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+
+def test_memory_gib_on_cuda_is_each_record_s_peak_and_the_free_memory():
+    cuda, gpu = RecordingCuda(), torch.device("cuda", 0)
+    cuda.use(10 * 2**30, 12 * 2**30)  # step 1 peaks high ...
+    cuda.use(2 * 2**30, 12 * 2**30)  # ... and ends low
+    assert memory_gib(gpu, cuda) == {
+        "mem_peak_allocated_gib": 10.0,
+        "mem_peak_reserved_gib": 12.0,
+        "mem_free_gib": 68.0,
+        "mem_total_gib": 80.0,
+    }
+    assert cuda.calls[-1] == "reset_peak_memory_stats"  # after reading: the next record is the next peak
+    cuda.use(6 * 2**30, 12 * 2**30)
+    assert memory_gib(gpu, cuda)["mem_peak_allocated_gib"] == 6.0
+    assert describe_memory({"step": 3, **memory_gib(gpu, cuda)}) == (
+        "peak allocated 6.00 GiB, peak reserved 12.00 GiB, free 68.00 GiB, total 80.00 GiB"
+    )
+
+
+@pytest.mark.cuda
+def test_memory_gib_on_a_real_gpu_reports_the_peak_since_the_last_read():
+    gpu = torch.device("cuda")
+    memory_gib(gpu)
+    scratch = torch.empty(2**28, dtype=torch.uint8, device=gpu)  # 0.25 GiB
+    del scratch
+    first, second = memory_gib(gpu), memory_gib(gpu)
+    assert first["mem_peak_allocated_gib"] - second["mem_peak_allocated_gib"] > 0.24
+    assert 0 < first["mem_free_gib"] < first["mem_total_gib"]

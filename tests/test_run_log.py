@@ -2,7 +2,9 @@
 
 import json
 
-from femtotron.run_log import RunLog
+import torch
+
+from femtotron.run_log import RunLog, StepLogger, StepResult
 
 
 def test_run_log_main_rank_writes_jsonl_and_prefixed_lines(tmp_path, capsys):
@@ -56,3 +58,25 @@ def test_run_log_console_off_is_silent_but_still_records(tmp_path, capsys):
     log.record({"step": 1})
     assert capsys.readouterr().out == ""
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_logged_step_records_the_gpu_s_peak_and_free_memory_and_shows_them(tmp_path, capsys, monkeypatch):
+    import femtotron.run_log as run_log
+
+    memory = {
+        "mem_peak_allocated_gib": 61.5,
+        "mem_peak_reserved_gib": 70.25,
+        "mem_free_gib": 8.0,
+        "mem_total_gib": 79.2,
+    }
+    monkeypatch.setattr(run_log, "memory_gib", lambda device: memory)  # what metrics.memory_gib reads on CUDA
+    log = RunLog("[rank 0]", tmp_path, is_main=True)
+    logger = StepLogger(log, 10, 1, 1, torch.device("cuda", 0), 1e9, 1e15, "a data sheet")
+    logger(1, StepResult(loss=5.0, grad_norm=1.0, lr=1e-4, tokens=1000, seconds=0.5, comm_seconds={}))
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert {k: v for k, v in record.items() if k.startswith("mem_")} == memory
+    assert (
+        capsys.readouterr()
+        .out.rstrip()
+        .endswith("| mem peak allocated 61.50 GiB, peak reserved 70.25 GiB, free 8.00 GiB, total 79.20 GiB")
+    )

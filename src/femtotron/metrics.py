@@ -13,29 +13,48 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from femtotron.atomic import atomic_path
 
-# Dense bf16 tensor-core peaks from the vendors' data sheets (FLOP/s), matched by device name.
-PEAK_BF16_FLOPS = {
-    "B200": 2.25e15,
-    "H200": 989e12,
-    "H100": 989e12,
-    "H800": 989e12,
-    "GH200": 989e12,
-    "A100": 312e12,
-    "A800": 312e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "A10G": 70e12,
-    "RTX 4090": 165e12,
-    "RTX 3090": 71e12,
-    "V100": 125e12,
-    "MI300X": 1307e12,
-    "MI250X": 383e12,
+# Dense tensor-core peaks from the vendors' data sheets (FLOP/s): (bf16 and fp16, TF32 or None where the GPU
+# has no TF32), matched by device name as whole words, the first match counting: so variants come before
+# the bare name ("H100 PCIe" before "H100", which is the SXM part). TF32 is what fp32 matmuls run as on
+# CUDA (precision.tf32_for_fp32). The V100 figure is fp16 (it has no bf16 units).
+DATA_SHEET_PEAKS: dict[str, tuple[float, float | None]] = {
+    "B200": (2.25e15, 1.12e15),
+    "H200 NVL": (835e12, 418e12),
+    "H200": (989e12, 495e12),
+    "H100 NVL": (835e12, 418e12),
+    "H100 PCIe": (756e12, 378e12),
+    "H100": (989e12, 495e12),
+    "H800 PCIe": (756e12, 378e12),
+    "H800": (989e12, 495e12),
+    "GH200": (989e12, 495e12),
+    "A100": (312e12, 156e12),  # SXM and PCIe alike
+    "A800": (312e12, 156e12),
+    "L40S": (362e12, 183e12),
+    "L4": (121e12, 60e12),
+    "A10G": (70e12, 35e12),
+    "RTX 4090": (165e12, 83e12),
+    "RTX 3090": (71e12, 36e12),
+    "V100": (125e12, None),
+    "MI300X": (1307e12, None),  # TF32 only with HIPBLASLT_ALLOW_TF32=1
+    "MI250X": (383e12, None),
 }
+
+
+def data_sheet_peak(name: str, dtype: torch.dtype, tf32: bool) -> float | None:
+    """The data-sheet peak of GPU `name` for matmuls in `dtype` (fp32 with `tf32`: the TF32 peak), or None
+    where the table has none (fp32 without TF32: plain fp32 runs on CUDA cores, not tensor cores)."""
+    # Whole words: "L4" is not "L40S".
+    match = (p for key, p in DATA_SHEET_PEAKS.items() if re.search(rf"\b{re.escape(key)}\b", name, re.I))
+    half, tf32_peak = next(match, (None, None))
+    if dtype in (torch.bfloat16, torch.float16):
+        return half
+    return tf32_peak if dtype == torch.float32 and tf32 else None
 
 
 def matmul_flops_rate(
@@ -65,15 +84,18 @@ def peak_flops(
 ) -> tuple[float, str]:
     """The FLOP/s to divide by for MFU, and where the number came from.
 
-    On GPUs the data sheet's peak. Elsewhere a matmul is timed, and a machine that is busy meanwhile only
-    makes it slower: so the fastest rate ever measured on this machine for this shape, dtype, thread count
-    and torch version is kept in `cache` (default: ~/.cache/femtotron/peak_flops.json) and used when higher.
+    On known GPUs the data sheet's peak for `dtype`. Elsewhere a matmul is timed, and a machine that is busy
+    meanwhile only makes it slower: so the fastest rate ever measured on this machine for this shape, dtype,
+    thread count and torch version is kept in `cache` (default: ~/.cache/femtotron/peak_flops.json) and used
+    when higher.
     """
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, flops in PEAK_BF16_FLOPS.items():
-            if re.search(rf"\b{re.escape(key)}\b", name):  # whole words: "L4" is not "L40S"
-                return flops, f"{name} data-sheet bf16 peak"
+        # Read with torch's newer API, which also reports the older one's setting (not the reverse).
+        tf32 = torch.backends.cuda.matmul.fp32_precision == "tf32"
+        peak = data_sheet_peak(name, dtype, tf32)
+        if peak is not None:
+            return peak, f"{name} data-sheet {'TF32' if dtype == torch.float32 else 'bf16/fp16'} peak"
     # Tiny debug models' matmuls are dominated by call overhead and would give a "peak" below what the model
     # itself achieves (MFU > 100%): at least 1024 in every dimension; at most 4096 (64 MiB per fp32 operand),
     # which reaches the peak already, whatever the micro-batch.
@@ -111,13 +133,19 @@ def _processor() -> str:
         return platform.processor()
 
 
-def memory_gib(device: torch.device) -> dict[str, float]:
-    """Allocated and reserved accelerator memory (their gap is fragmentation), or the process RSS."""
+def memory_gib(device: torch.device, cuda: Any = torch.cuda) -> dict[str, float]:
+    """On CUDA the peaks since the last call (read, then reset) and the GPU's free and total memory as the
+    driver sees it; elsewhere the process's resident set. `cuda`: torch.cuda, or a stand-in for tests."""
     if device.type == "cuda":
-        return {
-            "mem_allocated_gib": torch.cuda.memory_allocated(device) / 2**30,
-            "mem_reserved_gib": torch.cuda.memory_reserved(device) / 2**30,
+        free, total = cuda.mem_get_info(device)
+        memory = {  # peak reserved well above peak allocated: fragmentation
+            "mem_peak_allocated_gib": cuda.max_memory_allocated(device) / 2**30,
+            "mem_peak_reserved_gib": cuda.max_memory_reserved(device) / 2**30,
+            "mem_free_gib": free / 2**30,
+            "mem_total_gib": total / 2**30,
         }
+        cuda.reset_peak_memory_stats(device)
+        return memory
     try:
         with open("/proc/self/statm") as f:
             resident_pages = int(f.read().split()[1])
@@ -125,3 +153,12 @@ def memory_gib(device: torch.device) -> dict[str, float]:
     except OSError:  # not Linux: the peak is what the OS reports (bytes on macOS)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return {"mem_peak_rss_gib": peak / (2**30 if sys.platform == "darwin" else 2**20)}
+
+
+def describe_memory(memory: dict[str, float]) -> str:
+    """The `mem_` figures of `memory_gib` (or a record) in words: "peak allocated 12.10 GiB, ..."."""
+    return ", ".join(
+        f"{key.removeprefix('mem_').removesuffix('_gib').replace('_', ' ')} {value:.2f} GiB"
+        for key, value in memory.items()
+        if key.startswith("mem_")
+    )

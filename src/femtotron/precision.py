@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -74,4 +75,26 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
         q.is_meta
     ):  # memory estimates: keep what a fused kernel keeps (output, log-sum-exp), as on GPUs and CPUs
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+    groups = q.shape[1] // k.shape[1]
+    capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    if groups > 1 and not fused_kernel_takes_kv_groups(q.device.type, q.dtype, capability):
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def fused_kernel_takes_kv_groups(device_type: str, dtype: torch.dtype, capability: tuple | None) -> bool:
+    """Whether SDPA's fused kernel takes fewer K/V heads than query heads (`enable_gqa`): the CPU's flash
+    kernel does; on CUDA (torch 2.13) only flash (fp16/bf16, sm80+). Elsewhere `enable_gqa` means the
+    math kernel and its (batch, heads, seq, seq) scores: the K/V heads are repeated for the mem-efficient
+    one instead."""
+    gpu_flash = dtype in (torch.float16, torch.bfloat16) and capability is not None and capability >= (8, 0)
+    return device_type != "cuda" or gpu_flash
+
+
+def tf32_for_fp32(device: torch.device, dtype: torch.dtype) -> None:
+    """fp32 runs on CUDA multiply in TF32 (fp32's range, 10-bit mantissa inputs, 7-8x plain fp32's rate on
+    A100/H100), unless NVIDIA_TF32_OVERRIDE=0, which NVIDIA's libraries read too."""
+    if device.type == "cuda" and dtype == torch.float32 and os.environ.get("NVIDIA_TF32_OVERRIDE") != "0":
+        # The setting torch's own code still reads (torch.get_float32_matmul_precision); CUDA only, unlike
+        # torch.set_float32_matmul_precision, which also changes CPU (oneDNN) matmuls.
+        torch.backends.cuda.matmul.allow_tf32 = True

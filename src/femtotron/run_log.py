@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from femtotron.atomic import atomic_path
 from femtotron.config import Config
-from femtotron.metrics import memory_gib, peak_flops
+from femtotron.metrics import describe_memory, memory_gib, peak_flops
 from femtotron.parallel.context import ParallelContext
 
 
@@ -150,11 +150,6 @@ class StepLogger:
         if skipped_steps is not None:
             record.update(loss_scale=result.loss_scale, skipped_steps=skipped_steps)
         self.log.record(record)
-        memory = " ".join(
-            f"{k.removeprefix('mem_').removesuffix('_gib')} {v:.2f}GiB"
-            for k, v in record.items()
-            if k.startswith("mem_")
-        )
         comm = "".join(
             f" | {k.removesuffix('_comm_share')} comm {v:.0%}"
             for k, v in record.items()
@@ -163,7 +158,7 @@ class StepLogger:
         self.log.info(
             f"step {step}/{self.train_steps} | loss {result.loss:.4f} | lr {result.lr:.3e} | grad_norm "
             f"{result.grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s | {achieved / 1e12:.2f} TFLOP/s | MFU "
-            f"{record['mfu']:.1%} | mem {memory}{comm}"
+            f"{record['mfu']:.1%} | mem {describe_memory(record)}{comm}"
             + (f" | loss scale {result.loss_scale:g}" if skipped_steps is not None else "")
             + (" | step skipped" if result.skipped else "")
         )

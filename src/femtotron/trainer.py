@@ -28,7 +28,7 @@ from femtotron.optim.loss_scale import DynamicLossScaler
 from femtotron.optim.lr_schedule import lr_at
 from femtotron.optim.zero import ZeroAdamW
 from femtotron.parallel.context import ParallelContext
-from femtotron.precision import CPU_MULTIPLIES_BF16, emulated_low_precision
+from femtotron.precision import CPU_MULTIPLIES_BF16, emulated_low_precision, tf32_for_fp32
 from femtotron.run_log import RunLog, StepLogger, StepResult
 from femtotron.serialize import checkpoint
 from femtotron.serialize.weights import save_weights, write_config, write_tokenizer
@@ -51,6 +51,7 @@ class Trainer:
         self.tp, self.chunks, self.data_parallel = self.model.tp, self.model.chunks, self.model.data_parallel
         self.pipeline = build_pipeline(config, ctx, self.model)
         dtype = DTYPES[config.model.dtype]
+        tf32_for_fp32(ctx.device, dtype)  # before the MFU yardstick: it reads whether fp32 runs as TF32
         # fp16 only (N1): the loss is multiplied by a dynamic scale; bf16 and fp32 get a disabled one.
         self.scaler = DynamicLossScaler.from_config(config.optimizer.loss_scale, dtype == torch.float16)
         self.state = TrainState(self.scaler)

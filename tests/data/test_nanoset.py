@@ -4,7 +4,7 @@ import torch
 
 from femtotron.data import nanoset as nanoset_module
 from femtotron.data.indexed import IndexedDatasetWriter
-from femtotron.data.nanoset import MicroBatchIterator, Nanoset
+from femtotron.data.nanoset import MicroBatch, MicroBatchIterator, Nanoset
 from femtotron.errors import DataError
 
 L = 8  # sequence length in these tests
@@ -169,3 +169,18 @@ def test_a_micro_batch_predicts_the_next_token_and_step_at_needs_no_state(tmp_pa
         assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
     assert torch.equal(later[0].inputs[:, 1:], later[0].targets[:, :-1])
     assert later[0].counted_targets == 2 * L
+
+
+def test_a_micro_batch_moves_to_the_cpu_as_it_is():
+    batch = MicroBatch.from_tokens(torch.arange(18).reshape(2, 9))
+    moved = batch.to(torch.device("cpu"))
+    assert moved.inputs is batch.inputs and moved.targets is batch.targets  # no copy, no pinning
+
+
+@pytest.mark.cuda
+def test_a_micro_batch_moves_to_cuda_through_pinned_memory_and_arrives_whole():
+    batch = MicroBatch.from_tokens(torch.arange(2 * 4097).reshape(2, 4097))
+    moved = batch.to(torch.device("cuda"))
+    assert moved.inputs.is_cuda and not batch.inputs.is_pinned()  # the caller's tensor is left as it was
+    assert torch.equal(moved.inputs.cpu(), batch.inputs) and torch.equal(moved.targets.cpu(), batch.targets)
+    assert moved.counted_targets == 2 * 4096

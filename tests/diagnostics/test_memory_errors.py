@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,6 +38,28 @@ def test_M1_an_out_of_memory_error_says_where_what_the_state_takes_and_the_fixes
     )
     assert "tokens.micro_batch_size=2" in message and "parallelism.recompute_layer=true" in message
     assert info.value.exit_code == 8
+
+
+def test_M1_on_a_gpu_the_report_shows_the_peak_and_the_free_memory(tiny_config, monkeypatch):
+    import femtotron.diagnostics.failures as failures
+
+    memory = {
+        "mem_peak_allocated_gib": 71.8,
+        "mem_peak_reserved_gib": 78.1,
+        "mem_free_gib": 0.4,
+        "mem_total_gib": 79.2,
+    }
+    monkeypatch.setattr(failures, "memory_gib", lambda device: memory)  # what metrics.memory_gib reads
+    gpu_rank = SimpleNamespace(rank=3, dp=2, device=torch.device("cuda", 1))
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    message = str(
+        failures.out_of_memory(error, tiny_config(), gpu_rank, 4, "the backward", {"params": 2**20})
+    )
+    assert (
+        "This rank's model state: params 1.0 MiB; memory: peak allocated 71.80 GiB, peak reserved 78.10 GiB, "
+        "free 0.40 GiB, total 79.20 GiB. The peaks are since the last logged step; a large gap between peak "
+        "reserved and peak allocated is fragmentation"
+    ) in message
 
 
 def test_M1_running_out_of_memory_on_the_cpu_is_the_same_report(tiny_config):

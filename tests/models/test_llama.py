@@ -3,6 +3,7 @@ import torch
 from helpers import BF16_PATHS, build_llama, hf_llama, llama_config, precision_path
 
 from femtotron.models.hf_conversion import from_hf
+from femtotron.precision import fused_kernel_takes_kv_groups, tf32_for_fp32
 
 
 def tiny_config(**overrides):
@@ -121,3 +122,81 @@ def test_upcast_path_for_cpus_without_bf16_units_matches_native_bf16():
     # Same maths, different accumulation: within a few bf16 ulps (2^-8 relative).
     torch.testing.assert_close(upcast_logits, native_logits, rtol=2e-2, atol=2e-2)
     assert (upcast_grad - native_grad).norm() <= 2e-2 * native_grad.norm()
+
+
+@pytest.mark.parametrize(
+    "device_type, dtype, capability, takes",
+    [
+        ("cpu", torch.float32, None, True),  # the CPU's flash kernel takes K/V groups in any dtype
+        ("cpu", torch.bfloat16, None, True),
+        ("cuda", torch.bfloat16, (9, 0), True),  # flash
+        ("cuda", torch.float16, (8, 0), True),
+        ("cuda", torch.float32, (9, 0), False),  # flash needs fp16/bf16
+        ("cuda", torch.bfloat16, (7, 5), False),  # and sm80
+        ("cuda", torch.float16, (7, 0), False),
+    ],
+)
+def test_kv_heads_are_repeated_where_the_fused_kernel_would_not_take_groups(
+    device_type, dtype, capability, takes
+):
+    assert fused_kernel_takes_kv_groups(device_type, dtype, capability) is takes
+
+
+def test_repeated_kv_heads_give_the_same_attention_and_gradients_as_enable_gqa(monkeypatch):
+    """The path for CUDA without flash (fp32, or before sm80), run on the CPU: query head i reads K/V head
+    i // (heads / kv_heads), as with enable_gqa."""
+    import femtotron.precision as precision
+
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, heads, 12, 16, generator=generator) for heads in (8, 2, 2))
+    sdpa, seen = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recording_sdpa(q, k, v, **kw):
+        seen.append((k.shape[1], kw["enable_gqa"]))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(precision.F, "scaled_dot_product_attention", recording_sdpa)
+    results = []
+    for takes_groups in (True, False):
+        monkeypatch.setattr(
+            precision, "fused_kernel_takes_kv_groups", lambda *args, takes=takes_groups: takes
+        )
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = precision.causal_attention(*inputs)
+        out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+        results.append((out.detach(), *(t.grad for t in inputs)))
+    assert seen == [(2, True), (8, False)]
+    for grouped, repeated in zip(*results, strict=True):
+        torch.testing.assert_close(repeated, grouped)
+
+
+def test_fp32_on_cuda_multiplies_in_tf32_unless_nvidia_tf32_override_is_0(monkeypatch):
+    matmul = torch.backends.cuda.matmul
+    before, matmul.allow_tf32 = matmul.allow_tf32, False
+    try:
+        monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
+        tf32_for_fp32(torch.device("cuda"), torch.float32)
+        assert not matmul.allow_tf32
+        monkeypatch.delenv("NVIDIA_TF32_OVERRIDE")
+        for device, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
+            tf32_for_fp32(torch.device(device), dtype)
+            assert not matmul.allow_tf32, (device, dtype)
+        tf32_for_fp32(torch.device("cuda"), torch.float32)
+        assert matmul.allow_tf32 and matmul.fp32_precision == "tf32"  # as metrics.peak_flops reads it
+    finally:
+        matmul.allow_tf32 = before
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_attention_on_cuda_runs_in_a_fused_kernel_not_the_math_one(dtype):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from femtotron.precision import causal_attention
+
+    q, k, v = (torch.randn(2, heads, 256, 64, device="cuda", dtype=dtype) for heads in (8, 2, 2))
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    with sdpa_kernel(fused):  # without the math kernel: SDPA raises where no fused one takes the inputs
+        out = causal_attention(q, k, v)
+    reference = causal_attention(*(t.double().cpu() for t in (q, k, v)))
+    torch.testing.assert_close(out.double().cpu(), reference, rtol=0.02, atol=0.02)

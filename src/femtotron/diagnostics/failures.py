@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from femtotron.config import Config
 from femtotron.diagnostics.memory import human
 from femtotron.errors import OutOfMemory, TrainingDiverged
-from femtotron.metrics import memory_gib
+from femtotron.metrics import describe_memory, memory_gib
 from femtotron.optim.loss_scale import DynamicLossScaler
 from femtotron.parallel.context import ParallelContext
 
@@ -75,9 +75,6 @@ def out_of_memory(
     """`where`: the pass, micro-batch and stage it ran out in; `model_state`: this rank's bytes by kind."""
     rank, dp, device = ctx.rank, ctx.dp, ctx.device
     state = ", ".join(f"{key.replace('_', ' ')} {human(value)}" for key, value in model_state.items())
-    memory = ", ".join(
-        f"{k.removeprefix('mem_').removesuffix('_gib')} {v:.2f} GiB" for k, v in memory_gib(device).items()
-    )
     tokens, par = config.tokens, config.parallelism
     fixes = [
         f"tokens.micro_batch_size={max(tokens.micro_batch_size // 2, 1)} (activations scale with it; raise "
@@ -94,12 +91,14 @@ def out_of_memory(
         ""
         if device.type != "cuda"
         else (
-            " A large gap between reserved and allocated is fragmentation: keep "
+            " The peaks are since the last logged step; a large gap between peak reserved and peak allocated "
+            "is fragmentation: keep "
             "general.cuda_expandable_segments on (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)."
         )
     )
     first_line = (str(error).splitlines() or [type(error).__name__])[0][:200]
     return OutOfMemory(
         f"step {step}: out of memory on rank {rank} in {where} ({first_line}).\nThis rank's model state: "
-        f"{state}; memory now: {memory}.{gap}\nFixes, in the usual order: " + "; ".join(fixes) + "."
+        f"{state}; memory: {describe_memory(memory_gib(device))}.{gap}\nFixes, in the usual order: "
+        f"{'; '.join(fixes)}."
     )

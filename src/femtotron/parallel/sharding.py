@@ -1,9 +1,9 @@
 """Parameters that know their own sharding.
 
-Every parameter is created at its full, unsharded shape from a seed derived from (global seed,
-parameter name), then sliced for this rank. So any (dp, tp, pp) layout starts from exactly the
-single-device weights, and checkpoints, clipping and conversion read the metadata below instead of
-re-deriving layouts from names.
+Every parameter is created at its full, unsharded shape on the rank's own device, from a seed derived
+from (global seed, parameter name), then sliced for this rank. So any (dp, tp, pp) layout starts from
+exactly the single-device weights (on that kind of device: `full_init`), and checkpoints, clipping and
+conversion read the metadata below instead of re-deriving layouts from names.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -32,12 +34,16 @@ def param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def full_init(name: str, shape: tuple[int, ...], std: float | None, seed: int) -> torch.Tensor:
-    """The full fp32 tensor every layout slices from: normal(0, std), or ones when std is None."""
-    if std is None:
-        return torch.ones(shape)
-    generator = torch.Generator().manual_seed(param_seed(seed, name))
-    return torch.empty(shape).normal_(0.0, std, generator=generator)
+def full_init(
+    name: str, shape: tuple[int, ...], std: float | None, seed: int, device: torch.device = CPU
+) -> torch.Tensor:
+    """The full fp32 tensor every layout slices from: normal(0, std), or ones when std is None. Drawn on
+    `device`: the same values on every device of one kind and model, others on the CPU than on CUDA (and
+    on GPUs with other SM counts: CUDA spreads the draws over the SMs)."""
+    if device.type == "meta" or std is None:  # meta (offline checkpoint tools): only shapes matter
+        return torch.ones(shape, device=device)
+    generator = torch.Generator(device).manual_seed(param_seed(seed, name))
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
 
 
 def make_param(
@@ -53,12 +59,11 @@ def make_param(
     world: int = 1,
     tie_group: str | None = None,
 ) -> nn.Parameter:
-    """Initialise `name` at full shape and keep this rank's chunk of `shard_dim` (if any).
+    """Initialise `name` at full shape on `device` and keep this rank's chunk of `shard_dim` (if any).
 
     Chunks are ceil(n / world) long; where that overshoots n, the last chunks are zero-padded.
     """
-    # On the meta device (offline checkpoint tools) only shapes and sharding matter: skip the values.
-    full = torch.empty(shape, device="meta") if device.type == "meta" else full_init(name, shape, std, seed)
+    full = full_init(name, shape, std, seed, device)
     local_slice = [slice(0, n) for n in shape]
     local_shape = list(shape)
     if shard_dim is not None and world > 1:
@@ -66,10 +71,10 @@ def make_param(
         n = shape[shard_dim]
         local_slice[shard_dim] = slice(min(rank * size, n), min((rank + 1) * size, n))
         local_shape[shard_dim] = size
-    local = torch.zeros(local_shape, device=full.device)
+    local = torch.zeros(local_shape, device=device, dtype=dtype)
     piece = full[tuple(local_slice)]
     local[tuple(slice(0, k) for k in piece.shape)] = piece
-    param = nn.Parameter(local.to(device=device, dtype=dtype))
+    param = nn.Parameter(local)
     param.shard = ShardInfo(name, tuple(shape), tuple(local_slice), tie_group)
     return param
 
