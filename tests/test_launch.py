@@ -159,11 +159,18 @@ def test_config_errors_are_reported_once_before_any_process_starts(config, overr
 def test_more_processes_than_gpus_is_a_config_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,3")  # what hides the others is named
     check_local_devices(2, 1, 1)
     with pytest.raises(ConfigError) as raised:
         check_local_devices(4, 1, 1)
     message = str(raised.value)
-    for expected in ("parallelism.dp=4", "2 GPU(s)", "at most 2", "torchrun or srun"):
+    for expected in (
+        "parallelism.dp=4",
+        "2 GPU(s)",
+        "(CUDA_VISIBLE_DEVICES=0,3)",
+        "at most 2",
+        "torchrun or srun",
+    ):
         assert expected in message
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from femtotron.cli import main
@@ -67,3 +68,15 @@ def test_T3_the_tp_link_is_named_by_what_it_crosses(tiny_config, tmp_path, capsy
     assert lines["cpu"].endswith("(ALL_REDUCE; between processes of one host)")
     assert lines["gpu"].endswith("(ALL_REDUCE; inside a node: NVLink)")
     assert lines["across"].endswith("(ALL_REDUCE; across nodes: the network, see the warning above)")
+
+
+def test_M1_doctor_budgets_the_nccl_communicators_on_gpus_only(tiny_config, tmp_path, capsys):
+    """dp=2 tp=2: each rank is in a tp group, a dp group and the default group (mp = tp: no fourth)."""
+    config = write(tiny_config, tmp_path, "parallelism.dp=2", "parallelism.tp=2")
+    totals = {}
+    for device in ("H100", "CPU"):
+        assert main(["doctor", config, "--device", device]) == 0
+        line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  pp rank 0: "))
+        totals[device] = float(line.split()[3]) * (1 if line.split()[4] == "MiB" else 1024)
+        assert ("+ 3 NCCL communicator(s) x 0.50 GiB = 1.50 GiB" in line) == (device == "H100")
+    assert totals["H100"] - totals["CPU"] == pytest.approx(1536, abs=6)  # shown to 0.01 GiB

@@ -1,11 +1,22 @@
 import os
+import socket
 
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import run_ranks
 
 from femtotron.errors import DistributedError
-from femtotron.parallel.context import ParallelContext, coordinates_of, rank_of
+from femtotron.parallel.context import (
+    ParallelContext,
+    coordinates_of,
+    device_index,
+    mesh_groups,
+    rank_of,
+    rendezvous,
+    shared_gpus,
+    subgroups,
+)
 
 
 def test_T3_rank_layout_is_tp_innermost_pp_outermost():
@@ -143,3 +154,99 @@ def test_a_collective_that_times_out_names_the_op_group_and_shape():
     assert "rank 0: all_reduce on dp[0,1] for a (4, 8) torch.float32 tensor failed after" in message
     assert "collective_timeout_seconds" in message and "same collective" in message
     assert in_flight is not None and in_flight.kind == "all_reduce"
+
+
+def test_L1_a_process_that_sees_one_gpu_takes_it_whatever_its_local_rank():
+    assert [device_index(r, 8) for r in range(8)] == list(range(8))  # torchrun: each sees every GPU
+    assert [device_index(r, 1) for r in range(4)] == [0, 0, 0, 0]  # srun --gpus-per-task=1, --gpu-bind
+    assert device_index(5, 4) == 1
+
+
+def test_L1_ranks_on_one_gpu_are_found_by_host_and_uuid():
+    gpus = [("a", "GPU-1"), ("a", "GPU-2"), ("a", "GPU-1"), ("b", "GPU-1"), ("a", ""), ("a", "")]
+    assert shared_gpus(gpus) == {("a", "GPU-1"): [0, 2]}  # CPU ranks (no UUID) share nothing
+    assert shared_gpus([("a", "GPU-1"), ("a", "GPU-2")]) == {}
+
+
+def _check_in_with(rank, uuids):
+    gpu = (uuids[rank], f"cuda:0 of 1 visible, LOCAL_RANK={rank}, CUDA_VISIBLE_DEVICES=unset")
+    port = int(os.environ["MASTER_PORT"])
+    try:
+        hosts, _store = rendezvous(rank, len(uuids), "127.0.0.1", port, torch.device("cpu"), 30, 30, gpu)
+    except DistributedError as e:
+        return str(e)
+    dist.destroy_process_group()
+    return hosts
+
+
+@pytest.mark.distributed
+def test_L1_two_ranks_on_one_gpu_are_refused_at_the_rendezvous_on_every_rank():
+    messages = run_ranks(_check_in_with, 2, ["GPU-7f3a", "GPU-7f3a"], timeout=60)
+    assert messages[0] == messages[1]
+    message = messages[0]
+    assert "Ranks 0, 1 share GPU GPU-7f3a on host " in message
+    assert (
+        "rank 0: cuda:0 of 1 visible, LOCAL_RANK=0" in message
+        and "rank 1: cuda:0 of 1 visible, LOCAL_RANK=1" in message
+    )
+    for fix in ("CUDA_VISIBLE_DEVICES", "--nproc-per-node", "--gpus-per-task=1", "--gpu-bind"):
+        assert fix in message
+    assert run_ranks(_check_in_with, 2, ["GPU-7f3a", "GPU-00b1"], timeout=60)[0] == [socket.gethostname()] * 2
+
+
+LAYOUTS = {  # (dp, tp, pp) -> process groups created: before (one per group of every kind), now
+    (8, 1, 1): (8 + 1 + 8 + 8 + 8, 0),  # dp is the world: the default group
+    (1, 8, 1): (1 + 8 + 8 + 1 + 8, 0),  # tp = mp = the world
+    (1, 1, 2): (2 + 2 + 1 + 1 + 1, 0),  # pp = mp = embedding = the world
+    (2, 2, 1): (2 + 2 + 4 + 2 + 4, 4),  # mp = tp; the pp and embedding groups have one rank
+    (2, 2, 2): (4 + 4 + 4 + 2 + 4, 14),  # embedding = pp
+    (1, 2, 4): (4 + 8 + 2 + 1 + 2, 8),  # mp = the world; embedding: first and last stage
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_distinct_rank_set_gets_one_process_group(layout):
+    before, now = LAYOUTS[layout]
+    groups = mesh_groups(*layout)
+    created = subgroups(*layout)
+    assert sum(len(of_kind) for of_kind in groups.values()) == before and len(created) == now
+    assert len(set(created)) == len(created)
+    world = layout[0] * layout[1] * layout[2]
+    for of_kind in groups.values():  # every group of several ranks has a handle: its own, or the default
+        assert all(ranks in created or len(ranks) in (1, world) for ranks in of_kind)
+
+
+def _shared_handles(rank):
+    created = []
+    new_group = dist.new_group
+    dist.new_group = lambda ranks, **kwargs: created.append(ranks) or new_group(ranks, **kwargs)
+    ctx = ParallelContext(dp=1, tp=2, pp=2, init_timeout_seconds=30, collective_timeout_seconds=30)
+    groups = (ctx.tp_group, ctx.pp_group, ctx.mp_group, ctx.embedding_group, ctx.world_group)
+    out = {
+        "created": created,
+        "embedding is pp": ctx.embedding_group.handle is ctx.pp_group.handle is not None,
+        "default": [g.kind for g in groups if g.handle is None],
+        "sums": {g.kind: int(ctx.comm.all_reduce(torch.tensor([float(rank)]), g).item()) for g in groups},
+    }
+    ctx.close()
+    return out
+
+
+@pytest.mark.distributed
+def test_groups_with_equal_ranks_share_one_process_group_and_still_work():
+    """tp=2 pp=2: mp is the world (the default group), embedding = pp; 4 subgroups instead of 11."""
+    results = run_ranks(_shared_handles, 4)
+    for rank, out in enumerate(results):
+        assert out["created"] == [[0, 1], [2, 3], [0, 2], [1, 3]]
+        assert out["embedding is pp"] and out["default"] == ["mp", "world"]
+        tp_sum, pp_sum = (1 if rank < 2 else 5), (2 if rank % 2 == 0 else 4)
+        assert out["sums"] == {"tp": tp_sum, "pp": pp_sum, "mp": 6, "embedding": pp_sum, "world": 6}
+
+
+@pytest.mark.cuda
+def test_L1_a_local_rank_beyond_the_visible_gpus_wraps_around(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ctx = ParallelContext()
+    assert ctx.device == torch.device("cuda", 0) and ctx.backend == "nccl"
+    ctx.close()

@@ -2,7 +2,8 @@
 
 The config rules and warnings, the world size, the pipeline's stage map and bubble, the bytes each
 rank communicates per step, and a per-rank memory estimate for every pipeline stage (diagnostics/
-memory.py) against the device; when it does not fit, the usual fixes, each with the estimate it gives.
+memory.py; on GPUs with the NCCL communicators the rank belongs to) against the device; when it does not
+fit, the usual fixes, each with the estimate it gives.
 """
 
 from __future__ import annotations
@@ -10,7 +11,14 @@ from __future__ import annotations
 from femtotron.config import Config, check_world_size
 from femtotron.config.rules import pipeline_bubble, refuse_on_gpus, rule_problems, with_changes
 from femtotron.diagnostics.advice import config_warnings, imbalance_warning
-from femtotron.diagnostics.memory import GIB, RankEstimate, device_budget, estimate_rank, human
+from femtotron.diagnostics.memory import (
+    GIB,
+    NCCL_COMMUNICATOR_BYTES,
+    RankEstimate,
+    device_budget,
+    estimate_rank,
+    human,
+)
 from femtotron.layout import DTYPES
 from femtotron.parallel.pipeline.partition import partition, stage_map
 
@@ -159,6 +167,12 @@ def diagnose(
             f"  pp rank {e.pp_rank}: {human(e.total)} = {state} + activations: a micro-batch keeps "
             f"{human(max(e.saved_per_micro_batch))} for its backward and peaks at "
             f"{human(e.micro_batch_peak)}, {e.micro_batches_held} held at most (+{human(e.waiting)})"
+            + (
+                f" + {e.communicators} NCCL communicator(s) x {human(NCCL_COMMUNICATOR_BYTES)} = "
+                f"{human(e.communicator_bytes)}"
+                if e.communicators
+                else ""
+            )
         )
     worst = max(estimates, key=lambda e: e.total)
     lines += variants(config, budget, on_cpu)
@@ -169,8 +183,8 @@ def diagnose(
                 f"fits: the largest rank needs {human(worst.total)} of {budget / GIB:.1f} GiB "
                 f"({worst.total / budget:.0%})"
                 + (
-                    "; within 2 GiB of the device: NCCL buffers and the "
-                    "allocator's slack (not in the estimate) may not fit"
+                    "; within 2 GiB of the device: the allocator's slack (not in the estimate) and NCCL "
+                    f"buffers beyond {human(NCCL_COMMUNICATOR_BYTES)} per communicator may not fit"
                     if budget - worst.total < 2 * GIB
                     else ""
                 )

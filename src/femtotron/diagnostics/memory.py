@@ -8,7 +8,9 @@ Both count the same thing, the bytes of tensor storage alive at once:
 - the **step** is simulated on the meta device: one micro-batch's forward and backward through this
   rank's stage(s), every tensor op tracked by `LiveMemory`, gives what a micro-batch keeps for backward
   (its saved activations) and the peak while it runs (activations, logits, their gradients, transient
-  buffers); the pipeline schedule says how many micro-batches each stage holds at once.
+  buffers); the pipeline schedule says how many micro-batches each stage holds at once;
+- on GPUs, the **NCCL communicators** the rank belongs to (parallel/context.py creates one process group per
+  distinct rank set), at a fixed figure each: NCCL allocates them outside PyTorch's allocator.
 
 `LiveMemory` tracks every storage a tensor op creates until it is freed (not the ones that existed
 before, nor outputs that alias an input: views and in-place ops), on real tensors as on meta ones,
@@ -28,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from femtotron.config import Config
 from femtotron.data.nanoset import MicroBatch
 from femtotron.layout import DTYPES, meta_rank_model
-from femtotron.parallel.context import rank_of
+from femtotron.parallel.context import rank_of, subgroups
 from femtotron.parallel.pipeline.schedules import schedule
 from femtotron.precision import ESTIMATING_FOR_THIS_CPU
 
@@ -43,6 +45,11 @@ DEVICES = {
     "V100-32GB": 31.7,
     "CPU": None,
 }
+# NCCL's device memory per communicator, a middle figure (0.3-1.6 GiB are reported on H100-class GPUs): every
+# channel keeps, per peer it receives from, a buffer per protocol (Simple: NCCL_BUFFSIZE, 4 MiB by default;
+# LL128 ~4.7 MiB; LL 0.5 MiB), and NVLink runs up to 32 channels for rings and as many for trees: 32 x 2 x
+# ~9 MiB. NVLink SHARP (NCCL_NVLS_ENABLE) and send/receive buffers add more; NCCL_MAX_NCHANNELS lowers it.
+NCCL_COMMUNICATOR_BYTES = GIB // 2
 
 
 class LiveMemory(TorchDispatchMode):
@@ -87,10 +94,15 @@ class RankEstimate:
     micro_batch_peak: int  # the most alive while one micro-batch runs forward and backward
     waiting: int  # the activations of the other micro-batches held meanwhile (1F1B: up to pp - pp_rank - 1)
     micro_batches_held: int
+    communicators: int  # the NCCL communicators it belongs to (none counted on a CPU)
+
+    @property
+    def communicator_bytes(self) -> int:
+        return self.communicators * NCCL_COMMUNICATOR_BYTES
 
     @property
     def total(self) -> int:
-        return sum(self.state.values()) + self.waiting + self.micro_batch_peak
+        return sum(self.state.values()) + self.waiting + self.micro_batch_peak + self.communicator_bytes
 
 
 def schedule_peak(
@@ -114,15 +126,21 @@ def estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool = False) -> Ra
     or with `on_this_cpu` on this machine's CPU (which may compute bf16 matmuls on fp32 copies)."""
     token = ESTIMATING_FOR_THIS_CPU.set(on_this_cpu)
     try:
-        return _estimate_rank(config, pp_rank)
+        return _estimate_rank(config, pp_rank, on_this_cpu)
     finally:
         ESTIMATING_FOR_THIS_CPU.reset(token)
 
 
-def _estimate_rank(config: Config, pp_rank: int) -> RankEstimate:
+def communicators(dp: int, tp: int, pp: int, rank: int) -> int:
+    """The NCCL communicators `rank` belongs to: the default group's and every subgroup's holding it."""
+    return (dp * tp * pp > 1) + sum(rank in ranks for ranks in subgroups(dp, tp, pp))
+
+
+def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstimate:
     par, tokens = config.parallelism, config.tokens
     meta = torch.device("meta")
-    model = meta_rank_model(config, rank_of(pp_rank, 0, 0, par.dp, par.tp))
+    rank = rank_of(pp_rank, 0, 0, par.dp, par.tp)
+    model = meta_rank_model(config, rank)
     state = model.data_parallel.model_state_bytes()
     sequence = tokens.sequence_length // (par.tp if model.tp.sequence_parallel else 1)
     saved, peaks = [], []
@@ -154,7 +172,8 @@ def _estimate_rank(config: Config, pp_rank: int) -> RankEstimate:
         par.pp_engine, par.pp, pp_rank, tokens.batch_accumulation_per_replica, saved
     )
     waiting = held_bytes - max(saved) if held > 1 else 0  # the others, while the largest one runs
-    return RankEstimate(pp_rank, state, saved, max(peaks), waiting, held)
+    nccl = 0 if on_this_cpu else communicators(par.dp, par.tp, par.pp, rank)
+    return RankEstimate(pp_rank, state, saved, max(peaks), waiting, held, nccl)
 
 
 def human(nbytes: float) -> str:

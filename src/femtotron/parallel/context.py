@@ -7,8 +7,11 @@ Joining the job (the rendezvous, with a timeout that names the ranks that never 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import socket
+from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -24,6 +27,9 @@ if TYPE_CHECKING:
     from femtotron.config import Config
 
 
+BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+
+
 @dataclass(frozen=True)
 class MeshCoordinates:
     pp_rank: int
@@ -37,6 +43,45 @@ def rank_of(pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
 
 def coordinates_of(rank: int, dp: int, tp: int) -> MeshCoordinates:
     return MeshCoordinates(pp_rank=rank // (dp * tp), dp_rank=(rank // tp) % dp, tp_rank=rank % tp)
+
+
+def mesh_groups(dp: int, tp: int, pp: int) -> dict[str, list[tuple[int, ...]]]:
+    """Every group of each kind, as its ranks."""
+
+    def at(p: int, d: int, t: int) -> int:
+        return rank_of(p, d, t, dp, tp)
+
+    positions = [(d, t) for d in range(dp) for t in range(tp)]  # a rank's place within its pipeline stage
+    return {
+        "tp": [tuple(at(p, d, t) for t in range(tp)) for p in range(pp) for d in range(dp)],
+        "dp": [tuple(at(p, d, t) for d in range(dp)) for p in range(pp) for t in range(tp)],
+        "pp": [tuple(at(p, d, t) for p in range(pp)) for d, t in positions],
+        # Model-parallel group: every rank holding a piece of one model replica (for grad norms).
+        "mp": [tuple(at(p, d, t) for p in range(pp) for t in range(tp)) for d in range(dp)],
+        # First and last pipeline stage of each (dp, tp) position: they share tied embeddings.
+        "embedding": [tuple(sorted({at(0, d, t), at(pp - 1, d, t)})) for d, t in positions],
+    }
+
+
+def subgroups(dp: int, tp: int, pp: int) -> list[tuple[int, ...]]:
+    """The rank sets needing a process group (with NCCL, a communicator and its GPU memory) of their own, in
+    creation order: each distinct set once, none of one rank, none of the whole world (the default group)."""
+    sets = (ranks for groups in mesh_groups(dp, tp, pp).values() for ranks in groups)
+    return [ranks for ranks in dict.fromkeys(sets) if 1 < len(ranks) < dp * tp * pp]
+
+
+def device_index(local_rank: int, visible: int) -> int:
+    """GPU LOCAL_RANK where each process sees all of the node's GPUs (torchrun); its only one where it sees
+    one (`srun --gpus-per-task=1`, `--gpu-bind`, one GPU per container)."""
+    return local_rank % visible
+
+
+def shared_gpus(gpus: list[tuple[str, str]]) -> dict[tuple[str, str], list[int]]:
+    """(host, GPU UUID) by rank -> the GPUs more than one rank took, with those ranks (UUID "": no GPU)."""
+    ranks_on: defaultdict[tuple[str, str], list[int]] = defaultdict(list)
+    for rank, gpu in enumerate(gpus):
+        ranks_on[gpu].append(rank)
+    return {gpu: ranks for gpu, ranks in ranks_on.items() if gpu[1] and len(ranks) > 1}
 
 
 class ParallelContext:
@@ -67,8 +112,8 @@ class ParallelContext:
                 "set parallelism.dp/tp/pp so their product equals the number of processes launched."
             )
         self.collective_timeout_seconds = collective_timeout_seconds
-        self.device = self._pick_device()
-        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.device, gpu = self._pick_device()
+        self.backend = BACKENDS[self.device.type]
         self.comm = Comm()
         self.store = Store()
         self.hosts = [socket.gethostname()]
@@ -80,9 +125,10 @@ class ParallelContext:
                 self.world_size,
                 host,
                 port,
-                self.backend,
+                self.device,
                 init_timeout_seconds,
                 collective_timeout_seconds,
+                gpu,
             )
             self.store = Store(tcp_store, (host, port))
         coords = coordinates_of(self.rank, dp, tp)
@@ -106,43 +152,35 @@ class ParallelContext:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _pick_device(self) -> torch.device:
-        if torch.cuda.is_available():
-            torch.cuda.set_device(self.local_rank)
-            return torch.device("cuda", self.local_rank)
-        return torch.device("cpu")
+    def _pick_device(self) -> tuple[torch.device, tuple[str, str]]:
+        """This process's device, and its GPU's UUID with how it was chosen (empty without a GPU)."""
+        if not torch.cuda.is_available():
+            return torch.device("cpu"), ("", "")
+        visible = torch.cuda.device_count()
+        device = torch.device("cuda", device_index(self.local_rank, visible))
+        torch.cuda.set_device(device)
+        mask = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        how = f"{device} of {visible} visible, LOCAL_RANK={self.local_rank}, CUDA_VISIBLE_DEVICES={mask}"
+        return device, (str(torch.cuda.get_device_properties(device).uuid), how)
 
     def _build_groups(self) -> None:
-        dp, tp, pp = self.dp, self.tp, self.pp
-        tp_groups = [[rank_of(p, d, t, dp, tp) for t in range(tp)] for p in range(pp) for d in range(dp)]
-        dp_groups = [[rank_of(p, d, t, dp, tp) for d in range(dp)] for p in range(pp) for t in range(tp)]
-        pp_groups = [[rank_of(p, d, t, dp, tp) for p in range(pp)] for d in range(dp) for t in range(tp)]
-        # Model-parallel group: every rank holding a piece of one model replica (for grad norms).
-        mp_groups = [[rank_of(p, d, t, dp, tp) for p in range(pp) for t in range(tp)] for d in range(dp)]
-        # First and last pipeline stage of each (dp, tp) position: they share tied embeddings.
-        embedding_groups = [
-            sorted({rank_of(0, d, t, dp, tp), rank_of(pp - 1, d, t, dp, tp)})
-            for d in range(dp)
-            for t in range(tp)
-        ]
-        self.tp_group = self._mine("tp", tp_groups)
-        self.dp_group = self._mine("dp", dp_groups)
-        self.pp_group = self._mine("pp", pp_groups)
-        self.mp_group = self._mine("mp", mp_groups)
-        self.embedding_group = self._mine("embedding", embedding_groups)
-        self.world_group = Group("world", tuple(range(self.world_size)))  # no handle: the default group
-
-    def _mine(self, kind: str, all_groups: list[list[int]]) -> Group:
-        """Create every group of this kind (all ranks must, in the same order: torch.distributed's rule) and
-        keep the one holding this rank; a rank in none of them (a middle pipeline stage has no embedding to
-        share) gets a group of itself. Subgroups do not inherit init_process_group's timeout: it is passed."""
-        mine = Group(kind, (self.rank,))
+        """Every rank creates every subgroup, in one order (torch.distributed's rule), and takes the one of
+        each kind holding it (or itself alone: a middle pipeline stage has no embedding to share); kinds with
+        equal ranks share a process group. Subgroups do not inherit init_process_group's timeout: passed."""
         timeout = timedelta(seconds=self.collective_timeout_seconds)
-        for ranks in all_groups:
-            handle = dist.new_group(ranks, timeout=timeout) if self.world_size > 1 else None
-            if self.rank in ranks:
-                mine = Group(kind, tuple(ranks), handle)
-        return mine
+        handles = {
+            ranks: dist.new_group(list(ranks), timeout=timeout)
+            for ranks in subgroups(self.dp, self.tp, self.pp)
+        }
+        groups = mesh_groups(self.dp, self.tp, self.pp)
+
+        def mine(kind: str) -> Group:
+            ranks = next((ranks for ranks in groups[kind] if self.rank in ranks), (self.rank,))
+            return Group(kind, ranks, handles.get(ranks))
+
+        self.tp_group, self.dp_group, self.pp_group = mine("tp"), mine("dp"), mine("pp")
+        self.mp_group, self.embedding_group = mine("mp"), mine("embedding")
+        self.world_group = Group("world", tuple(range(self.world_size)))
 
     @property
     def log_prefix(self) -> str:
@@ -158,27 +196,26 @@ def rendezvous(
     world_size: int,
     host: str,
     port: int,
-    backend: str,
+    device: torch.device,
     init_timeout: float,
     collective_timeout: float,
+    gpu: tuple[str, str] = ("", ""),
 ) -> tuple[list[str], dist.Store]:
     """Join the job and create the default process group; return each rank's hostname, and the store
     (it stays reachable when collectives are stuck, so it carries what must get through regardless).
 
     Every rank first checks in under its own key in the rendezvous store, so when somebody never
     arrives the timeout can say exactly which ranks joined and which did not, instead of hanging.
+    It checks in with its GPU (`gpu`: UUID, "" for none, and how it was chosen): ranks sharing one stop.
     """
+    backend = BACKENDS[device.type]
     # Under torchrun the agent already serves the store on MASTER_PORT; every worker is a client.
     is_server = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     where = f"{host}:{port} (backend {backend}, rank {rank} of {world_size})"
+    limit = timedelta(seconds=init_timeout)
     try:
         store = dist.TCPStore(
-            host,
-            port,
-            world_size,
-            is_master=is_server,
-            timeout=timedelta(seconds=init_timeout),
-            wait_for_workers=False,
+            host, port, world_size, is_master=is_server, timeout=limit, wait_for_workers=False
         )
     except (RuntimeError, OSError) as e:
         raise DistributedError(
@@ -187,9 +224,9 @@ def rendezvous(
         ) from None
     attempt = f"femtotron/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # torchrun restarts
     keys = [f"{attempt}/joined/{r}" for r in range(world_size)]
-    store.set(keys[rank], socket.gethostname())
+    store.set(keys[rank], json.dumps([socket.gethostname(), *gpu]))
     try:
-        store.wait(keys, timedelta(seconds=init_timeout))
+        store.wait(keys, limit)
     except (RuntimeError, OSError):
         joined = [r for r in range(world_size) if store.check([keys[r]])]
         missing = sorted(set(range(world_size)) - set(joined))
@@ -199,15 +236,36 @@ def rendezvous(
             f"WORLD_SIZE={world_size} matches the launcher, and that they can reach {host}:{port}. "
             f"{_NETWORK_ADVICE}\nRaise parallelism.init_timeout_seconds if nodes start slowly."
         ) from None
-    hosts = [store.get(k).decode() for k in keys]
+    checked_in = [json.loads(store.get(k)) for k in keys]
+    shared = shared_gpus([(name, uuid) for name, uuid, _ in checked_in])
+    if shared:
+        store.set(f"{attempt}/read/{rank}", "")
+        if is_server:  # the store's server stays until every rank has read it
+            with contextlib.suppress(RuntimeError, OSError):
+                store.wait([f"{attempt}/read/{r}" for r in range(world_size)], limit)
+        raise DistributedError(_shared_gpu_message(shared, checked_in))
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"{attempt}/pg", store),
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=collective_timeout),
+        # NCCL then creates the default communicator now, and splits every subgroup's from it.
+        device_id=device if device.type == "cuda" else None,
     )
-    return hosts, store
+    return [name for name, _, _ in checked_in], store
+
+
+def _shared_gpu_message(shared: dict[tuple[str, str], list[int]], checked_in: list[list[str]]) -> str:
+    (host, uuid), ranks = next(iter(shared.items()))
+    how = "; ".join(f"rank {r}: {checked_in[r][2]}" for r in ranks)
+    return (
+        f"Ranks {', '.join(map(str, ranks))} share GPU {uuid} on host {host} ({how}), but each "
+        "process needs a GPU of its own (NCCL cannot run two ranks on one GPU). Fix: one process per GPU: "
+        "with torchrun, --nproc-per-node = the GPUs per node; with srun, --ntasks-per-node = the GPUs per "
+        "node and --gpus-per-task=1 (or --gpu-bind=single:1); and check that CUDA_VISIBLE_DEVICES does not "
+        "hide GPUs from the processes."
+    )
 
 
 _NETWORK_ADVICE = (
