@@ -148,7 +148,7 @@ def sleep_rank(ctx: ParallelContext, cases: list[Case], args: argparse.Namespace
             )
             for stage in (c * case.pp + ctx.pp_rank for c in range(case.v))
         ]
-        p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device, shape, torch.float32)
+        p2p = PipelineP2P(ctx.comm, ctx.pp_links, ctx.pp_rank, ctx.device, shape, torch.float32)
         pipeline = Pipeline(chunks, case.engine, case.pp, ctx.pp_rank, p2p)
         micro_batches = [
             MicroBatch.from_tokens(torch.zeros(mbs, seq + 1, dtype=torch.int64)) for _ in range(case.m)

@@ -6,6 +6,8 @@ import pytest
 import torch
 from helpers import tiny_config_maker, write_patterned_tokens
 
+from femtotron.parallel.comm import EMULATE_NCCL
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` need a CUDA GPU: without one they are skipped, saying so."""
@@ -15,6 +17,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda"):
             item.add_marker(no_gpu)
+
+
+# Where every distributed test runs twice: as gloo behaves, and with gloo made to behave as NCCL does
+# (parallel/comm.py, EMULATE_NCCL), so code that works on gloo by luck fails here rather than on GPUs.
+BOTH_SEMANTICS = ("tests/parallel/", "tests/optim/test_zero.py", "tests/diagnostics/test_watchdog.py")
+
+
+def pytest_generate_tests(metafunc):
+    where = metafunc.definition.path.relative_to(metafunc.config.rootpath).as_posix()
+    if metafunc.definition.get_closest_marker("distributed") and where.startswith(BOTH_SEMANTICS):
+        metafunc.fixturenames.append("comm_semantics")
+        metafunc.parametrize("comm_semantics", ["gloo", "nccl-semantics"], indirect=True)
+
+
+@pytest.fixture
+def comm_semantics(request, monkeypatch):
+    """The ranks a test starts (forked or launched) inherit the choice through the environment."""
+    if request.param == "nccl-semantics":
+        monkeypatch.setenv(EMULATE_NCCL, "1")
+    else:
+        monkeypatch.delenv(EMULATE_NCCL, raising=False)
+    return request.param
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """What only a CUDA GPU shows (skipped without one: tests/conftest.py; run by `make gpu-check`): bf16 computes
 in bf16, AdamW is the fused kernel, a step's time covers its GPU work, a started run allocates expandable
-segments, doctor's memory estimate holds against the real peak, and a real out-of-memory gives the M1
-report."""
+segments, doctor's memory estimate holds against the real peak, a real out-of-memory gives the M1
+report, and the op a rank waits for on the GPU is what the hang report sees."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -30,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 from femtotron.diagnostics.doctor import worst_stage
 from femtotron.errors import OutOfMemory
 from femtotron.models.llama import Llama
+from femtotron.parallel.comm import Comm
 from femtotron.parallel.context import ParallelContext
 from femtotron.precision import emulated_low_precision
 from femtotron.trainer import Trainer
@@ -196,3 +198,17 @@ def test_M1_a_real_cuda_out_of_memory_gives_the_report_naming_the_fields(tmp_pat
     assert "tokens.micro_batch_size=1024 (activations scale with it" in message
     assert "parallelism.recompute_layer=true" in message and "general.cuda_expandable_segments" in message
     assert info.value.exit_code == 8
+
+
+def test_a_host_blocked_on_the_device_is_seen_by_the_hang_report():
+    """On GPUs the host blocks where it reads a result (comm.read), not in the op it waits for; the watchdog's
+    source, comm.unfinished(), names that wait while it lasts and forgets it once the device is done."""
+    comm = Comm()
+    ahead = torch.ones((), device=CUDA)
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued before the value is ready
+    reader = threading.Thread(target=comm.read, args=(ahead + 1, "loss"))
+    reader.start()
+    time.sleep(0.3)
+    seen = [(op.kind, op.group) for op in comm.unfinished()]
+    reader.join()
+    assert seen == [("wait for the device (loss)", None)] and comm.unfinished() == []

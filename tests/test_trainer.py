@@ -262,23 +262,6 @@ def test_fp16_overflow_on_one_dp_rank_skips_the_step_on_both(tiny_config):
     )  # still in step
 
 
-def test_interleaved_pipeline_on_gpus_is_refused(tiny_config, monkeypatch):
-    from femtotron.cli import refuse_where_unsupported as check_supported
-
-    interleaved = tiny_config(
-        "parallelism.pp=2",
-        "parallelism.pp_engine=interleaved-1f1b",
-        "parallelism.pp_virtual_stages=2",
-        "model.model_config.num_hidden_layers=4",
-        "tokens.batch_accumulation_per_replica=4",
-    )
-    check_supported(interleaved)  # CPU (gloo): supported
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    check_supported(tiny_config("parallelism.pp=2"))  # 1F1B: batched pairs are safe on NCCL
-    with pytest.raises(ConfigError, match="interleaved-1f1b on GPUs"):
-        check_supported(interleaved)
-
-
 def _masked_dp_run(rank, config):
     with ParallelContext.from_config(config) as ctx:
         return record_steps(config, ctx, prepare=mask_unevenly)

@@ -47,22 +47,18 @@ def cmd_train(args: argparse.Namespace) -> int | None:
             f"TORCH_DISTRIBUTED_DEBUG={os.environ['TORCH_DISTRIBUTED_DEBUG']}",
             file=sys.stderr,
         )
-    refuse_where_unsupported(config)  # before any process group exists, like every other config check
+    import torch
+
+    from femtotron.diagnostics.watchdog import nccl_flight_recorder
     from femtotron.parallel.context import ParallelContext
+
+    if torch.cuda.is_available():
+        nccl_flight_recorder(config.run_dir)  # read when NCCL's process groups are created
     from femtotron.trainer import Trainer
 
     with ParallelContext.from_config(config) as ctx:
         Trainer(config, ctx).train()
     return None
-
-
-def refuse_where_unsupported(config: Config) -> None:
-    import torch
-
-    from femtotron.config.rules import refuse_on_gpus
-
-    if torch.cuda.is_available():
-        refuse_on_gpus(config)
 
 
 def launch_train(args: argparse.Namespace, config: Config) -> int:
@@ -74,7 +70,6 @@ def launch_train(args: argparse.Namespace, config: Config) -> int:
     from femtotron.launch import check_local_devices, launch_local
 
     par = config.parallelism
-    refuse_where_unsupported(config)
     check_local_devices(par.dp, par.tp, par.pp)
     argv = ["train", args.config, *args.overrides, *(["--debug"] if args.debug else [])]
     return launch_local(par.dp * par.tp * par.pp, argv, what=f"dp={par.dp} tp={par.tp} pp={par.pp}")

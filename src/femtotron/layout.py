@@ -133,7 +133,7 @@ def build_pipeline(config: Config, ctx: ParallelContext, model: RankModel) -> Pi
     tokens, hidden = config.tokens, config.model.model_config_.hidden_size
     sequence = tokens.sequence_length // (ctx.tp if model.tp.sequence_parallel else 1)
     shape = (tokens.micro_batch_size, sequence, hidden)
-    p2p = PipelineP2P(ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device, shape, DTYPES[config.model.dtype])
+    p2p = PipelineP2P(ctx.comm, ctx.pp_links, ctx.pp_rank, ctx.device, shape, DTYPES[config.model.dtype])
     pipeline = Pipeline(model.chunks, config.parallelism.pp_engine, ctx.pp, ctx.pp_rank, p2p)
     ctx.comm.take_seconds()  # the start-up handshake is not part of any step's communication
     return pipeline

@@ -14,7 +14,6 @@ import torch
 from tqdm import tqdm
 
 from femtotron.config import Config
-from femtotron.config.rules import refuse_on_gpus
 from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch, MicroBatchIterator
 from femtotron.diagnostics import failures, start_report
 from femtotron.diagnostics.data_check import check_batch_token_ids, first_loss_warning, open_run_data
@@ -39,8 +38,6 @@ from femtotron.train_state import TrainingParts, TrainState
 class Trainer:
     def __init__(self, config: Config, ctx: ParallelContext, log_to_console: bool = True) -> None:
         self.config, self.ctx, self.run_dir = config, ctx, config.run_dir
-        if ctx.device.type == "cuda":
-            refuse_on_gpus(config)
         level, tokens = config.logging.log_level, config.tokens
         self.log = RunLog(ctx.log_prefix, self.run_dir, ctx.rank == 0, log_to_console, level)
         # Data first: a wrong dataset path must fail before minutes go into building the model.
@@ -81,8 +78,10 @@ class Trainer:
         return self.model.named_parameters()
 
     def train(self) -> list[StepResult]:
-        hang_timeout = self.config.parallelism.hang_timeout_seconds
-        watchdog = Watchdog(self.ctx, hang_timeout, self.whereabouts).start()
+        par = self.config.parallelism
+        watchdog = Watchdog(
+            self.ctx, par.hang_timeout_seconds, self.whereabouts, start_timeout=par.init_timeout_seconds
+        ).start()
         try:
             results = self.train_until_done()
             # Every rank is done before any stops watching: the first to exit may take the store with it.
@@ -193,7 +192,8 @@ class Trainer:
             raise failures.out_of_memory(e, self.config, self.ctx, self.state.step + 1, where, plan) from None
 
     def one_step(self) -> StepResult:
-        start, state = time.perf_counter(), self.state
+        start, state, comm = time.perf_counter(), self.state, self.ctx.comm
+        comm.new_step(state.step + 1)
         loss, tokens, grads = self.compute_gradients()
         lr = lr_at(state.step, self.config.optimizer.learning_rate_scheduler, self.config.tokens.train_steps)
         # fp16: back to true units before clipping; an overflow (agreed by every rank) with a finite loss
@@ -203,7 +203,9 @@ class Trainer:
         grad_norm = (
             math.inf
             if overflow
-            else clip_grads_(grads, clip, self.ctx, self.counted_pieces, self.norm_groups).item()
+            else comm.read(
+                clip_grads_(grads, clip, self.ctx, self.counted_pieces, self.norm_groups), "grad norm"
+            )
         )
         if overflow:
             self.skip_fp16_step(loss)
@@ -217,9 +219,11 @@ class Trainer:
         self.optimizer.zero_grad()
         state.step += 1
         state.consumed_tokens += tokens
+        comm.synchronize(self.ctx.device)  # the optimizer and ZeRO's all-gather are part of the step's time
         seconds, scale = time.perf_counter() - start, self.scaler.scale if self.scaler.enabled else None
-        comm, skipped = self.ctx.comm.take_seconds(), math.isinf(grad_norm)
-        return StepResult(loss, grad_norm, lr, tokens, seconds, comm, scale, skipped)
+        return StepResult(
+            loss, grad_norm, lr, tokens, seconds, comm.take_seconds(), scale, math.isinf(grad_norm)
+        )
 
     def skip_non_finite_step(self, loss: float, grad_norm: float) -> None:
         """The loss or gradient norm is inf/NaN: find the module it came from, then stop (or, with
@@ -250,13 +254,16 @@ class Trainer:
         still multiplied by the loss scale: `one_step` unscales them). Every rank of a dp replica reads the
         same micro-batches: the first pipeline stage needs the inputs, the last the targets, all the count."""
         ctx, step = self.ctx, self.state.step + 1
-        micro_batches = [mb.to(ctx.device) for mb in self.batches.step_at(self.state.consumed_samples)]
+        on_host = self.batches.step_at(
+            self.state.consumed_samples
+        )  # checked and counted there: no device sync
         self.state.consumed_samples += self.config.global_batch_size
-        check_batch_token_ids(micro_batches, self.config.model.model_config_.vocab_size, ctx, step)
+        check_batch_token_ids(on_host, self.config.model.model_config_.vocab_size, ctx, step)
         # Token-weighted loss: divide by the valid-token count of the whole global batch, so any
         # split into micro-batches and dp ranks gives the same loss and gradients.
-        count = torch.tensor(float(sum(mb.counted_targets for mb in micro_batches)), device=ctx.device)
-        global_tokens = ctx.comm.all_reduce(count, ctx.dp_group).item()  # summed in place
+        count = torch.tensor(float(sum(mb.counted_targets for mb in on_host)), device=ctx.device)
+        micro_batches = [mb.to(ctx.device) for mb in on_host]
+        global_tokens = ctx.comm.read(ctx.comm.all_reduce(count, ctx.dp_group), "token count")
         if global_tokens == 0:
             raise DataError(
                 f"step {step}: no target token of the whole batch counts in the loss (every position "
@@ -269,7 +276,8 @@ class Trainer:
         grads = self.reduce_gradients()
         # Only the last stage computed the loss: summed over pp, every rank logs the same number (P3).
         ctx.comm.all_reduce(loss_sum, ctx.pp_group)
-        return ctx.comm.all_reduce(loss_sum, ctx.dp_group).item() / global_tokens, int(global_tokens), grads
+        loss = ctx.comm.read(ctx.comm.all_reduce(loss_sum, ctx.dp_group), "loss")
+        return loss / global_tokens, int(global_tokens), grads
 
     def reduce_gradients(self) -> list[torch.Tensor]:
         """The fp32 gradients of the elements this rank steps, summed over everything that computed a part:
@@ -295,7 +303,7 @@ class Trainer:
         count = torch.tensor(float(sum(mb.counted_targets for mb in micro_batches)), device=ctx.device)
         totals = ctx.comm.all_reduce(torch.stack([loss_sum, count]), ctx.dp_group)
         ctx.comm.take_seconds()  # validation's collectives are not part of any training step
-        val_loss = (totals[0] / totals[1]).item()
+        val_loss = ctx.comm.read(totals[0] / totals[1], "validation loss")
         self.log.record({"step": self.state.step, "val_loss": val_loss})
         self.log.info(f"step {self.state.step} | validation loss {val_loss:.4f}")
         return val_loss

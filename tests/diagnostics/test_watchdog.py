@@ -97,12 +97,13 @@ def test_P1_a_rank_that_skips_a_send_ends_the_job_with_a_report_naming_the_pair(
     # pair.
     report = next(output for output in outputs if "hang report" in output)
     assert re.search(
-        r"hang report from rank (\d): rank \1 has waited in recv on pp\[0,1\] for \d+ s "
+        r"hang report from rank (\d): rank \1 has waited in recv on pp\[\d->\1\] for \d+ s "
         r"\(parallelism.hang_timeout_seconds=4\)",
         report,
     ), report
-    assert re.search(r"rank 0 \(as of \d+ s ago\): in recv on pp\[0,1\] with rank 1", report), report
-    assert re.search(r"rank 1 \(as of \d+ s ago\): in recv on pp\[0,1\] with rank 0", report), report
+    # Each direction between two stages has its own group: rank 0 receives on pp[1->0], rank 1 on pp[0->1].
+    assert re.search(r"rank 0 \(as of \d+ s ago\): in recv on pp\[1->0\] with rank 1", report), report
+    assert re.search(r"rank 1 \(as of \d+ s ago\): in recv on pp\[0->1\] with rank 0", report), report
     assert (
         "deadlock: rank 0 and rank 1 each wait to receive from the other (step 1, pipeline backward of "
         "micro-batch 1 on stage 0; step 1, pipeline forward of micro-batch 1 on stage 1): one of them "
@@ -126,27 +127,76 @@ def test_P1_a_frozen_rank_ends_the_job_on_the_others_within_60_s(tiny_config, tm
 
 
 def test_the_report_says_how_old_each_rank_s_state_is():
-    """A frozen rank's last published state can be far behind: the report gives its age, as seen by the
-    reporting rank (the time since that rank's heartbeat last changed), so "step 1" is not read as now."""
+    """A frozen rank's last published state can be far behind: the report gives its age (the time since that
+    rank published it), so "step 1" is not read as now."""
     dog = Watchdog(ParallelContext(), hang_timeout=600, where=lambda: "step 9")
     dog.world_size = 2  # as if a second rank had published its state
     states = {
         0: {
             "rank": 0,
             "beat": 50,
+            "time": 99.0,
             "where": "step 9, pipeline forward of micro-batch 0 on stage 0",
-            "op": None,
+            "ops": [],
             "last_op": None,
         },
         1: {
             "rank": 1,
             "beat": 3,
+            "time": 62.0,
             "where": "step 1, pipeline forward of micro-batch 0 on stage 0",
-            "op": None,
+            "ops": [],
             "last_op": None,
         },
     }
-    dog.seen = {0: (50, 99.0), 1: (3, 62.0)}
     report = dog.report(states, [1], "stopped (failed, died or froze)", now=100.0)
     assert "  rank 0 (as of 0 s ago): no communication in flight; step 9" in report  # the reporter's own: now
     assert "  rank 1 (as of 38 s ago): no communication in flight; step 1, pipeline forward" in report
+
+
+# Two ranks; rank 0 starts an all-reduce rank 1 never joins and goes on without waiting for it, as a rank does
+# on NCCL, where the call returns once the op is queued: its main thread is elsewhere, not in the op.
+QUEUED = """
+import time, torch
+from femtotron.diagnostics.watchdog import Watchdog
+from femtotron.parallel.context import ParallelContext
+ctx = ParallelContext(dp=2, collective_timeout_seconds=120)
+Watchdog(ctx, hang_timeout=3, where=lambda: "step 7", interval=0.5).start()
+if ctx.rank == 0:
+    ctx.comm.start_all_reduce(torch.ones(4), ctx.dp_group)
+time.sleep(60)
+"""
+
+
+@pytest.mark.distributed
+def test_P1_an_op_that_never_completes_is_reported_though_no_call_waits_in_it(tmp_path):
+    """On GPUs a collective call (and a wait on its work) returns at once; a mismatch then blocks the host
+    elsewhere (reading a loss), or nowhere yet. The op itself, unfinished past the timeout, is reported."""
+    port, started = free_port(), time.monotonic()
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", QUEUED],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        _, report = ranks[0].communicate(timeout=50)
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.communicate()
+    assert ranks[0].returncode == 4 and time.monotonic() - started < 50, report
+    assert re.search(
+        r"hang report from rank 0: rank 0 has waited in all_reduce on dp\[0,1\] for \d+ s "
+        r"\(parallelism.hang_timeout_seconds=3\)",
+        report,
+    ), report
+    assert re.search(
+        r"rank 0 \(as of 0 s ago\): in all_reduce on dp\[0,1\] for a \(4,\) torch.float32", report
+    )
+    assert re.search(r"rank 1 \(as of \d+ s ago\): no communication in flight; step 7", report), report

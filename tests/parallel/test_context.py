@@ -79,8 +79,8 @@ def _collectives(rank):
     received = None
     if rank in (0, 1):  # a point-to-point pair, as the pipeline sends (parallel/pipeline/p2p.py)
         buffer = torch.zeros(1)
-        op = ("send", torch.tensor([42.0]), 1, 0) if rank == 0 else ("recv", buffer, 0, 0)
-        (work,) = ctx.comm.batch_p2p([op], g)
+        kind, tensor = ("send", torch.tensor([42.0])) if rank == 0 else ("recv", buffer)
+        work = ctx.comm.start_p2p(kind, tensor, 1 - rank, g, tag=0)
         ctx.comm.wait(work, g, buffer, peer=1 - rank)
         received = buffer.item() if rank == 1 else None
     ctx.comm.barrier(g)
@@ -92,7 +92,7 @@ def _collectives(rank):
         scattered.tolist(),
         received,
         dict(ctx.comm.bytes_sent),
-        ctx.comm.in_flight,
+        ctx.comm.unfinished(),
         dict(ctx.comm.calls),
     )
     ctx.close()
@@ -102,13 +102,13 @@ def _collectives(rank):
 @pytest.mark.distributed
 def test_collectives_and_byte_accounting():
     results = run_ranks(_collectives, 4)
-    for rank, (summed, gathered, scattered, _received, sent, in_flight, calls) in enumerate(results):
+    for rank, (summed, gathered, scattered, _received, sent, unfinished, calls) in enumerate(results):
         assert calls["dp", "all_reduce"] == calls["dp", "all_gather"] == calls["dp", "reduce_scatter"] == 1
         assert calls["dp", "barrier"] == 1 and calls.get(("dp", "wait"), 0) == (1 if rank < 2 else 0)
         assert summed == 1 + 2 + 3 + 4
         assert gathered == [0.0, 1.0, 2.0, 3.0]
         assert scattered == [4 * (2 * rank), 4 * (2 * rank + 1)]
-        assert in_flight is None
+        assert unfinished == []
         assert sent["dp", "all_reduce"] == 2 * 3 / 4 * 8 * 4  # ring: 2(n-1)/n of 8 fp32 values
         assert sent["dp", "all_gather"] == 3 * 4
         assert sent["dp", "reduce_scatter"] == 3 / 4 * 8 * 4
@@ -145,15 +145,15 @@ def _rank_one_skips_the_collective(rank):
         return None  # never joins the all-reduce below: the classic "one rank took another branch"
     with pytest.raises(DistributedError) as info:
         ctx.comm.all_reduce(torch.ones(4, 8), ctx.dp_group)
-    return str(info.value), ctx.comm.in_flight
+    return str(info.value), ctx.comm.unfinished()
 
 
 @pytest.mark.distributed
 def test_a_collective_that_times_out_names_the_op_group_and_shape():
-    message, in_flight = run_ranks(_rank_one_skips_the_collective, 2, timeout=90)[0]
+    message, unfinished = run_ranks(_rank_one_skips_the_collective, 2, timeout=90)[0]
     assert "rank 0: all_reduce on dp[0,1] for a (4, 8) torch.float32 tensor failed after" in message
     assert "collective_timeout_seconds" in message and "same collective" in message
-    assert in_flight is not None and in_flight.kind == "all_reduce"
+    assert [op.kind for op in unfinished] == ["all_reduce"]  # a failed op stays, for the reports
 
 
 def test_L1_a_process_that_sees_one_gpu_takes_it_whatever_its_local_rank():
@@ -234,10 +234,11 @@ def _shared_handles(rank):
 
 @pytest.mark.distributed
 def test_groups_with_equal_ranks_share_one_process_group_and_still_work():
-    """tp=2 pp=2: mp is the world (the default group), embedding = pp; 4 subgroups instead of 11."""
+    """tp=2 pp=2: mp is the world (the default group), embedding = pp; 4 subgroups instead of 11, then the
+    pipeline's one-way links (parallel/pipeline/p2p.py), one each way between the two stages."""
     results = run_ranks(_shared_handles, 4)
     for rank, out in enumerate(results):
-        assert out["created"] == [[0, 1], [2, 3], [0, 2], [1, 3]]
+        assert out["created"] == [[0, 1], [2, 3], [0, 2], [1, 3]] + [[0, 2], [0, 2], [1, 3], [1, 3]]
         assert out["embedding is pp"] and out["default"] == ["mp", "world"]
         tp_sum, pp_sum = (1 if rank < 2 else 5), (2 if rank % 2 == 0 else 4)
         assert out["sums"] == {"tp": tp_sum, "pp": pp_sum, "mp": 6, "embedding": pp_sum, "world": 6}

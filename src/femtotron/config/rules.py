@@ -326,28 +326,6 @@ def rule_problems(cfg: Config) -> list[Problem]:
     return [problem for rule in RULES if (problem := rule(cfg)) is not None]
 
 
-def gpu_problems(cfg: Config) -> list[str]:
-    """What this version cannot run on GPUs (checked where CUDA is present, and by `doctor --device`)."""
-    par = cfg.parallelism
-    if par.pp > 1 and par.pp_engine == "interleaved-1f1b":
-        # NCCL pairs transfers between two ranks in issue order on one stream; with the batched send/receive
-        # pairs of parallel/pipeline/p2p.py the interleaved order deadlocks there from 2 * pp micro-batches on
-        # (tests/parallel/pipeline/test_schedules.py models it). Gloo is fine.
-        return [
-            "parallelism.pp_engine=interleaved-1f1b on GPUs: its transfer order can deadlock on NCCL in this "
-            "version. Use parallelism.pp_engine=1f1b (or afab) on GPUs; interleaving runs on CPU (gloo)."
-        ]
-    return []
-
-
-def refuse_on_gpus(cfg: Config) -> None:
-    problems = gpu_problems(cfg)
-    if problems:
-        raise ConfigError(
-            "This configuration asks for features this version lacks:\n  - " + "\n  - ".join(problems)
-        )
-
-
 def check_world_size(config: Config, world_size: int) -> None:
     """Raise ConfigError unless dp * tp * pp == world_size, listing the layouts that would work (L1)."""
     par = config.parallelism

@@ -61,7 +61,7 @@ def check_batch_token_ids(
     # Inputs and targets both: the last target of a sample is no input (a masked target is negative).
     ids = max(max(int(mb.inputs.max()), int(mb.targets.max())) for mb in micro_batches)
     largest_id = torch.tensor(float(ids), device=ctx.device)
-    largest = int(ctx.comm.all_reduce(largest_id, ctx.dp_group, op="max").item())
+    largest = int(ctx.comm.read(ctx.comm.all_reduce(largest_id, ctx.dp_group, op="max"), "largest token id"))
     if largest >= vocab_size:
         raise DataError(
             f"step {step}: the training data holds token id {largest}, but model.model_config.vocab_size="

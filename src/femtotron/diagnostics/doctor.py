@@ -9,7 +9,7 @@ fit, the usual fixes, each with the estimate it gives.
 from __future__ import annotations
 
 from femtotron.config import Config, check_world_size
-from femtotron.config.rules import pipeline_bubble, refuse_on_gpus, rule_problems, with_changes
+from femtotron.config.rules import pipeline_bubble, rule_problems, with_changes
 from femtotron.diagnostics.advice import config_warnings, imbalance_warning
 from femtotron.diagnostics.memory import (
     GIB,
@@ -136,8 +136,6 @@ def diagnose(
     world = par.dp * par.tp * par.pp
     if world_size is not None:
         check_world_size(config, world_size)  # L1: raises with the valid layouts
-    if device is not None and device.lower() != "cpu":
-        refuse_on_gpus(config)
     lines = [f"config: every rule holds; layout dp={par.dp} tp={par.tp} pp={par.pp} = {world} process(es)"]
     lines += [f"warning: {w}" for w in config_warnings(config)]
     if par.tp > gpus_per_node:

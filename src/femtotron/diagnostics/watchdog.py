@@ -1,19 +1,26 @@
 """Hang report (P1, L4, C2): no rank waits forever without saying why.
 
 A background thread on every rank publishes, every `interval` seconds, what the rank is doing to the
-rendezvous store, which stays reachable when collectives are stuck: a heartbeat counter, the op in
-flight from parallel/comm.py (kind, group, peer, shape, for how long) and where in the step it is
-(step, pipeline action, micro-batch). It also watches:
+rendezvous store, which stays reachable when collectives are stuck: a heartbeat counter, the ops it issued
+that have not completed (from parallel/comm.py: kind, group, peer, shape, for how long; on GPUs a call
+returns once its op is queued, so these, not the call the main thread is in, are what the rank waits for),
+and where in the step it is (step, pipeline action, micro-batch). It watches:
 
-- its own op: in flight longer than `parallelism.hang_timeout_seconds` (a deadlock: some rank took
-  another path), and
-- the other ranks' heartbeats: one that stops changing for `silent_seconds` belongs to a process that
-  died or froze (on NCCL a dead peer is otherwise noticed only at the collective timeout),
+- its own ops: the oldest unfinished for longer than `parallelism.hang_timeout_seconds` (a deadlock: some
+  rank took another path);
+- on rank 0 only (one reader, not every rank reading every rank), the other ranks' heartbeats: one that
+  stops changing for `silent_seconds` belongs to a process that died or froze (on NCCL a dead peer is
+  otherwise noticed only at the collective timeout);
 - the store itself: unreachable means the process serving it (rank 0, or the launcher) is gone.
 
 Then it gathers every rank's state into one report that points at the mismatch ("rank 1 waits in
 recv from rank 0 (micro-batch 3 ...); rank 0 is in all_reduce on dp[0,2] ..."), prints it and ends
-the process, so the launcher ends the job within seconds instead of after the collective timeout.
+the process, so the launcher ends the job within seconds instead of after the collective timeout. On
+NCCL the report also points at the flight recorder's dumps (`nccl_flight_recorder`): NCCL's own record of
+each rank's last collectives, written when its watchdog times a collective out.
+
+The ranks meet at the store before watching starts, so a rank still building its model is not taken for
+a dead one.
 """
 
 from __future__ import annotations
@@ -24,19 +31,41 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+from femtotron.errors import DistributedError
+from femtotron.parallel.comm import OpInFlight
 from femtotron.parallel.context import ParallelContext
 
 EXIT_CODE = 4  # a distributed error, as DistributedError
 
 
+def nccl_flight_recorder(run_dir: Path) -> Path:
+    """Turn on PyTorch's NCCL flight recorder (a ring buffer of each rank's last collectives, dumped to
+    `<run dir>/nccl_flight_recorder/rank_<n>` when NCCL times one out) unless the user set it up; must run
+    before the process group exists. `python -m torch.distributed.flight_recorder.fr_trace DIR` reads them."""
+    folder = run_dir / "nccl_flight_recorder"
+    if "TORCH_FR_BUFFER_SIZE" not in os.environ and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
+        folder.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(folder / "rank_"))
+    return Path(os.environ.get("TORCH_FR_DUMP_TEMP_FILE", str(folder / "rank_"))).parent
+
+
 class Watchdog:
     def __init__(
-        self, ctx: ParallelContext, hang_timeout: float, where: Callable[[], str], interval: float = 2.0
+        self,
+        ctx: ParallelContext,
+        hang_timeout: float,
+        where: Callable[[], str],
+        interval: float = 2.0,
+        start_timeout: float = 300.0,
     ):
         self.comm, self.messages, self.rank, self.world_size = ctx.comm, ctx.store, ctx.rank, ctx.world_size
-        self.hang_timeout, self.where = hang_timeout, where
+        self.hang_timeout, self.where, self.start_timeout = hang_timeout, where, start_timeout
         # A live rank's thread beats every `interval` s whatever its main thread does: 30 s of silence is
         # death.
         self.interval, self.silent_seconds = interval, min(30.0, hang_timeout)
@@ -45,14 +74,30 @@ class Watchdog:
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="femtotron-watchdog", daemon=True)
         self.keys = [f"{ctx.store.key_prefix}state/{r}" for r in range(ctx.world_size)]
+        self.flight_recorder = (
+            Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"]).parent
+            if ctx.backend == "nccl" and "TORCH_FR_DUMP_TEMP_FILE" in os.environ
+            else None
+        )
         self.store: Any = None
 
     def start(self) -> Watchdog:
-        self.started_at = time.monotonic()
+        """Publish this rank's state, wait until every rank has (a rank slow to build its model is not a
+        dead one), then watch."""
         if self.world_size > 1:
             self.store = (
                 self.messages.new_client()
             )  # its own connection: the main thread may wait on the store
+            self.store.set(self.keys[self.rank], json.dumps(self.state()))
+            try:
+                self.store.wait(self.keys, timedelta(seconds=self.start_timeout))
+            except (RuntimeError, OSError):
+                missing = [r for r in range(self.world_size) if not self.store.check([self.keys[r]])]
+                raise DistributedError(
+                    f"ranks {missing} did not reach the start of training within {self.start_timeout:g} s "
+                    "of this rank (parallelism.init_timeout_seconds): look for their errors, or raise the "
+                    "timeout if building the model is that slow."
+                ) from None
             self.thread.start()
         return self
 
@@ -69,13 +114,14 @@ class Watchdog:
                 pass
 
     def state(self) -> dict[str, Any]:
-        op, last = self.comm.in_flight, self.comm.last_op
+        ops, last = self.comm.unfinished(), self.comm.last_op
         return {
             "rank": self.rank,
             "beat": self.beats,
+            "time": time.time(),
             "where": self.where(),
-            "op": _op(op),
-            "last_op": None if last is None or op is not None else _op(last),
+            "ops": [_op(op) for op in ops],
+            "last_op": None if last is None or ops else _op(last),
         }
 
     def _run(self) -> None:
@@ -83,7 +129,7 @@ class Watchdog:
             self.beats += 1
             try:
                 self.store.set(self.keys[self.rank], json.dumps(self.state()))
-                states = self._states()
+                states = self._states() if self.rank == 0 else None
             except (RuntimeError, OSError) as e:  # the store is gone: whoever served it has died
                 if not self.stopped.is_set():
                     self._end(
@@ -93,33 +139,20 @@ class Watchdog:
                     )
                 return
             now = time.monotonic()
-            silent = []
-            for rank, state in states.items():
-                if state.get("done"):
-                    continue
-                if state.get("failed"):
-                    silent.append(rank)
-                    continue
-                beat, since = self.seen.get(rank, (-1, now))
-                if state["beat"] != beat:
-                    self.seen[rank] = (state["beat"], now)
-                elif now - since > self.silent_seconds:
-                    silent.append(rank)
-            missing = [
-                r
-                for r in range(self.world_size)
-                if r not in states and now - self.started_at > self.silent_seconds
-            ]
-            op = self.comm.in_flight
-            if silent or missing:
-                self._end(self.report(states, silent + missing, "stopped (failed, died or froze)"))
+            silent = self._silent(states, now) if states is not None else []
+            if silent:
+                self._end(self.report(states, silent, "stopped (failed, died or froze)"))
                 return
-            if op is not None and now - op.started > self.hang_timeout:
+            ops = self.comm.unfinished()
+            if ops and now - ops[0].started > self.hang_timeout:
+                op = _waited_on({"ops": [_op(op) for op in ops]})
                 self._end(
                     self.report(
-                        states,
+                        self._states(),
                         [],
-                        f"has waited in {op.kind} on {op.group} for {now - op.started:.0f} s "
+                        f"has waited in {op['kind']}"
+                        + (f" on {op['group']}" if op["group"] else "")
+                        + f" for {op['seconds']:.0f} s "
                         f"(parallelism.hang_timeout_seconds={self.hang_timeout:g})",
                         stuck=True,
                     )
@@ -127,14 +160,21 @@ class Watchdog:
                 return
             self.stopped.wait(self.interval)
 
+    def _silent(self, states: dict[int, dict[str, Any]], now: float) -> list[int]:
+        """The ranks that failed, or whose heartbeat has not changed for `silent_seconds`."""
+        silent = []
+        for rank, state in states.items():
+            if state.get("done"):
+                continue
+            beat, since = self.seen.get(rank, (-1, now))
+            if state["beat"] != beat:
+                self.seen[rank] = (state["beat"], now)
+            if state.get("failed") or (state["beat"] == beat and now - since > self.silent_seconds):
+                silent.append(rank)
+        return silent
+
     def _states(self) -> dict[int, dict[str, Any]]:
-        if self.store.check(self.keys):  # one request for all once every rank has reported
-            return {r: json.loads(v.decode()) for r, v in enumerate(self.store.multi_get(self.keys))}
-        return {
-            r: json.loads(self.store.get(k).decode())
-            for r, k in enumerate(self.keys)
-            if self.store.check([k])
-        }
+        return {r: json.loads(v.decode()) for r, v in enumerate(self.store.multi_get(self.keys))}
 
     def report(
         self,
@@ -144,9 +184,9 @@ class Watchdog:
         stuck: bool = False,
         now: float | None = None,
     ) -> str:
-        """Every rank's last published state, with its age as seen here: how long since its heartbeat last
-        changed (a frozen rank's state can be far behind what the others do now)."""
-        now = time.monotonic() if now is None else now
+        """Every rank's last published state, with its age: how long ago that rank published it (a frozen
+        rank's state can be far behind what the others do now)."""
+        now = time.time() if now is None else now
         lines = [
             f"hang report from rank {self.rank}: "
             + (
@@ -156,12 +196,8 @@ class Watchdog:
             )
             + ". What every rank is doing:"
         ]
-        for rank in range(self.world_size):
-            state = states.get(rank)
-            if state is None:
-                lines.append(f"  rank {rank}: never reported" + (" <- silent" if rank in silent else ""))
-                continue
-            age = 0.0 if rank == self.rank else now - self.seen.get(rank, (0, now))[1]
+        for rank, state in sorted(states.items()):
+            age = 0.0 if rank == self.rank else max(0.0, now - state["time"])
             lines.append(
                 f"  rank {rank} (as of {age:.0f} s ago): {describe(state)}"
                 + (" <- " + ("failed" if state.get("failed") else "silent") if rank in silent else "")
@@ -171,6 +207,12 @@ class Watchdog:
             "A rank that took another code path (a different config, data, or an exception it swallowed) is "
             "the usual cause; its own log says more. The job is stopped rather than left waiting."
         )
+        if self.flight_recorder is not None:
+            lines.append(
+                f"NCCL's flight recorder dumps each rank's last collectives into {self.flight_recorder} when "
+                "NCCL times one out: `python -m torch.distributed.flight_recorder.fr_trace "
+                f"{self.flight_recorder}` lines them up across ranks."
+            )
         return "\n".join(lines)
 
     def _end(self, report: str) -> None:
@@ -178,9 +220,7 @@ class Watchdog:
         os._exit(EXIT_CODE)
 
 
-def _op(op: Any) -> dict[str, Any] | None:
-    if op is None:
-        return None
+def _op(op: OpInFlight) -> dict[str, Any]:
     return {
         "kind": op.kind,
         "group": op.group,
@@ -191,15 +231,28 @@ def _op(op: Any) -> dict[str, Any] | None:
     }
 
 
+def _doing(op: dict[str, Any]) -> str:
+    return (
+        op["kind"]
+        + (f" on {op['group']}" if op["group"] else "")
+        + (f" with rank {op['peer']}" if op["peer"] is not None else "")
+        + f" for a {tuple(op['shape'])} {op['dtype']} tensor, {op['seconds']:g} s so far"
+    )
+
+
+def _waited_on(state: dict[str, Any]) -> dict[str, Any] | None:
+    """Of a rank's unfinished ops, the one it waits on: the oldest receive, collective or wait for the device
+    (a pending send waits on its receiver rather than holding this rank up)."""
+    ops = state.get("ops") or []
+    return next((op for op in ops if op["kind"] != "send"), ops[0] if ops else None)
+
+
 def describe(state: dict[str, Any]) -> str:
-    op, last = state.get("op"), state.get("last_op")
+    ops, last, op = state.get("ops") or [], state.get("last_op"), _waited_on(state)
     if op is not None:
-        doing = (
-            f"in {op['kind']} on {op['group']}"
-            + (f" with rank {op['peer']}" if op["peer"] is not None else "")
-            + f" for a {tuple(op['shape'])} {op['dtype']} tensor, {op['seconds']:g} s so far"
-        )
-    else:  # on GPUs a collective returns once queued: what was issued last is then the best clue
+        others = [_doing(other) for other in ops if other is not op]
+        doing = f"in {_doing(op)}" + (f" (also unfinished: {'; '.join(others)})" if others else "")
+    else:  # nothing unfinished: what was issued last is the best clue
         doing = "no communication in flight" + (
             ""
             if last is None
@@ -214,28 +267,26 @@ def describe(state: dict[str, Any]) -> str:
 
 def mismatches(states: dict[int, dict[str, Any]]) -> list[str]:
     """Point at the pairs that wait on each other: a receive whose peer is not sending to it."""
-    out = []
+    out, pairs = [], set()
     for rank, state in sorted(states.items()):
-        op = state.get("op")
-        if op is None or op["peer"] is None or op["peer"] not in states or op["kind"] != "recv":
-            continue
-        peer = op["peer"]
-        other = states[peer].get("op")
-        if other is not None and other["kind"] == "recv" and other["peer"] == rank:
-            if rank < peer:
+        for op in state.get("ops") or []:
+            peer = op["peer"]
+            if op["kind"] != "recv" or peer not in states or (rank, peer) in pairs:
+                continue
+            pairs.add((rank, peer))
+            theirs = states[peer].get("ops") or []
+            if any(other["kind"] == "recv" and other["peer"] == rank for other in theirs):
+                if rank < peer:
+                    out.append(
+                        f"deadlock: rank {rank} and rank {peer} each wait to receive from the other "
+                        f"({state['where']}; {states[peer]['where']}): one of them skipped or reordered a "
+                        "send"
+                    )
+            elif not any(other["kind"] == "send" and other["peer"] == rank for other in theirs):
+                other = _waited_on(states[peer])
+                doing = "computing" if other is None else f"in {_doing(other)}"
                 out.append(
-                    f"deadlock: rank {rank} and rank {peer} each wait to receive from the other "
-                    f"({state['where']}; {states[peer]['where']}): one of them skipped or reordered a send"
+                    f"mismatch: rank {rank} waits to receive from rank {peer} ({state['where']}), but rank "
+                    f"{peer} is {doing} ({states[peer]['where']})"
                 )
-        elif other is None or other["kind"] != "send" or other["peer"] != rank:
-            doing = (
-                "computing"
-                if other is None
-                else f"in {other['kind']} on {other['group']}"
-                + (f" with rank {other['peer']}" if other["peer"] is not None else "")
-            )
-            out.append(
-                f"mismatch: rank {rank} waits to receive from rank {peer} ({state['where']}), but rank "
-                f"{peer} is {doing} ({states[peer]['where']})"
-            )
     return out

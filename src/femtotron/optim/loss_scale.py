@@ -62,7 +62,7 @@ class DynamicLossScaler:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
         ctx.comm.all_reduce(found_inf, ctx.mp_group, op="max")
         ctx.comm.all_reduce(found_inf, ctx.dp_group, op="max")
-        return bool(found_inf.item())
+        return bool(ctx.comm.read(found_inf, "fp16 overflow flag"))
 
     def state_dict(self) -> dict[str, float | int]:
         return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}

@@ -3,11 +3,20 @@
 (Process groups are made in parallel/context.py, messages through the rendezvous store travel through
 parallel/store.py; nothing else touches torch.distributed.)
 
-Every op goes through `Comm`, which remembers the op in flight (so a hang can be reported as
-"rank 3 waits in all_reduce on tp[2,3] for a (4, 256) bfloat16 tensor"), counts the calls and the
-bytes this rank sends per (group kind, op kind) (so tests and benchmarks know the exact
-communication volume), and the time spent per group kind (so the trainer can log the share of a
-step spent in, say, tensor-parallel communication).
+Every op goes through `Comm`, which counts the calls and the bytes this rank sends per (group kind, op
+kind) (so tests and benchmarks know the exact communication volume), the time spent per group kind (so the
+trainer can log the share of a step spent in, say, tensor-parallel communication), and keeps each op until
+it has completed, so a hang can be reported as "rank 3 waits in all_reduce on tp[2,3] for a (4, 256)
+bfloat16 tensor". On NCCL a call, and a wait on its work, returns as soon as the op is queued on the GPU:
+what a rank waits for is then not the call it is in but its oldest op not yet complete, which `unfinished`
+finds by polling each op's work without blocking. The points where the host waits for the device (reading
+a loss) are recorded too (`read`, `synchronize`).
+
+NCCL's semantics on gloo, for tests (`FEMTOTRON_EMULATE_NCCL=1`, or `Comm(emulate_nccl=True)`): the
+result of an op started without waiting (`start_*`) reaches its tensor only at the wait, and until then the
+tensor holds NaN, so code that reads a result before waiting for it fails on a CPU as it would on GPUs;
+and a send completes only once its receiver has posted the receive (gloo's own rule, as NCCL's for large
+messages), so a schedule where a rank's send waits on a receive its peer posts later deadlocks on a CPU too.
 
 Byte counts are the volume a ring algorithm sends from this rank: all_reduce 2(n-1)/n of the
 tensor, all_gather and reduce_scatter (n-1)/n of the full tensor, send the tensor itself.
@@ -15,18 +24,24 @@ tensor, all_gather and reduce_scatter (n-1)/n of the full tensor, send the tenso
 
 from __future__ import annotations
 
+import os
+import threading
 import time
-from collections import Counter
-from collections.abc import Iterator
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from femtotron.errors import DistributedError, is_out_of_memory
 
-Work = dist.Work  # what an op started without waiting returns
+Work = Any  # what an op started without waiting returns: a torch.distributed Work, or one of the below
+EMULATE_NCCL = "FEMTOTRON_EMULATE_NCCL"
+# On CUDA, collectives are timed (two events per op, which cost host time) on one step in this many.
+CUDA_TIMING_EVERY = 10
 
 
 @dataclass(frozen=True)
@@ -36,6 +51,7 @@ class Group:
     kind: str
     ranks: tuple[int, ...]
     handle: dist.ProcessGroup | None = field(default=None, compare=False)
+    one_way: bool = False  # carries transfers from ranks[0] to ranks[1] only: named `pp[0->1]`
 
     @property
     def size(self) -> int:
@@ -43,84 +59,192 @@ class Group:
 
     @property
     def name(self) -> str:
-        return f"{self.kind}[{','.join(map(str, self.ranks))}]"
+        return f"{self.kind}[{('->' if self.one_way else ',').join(map(str, self.ranks))}]"
 
 
 @dataclass
 class OpInFlight:
     kind: str
-    group: str
+    group: str | None  # None: the host waits for its own device
     peer: int | None
     shape: tuple[int, ...]
     dtype: str
     started: float
 
 
+class _Slot:
+    """An issued op, as the work its start returns. Complete on the backend's word, or once waited for on
+    the host (a wait on the CPU blocks until the end; gloo's word can lag), never if it failed. Waited for
+    once only: a second wait on a finished gloo receive blocks."""
+
+    def __init__(self, on_host: bool) -> None:
+        self.on_host, self.work, self.waited, self.failed = on_host, None, False, False
+
+    def wait(self) -> bool:
+        if not self.waited:
+            self.work.wait()
+            self.waited = True
+        return True
+
+    def is_completed(self) -> bool:
+        done = self.waited and self.on_host or (self.work is not None and self.work.is_completed())
+        return done and not self.failed
+
+
+class _Delayed:
+    """NCCL emulation: the op runs on private buffers; its result reaches `output` at the wait, and until then
+    the caller's tensors hold NaN, so reading one early shows."""
+
+    def __init__(self, work: Work, output: torch.Tensor, result: torch.Tensor, poisoned: list[torch.Tensor]):
+        self.work, self.output, self.result = work, output, result
+        for tensor in poisoned:
+            if tensor.is_floating_point():
+                tensor.fill_(float("nan"))
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.output.copy_(self.result)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
 class Comm:
     """Collectives over `Group`s. A group of one rank is a no-op, so a world of 1 needs no init."""
 
-    def __init__(self) -> None:
-        self.in_flight: OpInFlight | None = None
+    def __init__(self, emulate_nccl: bool | None = None) -> None:
+        self.emulate_nccl = os.environ.get(EMULATE_NCCL) == "1" if emulate_nccl is None else emulate_nccl
         self.bytes_sent: Counter[tuple[str, str]] = Counter()  # (group kind, op kind) -> bytes
         self.calls: Counter[tuple[str, str]] = Counter()
         self._seconds: Counter[str] = Counter()  # group kind -> seconds in collectives
         self._pending_events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-        self.last_op: OpInFlight | None = (
-            None  # the op issued last, finished or not (on GPUs most return at once)
-        )
+        self._time_cuda = True
+        self._issued: deque[tuple[OpInFlight, _Slot]] = deque()  # oldest first, not yet seen complete
+        self._lock = threading.Lock()  # the watchdog thread reads `_issued`
+        self.last_op: OpInFlight | None = None  # the op issued last, finished or not
+
+    def unfinished(self, limit: int = 4) -> list[OpInFlight]:
+        """The oldest ops this rank issued that have not completed, oldest first: polled without blocking,
+        from any thread. An op that failed stays, for the reports."""
+        with self._lock:
+            issued = list(self._issued)
+        return [op for op, slot in issued if not slot.is_completed()][:limit]
+
+    def new_step(self, step: int) -> None:
+        """On CUDA, collectives are timed on every CUDA_TIMING_EVERY-th step only, the first one included."""
+        self._time_cuda = step % CUDA_TIMING_EVERY == 1
 
     @contextmanager
     def _record(
-        self, kind: str, group: Group, tensor: torch.Tensor, peer: int | None, sent: float
-    ) -> Iterator[None]:
-        op = OpInFlight(kind, group.name, peer, tuple(tensor.shape), str(tensor.dtype), time.monotonic())
-        self.in_flight = self.last_op = op
-        # On CUDA the call returns before the transfer ends: time it with events on the stream.
-        events = (
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            if tensor.is_cuda
-            else None
+        self,
+        kind: str,
+        group: Group | None,
+        tensor: torch.Tensor,
+        sent: float = 0,
+        peer: int | None = None,
+        track: bool = True,
+    ) -> Iterator[_Slot]:
+        """Around issuing one op: the body puts its work in the yielded slot. group None: the host waits for
+        its device (no op counted). `track`: kept until complete (a wait is not: what it awaits is)."""
+        op = OpInFlight(
+            kind, group and group.name, peer, tuple(tensor.shape), str(tensor.dtype), time.monotonic()
         )
+        slot = _Slot(on_host=not tensor.is_cuda)
+        with self._lock:
+            while self._issued and self._issued[0][1].is_completed():
+                self._issued.popleft()
+            if track:
+                self._issued.append((op, slot))
+        self.last_op = op
+        # On CUDA a call returns before the transfer ends: time it with events on the stream.
+        timed_on_cuda = tensor.is_cuda and self._time_cuda and group is not None
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if timed_on_cuda else []
         if events:
             events[0].record()
         start = time.perf_counter()
         try:
-            yield
+            yield slot
         except RuntimeError as e:  # torch's DistBackendError and gloo's transport errors are RuntimeErrors
-            if is_out_of_memory(e):  # a RuntimeError too, but not the collective's fault
+            slot.failed = True
+            if is_out_of_memory(e) or group is None:  # not a collective's fault
                 raise
-            raise collective_failed(op, e) from None  # `in_flight` keeps the failed op, for the reports
+            raise collective_failed(op, e) from None
+        except BaseException:
+            slot.failed = True
+            raise
+        if group is None:  # the host's wait is over: so is whatever it waited for
+            slot.on_host = slot.waited = True
+            return
         if events:
             events[1].record()
-            self._pending_events.append((group.kind, *events))
-        else:
+            self._pending_events.append((group.kind, events[0], events[1]))
+        elif not tensor.is_cuda:
             self._seconds[group.kind] += time.perf_counter() - start
-        self.in_flight = None
         self.calls[group.kind, kind] += 1
         self.bytes_sent[group.kind, kind] += int(sent)
 
+    def _issue(
+        self,
+        kind: str,
+        group: Group,
+        output: torch.Tensor,
+        sent: float,
+        launch: Callable[[torch.Tensor, torch.Tensor | None], Work],
+        source: torch.Tensor | None = None,
+        *,
+        wait: bool = False,
+        peer: int | None = None,
+    ) -> Work:
+        """Issue `launch(output, source)` (source None: in place on `output`) as one recorded op; return its
+        work; `wait`: as a blocking call (on GPUs the compute stream waits for it, the host does not). With
+        NCCL's semantics emulated an op started without waiting runs on private copies, and `output` (NaN
+        until then, as `source`) gets the result at the wait."""
+        with self._record(kind, group, output if source is None else source, sent, peer) as slot:
+            if self.emulate_nccl and not wait and kind != "send":
+                private = output.clone() if source is None else torch.empty_like(output)
+                work = launch(private, None if source is None else source.clone())
+                slot.work = _Delayed(work, output, private, [t for t in (output, source) if t is not None])
+            else:
+                slot.work = launch(output, source)
+            if wait:
+                slot.wait()
+        return slot
+
     def take_seconds(self) -> dict[str, float]:
         """Seconds spent in collectives per group kind since the last call (waits for CUDA ones)."""
+        if self._pending_events:
+            self._pending_events[-1][2].synchronize()  # the stream's last event: all earlier ones are done
         for kind, begin, end in self._pending_events:
-            end.synchronize()
             self._seconds[kind] += begin.elapsed_time(end) / 1000
         self._pending_events.clear()
         seconds, self._seconds = dict(self._seconds), Counter()
         return seconds
+
+    def read(self, tensor: torch.Tensor, what: str) -> float:
+        """`tensor.item()`, recorded as a wait of the host for the device: on GPUs this is where a rank whose
+        collectives never complete is blocked."""
+        with self._record(f"wait for the device ({what})", None, tensor):
+            return tensor.item()
+
+    def synchronize(self, device: torch.device) -> None:
+        """Wait until the device has done all the work queued so far (a step's end, so its time is true)."""
+        if device.type == "cuda":
+            with self._record("wait for the device (end of step)", None, torch.empty(0)):
+                torch.cuda.synchronize(device)
 
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
         """In-place reduction across `group`; `op` is "sum", "max" or "avg". On the meta device (memory
         estimates: shapes without data) every collective only produces its output's shape."""
         if group.size == 1 or tensor.is_meta:
             return tensor
-        n = group.size
-        with self._record("all_reduce", group, tensor, None, 2 * (n - 1) / n * _nbytes(tensor)):
-            if op == "avg":
-                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group.handle)
-                tensor.div_(n)
-            else:
-                dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group.handle)
-        return tensor
+        n, reduce_op = group.size, _REDUCE_OPS["sum" if op == "avg" else op]
+
+        def launch(out: torch.Tensor, _: None) -> Work:
+            return dist.all_reduce(out, op=reduce_op, group=group.handle, async_op=True)
+
+        self._issue("all_reduce", group, tensor, 2 * (n - 1) / n * _nbytes(tensor), launch, wait=True)
+        return tensor.div_(n) if op == "avg" else tensor
 
     def all_reduce_many(self, tensors: list[torch.Tensor], group: Group) -> None:
         """Sum several tensors over `group` in place, as one collective of their concatenation."""
@@ -133,28 +257,32 @@ class Comm:
         )
 
     def all_gather(self, tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-        """Concatenate every rank's `tensor` along `dim`, in group-rank order."""
+        """Concatenate every rank's `tensor` along `dim`, in group-rank order: one collective into one buffer,
+        copied once more only when a dimension before `dim` is longer than 1."""
         if group.size == 1:
             return tensor
-        n = group.size
-        parts = [torch.empty_like(tensor) for _ in range(n)]
-        if tensor.is_meta:
-            return torch.cat(parts, dim=dim)
-        with self._record("all_gather", group, tensor, None, (n - 1) * _nbytes(tensor)):
-            dist.all_gather(parts, tensor.contiguous(), group=group.handle)
-        return torch.cat(parts, dim=dim)
+        n, part, dim = group.size, tensor.contiguous(), dim % tensor.dim()
+        gathered = torch.empty((n * part.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
+        if not part.is_meta:
+            self._issue(
+                "all_gather", group, gathered, (n - 1) * _nbytes(part), _gather_into(group), part, wait=True
+            )
+        shape = list(part.shape)
+        shape[dim] *= n
+        return gathered.view(n, *part.shape).movedim(0, dim).reshape(shape)
 
     def reduce_scatter(self, tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-        """Sum `tensor` across the group and return this rank's chunk along `dim`."""
+        """Sum `tensor` (its `dim` divisible by the group size) across the group and return this rank's chunk
+        along `dim`; copied once first only when a dimension before `dim` is longer than 1."""
         if group.size == 1:
             return tensor
-        n = group.size
-        chunks = [c.contiguous() for c in tensor.chunk(n, dim=dim)]
-        out = torch.empty_like(chunks[0])
-        if tensor.is_meta:
-            return out
-        with self._record("reduce_scatter", group, tensor, None, (n - 1) / n * _nbytes(tensor)):
-            dist.reduce_scatter(out, chunks, group=group.handle)
+        n, shape, dim = group.size, list(tensor.shape), dim % tensor.dim()
+        shape[dim] //= n
+        by_rank = tensor.unflatten(dim, (n, shape[dim])).movedim(dim, 0).contiguous().flatten(0, 1)
+        out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        if not tensor.is_meta:
+            sent = (n - 1) / n * _nbytes(tensor)
+            self._issue("reduce_scatter", group, out, sent, _scatter_into(group), by_rank, wait=True)
         return out
 
     def start_all_reduce(self, tensor: torch.Tensor, group: Group) -> Work | None:
@@ -163,47 +291,40 @@ class Comm:
         if group.size == 1 or tensor.is_meta:
             return None
         n = group.size
-        with self._record("all_reduce", group, tensor, None, 2 * (n - 1) / n * _nbytes(tensor)):
-            return dist.all_reduce(tensor, group=group.handle, async_op=True)
+
+        def launch(out: torch.Tensor, _: None) -> Work:
+            return dist.all_reduce(out, group=group.handle, async_op=True)
+
+        return self._issue("all_reduce", group, tensor, 2 * (n - 1) / n * _nbytes(tensor), launch)
 
     def start_reduce_scatter(self, shard: torch.Tensor, tensor: torch.Tensor, group: Group) -> Work | None:
         """Start summing `tensor` over `group` into `shard`, this rank's equal part of it (`shard` may be a
         view of that part of `tensor`: the reduction is then in place)."""
         if group.size == 1 or tensor.is_meta:
             return None
-        n = group.size
-        with self._record("reduce_scatter", group, tensor, None, (n - 1) / n * _nbytes(tensor)):
-            return _reduce_scatter_single(shard, tensor, group=group.handle, async_op=True)
+        sent = (group.size - 1) / group.size * _nbytes(tensor)
+        return self._issue("reduce_scatter", group, shard, sent, _scatter_into(group), tensor)
 
     def start_all_gather(self, tensor: torch.Tensor, shard: torch.Tensor, group: Group) -> Work | None:
         """Start filling `tensor` with every rank's `shard` in group-rank order (`shard` may be a view of this
         rank's part of `tensor`)."""
         if group.size == 1 or shard.is_meta:
             return None
-        n = group.size
-        with self._record("all_gather", group, shard, None, (n - 1) * _nbytes(shard)):
-            return _all_gather_single(tensor, shard, group=group.handle, async_op=True)
+        return self._issue(
+            "all_gather", group, tensor, (group.size - 1) * _nbytes(shard), _gather_into(group), shard
+        )
 
-    def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int, int]], group: Group) -> list[Work]:
-        """Start a batch of ("send" | "recv", tensor, peer, tag) ops together and return their works.
+    def start_p2p(self, kind: str, tensor: torch.Tensor, peer: int, group: Group, tag: int) -> Work:
+        """Start sending `tensor` to global rank `peer` ("send") or receiving it from there ("recv"); returns
+        the work to `wait` for. NCCL ignores the tag and pairs a group's transfers between two ranks in the
+        order they are issued, on one stream per group: parallel/pipeline/p2p.py gives each direction its
+        own group, so a send that waits for its receiver never holds up anything but later sends."""
+        start_one = dist.isend if kind == "send" else dist.irecv
 
-        NCCL pairs the transfers between two ranks in the order they are issued, on one stream; sends
-        and receives issued as one batch progress together, so two neighbours that both send and both
-        receive cannot block each other (Megatron-LM's batched send/receive pairs).
-        """
-        if not ops:
-            return []
-        sent = sum(_nbytes(tensor) for kind, tensor, _, _ in ops if kind == "send")
-        kind, tensor, peer, _ = ops[0]
-        with self._record("send" if sent else "recv", group, tensor, peer, sent):
-            return dist.batch_isend_irecv(
-                [
-                    dist.P2POp(
-                        dist.isend if op == "send" else dist.irecv, t, peer=p, group=group.handle, tag=tag
-                    )
-                    for op, t, p, tag in ops
-                ]
-            )
+        def launch(out: torch.Tensor, _: None) -> Work:
+            return start_one(out, peer, group=group.handle, tag=tag)
+
+        return self._issue(kind, group, tensor, _nbytes(tensor) * (kind == "send"), launch, peer=peer)
 
     def wait(
         self,
@@ -213,18 +334,22 @@ class Comm:
         peer: int | None = None,
         kind: str = "wait",
     ) -> None:
-        """Wait for an op started by `batch_p2p` or a `start_*` method to finish (the time spent here is time
-        spent idle). `kind` names what is awaited in the op record ("recv", "send"), for hang reports."""
+        """Wait for an op started by a `start_*` method to finish (the time spent here is time spent idle).
+        `kind` names what is awaited in the op record ("recv", "send"), for hang reports."""
         if work is None:
             return
-        with self._record(kind, group, tensor, peer, 0):
+        with self._record(kind, group, tensor, peer=peer, track=False) as slot:
+            slot.work = work
             work.wait()
 
     def barrier(self, group: Group) -> None:
         if group.size == 1:
             return
-        with self._record("barrier", group, torch.empty(0), None, 0):
-            dist.barrier(group=group.handle)
+
+        def launch(_: torch.Tensor, __: None) -> Work:
+            return dist.barrier(group=group.handle, async_op=True)
+
+        self._issue("barrier", group, torch.empty(0), 0, launch, wait=True)
 
 
 def collective_failed(op: OpInFlight, error: Exception) -> DistributedError:
@@ -246,6 +371,14 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scat
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _gather_into(group: Group) -> Callable[[torch.Tensor, torch.Tensor], Work]:
+    return lambda out, part: _all_gather_single(out, part, group=group.handle, async_op=True)
+
+
+def _scatter_into(group: Group) -> Callable[[torch.Tensor, torch.Tensor], Work]:
+    return lambda out, full: _reduce_scatter_single(out, full, group=group.handle, async_op=True)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -70,6 +70,28 @@ def subgroups(dp: int, tp: int, pp: int) -> list[tuple[int, ...]]:
     return [ranks for ranks in dict.fromkeys(sets) if 1 < len(ranks) < dp * tp * pp]
 
 
+def pipe_links(dp: int, tp: int, pp: int) -> list[tuple[int, int]]:
+    """The one-way links between neighbouring pipeline stages, as (from, to) ranks, in creation order: both
+    ways between stages p and p + 1, and between the last stage and the first (interleaved schedules)."""
+    neighbours = {(p, p + 1) for p in range(pp - 1)} | ({(pp - 1, 0)} if pp > 2 else set())
+    return [
+        (pipeline[a], pipeline[b])
+        for pipeline in mesh_groups(dp, tp, pp)["pp"]
+        for p, q in sorted(neighbours)
+        for a, b in ((p, q), (q, p))
+    ]
+
+
+@dataclass(frozen=True)
+class PipeLink:
+    """A neighbouring pipeline stage's rank, and a process group for each direction to it (NCCL runs a
+    group's transfers in issue order on a stream of its own: parallel/pipeline/p2p.py says why)."""
+
+    rank: int
+    outgoing: Group
+    incoming: Group
+
+
 def device_index(local_rank: int, visible: int) -> int:
     """GPU LOCAL_RANK where each process sees all of the node's GPUs (torchrun); its only one where it sees
     one (`srun --gpus-per-task=1`, `--gpu-bind`, one GPU per container)."""
@@ -168,11 +190,9 @@ class ParallelContext:
         each kind holding it (or itself alone: a middle pipeline stage has no embedding to share); kinds with
         equal ranks share a process group. Subgroups do not inherit init_process_group's timeout: passed."""
         timeout = timedelta(seconds=self.collective_timeout_seconds)
-        handles = {
-            ranks: dist.new_group(list(ranks), timeout=timeout)
-            for ranks in subgroups(self.dp, self.tp, self.pp)
-        }
-        groups = mesh_groups(self.dp, self.tp, self.pp)
+        mesh = self.dp, self.tp, self.pp
+        handles = {ranks: dist.new_group(list(ranks), timeout=timeout) for ranks in subgroups(*mesh)}
+        groups = mesh_groups(*mesh)
 
         def mine(kind: str) -> Group:
             ranks = next((ranks for ranks in groups[kind] if self.rank in ranks), (self.rank,))
@@ -181,6 +201,16 @@ class ParallelContext:
         self.tp_group, self.dp_group, self.pp_group = mine("tp"), mine("dp"), mine("pp")
         self.mp_group, self.embedding_group = mine("mp"), mine("embedding")
         self.world_group = Group("world", tuple(range(self.world_size)))
+        links = {pair: dist.new_group(sorted(pair), timeout=timeout) for pair in pipe_links(*mesh)}
+        self.pp_links = {  # by the neighbour's pp rank
+            p: PipeLink(
+                peer,
+                Group("pp", (self.rank, peer), links[self.rank, peer], one_way=True),
+                Group("pp", (peer, self.rank), links[peer, self.rank], one_way=True),
+            )
+            for p, peer in enumerate(self.pp_group.ranks)
+            if (self.rank, peer) in links
+        }
 
     @property
     def log_prefix(self) -> str:

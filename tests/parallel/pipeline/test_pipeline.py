@@ -171,7 +171,7 @@ def _mismatch(rank):
     ctx = ParallelContext(pp=2, collective_timeout_seconds=20)
     try:  # as if rank 1 had been started with hidden_size 32 instead of 64
         PipelineP2P(
-            ctx.comm, ctx.pp_group, ctx.pp_rank, ctx.device, (2, 16, 64 if rank == 0 else 32), torch.float32
+            ctx.comm, ctx.pp_links, ctx.pp_rank, ctx.device, (2, 16, 64 if rank == 0 else 32), torch.float32
         ).handshake([1 - rank])
     finally:
         ctx.close()

@@ -1,11 +1,14 @@
 """Activations and gradients between neighbouring pipeline stages, through parallel/comm.py.
 
-Transfers go out in batches of at most one send and one receive (`exchange`): the send of the action
-just computed and the receive of the next action. NCCL pairs the transfers between two ranks in the
-order they are issued, ignoring tags, on one stream per pair; a lone receive issued before a send can
-then block it while the neighbour does the same. Batched together they progress together (the
-pairing Megatron-LM uses), and tests/parallel/pipeline/test_schedules.py checks every schedule under
-that model. Gloo matches by tag, so there the tags alone would do.
+After each action the executor starts the send of its output and the receive of the next action's input
+(`exchange`) and goes on; only a receive is ever waited for before computing. Each direction between two
+neighbours has a process group of its own (`PipeLink`, made in parallel/context.py): NCCL ignores tags
+and pairs a group's transfers between two ranks in the order they are issued, on one stream per group,
+and a large send completes only once its receiver has posted the receive. With one group for both
+directions a send still waiting for its receiver would hold up the receives queued behind it, and the
+interleaved schedule, whose receivers post some receives many actions later, would deadlock. One way per
+group, a send only ever holds up later sends the same way, which the receiver takes in the same order
+(tests/parallel/pipeline/test_schedules.py checks every schedule under that model).
 
 Every transfer has the same shape and dtype: (micro_batch_size, sequence [/ tp], hidden) in the
 model's dtype. At start the ranks exchange that shape with their pipeline neighbours, so ranks built
@@ -21,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from femtotron.errors import DistributedError
-from femtotron.parallel.comm import Comm, Group, Work
+from femtotron.parallel.comm import Comm, Work
+from femtotron.parallel.context import PipeLink
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _MAX_DIMS = 8
@@ -55,20 +59,26 @@ class Transfer:
 
 
 class PipelineP2P:
-    """Point-to-point over the pp group for tensors of one shape and dtype; peers named by pp rank."""
+    """Point-to-point with the neighbouring pp ranks for tensors of one shape and dtype; peers named by pp
+    rank, each reached through its `PipeLink`."""
 
     def __init__(
         self,
         comm: Comm,
-        group: Group,
+        links: dict[int, PipeLink],
         pp_rank: int,
         device: torch.device,
         shape: tuple[int, ...],
         dtype: torch.dtype,
     ) -> None:
-        self.comm, self.group, self.pp_rank, self.device = comm, group, pp_rank, device
+        self.comm, self.links, self.pp_rank, self.device = comm, links, pp_rank, device
         self.shape, self.dtype = tuple(shape), dtype
         self.pending: list[tuple[Work, torch.Tensor, int]] = []
+
+    def _start(self, kind: str, tensor: torch.Tensor, pp_rank: int, tag: int) -> Work:
+        link = self.links[pp_rank]
+        group = link.outgoing if kind == "send" else link.incoming
+        return self.comm.start_p2p(kind, tensor, link.rank, group, tag)
 
     def handshake(self, neighbours: list[int]) -> None:
         """Exchange the transfer shape and dtype with the neighbouring pp ranks; raise on disagreement
@@ -78,17 +88,17 @@ class PipelineP2P:
             return
         mine = _describe(self.shape, self.dtype, self.device)
         theirs = {p: torch.empty_like(mine) for p in neighbours}
-        ops = [("send", mine, self.group.ranks[p], _DESCRIPTION_TAG) for p in neighbours]
-        ops += [("recv", theirs[p], self.group.ranks[p], _DESCRIPTION_TAG) for p in neighbours]
-        for work, (_, tensor, peer, _) in zip(self.comm.batch_p2p(ops, self.group), ops, strict=True):
-            self.comm.wait(work, self.group, tensor, peer)
+        sends = [(p, self._start("send", mine, p, _DESCRIPTION_TAG)) for p in neighbours]
+        receives = [(p, self._start("recv", theirs[p], p, _DESCRIPTION_TAG)) for p in neighbours]
+        for p, work in receives + sends:
+            self.comm.wait(work, self.links[p].incoming, theirs[p], self.links[p].rank, "shape handshake")
         for p in neighbours:
             shape, dtype = _read(theirs[p].cpu())
             if (shape, dtype) != (self.shape, self.dtype):
                 raise DistributedError(
                     "pipeline stages disagree on the activations they exchange: rank "
-                    f"{self.group.ranks[p]} (pp rank {p}) sends and expects shape {shape} {dtype}, rank "
-                    f"{self.group.ranks[self.pp_rank]} (pp rank {self.pp_rank}) shape {self.shape} "
+                    f"{self.links[p].rank} (pp rank {p}) sends and expects shape {shape} {dtype}, rank "
+                    f"{self.links[p].outgoing.ranks[0]} (pp rank {self.pp_rank}) shape {self.shape} "
                     f"{self.dtype}. Every rank must run the same config: check that all ranks got the same "
                     "YAML and overrides (tokens.micro_batch_size, tokens.sequence_length, "
                     "model.model_config.hidden_size, model.dtype, parallelism.tp and tp_mode)."
@@ -97,8 +107,7 @@ class PipelineP2P:
     def exchange(
         self, send: tuple[torch.Tensor, Transfer] | None, recv: Transfer | None
     ) -> PendingRecv | None:
-        """Start sending `send` and receiving `recv` as one batch; returns the receive to `take` later."""
-        ops = []
+        """Start sending `send` and receiving `recv`; returns the receive to `take` later."""
         if send is not None:
             tensor, to = send
             if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
@@ -107,33 +116,34 @@ class PipelineP2P:
                     f"{tensor.dtype} to pp rank {to.pp_rank}, but every pipeline transfer is {self.shape} "
                     f"{self.dtype}: a stage returned the wrong shape (a model bug, not a config problem)."
                 )
-            ops.append(("send", tensor.detach().contiguous(), self.group.ranks[to.pp_rank], to.tag))
-        buffer = None
-        if recv is not None:
-            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            ops.append(("recv", buffer, self.group.ranks[recv.pp_rank], recv.tag))
-        works = self.comm.batch_p2p(ops, self.group)
-        if send is not None:
-            self.pending.append((works[0], ops[0][1], ops[0][2]))
+            sent = tensor.detach().contiguous()
+            self.pending.append((self._start("send", sent, to.pp_rank, to.tag), sent, to.pp_rank))
             self.release_finished_sends()
-        return PendingRecv(works[-1], buffer, ops[-1][2]) if recv is not None else None
+        if recv is None:
+            return None
+        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return PendingRecv(self._start("recv", buffer, recv.pp_rank, recv.tag), buffer, recv.pp_rank)
 
     def take(self, pending: PendingRecv) -> torch.Tensor:
-        self.comm.wait(pending.work, self.group, pending.buffer, pending.src, kind="recv")
+        link = self.links[pending.src]
+        self.comm.wait(pending.work, link.incoming, pending.buffer, link.rank, kind="recv")
         return pending.buffer
 
     def release_finished_sends(self) -> None:
         """Let go of finished sends, so their buffers (whole activations) do not pile up until the end of
         the step: 1F1B's point is holding only about pp micro-batches at a time."""
-        unfinished = []
-        for work, sent, peer in self.pending:
+        waiting, self.pending = self.pending, []
+        for work, sent, pp_rank in waiting:
             if work.is_completed():
-                self.comm.wait(work, self.group, sent, peer)  # instant; raises if the transfer failed
+                link = self.links[pp_rank]
+                self.comm.wait(
+                    work, link.outgoing, sent, link.rank, kind="send"
+                )  # instant; raises on failure
             else:
-                unfinished.append((work, sent, peer))
-        self.pending = unfinished
+                self.pending.append((work, sent, pp_rank))
 
     def wait_sends(self) -> None:
-        for work, tensor, dst in self.pending:
-            self.comm.wait(work, self.group, tensor, dst, kind="send")
+        for work, sent, pp_rank in self.pending:
+            link = self.links[pp_rank]
+            self.comm.wait(work, link.outgoing, sent, link.rank, kind="send")
         self.pending.clear()

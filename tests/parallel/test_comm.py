@@ -1,0 +1,99 @@
+"""parallel/comm.py: collectives along any dimension, the ops a rank waits for, NCCL's semantics on gloo."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from distributed import run_ranks
+
+from femtotron.parallel.comm import Comm
+from femtotron.parallel.context import ParallelContext
+
+
+def _along_dimensions(rank):
+    ctx = ParallelContext(dp=2, collective_timeout_seconds=30)
+    g, comm = ctx.dp_group, ctx.comm
+    x = torch.arange(24.0).view(2, 3, 4) + 100 * rank  # (batch, sequence, hidden), as sequence parallelism
+    out = {dim: comm.all_gather(x, g, dim=dim) for dim in (0, 1, -1)}
+    scattered = {dim: comm.reduce_scatter(torch.cat([x, x + 1], dim=dim), g, dim=dim) for dim in (0, 1, -1)}
+    ctx.close()
+    return x, out, scattered
+
+
+@pytest.mark.distributed
+def test_all_gather_and_reduce_scatter_along_any_dimension():
+    """One collective into one buffer: gathered parts in rank order along `dim`, and this rank's equal part
+    of the sum along `dim`, as torch.cat and torch.chunk would give."""
+    results = run_ranks(_along_dimensions, 2)
+    parts = [x for x, _, _ in results]
+    for rank, (_, gathered, scattered) in enumerate(results):
+        for dim, got in gathered.items():
+            assert torch.equal(got, torch.cat(parts, dim=dim)), dim
+        for dim, got in scattered.items():
+            total = sum(torch.cat([p, p + 1], dim=dim) for p in parts)
+            assert torch.equal(got, total.chunk(2, dim=dim)[rank]), dim
+
+
+def _started_ops_land_at_their_wait(rank):
+    ctx = ParallelContext(dp=2, collective_timeout_seconds=30)
+    comm, g = Comm(emulate_nccl=True), ctx.dp_group
+    seen = {}
+    summed = torch.full((4,), rank + 1.0)
+    work = comm.start_all_reduce(summed, g)
+    seen["all_reduce"] = (summed.isnan().all().item(), work, summed)
+    flat = torch.arange(4.0) + rank
+    work = comm.start_reduce_scatter(flat[2 * rank : 2 * rank + 2], flat, g)
+    seen["reduce_scatter"] = (flat.isnan().all().item(), work, flat[2 * rank : 2 * rank + 2])
+    gathered = torch.zeros(4)
+    gathered[2 * rank : 2 * rank + 2] = rank + 1.0
+    work = comm.start_all_gather(gathered, gathered[2 * rank : 2 * rank + 2], g)
+    seen["all_gather"] = (gathered.isnan().all().item(), work, gathered)
+    received = torch.zeros(3)
+    send = comm.start_p2p("send", torch.full((3,), 7.0 + rank), 1 - rank, g, tag=5)
+    work = comm.start_p2p("recv", received, 1 - rank, g, tag=5)
+    seen["recv"] = (received.isnan().all().item(), work, received)
+    out = {}
+    for name, (nan_before, work, tensor) in seen.items():
+        comm.wait(work, g, tensor)
+        out[name] = (nan_before, tensor.tolist())
+    comm.wait(send, g, received)
+    out["unfinished"] = comm.unfinished()
+    ctx.close()
+    return out
+
+
+@pytest.mark.distributed
+def test_with_nccl_semantics_a_started_op_s_result_arrives_only_at_its_wait():
+    """Before its wait a started op's tensor holds NaN (on GPUs it would hold whatever was there), so code
+    that reads it early fails on a CPU; after the wait it holds the result."""
+    for rank, out in enumerate(run_ranks(_started_ops_land_at_their_wait, 2)):
+        assert out["all_reduce"] == (True, [3.0] * 4)
+        assert out["reduce_scatter"] == (True, [2 * (2 * rank) + 1, 2 * (2 * rank + 1) + 1])
+        assert out["all_gather"] == (True, [1.0, 1.0, 2.0, 2.0])
+        assert out["recv"] == (True, [7.0 + 1 - rank] * 3)
+        assert out["unfinished"] == []
+
+
+def _late_peer(rank):
+    ctx = ParallelContext(dp=2, collective_timeout_seconds=30)
+    comm, g = ctx.comm, ctx.dp_group
+    if rank == 1:
+        time.sleep(2)  # rank 0's op cannot complete before rank 1 joins it
+    work = comm.start_all_reduce(torch.ones(4), g)
+    waiting = [(op.kind, op.group) for op in comm.unfinished()]
+    comm.wait(work, g, torch.ones(4))
+    comm.read(torch.ones(()), "loss")
+    out = waiting, comm.unfinished(), comm.last_op.kind, comm.last_op.group
+    ctx.close()
+    return out
+
+
+@pytest.mark.distributed
+def test_unfinished_lists_the_ops_a_rank_waits_for_until_they_complete():
+    """What the hang report reads on NCCL, where a call returns once its op is queued: the op, until its work
+    says it is complete; then nothing. A read of a result on the host is recorded as a wait for the device."""
+    waiting, unfinished, last_kind, last_group = run_ranks(_late_peer, 2)[0]
+    assert waiting == [("all_reduce", "dp[0,1]")]
+    assert unfinished == [] and (last_kind, last_group) == ("wait for the device (loss)", None)
