@@ -128,15 +128,16 @@ class Pipeline:
         return None
 
     def run(self, actions: list[Action], step: Callable[[Action, PendingRecv | None], Send | None]) -> None:
-        """Execute `actions` in order. After each action its output goes out in one batch with the next
-        action's receive (see p2p.py), so the receive is already under way when that action starts."""
+        """Execute `actions` in order. The next action's receive is posted before this action computes, so
+        its data can arrive meanwhile; the output goes out as soon as it is computed (p2p.py: each direction
+        on a group of its own, so neither holds up the other)."""
         received = self.p2p.exchange(None, self.receive_for(actions[0])) if actions else None
         for i, action in enumerate(actions):
             self.current = action  # for diagnostics: the micro-batch and chunk being computed
-            send = step(action, received)
-            received = self.p2p.exchange(
-                send, self.receive_for(actions[i + 1]) if i + 1 < len(actions) else None
-            )
+            following = self.receive_for(actions[i + 1]) if i + 1 < len(actions) else None
+            posted = self.p2p.exchange(None, following)
+            self.p2p.exchange(step(action, received), None)
+            received = posted
         self.p2p.wait_sends()
 
     def train_step(self, micro_batches: list[MicroBatch], global_tokens: torch.Tensor) -> torch.Tensor:
