@@ -1,7 +1,7 @@
 """Activations and gradients between neighbouring pipeline stages, through parallel/comm.py.
 
-After each action the executor starts the send of its output and the receive of the next action's input
-(`exchange`) and goes on; only a receive is ever waited for before computing. Each direction between two
+The executor posts each action's receive before the action ahead of it computes, and starts the send
+of each output once computed (`exchange`); only a receive is ever waited for before computing. Each direction between two
 neighbours has a process group of its own (`PipeLink`, made in parallel/context.py): NCCL ignores tags
 and pairs a group's transfers between two ranks in the order they are issued, on one stream per group,
 and a large send completes only once its receiver has posted the receive. With one group for both
