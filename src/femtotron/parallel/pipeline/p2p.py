@@ -1,10 +1,10 @@
 """Activations and gradients between neighbouring pipeline stages, through parallel/comm.py.
 
 The executor posts each action's receive before the action ahead of it computes, and starts the send
-of each output once computed (`exchange`); only a receive is ever waited for before computing. Each direction between two
-neighbours has a process group of its own (`PipeLink`, made in parallel/context.py): NCCL ignores tags
-and pairs a group's transfers between two ranks in the order they are issued, on one stream per group,
-and a large send completes only once its receiver has posted the receive. With one group for both
+of each output once computed (`exchange`); only a receive is ever waited for before computing. Each
+direction between two neighbours has a process group of its own (`PipeLink`, parallel/context.py): NCCL
+ignores tags and pairs a group's transfers between two ranks in the order they are issued, on one stream
+per group, and a large send completes only once its receiver has posted the receive. With one group for both
 directions a send still waiting for its receiver would hold up the receives queued behind it, and the
 interleaved schedule, whose receivers post some receives many actions later, would deadlock. One way per
 group, a send only ever holds up later sends the same way, which the receiver takes in the same order
