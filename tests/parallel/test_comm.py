@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 
 import pytest
 import torch
@@ -97,3 +98,33 @@ def test_unfinished_lists_the_ops_a_rank_waits_for_until_they_complete():
     waiting, unfinished, last_kind, last_group = run_ranks(_late_peer, 2)[0]
     assert waiting == [("all_reduce", "dp[0,1]")]
     assert unfinished == [] and (last_kind, last_group) == ("wait for the device (loss)", None)
+
+
+def _finished_ops_let_go(rank):
+    ctx = ParallelContext(dp=2, collective_timeout_seconds=30)
+    comm, g = ctx.comm, ctx.dp_group
+    received = torch.zeros(1)
+    if rank == 0:  # an op on another group that stays unfinished meanwhile
+        pending = comm.start_p2p("recv", received, 1, ctx.world_group, tag=9)
+    held = []
+    for _ in range(3):
+        tensor = torch.ones(1024)
+        comm.all_reduce(tensor, g)
+        held.append(weakref.ref(tensor))
+        del tensor
+    comm.all_reduce(torch.ones(1), g)  # the group's next op drops the finished ones before it
+    alive = [ref() is not None for ref in held]
+    if rank == 1:
+        comm.wait(comm.start_p2p("send", torch.ones(1), 0, ctx.world_group, tag=9), ctx.world_group, received)
+    else:
+        comm.wait(pending, ctx.world_group, received)
+    ctx.close()
+    return alive
+
+
+@pytest.mark.distributed
+def test_finished_ops_are_let_go_with_their_tensors():
+    """Ops are kept until complete, for the hang report; a finished op's work (on GPUs holding its tensors,
+    activations under sequence parallelism) must not stay alive with it, even behind an op of another group
+    that has not finished."""
+    assert run_ranks(_finished_ops_let_go, 2) == [[False] * 3] * 2

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -120,7 +120,10 @@ class Comm:
         self._seconds: Counter[str] = Counter()  # group kind -> seconds in collectives
         self._pending_events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._time_cuda = True
-        self._issued: deque[tuple[OpInFlight, _Slot]] = deque()  # oldest first, not yet seen complete
+        # Per group (None: the host's waits), oldest first, the ops not yet seen complete. A group's ops
+        # complete in order (one NCCL stream each), so dropping the finished ones from the front keeps no
+        # finished op's work, and with it its tensors, alive for long.
+        self._issued: defaultdict[str | None, deque[tuple[OpInFlight, _Slot]]] = defaultdict(deque)
         self._lock = threading.Lock()  # the watchdog thread reads `_issued`
         self.last_op: OpInFlight | None = None  # the op issued last, finished or not
 
@@ -128,8 +131,11 @@ class Comm:
         """The oldest ops this rank issued that have not completed, oldest first: polled without blocking,
         from any thread. An op that failed stays, for the reports."""
         with self._lock:
-            issued = list(self._issued)
-        return [op for op, slot in issued if not slot.is_completed()][:limit]
+            for issued in self._issued.values():
+                _drop_finished(issued)
+            issued = [entry for entries in self._issued.values() for entry in entries]
+        ops = [op for op, slot in issued if not slot.is_completed()]  # gloo may finish out of order
+        return sorted(ops, key=lambda op: op.started)[:limit]
 
     def new_step(self, step: int) -> None:
         """On CUDA, collectives are timed on every CUDA_TIMING_EVERY-th step only, the first one included."""
@@ -152,10 +158,10 @@ class Comm:
         )
         slot = _Slot(on_host=not tensor.is_cuda)
         with self._lock:
-            while self._issued and self._issued[0][1].is_completed():
-                self._issued.popleft()
+            issued = self._issued[op.group]
+            _drop_finished(issued)
             if track:
-                self._issued.append((op, slot))
+                issued.append((op, slot))
         self.last_op = op
         # On CUDA a call returns before the transfer ends: time it with events on the stream.
         timed_on_cuda = tensor.is_cuda and self._time_cuda and group is not None
@@ -371,6 +377,11 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scat
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _drop_finished(issued: deque[tuple[OpInFlight, _Slot]]) -> None:
+    while issued and issued[0][1].is_completed():
+        issued.popleft()
 
 
 def _gather_into(group: Group) -> Callable[[torch.Tensor, torch.Tensor], Work]:
