@@ -1,6 +1,7 @@
 """femtotron: pretrain LLaMA-style models with data, tensor and pipeline parallelism and ZeRO-1.
 
-Verbs: train, doctor, check-tp, generate, inspect-data, reshard, consolidate, preprocess, train-tokenizer.
+Verbs: train, doctor, check-tp, generate, inspect-data, reshard, consolidate, import-hf, export-hf,
+preprocess, train-tokenizer.
 Every problem a user can fix arrives as a FemtotronError and is printed as plain text with its
 exit code (2 for config errors); a traceback means a bug in femtotron.
 """
@@ -114,6 +115,37 @@ def cmd_consolidate(args: argparse.Namespace) -> None:
         f"wrote {out / 'model.safetensors'} and {out / 'config.yaml'}"
         + (f" and {out / 'optimizer.safetensors'}" if args.with_optimizer else "")
     )
+
+
+def cmd_import_hf(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from femtotron.serialize.hf import import_hf
+
+    out = import_hf(Path(args.hf_dir), Path(args.out))
+    print(f"wrote {out}: `femtotron generate {out}` samples from it")
+
+
+def cmd_export_hf(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from femtotron.serialize.hf import export_hf
+
+    out = export_hf(Path(args.source), Path(args.out), args.dtype, _bytes(args.shard_size))
+    print(f"wrote {out}: LlamaForCausalLM.from_pretrained({str(out)!r}) loads it")
+
+
+def _bytes(size: str) -> int:
+    """'5GB' -> 5 * 10**9, '500MB', '2GiB', or a number of bytes."""
+    import re
+
+    units = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B)?\s*", size.upper())
+    if not match or float(match.group(1)) <= 0:
+        from femtotron.errors import UsageError
+
+        raise UsageError(f"--shard-size {size}: give a size such as 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * units[match.group(2) or ""])
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -261,6 +293,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="also optimizer.safetensors: fp32 master weights and Adam moments at full shape",
     )
     con.set_defaults(run=cmd_consolidate)
+
+    imp = verbs.add_parser("import-hf", help="a run directory from a Hugging Face Llama directory")
+    imp.add_argument(
+        "hf_dir", help="config.json with model.safetensors or sharded safetensors and their index"
+    )
+    imp.add_argument("--out", required=True, help="the run directory to write (femtotron generate reads it)")
+    imp.set_defaults(run=cmd_import_hf)
+
+    exp = verbs.add_parser("export-hf", help="a Hugging Face Llama directory from a run or a checkpoint")
+    exp.add_argument("source", help="a run directory, a step-NNNNNNN checkpoint, or a checkpoints directory")
+    exp.add_argument("--out", required=True, help="the directory LlamaForCausalLM.from_pretrained reads")
+    exp.add_argument(
+        "--dtype", choices=("bfloat16", "float32", "float16"), help="default: the run's model.dtype"
+    )
+    exp.add_argument("--shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    exp.set_defaults(run=cmd_export_hf)
 
     pre = verbs.add_parser("preprocess", help="tokenize .jsonl[.gz] / .txt into Megatron .bin/.idx files")
     pre.add_argument(

@@ -1,0 +1,296 @@
+"""Hugging Face model directories in and out: `femtotron import-hf` and `femtotron export-hf`.
+
+    HF_DIR/                          what `LlamaForCausalLM.save_pretrained` writes
+      config.json                    LlamaForCausalLM's hyper-parameters
+      generation_config.json
+      model.safetensors              or model-00001-of-0000N.safetensors ... with
+      model.safetensors.index.json   which file holds which tensor
+      tokenizer.json, tokenizer_config.json
+
+The names, and the two fused weights, are mapped by models/hf_conversion.py. Only safetensors are read:
+`.bin` and `.pt` files are pickles, and loading one can run any code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from femtotron.atomic import atomic_path
+from femtotron.config import Config, LlamaConfig, load_config_dict
+from femtotron.errors import ConfigError, FemtotronError
+from femtotron.models.hf_conversion import from_hf, to_hf
+from femtotron.models.llama import Llama
+from femtotron.serialize.weights import (
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+    load_weights,
+    write_config,
+    write_parts,
+)
+
+HF_CONFIG, INDEX = "config.json", "model.safetensors.index.json"
+# config.json keys that are LlamaConfig fields of the same name and meaning.
+FIELDS = tuple(
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+    "max_position_embeddings rms_norm_eps tie_word_embeddings hidden_act".split()
+)
+# What femtotron's Llama does not have, with the value that means "not used".
+ABSENT = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1, "sliding_window": None}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HFError(FemtotronError):
+    """A Hugging Face directory femtotron cannot read (exit 2, like a bad config)."""
+
+    exit_code = 2
+
+
+def llama_config(hf: dict[str, Any], where: Path) -> LlamaConfig:
+    """LlamaConfig from an HF config.json's contents; what femtotron's Llama does not compute is refused."""
+    problems = []
+    architectures = hf.get("architectures") or [hf.get("model_type")]
+    if architectures != ["LlamaForCausalLM"] and architectures != ["llama"]:
+        problems.append(f"architectures={architectures}: only LlamaForCausalLM is supported")
+    problems += [
+        f"{key}={hf[key]!r}: femtotron's Llama has none (needs {default!r})"
+        for key, default in ABSENT.items()
+        if hf.get(key, default) != default
+    ]
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        problems.append(
+            f"rope type {kind!r} (rope_parameters / rope_scaling): only plain RoPE is supported yet"
+        )
+    values = {key: hf[key] for key in FIELDS if hf.get(key) is not None}
+    values["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    head_dim = hf.get("head_dim")
+    if (
+        head_dim is not None
+        and "num_attention_heads" in values
+        and head_dim * values["num_attention_heads"] != values.get("hidden_size")
+    ):
+        problems.append(f"head_dim={head_dim}: femtotron's heads are hidden_size / num_attention_heads")
+    if problems:
+        raise HFError(f"{where} describes a model femtotron cannot load:\n  - " + "\n  - ".join(problems))
+    try:
+        return LlamaConfig(**values)
+    except ValueError as e:
+        raise HFError(f"{where} holds values femtotron's Llama cannot take: {e}") from None
+
+
+def read_hf(hf_dir: Path) -> tuple[LlamaConfig, dict[str, Any], dict[str, torch.Tensor]]:
+    """An HF Llama directory's config, its config.json as read, and its weights by femtotron name."""
+    config_path = hf_dir / HF_CONFIG
+    if not config_path.is_file():
+        raise HFError(f"{config_path} does not exist: {hf_dir} is not a Hugging Face model directory.")
+    try:
+        hf = json.loads(config_path.read_text())
+    except ValueError as e:
+        raise HFError(f"{config_path} is not JSON: {e}") from None
+    cfg = llama_config(hf, config_path)
+    files = _weight_files(hf_dir)
+    expected = _expected(cfg)
+    state: dict[str, torch.Tensor] = {}
+    for file, names in files.items():
+        try:
+            with safe_open(str(hf_dir / file), framework="pt") as f:
+                for name in names or list(f.keys()):
+                    if "rotary_emb" not in name:  # older exports saved RoPE's frequencies, which are computed
+                        state[name] = f.get_tensor(name)
+        except (SafetensorError, OSError, TypeError) as e:
+            raise HFError(
+                f"{hf_dir / file} cannot be read as safetensors: {str(e).splitlines()[0]}"
+            ) from None
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise HFError(
+            f"{hf_dir} lacks {len(missing)} tensor(s) its config.json needs: {', '.join(missing[:5])}"
+        )
+    for name, tensor in state.items():
+        if name not in expected:
+            raise HFError(
+                f"{hf_dir} holds {name}, which a LlamaForCausalLM with its config.json does not have"
+            )
+        if tuple(tensor.shape) != expected[name]:
+            raise HFError(
+                f"{name} in {hf_dir} has shape {tuple(tensor.shape)}, but config.json makes it "
+                f"{expected[name]}: the weights and the config are from different models."
+            )
+        if tensor.dtype not in DTYPES.values():
+            raise HFError(
+                f"{name} in {hf_dir} is {tensor.dtype}: only float32, bfloat16 and float16 are read"
+            )
+    return cfg, hf, from_hf(state, cfg)
+
+
+def _weight_files(hf_dir: Path) -> dict[str, list[str] | None]:
+    """The safetensors files to read, with the tensors each holds (None: all of them)."""
+    if (hf_dir / INDEX).is_file():
+        try:
+            weight_map = json.loads((hf_dir / INDEX).read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError):
+            raise HFError(
+                f"{hf_dir / INDEX} has no weight_map: re-save the model with save_pretrained"
+            ) from None
+        files: dict[str, list[str] | None] = {}
+        for name, file in weight_map.items():
+            files.setdefault(file, []).append(name)
+        missing = [file for file in files if not (hf_dir / file).is_file()]
+        if missing:
+            raise HFError(f"{hf_dir / INDEX} lists {', '.join(missing)}, which {hf_dir} does not have.")
+        return files
+    if (hf_dir / WEIGHTS_FILE).is_file():
+        return {WEIGHTS_FILE: None}
+    pickles = sorted(p.name for p in hf_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+    if pickles:
+        raise HFError(
+            f"{hf_dir} holds its weights as pickles ({', '.join(pickles[:3])}), which femtotron does not "
+            "load: loading one can run any code. Convert them once where you trust the file: "
+            "`LlamaForCausalLM.from_pretrained(DIR).save_pretrained(OUT)` writes safetensors."
+        )
+    raise HFError(f"{hf_dir} has no {WEIGHTS_FILE} and no {INDEX}: no weights to read.")
+
+
+def _expected(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """HF's tensor names and shapes for `cfg` (femtotron's model on the meta device, mapped by name)."""
+    meta = Llama(cfg, std=0.02, seed=0, dtype=torch.float32, device=torch.device("meta")).state_dict()
+    return {name: tuple(tensor.shape) for name, tensor in to_hf(meta, cfg).items()}
+
+
+def import_hf(hf_dir: Path, out: Path) -> Path:
+    """A femtotron run directory (config.yaml, model.safetensors, tokenizer.json) from an HF Llama directory;
+    `femtotron generate` reads it."""
+    cfg, hf, state = read_hf(hf_dir)
+    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    tokenizer = hf_dir / TOKENIZER_FILE
+    config = load_config_dict(
+        {
+            "general": {"run": out.name},
+            "model": {"model_config": cfg.model_dump(), "dtype": dtype if dtype in DTYPES else "float32"},
+            "tokenizer": {
+                "tokenizer_name_or_path": str(out / TOKENIZER_FILE) if tokenizer.is_file() else None
+            },
+            "tokens": {"sequence_length": min(cfg.max_position_embeddings, 4096), "train_steps": 1},
+            "data": {"dataset_folder": "set data.dataset_folder to your tokenized data to train this model"},
+            "logging": {"output_dir": str(out.parent)},
+        },
+        source=str(hf_dir / HF_CONFIG),
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / WEIGHTS_FILE) as tmp:
+        save_file(state, tmp, metadata={"source": str(hf_dir)})
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
+    write_config(out, config.to_dict())
+    write_parts(out, [WEIGHTS_FILE])
+    return out
+
+
+def export_hf(source: Path, out: Path, dtype: str | None = None, shard_bytes: int = 5 * 10**9) -> Path:
+    """An HF Llama directory from a run directory or a checkpoint saved at any mesh (gathered here)."""
+    if (source / CONFIG_FILE).is_file():
+        return _export(source, out, dtype, shard_bytes)
+    from femtotron.serialize.offline import consolidate
+
+    with tempfile.TemporaryDirectory(dir=out.parent if out.parent.is_dir() else None) as scratch:
+        return _export(consolidate(source, Path(scratch)), out, dtype, shard_bytes)
+
+
+def _export(run_dir: Path, out: Path, dtype: str | None, shard_bytes: int) -> Path:
+    config, weights = load_weights(run_dir)
+    cfg, dtype = config.model.model_config_, dtype or config.model.dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    state = {name: t.to(DTYPES[dtype]).contiguous() for name, t in to_hf(weights, cfg).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    shards = _shards(state, shard_bytes)
+    for file, names in shards.items():
+        with atomic_path(out / file) as tmp:
+            save_file({name: state[name] for name in names}, tmp, metadata={"format": "pt"})
+    if len(shards) > 1:
+        weight_map = {name: file for file, names in shards.items() for name in names}
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        _write_json(out / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    tokens = _special_tokens(run_dir / TOKENIZER_FILE)
+    _write_json(out / HF_CONFIG, _hf_config(config, cfg, dtype, tokens))
+    _write_json(out / "generation_config.json", {"_from_model_config": True, **tokens})
+    if (run_dir / TOKENIZER_FILE).is_file():
+        shutil.copyfile(run_dir / TOKENIZER_FILE, out / TOKENIZER_FILE)
+        _write_json(
+            out / "tokenizer_config.json",
+            {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_position_embeddings},
+        )
+    return out
+
+
+def _shards(state: dict[str, torch.Tensor], shard_bytes: int) -> dict[str, list[str]]:
+    """Tensors in HF's order, filled into files of at most `shard_bytes` (a larger tensor alone)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    if len(groups) == 1:
+        return {WEIGHTS_FILE: groups[0]}
+    return {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": names for i, names in enumerate(groups)}
+
+
+def _special_tokens(path: Path) -> dict[str, int]:
+    """bos/eos ids for config.json, from the tokenizer's special tokens (none without a tokenizer)."""
+    if not path.is_file():
+        return {}
+    special = {
+        t.content: i
+        for i, t in Tokenizer.from_file(str(path)).get_added_tokens_decoder().items()
+        if t.special
+    }
+    found = {}
+    for key, pattern in (
+        ("bos_token_id", r"<s>|<\|begin_of_text\|>|<bos>"),
+        ("eos_token_id", r"</s>|<\|end_of_text\|>|<\|endoftext\|>|<eos>"),
+    ):
+        ids = [i for token, i in special.items() if re.fullmatch(pattern, token)]
+        if ids:
+            found[key] = ids[0]
+    return found
+
+
+def _hf_config(config: Config, cfg: LlamaConfig, dtype: str, tokens: dict[str, int]) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **{key: getattr(cfg, key) for key in FIELDS},
+        "rope_theta": cfg.rope_theta,  # transformers 4.x reads this, 5.x rope_parameters
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "head_dim": cfg.head_dim,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": config.model.init_method.std,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+        "use_cache": True,
+        **tokens,
+    }
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(json.dumps(value, indent=2) + "\n")
