@@ -9,14 +9,19 @@ import torch
 from femtotron.config import Config
 from femtotron.data.tokenizer import eos_token_id, load_tokenizer
 from femtotron.errors import FemtotronError
-from femtotron.models.llama import Llama
+from femtotron.models.llama import KVCache, Llama
+from femtotron.serialize.hf import HF_CONFIG, read_as_run
 from femtotron.serialize.weights import CONFIG_FILE, TOKENIZER_FILE, load_weights
 
 
 def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Config, Llama]:
-    """The model of `run_dir` (written by `femtotron train` or `consolidate`) with its trained weights, in
-    fp32."""
-    config, weights = load_weights(Path(run_dir), device)
+    """The model of `run_dir` (written by `femtotron train`, `consolidate` or `import-hf`, or a Hugging Face
+    Llama directory) with its trained weights, in fp32."""
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG_FILE).is_file() and (run_dir / HF_CONFIG).is_file():
+        config, weights = read_as_run(run_dir)
+    else:
+        config, weights = load_weights(run_dir, device)
     model = Llama(
         config.model.model_config_,
         std=config.model.init_method.std,
@@ -28,7 +33,7 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Config, Llama]:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as e:
         raise FemtotronError(
-            f"the weights in {run_dir} do not hold this run's model ({Path(run_dir) / CONFIG_FILE}): "
+            f"the weights in {run_dir} do not hold this run's model ({run_dir / CONFIG_FILE}): "
             f"{str(e).splitlines()[0]}. Re-run the training that wrote them."
         ) from None
     return config, model.eval()
@@ -44,13 +49,17 @@ def sample(
     seed: int = 0,
     stop_id: int | None = None,
 ) -> list[int]:
-    """Autoregressive sampling; the context is cropped to the model's max_position_embeddings."""
+    """Autoregressive sampling (temperature 0: greedy) with a key/value cache; when the context outgrows the
+    model's max_position_embeddings it is cropped to that and the cache rebuilt."""
     generator = torch.Generator().manual_seed(seed)
     ids = list(prompt_ids)
     window = model.cfg.max_position_embeddings
     device = model.embed_tokens.weight.device
+    cache, feed = KVCache(), ids[-window:]
     for _ in range(max_new_tokens):
-        logits = model.logits(torch.tensor([ids[-window:]], device=device))[0, -1].float().cpu()
+        if cache.length + len(feed) > window:
+            cache, feed = KVCache(), ids[-window:]
+        logits = model.logits(torch.tensor([feed], device=device), cache)[0, -1].float().cpu()
         if temperature <= 0:
             next_id = int(logits.argmax())
         else:
@@ -60,6 +69,7 @@ def sample(
                 logits = logits.masked_fill(logits < cutoff, float("-inf"))
             next_id = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
         ids.append(next_id)
+        feed = [next_id]
         if next_id == stop_id:
             break
     return [i for i in ids[len(prompt_ids) :] if i != stop_id]

@@ -64,13 +64,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """`causal` False: every query sees every key (one new position against a generation's cache)."""
     if emulated_low_precision(q):
-        return _causal_attention(q.float(), k.float(), v.float()).to(q.dtype)
-    return _causal_attention(q, k, v)
+        return _causal_attention(q.float(), k.float(), v.float(), causal).to(q.dtype)
+    return _causal_attention(q, k, v, causal)
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     if (
         q.is_meta
     ):  # memory estimates: keep what a fused kernel keeps (output, log-sum-exp), as on GPUs and CPUs
@@ -79,7 +80,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
     if groups > 1 and not fused_kernel_takes_kv_groups(q.device.type, q.dtype, capability):
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def fused_kernel_takes_kv_groups(device_type: str, dtype: torch.dtype, capability: tuple | None) -> bool:

@@ -61,6 +61,22 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+class KVCache:
+    """Keys and values of the positions generated so far, per attention module: each new position then costs
+    one position's compute instead of the whole context's."""
+
+    def __init__(self) -> None:
+        self.length, self.kv = 0, {}
+
+    def extend(
+        self, attention: nn.Module, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if attention in self.kv:
+            k, v = (torch.cat([old, new], dim=2) for old, new in zip(self.kv[attention], (k, v), strict=True))
+        self.kv[attention] = k, v
+        return k, v
+
+
 class Rotary(nn.Module):
     """Rotary position embedding with the rotate-half layout Hugging Face checkpoints use."""
 
@@ -72,10 +88,10 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (batch, heads, seq, head_dim)."""
-        seq = x.shape[-2]
-        cos, sin = self.cos[:seq].to(x.dtype), self.sin[:seq].to(x.dtype)
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """x: (batch, heads, seq, head_dim), at positions start, start + 1, ..."""
+        positions = slice(start, start + x.shape[-2])
+        cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -112,13 +128,18 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.output_split_dim = self.o_proj.output_split_dim
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         b, s, _ = qkv.shape  # the whole sequence, also when x is a sequence shard
         qkv = qkv.view(b, s, self.local_kv_heads, self.group_size + 2, self.head_dim)
         q = qkv[:, :, :, :-2].reshape(b, s, -1, self.head_dim).transpose(1, 2)
         k, v = qkv[:, :, :, -2].transpose(1, 2), qkv[:, :, :, -1].transpose(1, 2)
-        out = causal_attention(self.rotary(q), self.rotary(k), v)
+        start = cache.length if cache is not None else 0
+        q, k = self.rotary(q, start), self.rotary(k, start)
+        if cache is not None:
+            k, v = cache.extend(self, k, v)
+        # Against a cache the new position sees all the earlier ones (one position at a time after the first).
+        out = causal_attention(q, k, v, causal=start == 0)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -156,8 +177,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(make, f"{name}.mlp", cfg.hidden_size, cfg.intermediate_size, out_std, tp)
         self.output_split_dim = self.mlp.output_split_dim
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -235,14 +256,16 @@ class Llama(nn.Module):
     def padded_vocab_size(self) -> int:
         return shard_size(self.cfg.vocab_size, self.tp.size) * self.tp.size
 
-    def hidden_states(self, inputs: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, inputs: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         x = self.embed_tokens(inputs) if self.stage.embedding else inputs
         recompute = self.recompute_layer and torch.is_grad_enabled()
         for layer in self.layers.values():
             # Non-reentrant checkpoint: backward runs through the ordinary autograd graph (the
             # recomputed tensors stand in for the dropped ones), so gradients, gradient hooks and
             # the pipeline's backward from a stage's output work as without it.
-            x = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
+            x = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x, cache)
+        if cache is not None:
+            cache.length += inputs.shape[1]
         return x
 
     def head_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -265,9 +288,11 @@ class Llama(nn.Module):
             self.head_logits(x), targets, self.vocab_start, self.cfg.vocab_size, IGNORE_INDEX, self.tp
         )
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits of the whole model (gathered over tp; for evaluation and generation)."""
-        return gather_full(self.head_logits(self.hidden_states(input_ids)), -1, self.tp)[
+    def logits(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Full-vocabulary logits of the whole model (gathered over tp; for evaluation and generation). With
+        `cache`, `input_ids` continue the positions it holds (all of them when it is empty, then one at a
+        time), and it keeps their keys and values."""
+        return gather_full(self.head_logits(self.hidden_states(input_ids, cache)), -1, self.tp)[
             ..., : self.cfg.vocab_size
         ]
 

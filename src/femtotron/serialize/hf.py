@@ -171,10 +171,11 @@ def _expected(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in to_hf(meta, cfg).items()}
 
 
-def import_hf(hf_dir: Path, out: Path) -> Path:
-    """A femtotron run directory (config.yaml, model.safetensors, tokenizer.json) from an HF Llama directory;
-    `femtotron generate` reads it."""
+def read_as_run(hf_dir: Path, out: Path | None = None) -> tuple[Config, dict[str, torch.Tensor]]:
+    """An HF Llama directory as a run would hold it: the config a run directory at `out` (default: the HF
+    directory itself) would have, and the weights by femtotron name."""
     cfg, hf, state = read_hf(hf_dir)
+    out = out or hf_dir
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     tokenizer = hf_dir / TOKENIZER_FILE
     config = load_config_dict(
@@ -190,6 +191,14 @@ def import_hf(hf_dir: Path, out: Path) -> Path:
         },
         source=str(hf_dir / HF_CONFIG),
     )
+    return config, state
+
+
+def import_hf(hf_dir: Path, out: Path) -> Path:
+    """A femtotron run directory (config.yaml, model.safetensors, tokenizer.json) from an HF Llama directory;
+    `femtotron generate` reads it."""
+    config, state = read_as_run(hf_dir, out)
+    tokenizer = hf_dir / TOKENIZER_FILE
     out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / WEIGHTS_FILE) as tmp:
         save_file(state, tmp, metadata={"source": str(hf_dir)})
