@@ -30,6 +30,7 @@ from femtotron.parallel.context import ParallelContext
 from femtotron.precision import CPU_MULTIPLIES_BF16, emulated_low_precision, tf32_for_fp32
 from femtotron.run_log import RunLog, StepLogger, StepResult
 from femtotron.serialize import checkpoint
+from femtotron.serialize.init import init_weights
 from femtotron.serialize.weights import save_weights, write_config, write_tokenizer
 from femtotron.stop_signals import StopSignals
 from femtotron.train_state import TrainingParts, TrainState
@@ -45,6 +46,8 @@ class Trainer:
         size, accumulation = tokens.micro_batch_size, tokens.batch_accumulation_per_replica
         self.batches = MicroBatchIterator(self.train_data, size, accumulation, ctx.dp_rank, ctx.dp)
         self.model = build_rank_model(config, ctx)
+        if config.model.init_from:  # before the optimizer copies the weights into its master weights
+            self.log.info(init_weights(self.model, config))
         self.tp, self.chunks, self.data_parallel = self.model.tp, self.model.chunks, self.model.data_parallel
         self.pipeline = build_pipeline(config, ctx, self.model)
         dtype = DTYPES[config.model.dtype]

@@ -1,0 +1,119 @@
+"""`model.init_from`: a run's first weights from another model, at any mesh and ZeRO stage.
+
+PATH is a Hugging Face Llama directory (config.json), a finished run directory (config.yaml and its
+safetensors), or a checkpoint (a step directory, or a checkpoints directory: its newest). Only the weights
+are read, into this rank's slices (serialize/checkpoint.py `fill`, the same placement code resuming uses):
+the run still starts at step 0, with a fresh optimizer and schedule. From a run directory or a checkpoint
+each rank reads only the boxes it holds; an HF directory is read whole (its fused weights are re-fused).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+
+from femtotron.config import Config, LlamaConfig, load_config
+from femtotron.errors import ConfigError
+from femtotron.serialize.checkpoint import MODEL_FIELDS, fill, resolve
+from femtotron.serialize.files import CheckpointReader
+from femtotron.serialize.geometry import Box
+from femtotron.serialize.hf import HF_CONFIG, read_hf
+from femtotron.serialize.weights import CONFIG_FILE, PARTS_FILE, WEIGHTS_FILE
+
+if TYPE_CHECKING:
+    from femtotron.layout import RankModel
+
+WHAT = "model.init_from"
+
+
+def _box(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(start, stop) for start, stop in zip(*box, strict=True))
+
+
+class InMemory:
+    """Full-shape tensors by femtotron name (an HF directory's, re-fused)."""
+
+    def __init__(self, directory: Path, tensors: dict[str, torch.Tensor]) -> None:
+        self.directory, self.tensors = directory, tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name: str, box: Box) -> torch.Tensor:
+        return self.tensors[name][_box(box)]
+
+
+class RunFiles:
+    """A run directory's safetensors files, read box by box."""
+
+    def __init__(self, directory: Path) -> None:
+        parts_file = directory / PARTS_FILE
+        parts = json.loads(parts_file.read_text())["parts"] if parts_file.is_file() else [WEIGHTS_FILE]
+        self.directory, self.files = directory, [safe_open(str(directory / p), framework="pt") for p in parts]
+        self.where = {name: f for f in self.files for name in f.keys()}  # noqa: SIM118 - not a dict
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.where[name].get_slice(name).get_shape())
+
+    def read(self, name: str, box: Box) -> torch.Tensor:
+        return self.where[name].get_slice(name)[_box(box)]
+
+
+class CheckpointWeights:
+    """A checkpoint's weights: the fp32 master weights where it has them, else the model's."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader, self.directory = reader, reader.directory
+
+    def _key(self, name: str) -> str:
+        return f"master/{name}" if self.reader.has(f"master/{name}") else f"model/{name}"
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.reader.shape(self._key(name))
+
+    def read(self, name: str, box: Box) -> torch.Tensor:
+        return self.reader.read(self._key(name), box)
+
+
+def source_of(path: Path) -> tuple[LlamaConfig, Any]:
+    """The model config at `path` and a reader of its weights by femtotron name."""
+    if not path.exists():
+        raise ConfigError(
+            f"{WHAT}={path} does not exist: give an HF model directory, a run directory or a checkpoint."
+        )
+    if (path / HF_CONFIG).is_file() and not (path / CONFIG_FILE).is_file():
+        cfg, _, state = read_hf(path)
+        return cfg, InMemory(path, state)
+    if (path / CONFIG_FILE).is_file():
+        return load_config(path / CONFIG_FILE).model.model_config_, RunFiles(path)
+    directory, _ = resolve(path, WHAT)
+    reader = CheckpointReader(directory)
+    return LlamaConfig(**reader.manifest["config"]["model"]["model_config"]), CheckpointWeights(reader)
+
+
+def init_weights(model: RankModel, config: Config) -> str:
+    """Fill this rank's parameters from `model.init_from`; a line for the log."""
+    path = Path(config.model.init_from)
+    source_cfg, source = source_of(path)
+    current = config.model.model_config_
+    fields = (*MODEL_FIELDS, "max_position_embeddings", "rope_theta", "rms_norm_eps")
+    wrong = [
+        f"model.model_config.{field}: {path} has {getattr(source_cfg, field)!r}, "
+        f"the config {getattr(current, field)!r}"
+        for field in fields
+        if getattr(source_cfg, field) != getattr(current, field)
+    ]
+    if wrong:
+        raise ConfigError(
+            f"{WHAT}={path} is another model:\n  - "
+            + "\n  - ".join(wrong)
+            + "\nSet these fields as the source has them."
+        )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            fill(param.data.view(-1), param, 0, param.numel(), source, name)
+    return f"initialised the weights from {path} ({WHAT}); the run starts at step 0 with a fresh optimizer"

@@ -1,0 +1,95 @@
+"""`model.init_from`: the first weights from an HF directory, a run directory or a checkpoint, at any mesh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_ranks
+from safetensors.torch import load_file
+
+from femtotron.errors import ConfigError
+from femtotron.models.hf_conversion import from_hf
+from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.tensor_parallel import full_tensor
+from femtotron.trainer import Trainer
+
+
+def trained(tiny_config, run, **more):
+    """A 2-step run on one process with a checkpoint and its final weights; returns its config."""
+    config = tiny_config(
+        f"general.run={run}", "checkpoints.checkpoint_interval=2", "tokens.train_steps=2", **more
+    )
+    Trainer(config, ParallelContext(), log_to_console=False).train()
+    return config
+
+
+def _full_weights(rank, config):
+    ctx = ParallelContext.from_config(config)
+    trainer = Trainer(config, ctx, log_to_console=False)
+    model = trainer.model
+    out = {name: full_tensor(p, p.shard, model.tp).float() for name, p in model.named_parameters()}
+    step = trainer.state.step
+    ctx.close()
+    return out, step
+
+
+@pytest.mark.distributed
+def test_init_from_a_run_directory_and_a_checkpoint_at_another_mesh(tiny_config, tmp_path):
+    """Saved by one process; read by tp=2 (run directory) and pp=2 with ZeRO-1 over dp=2 (checkpoint): each
+    rank's slices, gathered, are the saved weights; the run starts at step 0."""
+    source = trained(tiny_config, "source")
+    saved = load_file(str(source.run_dir / "model.safetensors"))
+    cases = [
+        ("tp=2", source.run_dir, ["parallelism.tp=2"], 2),
+        (
+            "pp=2 dp=2 ZeRO-1",
+            source.run_dir / "checkpoints",
+            ["parallelism.pp=2", "parallelism.dp=2", "optimizer.zero_stage=1"],
+            4,
+        ),
+    ]
+    for label, path, layout, world in cases:
+        config = tiny_config(f"general.run=from-{world}", f"model.init_from={path}", *layout)
+        for weights, step in run_ranks(_full_weights, world, config):
+            assert step == 0, label
+            for name, tensor in weights.items():
+                assert torch.equal(tensor, saved[name].float()), (label, name)
+
+
+def test_init_from_a_hugging_face_directory(tiny_config, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = tiny_config("general.run=from-hf")
+    cfg = config.model.model_config_
+    hf = LlamaForCausalLM(
+        LlamaConfig(
+            **{key: getattr(cfg, key) for key in ("vocab_size", "hidden_size", "intermediate_size")},
+            **{
+                key: getattr(cfg, key)
+                for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+            },
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope_theta=cfg.rope_theta,
+            rms_norm_eps=cfg.rms_norm_eps,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+        )
+    )
+    hf.save_pretrained(tmp_path / "hf")
+    expected = from_hf({k: v.float() for k, v in hf.state_dict().items()}, cfg)
+    config = tiny_config("general.run=from-hf", f"model.init_from={tmp_path / 'hf'}")
+    weights, step = _full_weights(0, config)
+    assert step == 0 and weights.keys() == expected.keys()
+    assert all(torch.equal(weights[name], expected[name]) for name in expected)
+
+
+def test_a_source_of_another_model_is_refused_naming_each_field(tiny_config, tmp_path):
+    source = trained(tiny_config, "small")
+    config = tiny_config(
+        "general.run=bigger", f"model.init_from={source.run_dir}", "model.model_config.hidden_size=128"
+    )
+    with pytest.raises(ConfigError, match=r"model.model_config.hidden_size: .* has 64, the config 128"):
+        Trainer(config, ParallelContext(), log_to_console=False)
+    with pytest.raises(ConfigError, match="model.init_from=.*does not exist"):
+        Trainer(
+            tiny_config(f"model.init_from={tmp_path / 'nowhere'}"), ParallelContext(), log_to_console=False
+        )
