@@ -43,6 +43,18 @@ class GeneralArgs(_Section):
     cuda_expandable_segments: bool = True
 
 
+class RopeScaling(_Section):
+    """Llama 3.1's long-context RoPE (`rope_type: llama3`): frequencies whose wavelength exceeds the original
+    context / low_freq_factor are divided by `factor`, those below original / high_freq_factor kept, a
+    smooth ramp between."""
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: PositiveFloat = 8.0
+    low_freq_factor: PositiveFloat = 1.0
+    high_freq_factor: PositiveFloat = 4.0
+    original_max_position_embeddings: PositiveInt = 8192
+
+
 class LlamaConfig(_Section):
     vocab_size: PositiveInt = 32000
     hidden_size: PositiveInt = 4096
@@ -52,6 +64,7 @@ class LlamaConfig(_Section):
     num_key_value_heads: PositiveInt | None = None  # None: one KV head per query head (no GQA)
     max_position_embeddings: PositiveInt = 2048
     rope_theta: PositiveFloat = 10000.0
+    rope_scaling: RopeScaling | None = None
     rms_norm_eps: PositiveFloat = 1e-6
     tie_word_embeddings: bool = False
     hidden_act: Literal["silu"] = "silu"

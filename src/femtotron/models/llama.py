@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from femtotron.config import LlamaConfig
+from femtotron.config.config import RopeScaling
 from femtotron.data.nanoset import IGNORE_INDEX
 from femtotron.errors import ConfigError
 from femtotron.parallel.pipeline.partition import Stage
@@ -80,9 +81,17 @@ class KVCache:
 class Rotary(nn.Module):
     """Rotary position embedding with the rotate-half layout Hugging Face checkpoints use."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None = None
+    ) -> None:
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        if scaling is not None:  # llama3: slow the low frequencies down, keep the high, ramp between
+            wavelength, original = 2 * math.pi / inv_freq, scaling.original_max_position_embeddings
+            ramp = (original / wavelength - scaling.low_freq_factor) / (
+                scaling.high_freq_factor - scaling.low_freq_factor
+            )
+            inv_freq = inv_freq * (ramp.clamp(0, 1) * (1 - 1 / scaling.factor) + 1 / scaling.factor)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
         self.register_buffer("cos", angles.cos().float(), persistent=False)
@@ -226,7 +235,7 @@ class Llama(nn.Module):
             0, range(cfg.num_hidden_layers), embedding=True, head=True, cost=0.0
         )
         make = ParamFactory(std, seed, dtype, device)
-        rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.rotary = rotary.to(device)
         tied = cfg.tie_word_embeddings
         if stage.embedding or (stage.head and tied):

@@ -45,6 +45,7 @@ FIELDS = tuple(
     "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
     "max_position_embeddings rms_norm_eps tie_word_embeddings hidden_act".split()
 )
+SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # What femtotron's Llama does not have, with the value that means "not used".
 ABSENT = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1, "sliding_window": None}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,12 +70,12 @@ def llama_config(hf: dict[str, Any], where: Path) -> LlamaConfig:
     ]
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        problems.append(
-            f"rope type {kind!r} (rope_parameters / rope_scaling): only plain RoPE is supported yet"
-        )
+    if kind not in ("default", "llama3"):
+        problems.append(f"rope type {kind!r} (rope_parameters / rope_scaling): plain RoPE and llama3 only")
     values = {key: hf[key] for key in FIELDS if hf.get(key) is not None}
     values["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if kind == "llama3":
+        values["rope_scaling"] = {key: rope[key] for key in SCALING if key in rope}
     head_dim = hf.get("head_dim")
     if (
         head_dim is not None
@@ -283,12 +284,18 @@ def _special_tokens(path: Path) -> dict[str, int]:
 
 
 def _hf_config(config: Config, cfg: LlamaConfig, dtype: str, tokens: dict[str, int]) -> dict[str, Any]:
+    scaling = cfg.rope_scaling.model_dump(exclude={"rope_type"}) if cfg.rope_scaling else {}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         **{key: getattr(cfg, key) for key in FIELDS},
-        "rope_theta": cfg.rope_theta,  # transformers 4.x reads this, 5.x rope_parameters
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "rope_theta": cfg.rope_theta,  # transformers 4.x reads these two, 5.x rope_parameters
+        "rope_scaling": {"rope_type": "llama3", **scaling} if scaling else None,
+        "rope_parameters": {
+            "rope_theta": cfg.rope_theta,
+            "rope_type": "llama3" if scaling else "default",
+            **scaling,
+        },
         "head_dim": cfg.head_dim,
         "attention_bias": False,
         "mlp_bias": False,

@@ -100,7 +100,7 @@ def init_weights(model: RankModel, config: Config) -> str:
     path = Path(config.model.init_from)
     source_cfg, source = source_of(path)
     current = config.model.model_config_
-    fields = (*MODEL_FIELDS, "max_position_embeddings", "rope_theta", "rms_norm_eps")
+    fields = (*MODEL_FIELDS, "max_position_embeddings", "rope_theta", "rope_scaling", "rms_norm_eps")
     wrong = [
         f"model.model_config.{field}: {path} has {getattr(source_cfg, field)!r}, "
         f"the config {getattr(current, field)!r}"
