@@ -122,6 +122,13 @@ class _GatherWithoutReduceScatter(torch.autograd.Function):
         return grad.chunk(ctx.tp.size, dim=1)[ctx.tp.rank].contiguous(), None
 
 
+class NoRotary(torch.nn.Module):
+    """Positions left out of the queries and keys."""
+
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        return x
+
+
 def _broken(rank, config, breakage):
     ctx = ParallelContext(tp=2, collective_timeout_seconds=60)
     model = tp_model(config, ctx)
@@ -129,7 +136,7 @@ def _broken(rank, config, breakage):
     if breakage == "row reduction":  # the partial sums of down_proj are never added up
         layer.mlp.down_proj.forward = lambda x: linear(x, layer.mlp.down_proj.weight)
     elif breakage == "attention core":  # between qkv_proj and o_proj: stands in for a wrong head split
-        model.layers[0].self_attn.rotary = torch.nn.Identity()
+        model.layers[0].self_attn.rotary = NoRotary()
     elif breakage == "column input gradient":
         gate_up = layer.mlp.gate_up_proj
         if model.tp.sequence_parallel:
