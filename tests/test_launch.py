@@ -1,11 +1,16 @@
 """`femtotron train` without a launcher starts dp*tp*pp local processes itself, through
 torch.distributed.run."""
 
+import contextlib
 import json
 import os
+import random
+import re
 import signal
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +20,7 @@ from helpers import write_cli_config as write_config
 from safetensors.torch import load_file
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from femtotron.config import load_config
 from femtotron.errors import ConfigError
 from femtotron.generate import load_run
 from femtotron.launch import _first_failure_code, adopt_slurm_environment, check_local_devices, first_host
@@ -287,3 +293,135 @@ def test_sigterm_to_a_self_launched_run_saves_and_exits_7_as_under_torchrun(conf
     assert "SIGTERM received: stopped after step" in output
     saved = tmp_path / "runs" / "term" / "checkpoints"
     assert int((saved / "latest").read_text().strip().removeprefix("step-")) >= 2
+
+
+@pytest.mark.distributed
+def test_two_torchrun_agents_as_two_nodes_train_like_one_process(config, tmp_path):
+    """Two torchrun agents of 2 processes each meet at a c10d rendezvous as two nodes (what `torchrun --nnodes
+    2` on two machines does) and train dp=2 x tp=2 together: the losses and final weights of one process."""
+    port = free_port()
+    agent = [
+        *[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"],
+        *["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"nodes{port}"],
+        *["-m", "femtotron.cli", "train", config, "parallelism.dp=2", "parallelism.tp=2"],
+        *["tokens.train_steps=3", "general.run=nodes"],
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(agent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    nodes.append(subprocess.Popen(agent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outputs]
+    # Rank 0 logs: it is on one of the nodes, and sees the 4 processes of both.
+    layout = "layout: dp=2 tp=2 pp=1 on 4 process(es)"
+    assert [layout in out for out, _ in outputs].count(True) == 1, outputs
+    single = femtotron(
+        "train",
+        config,
+        "tokens.train_steps=3",
+        "tokens.batch_accumulation_per_replica=2",
+        "general.run=single",
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+    runs = tmp_path / "runs"
+    assert losses(runs / "nodes") == pytest.approx(losses(runs / "single"), rel=1e-5)
+    weights = load_file(runs / "nodes" / "model.safetensors")
+    reference = load_file(runs / "single" / "model.safetensors")
+    assert weights.keys() == reference.keys()
+    for name, tensor in reference.items():  # as in the tp test above: Adam magnifies summation order
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-4, msg=name)
+
+
+SBATCH = Path(__file__).parents[1] / "examples" / "slurm" / "train.sbatch"
+
+
+def test_the_slurm_script_default_config_fills_its_nodes():
+    text = SBATCH.read_text()
+    option = {m[0]: int(m[1]) for m in re.findall(r"^#SBATCH --(nodes|gpus-per-node)=(\d+)", text, re.M)}
+    default = re.search(r"^config=\$\{1:-(\S+)\}$", text, re.M)[1]
+    parallelism = load_config(SBATCH.parents[2] / default).parallelism
+    assert parallelism.dp * parallelism.tp * parallelism.pp == option["nodes"] * option["gpus-per-node"]
+    assert "--signal=B:USR1@" in text and "#SBATCH --requeue" in text
+
+
+# Stand-ins for Slurm's commands on one machine: srun starts its command once per node, scancel signals those
+# tasks, scontrol names 127.0.0.1 as every node and notes a requeue.
+FAKE_SLURM = {
+    "srun": """while [[ $1 == --* ]]; do shift; done
+for ((node = 0; node < SLURM_NNODES; node++)); do "$@" & echo $! >> "$FAKE_SLURM/tasks"; done
+status=0; for task in $(cat "$FAKE_SLURM/tasks"); do wait "$task" || status=$?; done; exit $status""",
+    "scancel": 'kill -s "${1#--signal=}" $(cat "$FAKE_SLURM/tasks")',
+    "scontrol": """case $1 in show) for ((n = 0; n < SLURM_NNODES; n++)); do echo 127.0.0.1; done ;;
+requeue) echo "$2" > "$FAKE_SLURM/requeued" ;; esac""",
+}
+
+
+def free_job_id() -> int:
+    """A job id whose rendezvous port in train.sbatch (20000 + id % 20000) is free here."""
+    for job_id in random.sample(range(20000), 100):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", 20000 + job_id))
+            return job_id
+    raise AssertionError("no free port between 20000 and 39999")
+
+
+@pytest.mark.distributed
+def test_the_slurm_script_stops_at_its_time_limit_signal_requeues_and_resumes(config, tmp_path):
+    """examples/slurm/train.sbatch on two "nodes" of 2 processes (dp=2 x tp=2), with Slurm's commands
+    played by stand-ins: the SIGUSR1 Slurm sends before the time limit makes the ranks save and stop and the
+    job requeue itself; the requeued job (the same command) resumes from that checkpoint and finishes."""
+    syntax = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    fake = tmp_path / "fake_slurm"
+    fake.mkdir()
+    for name, body in FAKE_SLURM.items():
+        (fake / name).write_text(f"#!/bin/bash\n{body}\n")
+        (fake / name).chmod(0o755)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}",  # torchrun: this Python's
+        "FAKE_SLURM": str(fake),
+        "SLURM_JOB_ID": str(free_job_id()),
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_NNODES": "2",
+        "SLURM_GPUS_ON_NODE": "2",
+    }
+    overrides = (
+        "parallelism.dp=2 parallelism.tp=2 tokens.train_steps=40 checkpoints.checkpoint_interval=1000 "
+        "logging.iteration_step_info_interval=1 general.run=slurm"
+    ).split()
+    job = subprocess.Popen(
+        ["bash", str(SBATCH), config, *overrides],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    for line in job.stdout:
+        if "step 2/40" in line:
+            job.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@300` does
+            break
+    output = job.stdout.read()
+    assert job.wait(timeout=120) == 0, output[-3000:]
+    assert "time limit near" in output and "SIGUSR1 received: stopped after step" in output
+    assert (fake / "requeued").read_text().strip() == env["SLURM_JOB_ID"]
+    stopped_at = int((tmp_path / "runs" / "slurm" / "checkpoints" / "latest").read_text().strip()[5:])
+    assert 2 <= stopped_at < 40
+    (fake / "requeued").unlink()
+    (fake / "tasks").unlink()
+    requeued = subprocess.run(
+        ["bash", str(SBATCH), config, *overrides],
+        env={**env, "SLURM_RESTART_COUNT": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert requeued.returncode == 0, requeued.stdout[-3000:] + requeued.stderr[-3000:]
+    assert (
+        f"resumed from {tmp_path / 'runs' / 'slurm' / 'checkpoints'}/step-{stopped_at:07d}" in requeued.stdout
+    )
+    assert not (fake / "requeued").exists()  # finished: no requeue
+    records = [
+        json.loads(line) for line in (tmp_path / "runs" / "slurm" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in records] == list(range(1, 41))
