@@ -23,6 +23,7 @@ $(DATA).bin $(DATA).idx: $(BIN)/femtotron examples/data/shakespeare.jsonl.gz exa
 demo: $(DATA).bin
 	$(BIN)/femtotron train examples/debug.yaml
 	$(BIN)/femtotron generate runs/debug --prompt "ROMEO:" --max-new-tokens 120
+	$(BIN)/femtotron plot runs/debug
 
 test: $(BIN)/femtotron
 	$(BIN)/python -m pytest -q

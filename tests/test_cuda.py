@@ -212,3 +212,40 @@ def test_a_host_blocked_on_the_device_is_seen_by_the_hang_report():
     seen = [(op.kind, op.group) for op in comm.unfinished()]
     reader.join()
     assert seen == [("wait for the device (loss)", None)] and comm.unfinished() == []
+
+
+def test_profile_steps_on_cuda_write_the_trace_with_gpu_kernels_and_a_memory_snapshot(tmp_path):
+    """profiling.profile_steps on CUDA: the Chrome trace has the GPU's kernels, and the allocator's history of
+    those steps is dumped beside it."""
+    import pickle
+
+    data = write_patterned_tokens(tmp_path / "data" / "patterned", documents=60)
+    config = tiny_config_maker(tmp_path / "runs", data)(
+        "tokens.train_steps=3", "profiling.profile_steps=[2,3]"
+    )
+    Trainer(config, ParallelContext(), log_to_console=False).train()
+    profile = config.run_dir / "profile"
+    trace = json.loads((profile / "rank-0.json").read_text())
+    assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])
+    snapshot = pickle.loads((profile / "rank-0-memory.pickle").read_bytes())
+    assert snapshot["segments"] and any(trace_ for trace_ in snapshot["device_traces"])
+
+
+def test_an_out_of_memory_step_leaves_the_allocators_state_and_says_where(tmp_path):
+    """As in M1, the step cannot fit; inside the profiler's step context the report names the snapshot."""
+    import pickle
+
+    data = write_patterned_tokens(tmp_path / "data" / "patterned", documents=120)
+    config = tiny_config_maker(tmp_path / "runs", data)("tokens.micro_batch_size=2048")
+    trainer = Trainer(config, ParallelContext(), log_to_console=False)
+    release_memory()
+    total = torch.cuda.mem_get_info()[1]
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 64 * 2**20) / total)
+    try:
+        with pytest.raises(OutOfMemory) as info, trainer.profiler.step(1):
+            trainer.train_step()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    path = config.run_dir / "profile" / "rank-0-oom.pickle"
+    assert f"The allocator's state at the failure: {path}" in str(info.value)
+    assert pickle.loads(path.read_bytes())["segments"]

@@ -1,7 +1,7 @@
 """femtotron: pretrain LLaMA-style models with data, tensor and pipeline parallelism and ZeRO-1.
 
 Verbs: train, doctor, check-tp, generate, inspect-data, reshard, consolidate, import-hf, export-hf,
-preprocess, train-tokenizer.
+preprocess, train-tokenizer, plot.
 Every problem a user can fix arrives as a FemtotronError and is printed as plain text with its
 exit code (2 for config errors); a traceback means a bug in femtotron.
 """
@@ -174,6 +174,16 @@ def cmd_inspect_data(args: argparse.Namespace) -> None:
     print(inspect_samples(nanoset, tokenizer, config.tokens.sequence_length, args.n))
 
 
+def cmd_plot(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from femtotron.diagnostics.plot import plot_runs
+
+    run_dirs = [Path(run_dir) for run_dir in args.run_dirs]
+    written = plot_runs(run_dirs, Path(args.out) if args.out else run_dirs[0] / "plots")
+    print(f"wrote {len(written)} plots to {written[0].parent}: {', '.join(p.name for p in written)}")
+
+
 def cmd_preprocess(args: argparse.Namespace) -> None:
     from femtotron.data.preprocess import preprocess
 
@@ -309,6 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exp.add_argument("--shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     exp.set_defaults(run=cmd_export_hf)
+
+    plot = verbs.add_parser(
+        "plot", help="PNGs of loss, learning rate, grad norm, tokens/s, MFU and memory against step"
+    )
+    plot.add_argument("run_dirs", nargs="+", help="run directories (their metrics.jsonl), overlaid")
+    plot.add_argument("--out", default=None, help="directory for the PNGs (default: FIRST_RUN_DIR/plots)")
+    plot.set_defaults(run=cmd_plot)
 
     pre = verbs.add_parser("preprocess", help="tokenize .jsonl[.gz] / .txt into Megatron .bin/.idx files")
     pre.add_argument(

@@ -19,12 +19,16 @@ from tqdm import tqdm
 
 from femtotron.atomic import atomic_path
 from femtotron.config import Config
+from femtotron.dashboards import Dashboards
 from femtotron.metrics import describe_memory, memory_gib, peak_flops
 from femtotron.parallel.context import ParallelContext
 
 
 class RunLog:
-    """Rank-prefixed console lines, and metrics.jsonl, written by the rank that owns the logged loss."""
+    """Rank-prefixed console lines, and metrics.jsonl, written by the rank that owns the logged loss (and
+    copied to TensorBoard or W&B by `dashboards`)."""
+
+    dashboards: Dashboards | None = None
 
     def __init__(
         self, prefix: str, run_dir: Path, is_main: bool, console: bool = True, level: str = "info"
@@ -38,6 +42,8 @@ class RunLog:
         before."""
         if not self.is_main:
             return
+        if self.dashboards:
+            self.dashboards.open(step)
         lines = self.metrics_path.read_text().splitlines() if self.metrics_path.is_file() else []
         kept = [line for line in lines if _step_of(line) <= step]
         with atomic_path(self.metrics_path) as tmp:
@@ -65,6 +71,12 @@ class RunLog:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(values) + "\n")
+            if self.dashboards:
+                self.dashboards.write(values)
+
+    def close(self) -> None:
+        if self.dashboards:
+            self.dashboards.close()
 
 
 @dataclass

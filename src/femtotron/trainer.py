@@ -14,11 +14,13 @@ import torch
 from tqdm import tqdm
 
 from femtotron.config import Config
+from femtotron.dashboards import Dashboards
 from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch, MicroBatchIterator
 from femtotron.diagnostics import failures, start_report
 from femtotron.diagnostics.data_check import check_batch_token_ids, first_loss_warning, open_run_data
 from femtotron.diagnostics.loss_spikes import LossSpikes
 from femtotron.diagnostics.nan_origin import locate
+from femtotron.diagnostics.profiling import StepProfiler
 from femtotron.diagnostics.watchdog import Watchdog
 from femtotron.errors import DataError, TrainingInterrupted, is_out_of_memory
 from femtotron.layout import DTYPES, build_pipeline, build_rank_model
@@ -41,6 +43,8 @@ class Trainer:
         self.config, self.ctx, self.run_dir = config, ctx, config.run_dir
         level, tokens = config.logging.log_level, config.tokens
         self.log = RunLog(ctx.log_prefix, self.run_dir, ctx.rank == 0, log_to_console, level)
+        self.log.dashboards = Dashboards(config)  # a missing extra fails here, before any work
+        self.profiler = StepProfiler(config, ctx, self.log)
         # Data first: a wrong dataset path must fail before minutes go into building the model.
         self.train_data, self.val_data, self.tokenizer = open_run_data(config)
         size, accumulation = tokens.micro_batch_size, tokens.batch_accumulation_per_replica
@@ -92,6 +96,8 @@ class Trainer:
         except BaseException:
             watchdog.stop(failed=True)
             raise
+        finally:
+            self.log.close()
         watchdog.stop()
         return results
 
@@ -128,7 +134,8 @@ class Trainer:
         )
         with StopSignals() as signals:
             while self.state.step < train_steps:
-                results.append(self.train_step())
+                with self.profiler.step(self.state.step + 1):
+                    results.append(self.train_step())
                 bar.update(1)
                 bar.set_postfix(loss=f"{results[-1].loss:.3f}")
                 self.log_step(results[-1])

@@ -119,9 +119,9 @@ def test_key_in_wrong_section_says_where_it_belongs(tmp_path):
 
 
 def test_unknown_key_without_close_match_lists_valid_keys(tmp_path):
-    error = errors(tmp_path, GOOD + "logging:\n  wandb: true\n")
-    assert "valid keys here: output_dir, iteration_step_info_interval, log_level" in find(
-        error, "logging.wandb"
+    error = errors(tmp_path, GOOD + "logging:\n  comet: true\n")
+    assert "valid keys here: output_dir, iteration_step_info_interval, log_level, tensorboard, wandb" in find(
+        error, "logging.comet"
     )
 
 

@@ -253,6 +253,20 @@ class LoggingArgs(_Section):
     output_dir: str = "runs"
     iteration_step_info_interval: PositiveInt = 1
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    tensorboard: bool = False  # also write the step records to <run dir>/tensorboard/ (rank 0)
+    wandb: bool = False  # also log them to W&B: project general.project, run general.run
+
+
+class ProfilingArgs(_Section):
+    # [first, last]: a torch.profiler trace of these steps per rank in <run dir>/profile/; None: none
+    profile_steps: tuple[PositiveInt, PositiveInt] | None = None
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _in_order(cls, steps: tuple[int, int] | None) -> tuple[int, int] | None:
+        if steps and steps[0] > steps[1]:
+            raise ValueError(f"[first, last] with first <= last, e.g. [{steps[1]}, {steps[0]}]")
+        return steps
 
 
 class Config(_Section):
@@ -267,6 +281,7 @@ class Config(_Section):
     data: DataArgs
     checkpoints: CheckpointsArgs = Field(default_factory=CheckpointsArgs)
     logging: LoggingArgs = Field(default_factory=LoggingArgs)
+    profiling: ProfilingArgs = Field(default_factory=ProfilingArgs)
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> Config:
