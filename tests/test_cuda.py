@@ -5,6 +5,7 @@ report, and the op a rank waits for on the GPU is what the hang report sees."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -178,9 +179,10 @@ def test_the_memory_estimate_is_the_real_peak_within_a_sane_factor(tiny_config):
     assert 1 / 1.5 <= estimate / measured <= 1.5, (estimate, measured)
 
 
-def test_M1_a_real_cuda_out_of_memory_gives_the_report_naming_the_fields(tmp_path):
-    """The process may use only 64 MiB more than it holds once the model is built; the micro-batch of
-    2048 x 32 tokens needs 0.8 GiB of activations (doctor's estimate)."""
+@contextlib.contextmanager
+def squeezed(tmp_path):
+    """A trainer whose step cannot fit: the process may use only 64 MiB more than it holds once the model is
+    built, and the micro-batch of 2048 x 32 tokens needs 0.8 GiB of activations (doctor's estimate)."""
     data = write_patterned_tokens(tmp_path / "data" / "patterned", documents=120)  # 2,500 samples
     config = tiny_config_maker(tmp_path / "runs", data)("tokens.micro_batch_size=2048")
     trainer = Trainer(config, ParallelContext(), log_to_console=False)
@@ -188,10 +190,14 @@ def test_M1_a_real_cuda_out_of_memory_gives_the_report_naming_the_fields(tmp_pat
     total = torch.cuda.mem_get_info()[1]
     torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 64 * 2**20) / total)
     try:
-        with pytest.raises(OutOfMemory) as info:
-            trainer.train_step()
+        yield trainer
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_M1_a_real_cuda_out_of_memory_gives_the_report_naming_the_fields(tmp_path):
+    with squeezed(tmp_path) as trainer, pytest.raises(OutOfMemory) as info:
+        trainer.train_step()
     message = str(info.value)
     assert message.startswith("step 1: out of memory on rank 0 in the "), message
     assert "(CUDA out of memory." in message
@@ -235,17 +241,8 @@ def test_an_out_of_memory_step_leaves_the_allocators_state_and_says_where(tmp_pa
     """As in M1, the step cannot fit; inside the profiler's step context the report names the snapshot."""
     import pickle
 
-    data = write_patterned_tokens(tmp_path / "data" / "patterned", documents=120)
-    config = tiny_config_maker(tmp_path / "runs", data)("tokens.micro_batch_size=2048")
-    trainer = Trainer(config, ParallelContext(), log_to_console=False)
-    release_memory()
-    total = torch.cuda.mem_get_info()[1]
-    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 64 * 2**20) / total)
-    try:
-        with pytest.raises(OutOfMemory) as info, trainer.profiler.step(1):
-            trainer.train_step()
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
-    path = config.run_dir / "profile" / "rank-0-oom.pickle"
+    with squeezed(tmp_path) as trainer, pytest.raises(OutOfMemory) as info, trainer.profiler.step(1):
+        trainer.train_step()
+    path = trainer.config.run_dir / "profile" / "rank-0-oom.pickle"
     assert f"The allocator's state at the failure: {path}" in str(info.value)
     assert pickle.loads(path.read_bytes())["segments"]
