@@ -56,7 +56,9 @@ def test_init_from_a_run_directory_and_a_checkpoint_at_another_mesh(tiny_config,
                 assert torch.equal(tensor, saved[name].float()), (label, name)
 
 
-def test_init_from_a_hugging_face_directory(tiny_config, tmp_path):
+def hf_weights(tiny_config, directory):
+    """A random LlamaForCausalLM of the tiny config's shape saved by transformers; its weights by femtotron
+    name."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = tiny_config("general.run=from-hf")
@@ -74,12 +76,26 @@ def test_init_from_a_hugging_face_directory(tiny_config, tmp_path):
             tie_word_embeddings=cfg.tie_word_embeddings,
         )
     )
-    hf.save_pretrained(tmp_path / "hf")
-    expected = from_hf({k: v.float() for k, v in hf.state_dict().items()}, cfg)
+    hf.save_pretrained(directory, max_shard_size="40KB")
+    return from_hf({k: v.float() for k, v in hf.state_dict().items()}, cfg)
+
+
+def test_init_from_a_hugging_face_directory(tiny_config, tmp_path):
+    expected = hf_weights(tiny_config, tmp_path / "hf")
     config = tiny_config("general.run=from-hf", f"model.init_from={tmp_path / 'hf'}")
     weights, step = _full_weights(0, config)
     assert step == 0 and weights.keys() == expected.keys()
     assert all(torch.equal(weights[name], expected[name]) for name in expected)
+
+
+@pytest.mark.distributed
+def test_each_tp_rank_reads_its_rows_of_the_fused_weights_from_hugging_face_files(tiny_config, tmp_path):
+    """qkv_proj and gate_up_proj do not exist in an HF directory: each tp rank gathers its rows from q/k/v
+    and gate/up, and the pieces, gathered, are the whole model."""
+    expected = hf_weights(tiny_config, tmp_path / "hf")
+    config = tiny_config("general.run=from-hf-tp", f"model.init_from={tmp_path / 'hf'}", "parallelism.tp=2")
+    for weights, _ in run_ranks(_full_weights, 2, config):
+        assert all(torch.equal(weights[name], expected[name]) for name in expected)
 
 
 def test_a_source_of_another_model_is_refused_naming_each_field(tiny_config, tmp_path):

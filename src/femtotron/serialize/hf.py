@@ -91,8 +91,10 @@ def llama_config(hf: dict[str, Any], where: Path) -> LlamaConfig:
         raise HFError(f"{where} holds values femtotron's Llama cannot take: {e}") from None
 
 
-def read_hf(hf_dir: Path) -> tuple[LlamaConfig, dict[str, Any], dict[str, torch.Tensor]]:
-    """An HF Llama directory's config, its config.json as read, and its weights by femtotron name."""
+def open_hf(hf_dir: Path) -> tuple[LlamaConfig, dict[str, Any], dict[str, Any]]:
+    """An HF Llama directory's config, its config.json as read, and by HF tensor name the open safetensors
+    file holding it: names, shapes and dtypes checked against the config from the files' headers, no
+    tensor read yet."""
     config_path = hf_dir / HF_CONFIG
     if not config_path.is_file():
         raise HFError(f"{config_path} does not exist: {hf_dir} is not a Hugging Face model directory.")
@@ -101,41 +103,44 @@ def read_hf(hf_dir: Path) -> tuple[LlamaConfig, dict[str, Any], dict[str, torch.
     except ValueError as e:
         raise HFError(f"{config_path} is not JSON: {e}") from None
     cfg = llama_config(hf, config_path)
-    files = _weight_files(hf_dir)
-    expected = _expected(cfg)
-    state: dict[str, torch.Tensor] = {}
-    for file, names in files.items():
+    handles: dict[str, Any] = {}
+    for file, names in _weight_files(hf_dir).items():
         try:
-            with safe_open(str(hf_dir / file), framework="pt") as f:
-                for name in names or list(f.keys()):
-                    if "rotary_emb" not in name:  # older exports saved RoPE's frequencies, which are computed
-                        state[name] = f.get_tensor(name)
+            f = safe_open(str(hf_dir / file), framework="pt")
         except (SafetensorError, OSError, TypeError) as e:
             raise HFError(
                 f"{hf_dir / file} cannot be read as safetensors: {str(e).splitlines()[0]}"
             ) from None
+        # Older exports saved RoPE's frequencies, which are computed.
+        handles.update({name: f for name in names or f.keys() if "rotary_emb" not in name})  # noqa: SIM118
     if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(state))
+        handles.pop("lm_head.weight", None)
+    expected = _expected(cfg)
+    missing = sorted(set(expected) - set(handles))
     if missing:
         raise HFError(
             f"{hf_dir} lacks {len(missing)} tensor(s) its config.json needs: {', '.join(missing[:5])}"
         )
-    for name, tensor in state.items():
+    for name, f in handles.items():
         if name not in expected:
             raise HFError(
                 f"{hf_dir} holds {name}, which a LlamaForCausalLM with its config.json does not have"
             )
-        if tuple(tensor.shape) != expected[name]:
+        header = f.get_slice(name)
+        if tuple(header.get_shape()) != expected[name]:
             raise HFError(
-                f"{name} in {hf_dir} has shape {tuple(tensor.shape)}, but config.json makes it "
+                f"{name} in {hf_dir} has shape {tuple(header.get_shape())}, but config.json makes it "
                 f"{expected[name]}: the weights and the config are from different models."
             )
-        if tensor.dtype not in DTYPES.values():
-            raise HFError(
-                f"{name} in {hf_dir} is {tensor.dtype}: only float32, bfloat16 and float16 are read"
-            )
-    return cfg, hf, from_hf(state, cfg)
+        if header.get_dtype() not in ("F32", "BF16", "F16"):
+            raise HFError(f"{name} in {hf_dir} is {header.get_dtype()}: only F32, BF16 and F16 are read")
+    return cfg, hf, handles
+
+
+def read_hf(hf_dir: Path) -> tuple[LlamaConfig, dict[str, Any], dict[str, torch.Tensor]]:
+    """An HF Llama directory's config, its config.json as read, and its weights by femtotron name."""
+    cfg, hf, handles = open_hf(hf_dir)
+    return cfg, hf, from_hf({name: f.get_tensor(name) for name, f in handles.items()}, cfg)
 
 
 def _weight_files(hf_dir: Path) -> dict[str, list[str] | None]:

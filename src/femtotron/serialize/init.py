@@ -3,8 +3,8 @@
 PATH is a Hugging Face Llama directory (config.json), a finished run directory (config.yaml and its
 safetensors), or a checkpoint (a step directory, or a checkpoints directory: its newest). Only the weights
 are read, into this rank's slices (serialize/checkpoint.py `fill`, the same placement code resuming uses):
-the run still starts at step 0, with a fresh optimizer and schedule. From a run directory or a checkpoint
-each rank reads only the boxes it holds; an HF directory is read whole (its fused weights are re-fused).
+the run still starts at step 0, with a fresh optimizer and schedule. Each rank reads only the boxes it
+holds, from any of the three sources.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from safetensors import safe_open
 
 from femtotron.config import Config, LlamaConfig, load_config
 from femtotron.errors import ConfigError
+from femtotron.models.llama import Llama
 from femtotron.serialize.checkpoint import MODEL_FIELDS, fill, resolve
 from femtotron.serialize.files import CheckpointReader
 from femtotron.serialize.geometry import Box
-from femtotron.serialize.hf import HF_CONFIG, read_hf
+from femtotron.serialize.hf import HF_CONFIG, open_hf
 from femtotron.serialize.weights import CONFIG_FILE, PARTS_FILE, WEIGHTS_FILE
 
 if TYPE_CHECKING:
@@ -34,17 +35,45 @@ def _box(box: Box) -> tuple[slice, ...]:
     return tuple(slice(start, stop) for start, stop in zip(*box, strict=True))
 
 
-class InMemory:
-    """Full-shape tensors by femtotron name (an HF directory's, re-fused)."""
+class HFFiles:
+    """An HF directory's safetensors, read box by box under femtotron's names: a fused weight's box is
+    gathered from the rows of q/k/v (or gate/up) it covers (models/hf_conversion.py has the layouts)."""
 
-    def __init__(self, directory: Path, tensors: dict[str, torch.Tensor]) -> None:
-        self.directory, self.tensors = directory, tensors
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.cfg, _, self.handles = open_hf(directory)
+        meta = Llama(self.cfg, std=0.02, seed=0, dtype=torch.float32, device=torch.device("meta"))
+        self.shapes = {name: tuple(t.shape) for name, t in meta.state_dict().items()}
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.tensors[name].shape)
+        return self.shapes[name]
+
+    def _rows(self, name: str, low: int, high: int, columns: slice) -> torch.Tensor:
+        return self.handles[name].get_slice(name)[low:high, columns]
 
     def read(self, name: str, box: Box) -> torch.Tensor:
-        return self.tensors[name][_box(box)]
+        (starts, stops), prefix = box, "model." + name.rsplit(".", 2)[0] + "."
+        columns = slice(starts[-1], stops[-1])
+        if name.endswith("mlp.gate_up_proj.weight"):  # (2, inner, hidden): gate, then up
+            parts = [prefix + "gate_proj.weight", prefix + "up_proj.weight"][starts[0] : stops[0]]
+            return torch.stack([self._rows(part, starts[1], stops[1], columns) for part in parts])
+        if not name.endswith("self_attn.qkv_proj.weight"):
+            hf_name = name if name == "lm_head.weight" else "model." + name
+            rows = self.handles[hf_name].get_slice(hf_name)
+            return rows[starts[0] : stops[0]] if len(starts) == 1 else rows[starts[0] : stops[0], columns]
+        # Per key/value head: its group of query rows, then its key rows, then its value rows.
+        group, head = self.cfg.num_attention_heads // self.cfg.num_key_value_heads, self.cfg.head_dim
+        pieces = []
+        for row in range(starts[0] - starts[0] % head, stops[0], head):  # one head's rows at a time
+            kv, part = divmod(row // head, group + 2)
+            hf_name, first = (
+                (prefix + "q_proj.weight", (kv * group + part) * head)
+                if part < group
+                else (prefix + ("k_proj.weight" if part == group else "v_proj.weight"), kv * head)
+            )
+            low, high = max(row, starts[0]) - row, min(row + head, stops[0]) - row
+            pieces.append(self._rows(hf_name, first + low, first + high, columns))
+        return torch.cat(pieces)
 
 
 class RunFiles:
@@ -86,8 +115,8 @@ def source_of(path: Path) -> tuple[LlamaConfig, Any]:
             f"{WHAT}={path} does not exist: give an HF model directory, a run directory or a checkpoint."
         )
     if (path / HF_CONFIG).is_file() and not (path / CONFIG_FILE).is_file():
-        cfg, _, state = read_hf(path)
-        return cfg, InMemory(path, state)
+        source = HFFiles(path)
+        return source.cfg, source
     if (path / CONFIG_FILE).is_file():
         return load_config(path / CONFIG_FILE).model.model_config_, RunFiles(path)
     directory, _ = resolve(path, WHAT)
