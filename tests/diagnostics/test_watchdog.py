@@ -13,7 +13,7 @@ import pytest
 import yaml
 from distributed import free_port
 
-from femtotron.diagnostics.watchdog import Watchdog
+from femtotron.diagnostics.watchdog import Watchdog, nccl_flight_recorder
 from femtotron.parallel.context import ParallelContext
 
 # One rank of a job, started the way torchrun or srun would. `how` breaks it: "skip-send" drops rank 0's
@@ -158,7 +158,7 @@ def test_the_report_says_how_old_each_rank_s_state_is():
 # on NCCL, where the call returns once the op is queued: its main thread is elsewhere, not in the op.
 QUEUED = """
 import time, torch
-from femtotron.diagnostics.watchdog import Watchdog
+from femtotron.diagnostics.watchdog import Watchdog, nccl_flight_recorder
 from femtotron.parallel.context import ParallelContext
 ctx = ParallelContext(dp=2, collective_timeout_seconds=120)
 Watchdog(ctx, hang_timeout=3, where=lambda: "step 7", interval=0.5).start()
@@ -200,3 +200,19 @@ def test_P1_an_op_that_never_completes_is_reported_though_no_call_waits_in_it(tm
         r"rank 0 \(as of 0 s ago\): in all_reduce on dp\[0,1\] for a \(4,\) torch.float32", report
     )
     assert re.search(r"rank 1 \(as of \d+ s ago\): no communication in flight; step 7", report), report
+
+
+def test_the_nccl_flight_recorder_dumps_into_the_run_directory_unless_the_user_set_it_up(
+    tmp_path, monkeypatch
+):
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE", raising=False)
+    nccl_flight_recorder(tmp_path / "run")
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "run" / "nccl_flight_recorder" / "rank_")
+    assert (tmp_path / "run" / "nccl_flight_recorder").is_dir()
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")  # the user's own set-up stays
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "/elsewhere/trace_")
+    nccl_flight_recorder(tmp_path / "other")
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == "/elsewhere/trace_" and not (tmp_path / "other").exists()

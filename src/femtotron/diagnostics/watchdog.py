@@ -42,7 +42,7 @@ from femtotron.parallel.context import ParallelContext
 EXIT_CODE = 4  # a distributed error, as DistributedError
 
 
-def nccl_flight_recorder(run_dir: Path) -> Path:
+def nccl_flight_recorder(run_dir: Path) -> None:
     """Turn on PyTorch's NCCL flight recorder (a ring buffer of each rank's last collectives, dumped to
     `<run dir>/nccl_flight_recorder/rank_<n>` when NCCL times one out) unless the user set it up; must run
     before the process group exists. `python -m torch.distributed.flight_recorder.fr_trace DIR` reads them."""
@@ -52,7 +52,6 @@ def nccl_flight_recorder(run_dir: Path) -> Path:
         os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(folder / "rank_"))
-    return Path(os.environ.get("TORCH_FR_DUMP_TEMP_FILE", str(folder / "rank_"))).parent
 
 
 class Watchdog:

@@ -244,12 +244,8 @@ class Comm:
         estimates: shapes without data) every collective only produces its output's shape."""
         if group.size == 1 or tensor.is_meta:
             return tensor
-        n, reduce_op = group.size, _REDUCE_OPS["sum" if op == "avg" else op]
-
-        def launch(out: torch.Tensor, _: None) -> Work:
-            return dist.all_reduce(out, op=reduce_op, group=group.handle, async_op=True)
-
-        self._issue("all_reduce", group, tensor, 2 * (n - 1) / n * _nbytes(tensor), launch, wait=True)
+        n, reduce = group.size, _reduce_into(group, "sum" if op == "avg" else op)
+        self._issue("all_reduce", group, tensor, 2 * (n - 1) / n * _nbytes(tensor), reduce, wait=True)
         return tensor.div_(n) if op == "avg" else tensor
 
     def all_reduce_many(self, tensors: list[torch.Tensor], group: Group) -> None:
@@ -297,11 +293,9 @@ class Comm:
         if group.size == 1 or tensor.is_meta:
             return None
         n = group.size
-
-        def launch(out: torch.Tensor, _: None) -> Work:
-            return dist.all_reduce(out, group=group.handle, async_op=True)
-
-        return self._issue("all_reduce", group, tensor, 2 * (n - 1) / n * _nbytes(tensor), launch)
+        return self._issue(
+            "all_reduce", group, tensor, 2 * (n - 1) / n * _nbytes(tensor), _reduce_into(group)
+        )
 
     def start_reduce_scatter(self, shard: torch.Tensor, tensor: torch.Tensor, group: Group) -> Work | None:
         """Start summing `tensor` over `group` into `shard`, this rank's equal part of it (`shard` may be a
@@ -382,6 +376,10 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 def _drop_finished(issued: deque[tuple[OpInFlight, _Slot]]) -> None:
     while issued and issued[0][1].is_completed():
         issued.popleft()
+
+
+def _reduce_into(group: Group, op: str = "sum") -> Callable[[torch.Tensor, None], Work]:
+    return lambda out, _: dist.all_reduce(out, op=_REDUCE_OPS[op], group=group.handle, async_op=True)
 
 
 def _gather_into(group: Group) -> Callable[[torch.Tensor, torch.Tensor], Work]:

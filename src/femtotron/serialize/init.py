@@ -9,7 +9,6 @@ holds, from any of the three sources.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,7 @@ from femtotron.serialize.checkpoint import MODEL_FIELDS, fill, resolve
 from femtotron.serialize.files import CheckpointReader
 from femtotron.serialize.geometry import Box
 from femtotron.serialize.hf import HF_CONFIG, open_hf
-from femtotron.serialize.weights import CONFIG_FILE, PARTS_FILE, WEIGHTS_FILE
+from femtotron.serialize.weights import CONFIG_FILE, weight_parts
 
 if TYPE_CHECKING:
     from femtotron.layout import RankModel
@@ -80,8 +79,7 @@ class RunFiles:
     """A run directory's safetensors files, read box by box."""
 
     def __init__(self, directory: Path) -> None:
-        parts_file = directory / PARTS_FILE
-        parts = json.loads(parts_file.read_text())["parts"] if parts_file.is_file() else [WEIGHTS_FILE]
+        parts = weight_parts(directory)
         self.directory, self.files = directory, [safe_open(str(directory / p), framework="pt") for p in parts]
         self.where = {name: f for f in self.files for name in f.keys()}  # noqa: SIM118 - not a dict
 

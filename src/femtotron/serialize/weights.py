@@ -78,21 +78,28 @@ def save_weights(ctx: ParallelContext, model: RankModel, run_dir: Path, log: Run
     return run_dir / parts[0]
 
 
-def load_weights(run_dir: Path, device: str = "cpu") -> tuple[Config, dict[str, torch.Tensor]]:
-    """A run directory's config and full-shape weights by parameter name."""
-    config_path, parts_path = run_dir / CONFIG_FILE, run_dir / PARTS_FILE
+def weight_parts(run_dir: Path) -> list[str]:
+    """The safetensors files holding a finished run's weights (model-parts.json, or model.safetensors), each
+    checked to exist, as is config.yaml."""
+    parts_path = run_dir / PARTS_FILE
     try:
         parts = json.loads(parts_path.read_text())["parts"] if parts_path.is_file() else [WEIGHTS_FILE]
     except (ValueError, KeyError, TypeError):
         raise FemtotronError(
             f"{parts_path} is not a list of weight files: re-run the training that wrote it."
         ) from None
-    for path in (config_path, *(run_dir / part for part in parts)):
+    for path in (run_dir / CONFIG_FILE, *(run_dir / part for part in parts)):
         if not path.is_file():
             raise FemtotronError(
                 f"{path} does not exist: {run_dir} is not a finished training run. Train first "
                 "(`femtotron train CONFIG`); the run directory is logging.output_dir/general.run."
             )
+    return parts
+
+
+def load_weights(run_dir: Path, device: str = "cpu") -> tuple[Config, dict[str, torch.Tensor]]:
+    """A run directory's config and full-shape weights by parameter name."""
+    parts = weight_parts(run_dir)
     weights: dict[str, torch.Tensor] = {}
     try:
         for part in parts:  # a tied embedding appears in the first and the last stage's part: equal
@@ -102,17 +109,12 @@ def load_weights(run_dir: Path, device: str = "cpu") -> tuple[Config, dict[str, 
             f"the weights in {run_dir} ({', '.join(parts)}) cannot be read: {str(e).splitlines()[0]}. "
             "Re-run the training that wrote them."
         ) from None
-    return load_config(config_path), weights
+    return load_config(run_dir / CONFIG_FILE), weights
 
 
 def weights_present(run_dir: Path) -> bool:
-    """Whether `run_dir` holds every weight file its parts list names (a finished run's)."""
+    """Whether `run_dir` holds its config and every weight file its parts list names (a finished run's)."""
     try:
-        parts = (
-            json.loads((run_dir / PARTS_FILE).read_text())["parts"]
-            if (run_dir / PARTS_FILE).is_file()
-            else [WEIGHTS_FILE]
-        )
-    except (ValueError, KeyError, TypeError, OSError):
+        return bool(weight_parts(run_dir))
+    except (FemtotronError, OSError):
         return False
-    return all((run_dir / part).is_file() for part in parts)
