@@ -55,7 +55,14 @@ class Dashboards:
             run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
             run_dir.mkdir(parents=True, exist_ok=True)
             names = {"project": general.project, "name": general.run, "dir": str(run_dir)}
-            self.wandb_run = wandb.init(**names, id=run_id, resume="allow", config=self.config.to_dict())
+            try:
+                self.wandb_run = wandb.init(**names, id=run_id, resume="allow", config=self.config.to_dict())
+            except wandb.errors.Error as error:  # no login, no network: before any step is trained
+                raise ConfigError(
+                    f"logging.wandb=true but W&B could not start a run: {error}. Log in (`wandb login`, or "
+                    "set WANDB_API_KEY), or set WANDB_MODE=offline to log without network and `wandb sync` "
+                    "later, or set logging.wandb=false"
+                ) from None
 
     def write(self, record: dict[str, Any]) -> None:
         step = record["step"]
