@@ -2,6 +2,10 @@ import multiprocessing.process
 import os
 import subprocess
 
+# TorchInductor (model.compile) compiles in this process, not in a pool of workers: ranks forked after the
+# pool started would wait on workers they do not have.
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+
 import pytest
 import torch
 from helpers import tiny_config_maker, write_patterned_tokens

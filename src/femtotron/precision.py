@@ -22,11 +22,10 @@ def cpu_has_bf16_matmul() -> bool:
 
 
 # Whether bf16/fp16 matmuls run natively on this CPU: read once from /proc/cpuinfo, and forced either way
-# by `cpu_low_precision_path` (tests run both paths on every machine).
+# by `cpu_low_precision_path` (tests run both paths on every machine). A module attribute, not a ContextVar,
+# so that torch.compile reads it while tracing (and guards on it) instead of breaking the graph there.
 CPU_MULTIPLIES_BF16 = cpu_has_bf16_matmul()
-NATIVE_ON_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "native_on_cpu", default=CPU_MULTIPLIES_BF16
-)
+native_on_cpu = CPU_MULTIPLIES_BF16
 
 # Memory estimates run the model on the meta device; set while estimating for this CPU, so that they
 # make the same fp32 copies the CPU run makes (diagnostics/memory.py).
@@ -39,11 +38,12 @@ ESTIMATING_FOR_THIS_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar(
 def cpu_low_precision_path(native: bool) -> Iterator[None]:
     """Run low-precision matmuls on the CPU natively (as on a CPU with bf16 units) or upcast to fp32 (as
     without), whatever this CPU has. Processes forked inside the block inherit the choice."""
-    token = NATIVE_ON_CPU.set(native)
+    global native_on_cpu
+    before, native_on_cpu = native_on_cpu, native
     try:
         yield
     finally:
-        NATIVE_ON_CPU.reset(token)
+        native_on_cpu = before
 
 
 def emulated_low_precision(x: torch.Tensor) -> bool:
@@ -55,7 +55,7 @@ def emulated_low_precision(x: torch.Tensor) -> bool:
     rounded back) at fp32 speed.
     """
     on_this_cpu = x.device.type == "cpu" or (x.is_meta and ESTIMATING_FOR_THIS_CPU.get())
-    return x.dtype != torch.float32 and on_this_cpu and not NATIVE_ON_CPU.get()
+    return x.dtype != torch.float32 and on_this_cpu and not native_on_cpu
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

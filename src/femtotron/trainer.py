@@ -24,6 +24,7 @@ from femtotron.diagnostics.profiling import StepProfiler
 from femtotron.diagnostics.watchdog import Watchdog
 from femtotron.errors import DataError, TrainingInterrupted, is_out_of_memory
 from femtotron.layout import DTYPES, build_pipeline, build_rank_model
+from femtotron.models.compile import compile_layers, compile_report
 from femtotron.optim.clip import clip_grads_
 from femtotron.optim.loss_scale import DynamicLossScaler
 from femtotron.optim.lr_schedule import lr_at
@@ -50,6 +51,8 @@ class Trainer:
         size, accumulation = tokens.micro_batch_size, tokens.batch_accumulation_per_replica
         self.batches = MicroBatchIterator(self.train_data, size, accumulation, ctx.dp_rank, ctx.dp)
         self.model = build_rank_model(config, ctx)
+        if config.model.compile:
+            compile_layers(self.model.chunks, ctx.device)
         if config.model.init_from:  # before the optimizer copies the weights into its master weights
             self.log.info(init_weights(self.model, config))
         self.tp, self.chunks, self.data_parallel = self.model.tp, self.model.chunks, self.model.data_parallel
@@ -136,6 +139,8 @@ class Trainer:
             while self.state.step < train_steps:
                 with self.profiler.step(self.state.step + 1):
                     results.append(self.train_step())
+                if self.config.model.compile and len(results) == 1:
+                    self.log.info(compile_report())
                 bar.update(1)
                 bar.set_postfix(loss=f"{results[-1].loss:.3f}")
                 self.log_step(results[-1])

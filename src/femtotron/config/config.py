@@ -130,6 +130,7 @@ class ModelArgs(_Section):
     model_config_: LlamaConfig = Field(default_factory=LlamaConfig, alias="model_config")
     init_method: InitMethod = Field(default_factory=InitMethod)
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    compile: bool = False  # torch.compile each decoder layer (models/compile.py)
     # The first weights: a Hugging Face Llama directory, a run directory or a checkpoint (serialize/init.py).
     init_from: str | None = None
 

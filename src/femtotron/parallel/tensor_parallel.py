@@ -106,14 +106,23 @@ def enter_column_parallel(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Make the input a column-parallel layer needs: the whole sequence, gradient summed over tp."""
     if tp.size == 1:
         return x
-    return _GatherSequence.apply(x, tp) if tp.sequence_parallel else _CopyToTP.apply(x, tp)
+    return _between_compiled_regions(_GatherSequence if tp.sequence_parallel else _CopyToTP, x, tp)
 
 
 def leave_row_parallel(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Sum a row-parallel layer's partial outputs: whole (ALL_REDUCE) or this rank's sequence shard."""
     if tp.size == 1:
         return x
-    return _ScatterSequence.apply(x, tp) if tp.sequence_parallel else _ReduceFromTP.apply(x, tp)
+    return _between_compiled_regions(_ScatterSequence if tp.sequence_parallel else _ReduceFromTP, x, tp)
+
+
+@torch.compiler.disable
+def _between_compiled_regions(
+    collective: type[torch.autograd.Function], x: torch.Tensor, tp: TensorParallel
+) -> torch.Tensor:
+    """model.compile: a layer's collectives are where its compiled graphs end; Dynamo runs them as they are,
+    forward and backward, between those graphs (and at tp = 1 there is nothing to cut)."""
+    return collective.apply(x, tp)
 
 
 def vocab_embedding(

@@ -1,0 +1,157 @@
+"""model.compile: each decoder layer through torch.compile trains like eager, in every layout (one case per
+layout), without recompiling after step 1; a machine without a C++ compiler is told which key to change.
+
+Every test here is `distributed`: TorchInductor starts the C++ compiler in processes of its own."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from distributed import run_ranks
+from helpers import BF16_PATHS, SMOOTH_ADAM, Steps, assert_steps_match, precision_path, record_steps
+
+from femtotron.errors import ConfigError
+from femtotron.parallel.context import ParallelContext
+from femtotron.trainer import Trainer
+
+pytestmark = pytest.mark.distributed
+
+
+def graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def steps_eager_and_compiled(config_of, native=None, ctx=None):
+    with precision_path(native):
+        return [record_steps(config_of(compiled), ctx or ParallelContext()) for compiled in (False, True)]
+
+
+def test_fp32_compiled_equals_eager_and_compiles_only_at_the_first_step(tiny_config):
+    def config_of(compiled):
+        return tiny_config(f"model.compile={compiled}", "model.model_config.num_hidden_layers=2")
+
+    eager, compiled = steps_eager_and_compiled(config_of)
+    assert_steps_match(compiled, eager, label="fp32")
+
+    trainer = Trainer(config_of(True), ParallelContext(), log_to_console=False)
+    trainer.train_step()
+    after_first = graphs_compiled()
+    for _ in range(3):
+        trainer.train_step()
+    assert graphs_compiled() == after_first  # no recompilation after step 1
+
+
+@BF16_PATHS
+def test_bf16_compiled_is_eager_within_bf16_rounding(tiny_config, native):
+    def config_of(compiled, dtype="bfloat16"):
+        return tiny_config(f"model.compile={compiled}", f"model.dtype={dtype}", SMOOTH_ADAM)
+
+    eager, compiled = steps_eager_and_compiled(config_of, native)
+    with precision_path(native):
+        exact = record_steps(config_of(False, "float32"), ParallelContext())
+    assert_steps_match(compiled, eager, exact, label=f"bf16 native={native}")
+
+
+def test_fp16_with_recomputation_compiled_equals_eager(tiny_config):
+    def config_of(compiled):
+        return tiny_config(
+            f"model.compile={compiled}", "model.dtype=float16", "parallelism.recompute_layer=true"
+        )
+
+    eager, compiled = steps_eager_and_compiled(config_of)
+    exact = record_steps(tiny_config(), ParallelContext())
+    assert_steps_match(compiled, eager, exact, label="fp16, recompute_layer")
+
+
+def test_a_compiled_run_resumes_from_its_checkpoint_as_if_never_stopped(tiny_config):
+    overrides = ["model.compile=true", "checkpoints.checkpoint_interval=2", "tokens.train_steps=4"]
+    whole = Trainer(tiny_config(*overrides), ParallelContext(), log_to_console=False).train()
+    step_2 = tiny_config(*overrides).run_dir / "checkpoints" / "step-0000002"
+    resumed = tiny_config(*overrides, "general.run=resumed", f"checkpoints.resume_checkpoint_path={step_2}")
+    rest = Trainer(resumed, ParallelContext(), log_to_console=False).train()
+    assert [r.loss for r in rest] == pytest.approx([r.loss for r in whole[2:]], rel=1e-6)
+
+
+def test_without_a_cpp_compiler_the_error_names_the_key(tiny_config):
+    from torch._inductor import config
+
+    with config.patch({"cpp.cxx": (None, "/nonexistent/g++")}), pytest.raises(ConfigError) as info:
+        Trainer(tiny_config("model.compile=true"), ParallelContext(), log_to_console=False)
+    message = str(info.value)
+    assert "model.compile=true needs a C++ compiler" in message and "/nonexistent/g++" in message
+    assert "set model.compile=false" in message
+
+
+LAYOUTS = {  # world size: cases of (parallelism and dtype overrides, bf16 path)
+    4: [
+        (["tp=2", "pp=2", "tp_mode=ALL_REDUCE", "pp_engine=1f1b"], "float32", None),
+        (["tp=2", "pp=2", "tp_mode=REDUCE_SCATTER", "pp_engine=afab"], "bfloat16", False),
+    ],
+    8: [
+        (
+            [
+                "dp=2",
+                "tp=2",
+                "pp=2",
+                "tp_mode=REDUCE_SCATTER",
+                "pp_engine=interleaved-1f1b",
+                "pp_virtual_stages=2",
+            ],
+            "float32",
+            None,
+        ),
+    ],
+}
+
+
+def layout_config(tiny_config, parallel, dtype, compiled, zero=0, accumulation=4):
+    return tiny_config(
+        f"model.compile={compiled}",
+        f"model.dtype={dtype}",
+        f"optimizer.zero_stage={zero}",
+        "model.model_config.num_hidden_layers=4",
+        "model.model_config.num_key_value_heads=4",
+        "tokens.micro_batch_size=2",
+        f"tokens.batch_accumulation_per_replica={accumulation}",
+        SMOOTH_ADAM,
+        *[f"parallelism.{p}" for p in parallel],
+    )
+
+
+def _layout_ranks(rank, cases):
+    par = cases[0][0].parallelism
+    ctx = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp, collective_timeout_seconds=300)
+    out = []
+    for config, native in cases:
+        with precision_path(native):
+            out.append(record_steps(config, ctx))
+    ctx.close()
+    return out, graphs_compiled()
+
+
+@pytest.mark.parametrize("world", list(LAYOUTS))
+def test_compiled_layouts_equal_one_eager_process(tiny_config, world):
+    """tp x pp = 2 x 2 under both tp modes (ALL_REDUCE 1f1b fp32, REDUCE_SCATTER afab bf16), and the 3D mesh
+    dp x tp x pp = 2 x 2 x 2 with ZeRO-1 and the interleaved schedule: compiled, they train like one eager
+    process."""
+    zero, dp = (1, 2) if world == 8 else (0, 1)
+    cases, expected = [], []
+    for parallel, dtype, native in LAYOUTS[world]:
+        with precision_path(native):  # one process: the same global batch, accumulated over the dp split
+            reference, exact = (
+                record_steps(
+                    layout_config(tiny_config, [], how, False, accumulation=4 * dp), ParallelContext()
+                )
+                for how in (dtype, "float32")
+            )
+        expected.append((reference, exact if dtype != "float32" else None))
+        cases.append((layout_config(tiny_config, parallel, dtype, True, zero), native))
+    per_rank, graphs = zip(*run_ranks(_layout_ranks, world, cases, timeout=600), strict=True)
+    assert min(graphs) > 0  # every rank compiled its layers
+    pp = 2
+    for index, ((config, _), (reference, exact)) in enumerate(zip(cases, expected, strict=True)):
+        replica = [per_rank[stage * (world // pp)][index] for stage in range(pp)]  # dp 0, tp 0 of each stage
+        assert_steps_match(functools.reduce(Steps.merge, replica), reference, exact, label=config.general.run)
