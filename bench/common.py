@@ -44,6 +44,7 @@ def shape_trainer(
     run_dir: Path,
     run: str = "bench",
     parallelism: dict | None = None,
+    compile: bool = False,
 ) -> Trainer:
     """A one-process Trainer for `shape` (the MODEL_KEYS plus sequence_length and micro_batch_size)."""
     config = load_config_dict(
@@ -55,6 +56,7 @@ def shape_trainer(
                     "max_position_embeddings": shape["sequence_length"],
                 },
                 "dtype": dtype,
+                "compile": compile,
             },
             "parallelism": parallelism or {},
             "tokens": {

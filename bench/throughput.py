@@ -58,7 +58,7 @@ SHAPES = {
 
 
 class HFRun:
-    def __init__(self, shape: dict, autocast_bf16: bool) -> None:
+    def __init__(self, shape: dict, autocast_bf16: bool, compile: bool = False) -> None:
         self.shape, self.autocast_bf16 = shape, autocast_bf16
         self.model = LlamaForCausalLM(
             LlamaConfig(
@@ -73,6 +73,8 @@ class HFRun:
             )
         ).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=0.01, fused=True)
+        # As HF's Trainer does with torch_compile=True: the whole model through torch.compile.
+        self.forward = torch.compile(self.model) if compile else self.model
         self.generator = torch.Generator().manual_seed(0)
 
     def train_step(self) -> None:
@@ -81,7 +83,7 @@ class HFRun:
             1, s["vocab_size"], (s["micro_batch_size"], s["sequence_length"]), generator=self.generator
         )
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast_bf16):
-            loss = self.model(input_ids=ids, labels=ids).loss
+            loss = self.forward(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
@@ -89,43 +91,70 @@ class HFRun:
 
 
 def timed(step, steps: int, tokens_per_step: int) -> float:
-    """Tokens per second over `steps` steps, after one warm-up step."""
-    step()
+    """Tokens per second over `steps` steps (after the warm-up steps of `warm_up`)."""
     start = time.perf_counter()
     for _ in range(steps):
         step()
     return steps * tokens_per_step / (time.perf_counter() - start)
 
 
-def bench_case(name: str, precision: str, pairs: int, steps: int) -> None:
+# What is compared, each against the HF baseline of its row: (numerator, denominator).
+RATIOS = (
+    ("femtotron", "HF"),
+    ("femtotron compiled", "HF"),
+    ("femtotron compiled", "HF compiled"),
+)
+
+
+def bench_case(name: str, precision: str, pairs: int, steps: int) -> dict[str, float]:
+    """Interleaved rounds of the four variants (femtotron and HF, eager and compiled); returns the median
+    ratios by name ("femtotron compiled / HF", ...) and "gemm ratio" (femtotron compiled)."""
     shape = SHAPES[name]
     tokens_per_step = shape["micro_batch_size"] * shape["sequence_length"]
     print(
         f"\n[{name}:{precision}] hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, vocab "
         f"{shape['vocab_size']}, batch {shape['micro_batch_size']} x {shape['sequence_length']}, "
-        f"{torch.get_num_threads()} threads, {pairs} pairs of {steps} steps",
+        f"{torch.get_num_threads()} threads, {pairs} rounds of {steps} steps",
         flush=True,
     )
     with tempfile.TemporaryDirectory() as tmp:
         prefix = Path(tmp) / "random"
         write_random_tokens(prefix, shape["vocab_size"], 64 * tokens_per_step)
         dtype = {"bf16": "bfloat16", "fp32": "float32"}[precision]
-        ours = shape_trainer(shape, dtype, prefix, Path(tmp) / "runs")
-        theirs = HFRun(shape, autocast_bf16=precision == "bf16")
-        rates = []
-        for pair in range(pairs):
-            rates.append(
-                (
-                    timed(ours.train_step, steps, tokens_per_step),
-                    timed(theirs.train_step, steps, tokens_per_step),
-                )
+        runs = {
+            f"femtotron{' compiled' * c}": shape_trainer(
+                shape, dtype, prefix, Path(tmp) / f"runs{c}", compile=c
             )
+            for c in (False, True)
+        }
+        runs.update(
+            {f"HF{' compiled' * c}": HFRun(shape, precision == "bf16", compile=c) for c in (False, True)}
+        )
+        for what, run in runs.items():  # warm-up: the compiled ones compile here
+            start = time.perf_counter()
+            run.train_step()
+            print(f"  {what}: first step {time.perf_counter() - start:.1f} s", flush=True)
+        rates: dict[str, list[float]] = {what: [] for what in runs}
+        for round_ in range(pairs):
+            for what, run in runs.items():
+                rates[what].append(timed(run.train_step, steps, tokens_per_step))
             print(
-                f"  pair {pair + 1}: femtotron {rates[-1][0]:,.0f} tok/s, HF {rates[-1][1]:,.0f} tok/s",
+                f"  round {round_ + 1}: "
+                + ", ".join(f"{w} {r[-1]:,.0f}" for w, r in rates.items())
+                + " tok/s",
                 flush=True,
             )
-    ratios = [a / b for a, b in rates]
-    flops_per_token = ours.config.model.model_config_.flops_per_token(shape["sequence_length"])
+    for what, r in rates.items():
+        print(f"  {what:20} {statistics.median(r):10,.0f} tok/s (median)")
+    results = {}
+    for ours, theirs in RATIOS:
+        ratios = [a / b for a, b in zip(rates[ours], rates[theirs], strict=True)]
+        results[f"{ours} / {theirs}"] = statistics.median(ratios)
+        print(
+            f"  {ours} / {theirs}: median {statistics.median(ratios):.2f}x  (min {min(ratios):.2f}x, "
+            f"max {max(ratios):.2f}x)"
+        )
+    flops_per_token = runs["femtotron"].config.model.model_config_.flops_per_token(shape["sequence_length"])
     gemm_dtype = torch.bfloat16 if precision == "bf16" and cpu_has_bf16_matmul() else torch.float32
     gemm = matmul_flops_rate(
         tokens_per_step,
@@ -135,23 +164,14 @@ def bench_case(name: str, precision: str, pairs: int, steps: int) -> None:
         torch.device("cpu"),
         seconds=0.5,
     )
-    ours_tps = statistics.median(a for a, _ in rates)
-    theirs_tps = statistics.median(b for _, b in rates)
-    print(f"  femtotron       {ours_tps:10,.0f} tok/s (median)")
-    print(f"  HF transformers {theirs_tps:10,.0f} tok/s (median)")
-    print(
-        f"  ratio femtotron/HF: median {statistics.median(ratios):.2f}x  (min {min(ratios):.2f}x, "
-        f"max {max(ratios):.2f}x)"
-    )
     print(
         f"  {gemm_dtype} GEMM {tokens_per_step}x{shape['hidden_size']}->{shape['intermediate_size']}: "
         f"{gemm / 1e9:.1f} GFLOP/s"
     )
-    print(
-        f"  achieved model FLOP/s / GEMM rate: femtotron {ours_tps * flops_per_token / gemm:.2f}, "
-        f"HF {theirs_tps * flops_per_token / gemm:.2f}",
-        flush=True,
-    )
+    per_gemm = {w: statistics.median(r) * flops_per_token / gemm for w, r in rates.items()}
+    print("  achieved model FLOP/s / GEMM rate: " + ", ".join(f"{w} {v:.2f}" for w, v in per_gemm.items()))
+    results["gemm ratio"] = per_gemm["femtotron compiled"]
+    return results
 
 
 def main() -> None:

@@ -6,25 +6,32 @@ import contextvars
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 
+def cpu_flags() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""  # not Linux: no way to tell
+
+
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); without it bf16 is emulated."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return True  # not Linux: no way to tell, so do not warn
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    flags = cpu_flags()
+    return not flags or "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 # Whether bf16/fp16 matmuls run natively on this CPU: read once from /proc/cpuinfo, and forced either way
 # by `cpu_low_precision_path` (tests run both paths on every machine). A module attribute, not a ContextVar,
 # so that torch.compile reads it while tracing (and guards on it) instead of breaking the graph there.
 CPU_MULTIPLIES_BF16 = cpu_has_bf16_matmul()
+# Without AMX, the CPU flash-attention kernel's bf16 backward takes 2.6-6x its fp32 time (AVX512-BF16 EPYC,
+# torch 2.13, bench/throughput.py's shapes; the forward is as fast): attention is upcast there too.
+CPU_ATTENDS_IN_BF16 = "amx_bf16" in (cpu_flags() or "amx_bf16")
 native_on_cpu = CPU_MULTIPLIES_BF16
 
 # Memory estimates run the model on the meta device; set while estimating for this CPU, so that they
@@ -46,6 +53,10 @@ def cpu_low_precision_path(native: bool) -> Iterator[None]:
         native_on_cpu = before
 
 
+def on_this_cpu(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" or (x.is_meta and ESTIMATING_FOR_THIS_CPU.get())
+
+
 def emulated_low_precision(x: torch.Tensor) -> bool:
     """True for bf16/fp16 tensors on a CPU without bf16 matrix units.
 
@@ -54,8 +65,7 @@ def emulated_low_precision(x: torch.Tensor) -> bool:
     gives what a GPU tensor core computes anyway (low-precision inputs, fp32 accumulation, output
     rounded back) at fp32 speed.
     """
-    on_this_cpu = x.device.type == "cpu" or (x.is_meta and ESTIMATING_FOR_THIS_CPU.get())
-    return x.dtype != torch.float32 and on_this_cpu and not native_on_cpu
+    return x.dtype != torch.float32 and on_this_cpu(x) and not native_on_cpu
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -66,7 +76,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
     """`causal` False: every query sees every key (one new position against a generation's cache)."""
-    if emulated_low_precision(q):
+    if emulated_low_precision(q) or (q.dtype != torch.float32 and on_this_cpu(q) and not CPU_ATTENDS_IN_BF16):
         return _causal_attention(q.float(), k.float(), v.float(), causal).to(q.dtype)
     return _causal_attention(q, k, v, causal)
 

@@ -17,6 +17,7 @@ from femtotron.config import Config
 from femtotron.dashboards import Dashboards
 from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch, MicroBatchIterator
 from femtotron.diagnostics import failures, start_report
+from femtotron.diagnostics.compile_check import compile_report
 from femtotron.diagnostics.data_check import check_batch_token_ids, first_loss_warning, open_run_data
 from femtotron.diagnostics.loss_spikes import LossSpikes
 from femtotron.diagnostics.nan_origin import locate
@@ -24,7 +25,7 @@ from femtotron.diagnostics.profiling import StepProfiler
 from femtotron.diagnostics.watchdog import Watchdog
 from femtotron.errors import DataError, TrainingInterrupted, is_out_of_memory
 from femtotron.layout import DTYPES, build_pipeline, build_rank_model
-from femtotron.models.compile import compile_layers, compile_report
+from femtotron.models.compile import compile_layers
 from femtotron.optim.clip import clip_grads_
 from femtotron.optim.loss_scale import DynamicLossScaler
 from femtotron.optim.lr_schedule import lr_at

@@ -4,13 +4,12 @@ A column-parallel linear splits its output features over the tp ranks, a row-par
 input features; put back to back (attention: qkv -> o, MLP: gate/up -> down) they need one
 collective each way per block. Where that collective happens depends on `tp_mode`:
 
-- ALL_REDUCE: activations are whole on every rank. Before a column-parallel layer `copy_to_tp`
-  (identity forward, all-reduce of the input gradient backward); after a row-parallel layer
-  `reduce_from_tp` (all-reduce forward, identity backward).
+- ALL_REDUCE: activations are whole on every rank. Entering a column-parallel layer: identity forward,
+  all-reduce of the input gradient backward; leaving a row-parallel layer: all-reduce forward, identity
+  backward.
 - REDUCE_SCATTER (sequence parallel): between blocks, every rank holds 1/tp of the sequence, so
-  norms and residual adds do 1/tp of the work and memory. `gather_sequence` (all-gather forward,
-  reduce-scatter backward) before column-parallel layers, `scatter_sequence` (reduce-scatter
-  forward, all-gather backward) after row-parallel ones. The same bytes as ALL_REDUCE, since an
+  norms and residual adds do 1/tp of the work and memory. Entering: all-gather forward, reduce-scatter
+  backward; leaving: reduce-scatter forward, all-gather backward. The same bytes as ALL_REDUCE, since an
   all-reduce is a reduce-scatter followed by an all-gather.
 
 The vocabulary is split like a column-parallel layer (padded to a multiple of tp), and the
@@ -57,72 +56,57 @@ def shard_size(full: int, tp: int) -> int:
     return -(-full // tp)
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        ctx.tp = tp
-        return x
+def _same(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return x
+
+
+def _sum(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return tp.comm.all_reduce(x, tp.group)
+
+
+def _gather(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return tp.comm.all_gather(x, tp.group, dim=SEQUENCE_DIM)
+
+
+def _scatter(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return tp.comm.reduce_scatter(x, tp.group, dim=SEQUENCE_DIM)
+
+
+class _Conjugates(torch.autograd.Function):
+    """`ahead` on the input, `back` on its gradient: the pairs of collectives in the module docstring."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        # Each rank's column shard contributed part of the input's gradient: sum them.
-        return ctx.tp.comm.all_reduce(grad.contiguous().clone(), ctx.tp.group), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        ctx.mark_dirty(x)  # summed in place: the partial sums are not needed afterwards
-        return tp.comm.all_reduce(x, tp.group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        ctx.tp = tp
-        return tp.comm.all_gather(x, tp.group, dim=SEQUENCE_DIM)
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel, ahead: Callable, back: Callable) -> torch.Tensor:
+        ctx.tp, ctx.back = tp, back
+        if ahead is _sum:
+            ctx.mark_dirty(x)  # summed in place: the partial sums are not needed afterwards
+        return ahead(x, tp)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.tp.comm.reduce_scatter(grad, ctx.tp.group, dim=SEQUENCE_DIM), None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        ctx.tp = tp
-        return tp.comm.reduce_scatter(x, tp.group, dim=SEQUENCE_DIM)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.tp.comm.all_gather(grad, ctx.tp.group, dim=SEQUENCE_DIM), None
+        # A gradient can be shared with other branches of the graph: it is summed in a copy.
+        return ctx.back(grad.contiguous().clone() if ctx.back is _sum else grad, ctx.tp), None, None, None
 
 
 def enter_column_parallel(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Make the input a column-parallel layer needs: the whole sequence, gradient summed over tp."""
     if tp.size == 1:
         return x
-    return _between_compiled_regions(_GatherSequence if tp.sequence_parallel else _CopyToTP, x, tp)
+    return _conjugates(x, tp, *((_gather, _scatter) if tp.sequence_parallel else (_same, _sum)))
 
 
 def leave_row_parallel(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Sum a row-parallel layer's partial outputs: whole (ALL_REDUCE) or this rank's sequence shard."""
     if tp.size == 1:
         return x
-    return _between_compiled_regions(_ScatterSequence if tp.sequence_parallel else _ReduceFromTP, x, tp)
+    return _conjugates(x, tp, *((_scatter, _gather) if tp.sequence_parallel else (_sum, _same)))
 
 
+# model.compile: a layer's collectives are where its compiled graphs end; Dynamo runs them as they are,
+# forward and backward, between those graphs (and at tp = 1 there is nothing to cut).
 @torch.compiler.disable
-def _between_compiled_regions(
-    collective: type[torch.autograd.Function], x: torch.Tensor, tp: TensorParallel
-) -> torch.Tensor:
-    """model.compile: a layer's collectives are where its compiled graphs end; Dynamo runs them as they are,
-    forward and backward, between those graphs (and at tp = 1 there is nothing to cut)."""
-    return collective.apply(x, tp)
+def _conjugates(x: torch.Tensor, tp: TensorParallel, ahead: Callable, back: Callable) -> torch.Tensor:
+    return _Conjugates.apply(x, tp, ahead, back)
 
 
 def vocab_embedding(
