@@ -6,14 +6,16 @@
    data-sheet peak and against a measured bf16 GEMM of the model's largest matmul;
 3. the same shape and batch in HF transformers' `LlamaForCausalLM` (sdpa attention, bf16 autocast over fp32
    weights, fused AdamW) as the baseline: the ratio of the two;
-4. `femtotron doctor`'s per-rank memory estimate against `torch.cuda.max_memory_allocated()` of the run.
+4. `femtotron doctor`'s per-rank memory estimate against `torch.cuda.max_memory_allocated()` of the run;
+5. both compiled, unless --skip-compile (femtotron with `model.compile: true`, HF with
+   `torch.compile(model)`): the ratios eager and compiled, each against HF eager and compiled.
 
 It needs nothing but the GPU (no network, no install) and takes under 8 minutes on an H100/H200. Without
 CUDA every part that needs it is skipped with a line in the report saying so; the report is still written
 and the exit code is 0. The exit code is 1 when a CUDA-marked test failed or a part broke (the report says
 which), 2 for a bad argument.
 
-    python bench/gpu_check.py [--steps 30] [--quick] [--skip-tests] [--skip-hf] [--out PATH]
+    python bench/gpu_check.py [--steps 30] [--quick] [--skip-tests] [--skip-hf] [--skip-compile] [--out PATH]
                               [--set KEY=VALUE ...]   (config overrides, e.g. tokens.micro_batch_size=2)
 """
 
@@ -103,6 +105,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="5 timed steps after 1 warm-up, short GEMM")
     parser.add_argument("--skip-tests", action="store_true", help="do not run the CUDA-marked tests")
     parser.add_argument("--skip-hf", action="store_true", help="no Hugging Face transformers baseline")
+    parser.add_argument("--skip-compile", action="store_true", help="no compiled runs (femtotron nor HF)")
     parser.add_argument(
         "--set",
         action="append",
@@ -179,7 +182,9 @@ class HFTraining:
     """`LlamaForCausalLM` of the config's shape trained the way HF's Trainer does with bf16=True: fp32 weights
     under bf16 autocast, fused AdamW, gradient clipping at 1.0; random tokens."""
 
-    def __init__(self, config: Config, device: torch.device, micro_batch: int, accumulation: int) -> None:
+    def __init__(
+        self, config: Config, device: torch.device, micro_batch: int, accumulation: int, compiled: bool
+    ) -> None:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         shape, self.sequence = config.model.model_config_, config.tokens.sequence_length
@@ -206,6 +211,8 @@ class HFTraining:
             self.model.parameters(), lr=lr, weight_decay=optimizer.weight_decay, fused=True
         )
         self.generator = torch.Generator(device).manual_seed(0)
+        # As HF's Trainer does with torch_compile=True: the whole model through torch.compile.
+        self.forward = torch.compile(self.model) if compiled else self.model
 
     def step(self) -> torch.Tensor:
         shape = (self.micro_batch, self.sequence)
@@ -213,7 +220,7 @@ class HFTraining:
         for _ in range(self.accumulation):
             ids = torch.randint(1, self.vocab, shape, device=self.device, generator=self.generator)
             with torch.autocast(self.device.type, dtype=torch.bfloat16):
-                loss = self.model(input_ids=ids, labels=ids, use_cache=False).loss / self.accumulation
+                loss = self.forward(input_ids=ids, labels=ids, use_cache=False).loss / self.accumulation
             loss.backward()
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -222,13 +229,13 @@ class HFTraining:
         return total
 
 
-def run_hf(config: Config, device: torch.device, steps: int, warmup: int) -> Run:
+def run_hf(config: Config, device: torch.device, steps: int, warmup: int, compiled: bool = False) -> Run:
     """The HF baseline on the same batch; out of memory, the micro-batch is halved and accumulated twice."""
     micro_batch, accumulation = config.tokens.micro_batch_size, 1
     while True:
         try:
             before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            hf = HFTraining(config, device, micro_batch, accumulation)
+            hf = HFTraining(config, device, micro_batch, accumulation, compiled)
             seconds, losses, peak = timed(hf.step, steps, warmup, device)
             tokens = steps * micro_batch * accumulation * config.tokens.sequence_length
             first_and_last = (float(losses[0]), float(losses[-1]))
@@ -272,9 +279,15 @@ def describe_shape(config: Config) -> str:
 
 
 def training_sections(
-    report: Report, config: Config, steps: int, warmup: int, hf: bool, gemm_seconds: float
+    report: Report,
+    config: Config,
+    steps: int,
+    warmup: int,
+    hf: bool,
+    gemm_seconds: float,
+    compiled: bool = False,
 ) -> Run | None:
-    """Parts 2 and 3 into `report` (on the device ParallelContext picks); femtotron's run, for part 4."""
+    """Parts 2, 3 and 5 into `report` (on the device ParallelContext picks); femtotron's run, for part 4."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     ours = report.attempt("the femtotron run", lambda: run_femtotron(config, steps, warmup))
     theirs = (
@@ -282,6 +295,20 @@ def training_sections(
         if hf
         else None
     )
+    ours_compiled = theirs_compiled = None
+    if compiled:  # compiling happens in the warm-up steps (at least one), which are not timed
+        with_compile = config.model_copy(update={"model": config.model.model_copy(update={"compile": True})})
+        ours_compiled = report.attempt(
+            "the femtotron run with model.compile", lambda: run_femtotron(with_compile, steps, max(warmup, 1))
+        )
+        theirs_compiled = (
+            report.attempt(
+                "the HF transformers baseline compiled",
+                lambda: run_hf(config, device, steps, max(warmup, 1), compiled=True),
+            )
+            if hf
+            else None
+        )
     (m, n, k), what = largest_matmul(config)
     gemm = matmul_flops_rate(m, n, k, torch.bfloat16, device, seconds=gemm_seconds)
     peak, peak_source = (
@@ -293,6 +320,12 @@ def training_sections(
     rows = [("femtotron (synchronised wall clock)", ours and ours.tokens_per_second)]
     rows.append(("femtotron as it logs it (its own `step_seconds`)", ours and ours.logged_tokens_per_second))
     rows.append(("HF transformers `LlamaForCausalLM`", theirs and theirs.tokens_per_second))
+    rows.append(
+        ("femtotron compiled (`model.compile: true`)", ours_compiled and ours_compiled.tokens_per_second)
+    )
+    rows.append(
+        ("HF transformers compiled (`torch.compile`)", theirs_compiled and theirs_compiled.tokens_per_second)
+    )
     lines = [
         f"`{report.command}`: the model of `{CONFIG}` at dp = tp = pp = 1 in bf16 "
         f"({describe_shape(config)}), random tokens, {steps} timed steps after {warmup} warm-up step(s), "
@@ -312,10 +345,13 @@ def training_sections(
         f"- Measured GEMM: bf16 {m}x{k} -> {n} ({what}), {gemm / 1e12:.3g} TFLOP/s "
         "(`metrics.matmul_flops_rate`, best of 3 trials).",
     ]
-    if ours and theirs:
-        lines.append(
-            f"- **femtotron / HF: {ours.tokens_per_second / theirs.tokens_per_second:.2f}x** tokens/s."
-        )
+    for name, a, b in (
+        ("femtotron / HF", ours, theirs),
+        ("femtotron compiled / HF", ours_compiled, theirs),
+        ("femtotron compiled / HF compiled", ours_compiled, theirs_compiled),
+    ):
+        if a and b:
+            lines.append(f"- **{name}: {a.tokens_per_second / b.tokens_per_second:.2f}x** tokens/s.")
     if theirs:
         lines.append(
             f"- HF baseline: transformers {package_version('transformers')}, sdpa attention, fp32 weights "
@@ -473,11 +509,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif not hf:
             report.skipped.append("transformers is not installed: skipped the HF transformers baseline")
         run = None
+        if args.skip_compile:
+            report.skipped.append("--skip-compile: skipped the compiled runs")
         if cuda:
             gemm_seconds = 0.1 if args.quick else 0.3
             run = report.attempt(
                 "the training measurements",
-                lambda: training_sections(report, config, args.steps, args.warmup, hf, gemm_seconds),
+                lambda: training_sections(
+                    report, config, args.steps, args.warmup, hf, gemm_seconds, not args.skip_compile
+                ),
             )
         else:
             report.skipped.append(

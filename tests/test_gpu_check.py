@@ -94,11 +94,13 @@ def test_a_bad_override_stops_before_anything_runs(no_cuda, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.distributed  # the compiled runs start the C++ compiler
 def test_femtotron_and_hf_are_measured_and_reported(tmp_path):
-    """The measurements themselves, on the CPU (or the GPU where there is one) with the tiny model."""
+    """The measurements themselves, eager and compiled, on the CPU (or the GPU where there is one) with the
+    tiny model."""
     config = gpu_check.gpu_config(TINY, tmp_path)
     report = gpu_check.Report("python bench/gpu_check.py --quick")
-    ours = gpu_check.training_sections(report, config, steps=2, warmup=1, hf=True, gemm_seconds=0.05)
+    ours = gpu_check.training_sections(report, config, 2, 1, hf=True, gemm_seconds=0.05, compiled=True)
     gpu_check.memory_section(report, config, TINY, ours)
     assert report.failures == [] and report.skipped == []
     assert ours.tokens_per_second > 0 and ours.logged_tokens_per_second > 0 and ours.micro_batch == 2
@@ -106,10 +108,17 @@ def test_femtotron_and_hf_are_measured_and_reported(tmp_path):
     gpu_check.write_report(tmp_path / "report.md", report, seconds=3.0)
     text = (tmp_path / "report.md").read_text()
     throughput = text.split("## Training throughput: femtotron against HF transformers\n")[1]
-    for run in ("femtotron (synchronised wall clock)", "femtotron as it logs it", "HF transformers"):
+    for run in (
+        "femtotron (synchronised wall clock)",
+        "femtotron as it logs it",
+        "HF transformers",
+        "femtotron compiled (`model.compile: true`)",
+        "HF transformers compiled (`torch.compile`)",
+    ):
         assert re.search(rf"\| {re.escape(run)}[^|]*\| [\d,]+ \| [-\d.%]+ \| [\d.]+ \|", throughput), run
     assert "bf16 64x64 -> 256 (the LM head)" in throughput
-    assert re.search(r"\*\*femtotron / HF: [\d.]+x\*\* tokens/s", throughput)
+    for ratio in ("femtotron / HF", "femtotron compiled / HF", "femtotron compiled / HF compiled"):
+        assert re.search(rf"\*\*{ratio}: [\d.]+x\*\* tokens/s", throughput), ratio
     assert "micro-batch 2 x 1 per step" in throughput
     assert "random tokens, 2 timed steps after 1 warm-up step(s)" in throughput
     assert "## Skipped\n\nNothing.\n" in text
