@@ -32,8 +32,11 @@ lint: $(BIN)/femtotron
 	$(BIN)/ruff format --check src tests bench
 	$(BIN)/ruff check src tests bench
 
+# Every bench script; their headline figures go into the table at the top of docs/benchmarks.md.
+# BENCH_ARGS=--quick: about 5 minutes on 2 cores; without it their own defaults, about 30.
+BENCH_ARGS ?=
 bench: $(BIN)/femtotron
-	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/run_all.py $(BENCH_ARGS)
 
 # On one CUDA GPU: the CUDA-marked tests, a ~1B Llama against HF transformers, doctor's memory estimate against
 # the measured peak; writes docs/benchmarks-gpu.md (bench/gpu_check.py). No venv or install step, so it runs on

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import shape_trainer, write_random_tokens
+from common import headline, shape_trainer, write_random_tokens
 from safetensors.torch import load_file, save_file
 
 from femtotron.serialize import checkpoint
@@ -106,6 +106,14 @@ def main() -> None:
         seconds = statistics.median(values)
         baseline = statistics.median(times[key.replace("femtotron", "baseline")])
         print(f"  {key:<16}{seconds:8.3f} s {size / 2**20 / seconds:9.0f} MiB/s {seconds / baseline:7.2f}x")
+        if key.startswith("femtotron"):
+            what = f"checkpoint {key.split()[1]}, {args.shape} {args.dtype} ({size / 2**20:.0f} MiB): seconds"
+            headline(
+                f"{what}, femtotron / one safetensors file",
+                f"{seconds:.3f}",
+                f"{baseline:.3f}",
+                seconds / baseline,
+            )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ started as separate processes (by the tests' launcher, tests/distributed.py)."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Callable
@@ -27,6 +28,15 @@ MODEL_KEYS = (
     "num_key_value_heads",
     "vocab_size",
 )
+
+
+HEADLINE = "HEADLINE "  # the prefix of the lines `make bench` (bench/run_all.py) collects
+
+
+def headline(figure: str, ours: str, baseline: str, ratio: float) -> None:
+    """One figure of the benchmark table: what, femtotron's value, the baseline's (measured in the same
+    run), and their ratio."""
+    print(HEADLINE + json.dumps({"figure": figure, "ours": ours, "baseline": baseline, "ratio": ratio}))
 
 
 def write_random_tokens(prefix: Path, vocab: int, tokens: int) -> None:

@@ -26,7 +26,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import MODEL_KEYS, spawn_ranks, write_random_tokens
+from common import MODEL_KEYS, headline, spawn_ranks, write_random_tokens
 
 from femtotron.config import load_config_dict
 from femtotron.trainer import Trainer
@@ -121,6 +121,13 @@ def main() -> None:
     for case, buckets, seconds, share in rows:
         ratio = seconds / baseline[case["zero"]]
         print(f"{case['name']:<22}{buckets:>8}{seconds * 1e3:>10.1f}{share:>10.1%}{ratio:>14.2f}x")
+        if case["name"].startswith("buckets"):
+            headline(
+                f"dp=2 step time (ms, median), zero_stage {case['zero']}: {buckets} buckets / one bucket",
+                f"{seconds * 1e3:.1f}",
+                f"{baseline[case['zero']] * 1e3:.1f}",
+                ratio,
+            )
 
 
 if __name__ == "__main__":

@@ -15,12 +15,12 @@ import statistics
 import time
 
 import torch
-from common import MODEL_KEYS  # noqa: F401 - puts tests/ on the path for the HF reference below
+from common import headline  # also puts tests/ on the path for the HF reference below
 from helpers import hf_llama
 
 from femtotron.config import load_config
 from femtotron.generate import sample
-from femtotron.metrics import _processor
+from femtotron.metrics import processor_name
 from femtotron.models.llama import Llama
 
 
@@ -65,7 +65,7 @@ def main() -> None:
     print(
         f"{args.new_tokens} new tokens, greedy, debug model ({cfg.num_hidden_layers} layers, hidden "
         f"{cfg.hidden_size}, vocab {cfg.vocab_size}, {cfg.max_position_embeddings} positions), fp32, "
-        f"{args.threads} thread(s), {_processor() or 'CPU'}; median of {args.repeats}"
+        f"{args.threads} thread(s), {processor_name() or 'CPU'}; median of {args.repeats}"
     )
     rate = {name: args.new_tokens / statistics.median(s) for name, s in seconds.items()}
     for name in runs:
@@ -74,6 +74,14 @@ def main() -> None:
         f"cache / no cache: {rate['femtotron, cache'] / rate['femtotron, no cache (before)']:.2f}x; "
         f"femtotron / transformers: {rate['femtotron, cache'] / rate['transformers generate']:.2f}x"
     )
+    for baseline in ("femtotron, no cache (before)", "transformers generate"):
+        headline(
+            f"generation tokens/s, {args.new_tokens} greedy tokens, debug model: femtotron with its KV cache "
+            f"/ {baseline}",
+            f"{rate['femtotron, cache']:.1f}",
+            f"{rate[baseline]:.1f}",
+            rate["femtotron, cache"] / rate[baseline],
+        )
     agree = len({tuple(t) for t in tokens.values()}) == 1
     print(f"the same tokens from all three: {agree}")
 

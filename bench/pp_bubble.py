@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from common import spawn_ranks
+from common import headline, spawn_ranks
 from torch import nn
 
 from femtotron.config import load_config
@@ -318,6 +318,14 @@ def main() -> None:
     for name, index in (("idle", 0), ("p2p wait", 1)):
         values = [r[index] for r in ratios]
         case = max(ratios, key=lambda r, index=index: r[index])[2]
+        headline(
+            f"pipeline {name} / theory ({args.compute} compute, pp {','.join(map(str, pps))}, "
+            f"{len(values)} cases): median; worst {max(values):.2f}x ({case.engine}, pp={case.pp}, "
+            f"m={case.m})",
+            "measured idle share",
+            "(pp-1)/v/(m+(pp-1)/v)",
+            statistics.median(values),
+        )
         print(
             f"{name}/theory: max {max(values):.2f}x ({case.engine}, pp={case.pp}, m={case.m}), "
             f"median {statistics.median(values):.2f}x, min {min(values):.2f}x (goal: <= 1.1x)"

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import shape_trainer, write_random_tokens
+from common import headline, shape_trainer, write_random_tokens
 
 from femtotron.diagnostics.activation_memory import saved_activation_bytes
 
@@ -94,12 +94,25 @@ def bench_case(name: str, rounds: int) -> None:
             f"(its input), {layer_input / per_layer_off:.3f}",
             flush=True,
         )
+        headline(
+            f"recompute_layer, {name}: saved activations per micro-batch (MiB), on / off",
+            f"{saved[True] / 2**20:.1f}",
+            f"{saved[False] / 2**20:.1f}",
+            saved[True] / saved[False],
+        )
         times: dict[bool, list[float]] = {False: [], True: []}
         for run in runs.values():
             run.train_step()  # warm-up
         for _ in range(rounds):
             for on, run in runs.items():
                 times[on].append(seconds(run))
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    headline(
+        f"recompute_layer, {name}: step time (ms, median), on / off",
+        f"{on * 1e3:.0f}",
+        f"{off * 1e3:.0f}",
+        on / off,
+    )
     for label, stat in (("median", statistics.median), ("fastest", min)):
         off, on = stat(times[False]), stat(times[True])
         print(

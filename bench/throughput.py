@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import shape_trainer, write_random_tokens
+from common import headline, shape_trainer, write_random_tokens
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from femtotron.metrics import matmul_flops_rate
@@ -150,6 +150,12 @@ def bench_case(name: str, precision: str, pairs: int, steps: int) -> dict[str, f
     for ours, theirs in RATIOS:
         ratios = [a / b for a, b in zip(rates[ours], rates[theirs], strict=True)]
         results[f"{ours} / {theirs}"] = statistics.median(ratios)
+        headline(
+            f"training tokens/s, {name} {precision}: {ours} / {theirs}",
+            f"{statistics.median(rates[ours]):,.0f}",
+            f"{statistics.median(rates[theirs]):,.0f}",
+            statistics.median(ratios),
+        )
         print(
             f"  {ours} / {theirs}: median {statistics.median(ratios):.2f}x  (min {min(ratios):.2f}x, "
             f"max {max(ratios):.2f}x)"
@@ -171,6 +177,12 @@ def bench_case(name: str, precision: str, pairs: int, steps: int) -> dict[str, f
     per_gemm = {w: statistics.median(r) * flops_per_token / gemm for w, r in rates.items()}
     print("  achieved model FLOP/s / GEMM rate: " + ", ".join(f"{w} {v:.2f}" for w, v in per_gemm.items()))
     results["gemm ratio"] = per_gemm["femtotron compiled"]
+    headline(
+        f"model FLOP/s / {gemm_dtype} GEMM rate, {name} {precision}: femtotron compiled",
+        f"{statistics.median(rates['femtotron compiled']) * flops_per_token / 1e9:.1f} GFLOP/s",
+        f"{gemm / 1e9:.1f} GFLOP/s",
+        per_gemm["femtotron compiled"],
+    )
     return results
 
 

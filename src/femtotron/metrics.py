@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from femtotron.atomic import atomic_path
+from femtotron.precision import cpu_flags
 
 # Dense tensor-core peaks from the vendors' data sheets (FLOP/s): (bf16 and fp16, TF32 or None where the GPU
 # has no TF32), matched by device name as whole words, the first match counting: so variants come before
@@ -104,7 +105,7 @@ def peak_flops(
     default = (
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "femtotron" / "peak_flops.json"
     )
-    cache, key = cache or default, f"{_processor()} | {what} | torch {torch.__version__}"
+    cache, key = cache or default, f"{processor_name()} | {what} | torch {torch.__version__}"
     try:
         known = json.loads(cache.read_text()) if cache.is_file() else {}
         cached = float(known.get(key, 0.0))
@@ -125,12 +126,11 @@ def peak_flops(
     return best, f"the fastest {what} measured on this machine, kept in {cache}"
 
 
-def _processor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
+def processor_name() -> str:
+    lines = cpu_flags().splitlines()
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "") or (
+        platform.processor()
+    )
 
 
 def memory_gib(device: torch.device, cuda: Any = torch.cuda) -> dict[str, float]:
