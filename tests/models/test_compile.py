@@ -86,6 +86,7 @@ def test_without_a_cpp_compiler_the_error_names_the_key(tiny_config):
 
 
 LAYOUTS = {  # world size: cases of (parallelism and dtype overrides, bf16 path)
+    2: [(["pp=2", "pp_engine=1f1b"], "bfloat16", True)],  # tp = 1: the last stage's loss is compiled too
     4: [
         (["tp=2", "pp=2", "tp_mode=ALL_REDUCE", "pp_engine=1f1b"], "float32", None),
         (["tp=2", "pp=2", "tp_mode=REDUCE_SCATTER", "pp_engine=afab"], "bfloat16", False),
@@ -134,9 +135,9 @@ def _layout_ranks(rank, cases):
 
 @pytest.mark.parametrize("world", list(LAYOUTS))
 def test_compiled_layouts_equal_one_eager_process(tiny_config, world):
-    """tp x pp = 2 x 2 under both tp modes (ALL_REDUCE 1f1b fp32, REDUCE_SCATTER afab bf16), and the 3D mesh
-    dp x tp x pp = 2 x 2 x 2 with ZeRO-1 and the interleaved schedule: compiled, they train like one eager
-    process."""
+    """pp = 2 in bf16 (the last stage's head and loss compiled too), tp x pp = 2 x 2 under both tp modes
+    (ALL_REDUCE 1f1b fp32, REDUCE_SCATTER afab bf16), and the 3D mesh dp x tp x pp = 2 x 2 x 2 with ZeRO-1 and
+    the interleaved schedule: compiled, they train like one eager process."""
     zero, dp = (1, 2) if world == 8 else (0, 1)
     cases, expected = [], []
     for parallel, dtype, native in LAYOUTS[world]:

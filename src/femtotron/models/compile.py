@@ -1,9 +1,10 @@
 """model.compile: each decoder layer through torch.compile (TorchInductor: C++ on CPUs, Triton on GPUs), so
 its elementwise work (RMSNorm, rotary, SiLU, residual adds, casts) runs as fused kernels. A layer's tp
-collectives cut it into compiled regions (tensor_parallel._conjugates); the rest (embedding,
-LM head, loss, pipeline, dp, ZeRO, recomputation, checkpoints) is eager and sees the same modules and
-parameter names. Shapes are static, so a layer compiles at its first call with gradients (step 1), once
-more at its first without (validation), and never again.
+collectives cut it into compiled regions (tensor_parallel._conjugates). At tp = 1 the last stage's final
+norm, LM head and loss are compiled too, so the fp32 log-softmax over the vocabulary is fused. The rest
+(embedding, pipeline, dp, ZeRO, recomputation, checkpoints) is eager and sees the same modules and
+parameter names. Shapes are static, so each compiles at its first call with gradients (step 1), once more
+at its first without (validation), and never again.
 """
 
 from __future__ import annotations
@@ -21,3 +22,5 @@ def compile_layers(chunks: list[nn.Module], device: torch.device) -> None:
     for chunk in chunks:
         for layer in chunk.layers.values():
             layer.compile(dynamic=False)
+        if chunk.stage.head and chunk.tp.size == 1:  # at tp > 1 the loss is collectives around little compute
+            chunk.head_loss = torch.compile(chunk.head_loss, dynamic=False)

@@ -291,10 +291,12 @@ class Llama(nn.Module):
         so every micro-batch / dp / pp split gives the same loss.
         """
         x = self.hidden_states(inputs)
-        if not self.stage.head:
-            return x
+        return self.head_loss(x, targets) if self.stage.head else x
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head_logits(x)
         return vocab_parallel_cross_entropy(
-            self.head_logits(x), targets, self.vocab_start, self.cfg.vocab_size, IGNORE_INDEX, self.tp
+            logits, targets, self.vocab_start, self.cfg.vocab_size, IGNORE_INDEX, self.tp
         )
 
     def logits(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
