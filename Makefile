@@ -33,7 +33,7 @@ lint: $(BIN)/femtotron
 	$(BIN)/ruff check src tests bench
 
 # Every bench script; their headline figures go into the table at the top of docs/benchmarks.md.
-# BENCH_ARGS=--quick: about 5 minutes on 2 cores; without it their own defaults, about 30.
+# BENCH_ARGS=--quick: 1-2 minutes on 2 cores; without it their own defaults, about 5.
 BENCH_ARGS ?=
 bench: $(BIN)/femtotron
 	$(BIN)/python bench/run_all.py $(BENCH_ARGS)

@@ -8,8 +8,8 @@ its bf16 flags), torch's version, the thread count and each script's command, an
 
     python bench/run_all.py [--quick] [--only throughput,pp_bubble,...] [--out docs/benchmarks.md]
 
---quick (about 5 minutes on 2 cores) runs each script on its smallest case with few repeats; the default
-(full) runs their own defaults, about 30 minutes here.
+--quick (1-2 minutes on 2 cores) runs each script on its smallest case with few repeats; the default
+(full) runs their own defaults, about 5 minutes here.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ SCRIPTS = {
     "dp_overlap": (["--steps=3", "--layers=2"], []),
     "checkpoint_io": (["--shape=debug", "--repeats=2"], []),
     "recompute_memory": (["--cases=debug", "--rounds=3"], []),
+    "memory": (["--layouts=one,zero1-dp2"], []),
 }
 
 
