@@ -44,6 +44,7 @@ SCRIPTS = {
     "checkpoint_io": (["--shape=debug", "--repeats=2"], []),
     "recompute_memory": (["--cases=debug", "--rounds=3"], []),
     "memory": (["--layouts=one,zero1-dp2"], []),
+    "torch_native_3d": (["--steps=3"], []),
 }
 
 
