@@ -47,39 +47,44 @@ def write_random_tokens(prefix: Path, vocab: int, tokens: int) -> None:
     writer.finalize()
 
 
-def shape_trainer(
+def shape_config(
     shape: dict,
     dtype: str,
-    data_prefix: Path,
-    run_dir: Path,
+    data_prefix: Path | str,
+    run_dir: Path | str,
     run: str = "bench",
-    parallelism: dict | None = None,
-    compile: bool = False,
-) -> Trainer:
-    """A one-process Trainer for `shape` (the MODEL_KEYS plus sequence_length and micro_batch_size)."""
-    config = load_config_dict(
-        {
-            "general": {"run": run},
-            "model": {
-                "model_config": {
-                    **{k: shape[k] for k in MODEL_KEYS},
-                    "max_position_embeddings": shape["sequence_length"],
-                },
-                "dtype": dtype,
-                "compile": compile,
+    **sections: dict,
+):
+    """A config for `shape` (the MODEL_KEYS plus sequence_length and micro_batch_size) trained on the tokens
+    at `data_prefix`; `sections` are merged into theirs (model, parallelism, optimizer, tokens, ...)."""
+    raw = {
+        "general": {"run": run},
+        "model": {
+            "model_config": {
+                **{k: shape[k] for k in MODEL_KEYS},
+                "max_position_embeddings": shape["sequence_length"],
             },
-            "parallelism": parallelism or {},
-            "tokens": {
-                "sequence_length": shape["sequence_length"],
-                "micro_batch_size": shape["micro_batch_size"],
-                "train_steps": 10**6,
-            },
-            "data": {"dataset_folder": str(data_prefix)},
-            "logging": {"output_dir": str(run_dir)},
-            "checkpoints": {"save_final_state": False},
-        }
+            "dtype": dtype,
+        },
+        "tokens": {
+            "sequence_length": shape["sequence_length"],
+            "micro_batch_size": shape["micro_batch_size"],
+            "train_steps": 10**6,
+        },
+        "data": {"dataset_folder": str(data_prefix)},
+        "logging": {"output_dir": str(run_dir)},
+        "checkpoints": {"save_final_state": False},
+    }
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    return load_config_dict(raw)
+
+
+def shape_trainer(shape: dict, dtype: str, data_prefix: Path, run_dir: Path, **kwargs: Any) -> Trainer:
+    """A one-process Trainer of `shape_config`."""
+    return Trainer(
+        shape_config(shape, dtype, data_prefix, run_dir, **kwargs), ParallelContext(), log_to_console=False
     )
-    return Trainer(config, ParallelContext(), log_to_console=False)
 
 
 def spawn_ranks(

@@ -26,9 +26,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import MODEL_KEYS, headline, spawn_ranks, write_random_tokens
+from common import headline, shape_config, spawn_ranks, write_random_tokens
 
-from femtotron.config import load_config_dict
 from femtotron.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,29 +43,15 @@ SHAPE = {
 
 
 def make_config(case: dict, args, data: Path, runs: Path):
-    return load_config_dict(
-        {
-            "general": {"run": f"dp-{case['name']}"},
-            "model": {
-                "model_config": {
-                    **{k: SHAPE[k] for k in MODEL_KEYS if k in SHAPE},
-                    "num_hidden_layers": args.layers,
-                    "max_position_embeddings": SHAPE["sequence_length"],
-                },
-                "dtype": "float32",
-            },
-            "parallelism": {"dp": 2, "dp_bucket_size_mb": case["bucket_mb"]},
-            "optimizer": {"zero_stage": case["zero"]},
-            "tokens": {
-                "sequence_length": SHAPE["sequence_length"],
-                "micro_batch_size": SHAPE["micro_batch_size"],
-                "batch_accumulation_per_replica": args.micro_batches,
-                "train_steps": 10**6,
-            },
-            "data": {"dataset_folder": str(data)},
-            "logging": {"output_dir": str(runs)},
-            "checkpoints": {"save_final_state": False},
-        }
+    return shape_config(
+        {**SHAPE, "num_hidden_layers": args.layers},
+        "float32",
+        data,
+        runs,
+        f"dp-{case['name']}",
+        parallelism={"dp": 2, "dp_bucket_size_mb": case["bucket_mb"]},
+        optimizer={"zero_stage": case["zero"]},
+        tokens={"batch_accumulation_per_replica": args.micro_batches},
     )
 
 

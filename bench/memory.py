@@ -23,9 +23,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from common import MODEL_KEYS, headline, spawn_ranks, write_random_tokens
+from common import headline, shape_config, spawn_ranks, write_random_tokens
 
-from femtotron.config import load_config_dict
 from femtotron.diagnostics.memory import LiveMemory, estimate_rank
 from femtotron.trainer import Trainer
 
@@ -50,30 +49,8 @@ LAYOUTS = {
 
 
 def layout_config(name: str, data: Path, runs: Path):
-    overrides = LAYOUTS[name][1]
-    return load_config_dict(
-        {
-            "general": {"run": f"memory-{name}"},
-            "model": {
-                "model_config": {
-                    **{k: SHAPE[k] for k in MODEL_KEYS},
-                    "max_position_embeddings": SHAPE["sequence_length"],
-                },
-                "dtype": "bfloat16",
-            },
-            "parallelism": overrides.get("parallelism", {}),
-            "optimizer": overrides.get("optimizer", {}),
-            "tokens": {
-                "sequence_length": SHAPE["sequence_length"],
-                "micro_batch_size": SHAPE["micro_batch_size"],
-                "batch_accumulation_per_replica": 2,
-                "train_steps": 10**6,
-            },
-            "data": {"dataset_folder": str(data)},
-            "logging": {"output_dir": str(runs)},
-            "checkpoints": {"save_final_state": False},
-        }
-    )
+    tokens = {"batch_accumulation_per_replica": 2}
+    return shape_config(SHAPE, "bfloat16", data, runs, f"memory-{name}", tokens=tokens, **LAYOUTS[name][1])
 
 
 def memory_rank(ctx, cases, args, report) -> None:

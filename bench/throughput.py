@@ -123,7 +123,7 @@ def bench_case(name: str, precision: str, pairs: int, steps: int) -> dict[str, f
         dtype = {"bf16": "bfloat16", "fp32": "float32"}[precision]
         runs = {
             f"femtotron{' compiled' * c}": shape_trainer(
-                shape, dtype, prefix, Path(tmp) / f"runs{c}", compile=c
+                shape, dtype, prefix, Path(tmp) / f"runs{c}", model={"compile": c}
             )
             for c in (False, True)
         }

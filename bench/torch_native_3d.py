@@ -26,10 +26,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import MODEL_KEYS, headline, spawn_ranks, write_random_tokens
+from common import MODEL_KEYS, headline, shape_config, spawn_ranks, write_random_tokens
 from torch import nn
 
-from femtotron.config import load_config_dict
 from femtotron.trainer import Trainer
 
 SHAPE = {
@@ -46,29 +45,24 @@ LAYOUT = {"dp": 2, "tp": 2, "pp": 2}
 
 
 def femtotron_config(args):
-    return load_config_dict(
-        {
-            "general": {"run": "native-3d"},
-            "model": {
-                "model_config": {
-                    **{k: SHAPE[k] for k in MODEL_KEYS},
-                    "num_hidden_layers": args.layers,
-                    "max_position_embeddings": SHAPE["sequence_length"],
-                    "tie_word_embeddings": False,
-                },
-                "dtype": "float32",
+    shape = {**SHAPE, "num_hidden_layers": args.layers}
+    model_config = {k: shape[k] for k in MODEL_KEYS}
+    return shape_config(
+        shape,
+        "float32",
+        args.data,
+        args.runs,
+        "native-3d",
+        model={
+            "model_config": {
+                **model_config,
+                "max_position_embeddings": shape["sequence_length"],
+                "tie_word_embeddings": False,
             },
-            "parallelism": {**LAYOUT, "pp_engine": "1f1b", "tp_mode": "ALL_REDUCE"},
-            "tokens": {
-                "sequence_length": SHAPE["sequence_length"],
-                "micro_batch_size": SHAPE["micro_batch_size"],
-                "batch_accumulation_per_replica": args.micro_batches,
-                "train_steps": 10**6,
-            },
-            "data": {"dataset_folder": args.data},
-            "logging": {"output_dir": args.runs},
-            "checkpoints": {"save_final_state": False},
-        }
+            "dtype": "float32",
+        },
+        parallelism={**LAYOUT, "pp_engine": "1f1b", "tp_mode": "ALL_REDUCE"},
+        tokens={"batch_accumulation_per_replica": args.micro_batches},
     )
 
 
