@@ -59,9 +59,9 @@ class Dashboards:
                 self.wandb_run = wandb.init(**names, id=run_id, resume="allow", config=self.config.to_dict())
             except wandb.errors.Error as error:  # no login, no network: before any step is trained
                 raise ConfigError(
-                    f"logging.wandb=true but W&B could not start a run: {error}. Log in (`wandb login`, or "
-                    "set WANDB_API_KEY), or set WANDB_MODE=offline to log without network and `wandb sync` "
-                    "later, or set logging.wandb=false"
+                    f"logging.wandb=true but W&B could not start a run: {str(error).rstrip('.')}. Log in "
+                    "(`wandb login`, or set WANDB_API_KEY), or set WANDB_MODE=offline to log without network "
+                    "and `wandb sync` later, or set logging.wandb=false"
                 ) from None
 
     def write(self, record: dict[str, Any]) -> None:
