@@ -25,7 +25,12 @@ def pytest_collection_modifyitems(config, items):
 
 # Where every distributed test runs twice: as gloo behaves, and with gloo made to behave as NCCL does
 # (parallel/comm.py, EMULATE_NCCL), so code that works on gloo by luck fails here rather than on GPUs.
-BOTH_SEMANTICS = ("tests/parallel/", "tests/optim/test_zero.py", "tests/diagnostics/test_watchdog.py")
+BOTH_SEMANTICS = (
+    "tests/parallel/",
+    "tests/optim/test_zero.py",
+    "tests/diagnostics/test_watchdog.py",
+    "tests/models/test_compile.py",  # compiled graphs between collectives
+)
 
 
 def pytest_generate_tests(metafunc):
