@@ -6,6 +6,7 @@ Every test here is `distributed`: TorchInductor starts the C++ compiler in proce
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 from distributed import run_ranks
@@ -66,9 +67,12 @@ def test_fp16_with_recomputation_compiled_equals_eager(tiny_config):
     assert_steps_match(compiled, eager, exact, label="fp16, recompute_layer")
 
 
-def test_a_compiled_run_resumes_from_its_checkpoint_as_if_never_stopped(tiny_config):
+def test_a_compiled_run_logs_its_compile_time_and_resumes_from_its_checkpoint_as_if_never_stopped(
+    tiny_config, capsys
+):
     overrides = ["model.compile=true", "checkpoints.checkpoint_interval=2", "tokens.train_steps=4"]
-    whole = Trainer(tiny_config(*overrides), ParallelContext(), log_to_console=False).train()
+    whole = Trainer(tiny_config(*overrides), ParallelContext()).train()
+    assert re.search(r"model\.compile: \d+ graphs compiled in [\d.]+ s", capsys.readouterr().out)
     step_2 = tiny_config(*overrides).run_dir / "checkpoints" / "step-0000002"
     resumed = tiny_config(*overrides, "general.run=resumed", f"checkpoints.resume_checkpoint_path={step_2}")
     rest = Trainer(resumed, ParallelContext(), log_to_console=False).train()
