@@ -4,6 +4,7 @@ parallel run with one process in fp32 and in bf16 (on both of the CPU's bf16 pat
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from contextlib import AbstractContextManager, nullcontext
@@ -44,6 +45,11 @@ BF16_ROUNDOFF = 2.0**-8
 SMOOTH_ADAM = "optimizer.optimizer_factory.adam_eps=1e-3"
 # The CPU's two ways to compute bf16 (precision.py), forced either way so every machine runs both.
 BF16_PATHS = pytest.mark.parametrize("native", [True, False], ids=["native-bf16", "upcast-bf16"])
+# model.compile on a CPU needs a C++ compiler (TorchInductor's, as it looks for one): without, its tests skip.
+NEEDS_CXX = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++")) is None,
+    reason="model.compile: needs a C++ compiler ($CXX or g++) for TorchInductor on the CPU",
+)
 
 
 def precision_path(native: bool | None) -> AbstractContextManager:

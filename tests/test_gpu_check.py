@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import gpu_check  # noqa: E402
+from helpers import NEEDS_CXX  # noqa: E402
 
 # The example's 1B model shrunk to ~40k parameters (vocabulary 256 above intermediate 128: the LM head is the
 # largest matmul).
@@ -94,6 +95,7 @@ def test_a_bad_override_stops_before_anything_runs(no_cuda, tmp_path, capsys):
     assert not out.exists()
 
 
+@NEEDS_CXX
 @pytest.mark.distributed  # the compiled runs start the C++ compiler
 def test_femtotron_and_hf_are_measured_and_reported(tmp_path):
     """The measurements themselves, eager and compiled, on the CPU (or the GPU where there is one) with the

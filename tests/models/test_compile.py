@@ -10,7 +10,15 @@ import re
 
 import pytest
 from distributed import run_ranks
-from helpers import BF16_PATHS, SMOOTH_ADAM, Steps, assert_steps_match, precision_path, record_steps
+from helpers import (
+    BF16_PATHS,
+    NEEDS_CXX,
+    SMOOTH_ADAM,
+    Steps,
+    assert_steps_match,
+    precision_path,
+    record_steps,
+)
 
 from femtotron.errors import ConfigError
 from femtotron.parallel.context import ParallelContext
@@ -30,6 +38,7 @@ def steps_eager_and_compiled(config_of, native=None, ctx=None):
         return [record_steps(config_of(compiled), ctx or ParallelContext()) for compiled in (False, True)]
 
 
+@NEEDS_CXX
 def test_fp32_compiled_equals_eager_and_compiles_only_at_the_first_step(tiny_config):
     def config_of(compiled):
         return tiny_config(f"model.compile={compiled}", "model.model_config.num_hidden_layers=2")
@@ -45,6 +54,7 @@ def test_fp32_compiled_equals_eager_and_compiles_only_at_the_first_step(tiny_con
     assert graphs_compiled() == after_first  # no recompilation after step 1
 
 
+@NEEDS_CXX
 @BF16_PATHS
 def test_bf16_compiled_is_eager_within_bf16_rounding(tiny_config, native):
     def config_of(compiled, dtype="bfloat16"):
@@ -56,6 +66,7 @@ def test_bf16_compiled_is_eager_within_bf16_rounding(tiny_config, native):
     assert_steps_match(compiled, eager, exact, label=f"bf16 native={native}")
 
 
+@NEEDS_CXX
 def test_fp16_with_recomputation_compiled_equals_eager(tiny_config):
     def config_of(compiled):
         return tiny_config(
@@ -67,6 +78,7 @@ def test_fp16_with_recomputation_compiled_equals_eager(tiny_config):
     assert_steps_match(compiled, eager, exact, label="fp16, recompute_layer")
 
 
+@NEEDS_CXX
 def test_a_compiled_run_logs_its_compile_time_and_resumes_from_its_checkpoint_as_if_never_stopped(
     tiny_config, capsys
 ):
@@ -137,6 +149,7 @@ def _layout_ranks(rank, cases):
     return out, graphs_compiled()
 
 
+@NEEDS_CXX
 @pytest.mark.parametrize("world", list(LAYOUTS))
 def test_compiled_layouts_equal_one_eager_process(tiny_config, world):
     """pp = 2 in bf16 (the last stage's head and loss compiled too), tp x pp = 2 x 2 under both tp modes
