@@ -6,7 +6,7 @@ per step. For each layout every rank builds femtotron's Trainer, takes one step 
 then on), then a second under `LiveMemory` (every storage tensor ops allocate, and their peak):
 
     held      the model state the rank holds: parameters, gradient buffers, master weights, Adam moments
-              (`optimizer.memory_plan()`, padding included)
+              (`DataParallel.model_state_bytes()`, padding included)
     measured  held + the second step's peak of storage allocated
     estimate  `estimate_rank` (what `femtotron doctor` prints), simulated on the meta device for this CPU
 
@@ -60,7 +60,7 @@ def memory_rank(ctx, cases, args, report) -> None:
         trainer.train_step()
         with LiveMemory() as live:
             trainer.train_step()
-        plan = trainer.optimizer.memory_plan()
+        plan = trainer.data_parallel.model_state_bytes()
         params = sum(p.numel() for _, p in trainer.named_parameters())
         estimate = estimate_rank(config, ctx.pp_rank, on_this_cpu=True).total
         report(index, (sum(plan.values()), sum(plan.values()) + live.peak, estimate, params))

@@ -1,6 +1,6 @@
 """Pipeline bubble: measured idle share of a training step against theory, per schedule, pp and micro-batches.
 
-Theory (config.pipeline_bubble): fill and drain cost pp - 1 stage-steps, shortened v-fold by
+Theory (diagnostics.advice.pipeline_bubble): fill and drain cost pp - 1 stage-steps, shortened v-fold by
 interleaving, so a stage idles (pp - 1) / v / (m + (pp - 1) / v) of a step, the same on every stage.
 
 `--compute sleep` (default) runs the real `Pipeline` executor with real gloo point-to-point on
@@ -55,8 +55,8 @@ from common import headline, spawn_ranks
 from torch import nn
 
 from femtotron.config import load_config
-from femtotron.config.rules import pipeline_bubble
 from femtotron.data.nanoset import MicroBatch
+from femtotron.diagnostics.advice import pipeline_bubble
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.pipeline.p2p import PipelineP2P
 from femtotron.parallel.pipeline.schedules import Pipeline

@@ -7,7 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,12 +17,13 @@ import pytest
 import torch
 import yaml
 
+import femtotron.precision as precision_module
 from femtotron.config import LlamaConfig, load_config_dict
 from femtotron.data.indexed import IndexedDatasetWriter
 from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch
+from femtotron.diagnostics.check_tp import full_gradients
 from femtotron.models.llama import Llama
-from femtotron.parallel.tensor_parallel import TensorParallel, full_gradients, full_tensor
-from femtotron.precision import cpu_low_precision_path
+from femtotron.parallel.tensor_parallel import TensorParallel, full_tensor
 from femtotron.trainer import Trainer
 
 TINY_VOCAB = 256
@@ -50,6 +52,17 @@ NEEDS_CXX = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "g++")) is None,
     reason="model.compile: needs a C++ compiler ($CXX or g++) for TorchInductor on the CPU",
 )
+
+
+@contextmanager
+def cpu_low_precision_path(native: bool) -> Iterator[None]:
+    """Run low-precision matmuls on the CPU natively (as on a CPU with bf16 units) or upcast to fp32 (as
+    without), whatever this CPU has. Processes forked inside the block inherit the choice."""
+    before, precision_module.native_on_cpu = precision_module.native_on_cpu, native
+    try:
+        yield
+    finally:
+        precision_module.native_on_cpu = before
 
 
 def precision_path(native: bool | None) -> AbstractContextManager:

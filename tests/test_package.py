@@ -146,9 +146,10 @@ def test_D4_the_core_stays_small_enough_to_read():
         )
     # Issue 13 (ready for GPUs) took it from 5448 to about 5690, Hugging Face in/out and model.init_from
     # (issue 14) to ~6075, TensorBoard/W&B and profiling (issue 14) to ~6160, model.compile (issue 15) to
-    # ~6240 less what merging the tp collectives' autograd functions saved: context parallelism and MoE must
-    # find their room by removing code.
-    assert lines < 6240, lines
+    # ~6240; a review then took out ~290 lines (repeated docstrings, over-split expressions, test-only
+    # methods moved to the tests, check-tp's and the bubble's helpers moved to diagnostics). Context
+    # parallelism and MoE raise this cap as they add, within the 6,500 of the whole.
+    assert lines < 5960, lines
 
 
 def test_every_failure_mode_has_a_test_named_after_it():

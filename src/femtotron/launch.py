@@ -98,18 +98,8 @@ def launch_local(nprocs: int, argv: list[str], what: str = "this run") -> int:
     forwarded = _forward_stop_signals()
     # The signals torch's agent handles itself (by stopping the ranks): not SIGTERM when it is forwarded.
     handled = "SIGINT,SIGHUP,SIGQUIT" if forwarded else "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
-    args = torchrun.parse_args(
-        [
-            "--standalone",
-            "--nproc-per-node",
-            str(nprocs),
-            "--signals-to-handle",
-            handled,
-            "-m",
-            "femtotron",
-            *argv,
-        ]
-    )
+    flags = ["--standalone", "--nproc-per-node", str(nprocs), "--signals-to-handle", handled]
+    args = torchrun.parse_args([*flags, "-m", "femtotron", *argv])
     failure_log = logging.getLogger(_FAILURE_LOGGER)
     level = failure_log.level
     failure_log.setLevel(logging.CRITICAL)

@@ -49,15 +49,8 @@ def tensor_parallel(config: Config, comm: Comm, group: Group, rank: int) -> Tens
 
 def build_rank_model(config: Config, ctx: ParallelContext) -> RankModel:
     """This process's part of the model, on its device, talking over its groups."""
-    return _build(
-        config,
-        tensor_parallel(config, ctx.comm, ctx.tp_group, ctx.tp_rank),
-        ctx.pp_rank,
-        ctx.comm,
-        ctx.dp_group,
-        ctx.dp_rank,
-        ctx.device,
-    )
+    tp = tensor_parallel(config, ctx.comm, ctx.tp_group, ctx.tp_rank)
+    return _build(config, tp, ctx.pp_rank, ctx.comm, ctx.dp_group, ctx.dp_rank, ctx.device)
 
 
 def meta_rank_model(config: Config, rank: int) -> RankModel:
@@ -117,15 +110,8 @@ def _build(
         grad_dtype=torch.float32 if config.optimizer.accumulate_grad_in_fp32 else dtype,
         sharded=config.optimizer.zero_stage == 1,
     )
-    return RankModel(
-        stages,
-        chunks,
-        tp,
-        data_parallel,
-        replicated,
-        counted,
-        tied_copy.index(True) if any(tied_copy) else None,
-    )
+    tied = tied_copy.index(True) if any(tied_copy) else None
+    return RankModel(stages, chunks, tp, data_parallel, replicated, counted, tied)
 
 
 def build_pipeline(config: Config, ctx: ParallelContext, model: RankModel) -> Pipeline:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextvars
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,8 +24,9 @@ def cpu_has_bf16_matmul() -> bool:
 
 
 # Whether bf16/fp16 matmuls run natively on this CPU: read once from /proc/cpuinfo, and forced either way
-# by `cpu_low_precision_path` (tests run both paths on every machine). A module attribute, not a ContextVar,
-# so that torch.compile reads it while tracing (and guards on it) instead of breaking the graph there.
+# by the tests (tests/helpers.py `cpu_low_precision_path`: both paths on every machine). A module attribute,
+# not a ContextVar, so that torch.compile reads it while tracing (and guards on it) instead of breaking the
+# graph there.
 CPU_MULTIPLIES_BF16 = cpu_has_bf16_matmul()
 # Without AMX, the CPU flash-attention kernel's bf16 backward takes 2.6-6x its fp32 time (AVX512-BF16 EPYC,
 # torch 2.13, bench/throughput.py's shapes; the forward is as fast): attention is upcast there too.
@@ -39,18 +38,6 @@ native_on_cpu = CPU_MULTIPLIES_BF16
 ESTIMATING_FOR_THIS_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "estimating_for_cpu", default=False
 )
-
-
-@contextmanager
-def cpu_low_precision_path(native: bool) -> Iterator[None]:
-    """Run low-precision matmuls on the CPU natively (as on a CPU with bf16 units) or upcast to fp32 (as
-    without), whatever this CPU has. Processes forked inside the block inherit the choice."""
-    global native_on_cpu
-    before, native_on_cpu = native_on_cpu, native
-    try:
-        yield
-    finally:
-        native_on_cpu = before
 
 
 def on_this_cpu(x: torch.Tensor) -> bool:
@@ -82,9 +69,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    if (
-        q.is_meta
-    ):  # memory estimates: keep what a fused kernel keeps (output, log-sum-exp), as on GPUs and CPUs
+    # Memory estimates: keep what a fused kernel keeps (output, log-sum-exp), as on GPUs and CPUs.
+    if q.is_meta:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
     groups = q.shape[1] // k.shape[1]
     capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None

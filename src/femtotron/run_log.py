@@ -111,25 +111,16 @@ class StepLogger:
     ) -> StepLogger:
         """MFU against the peak of the matmul the model runs most: its largest weight times a micro-batch."""
         tokens, mcfg = config.tokens, config.model.model_config_
-        peak, source = peak_flops(
-            ctx.device,
-            matmul_dtype,
-            (
-                tokens.micro_batch_size * tokens.sequence_length,
-                max(mcfg.intermediate_size, mcfg.vocab_size),
-                mcfg.hidden_size,
-            ),
+        rows, columns = (
+            tokens.micro_batch_size * tokens.sequence_length,
+            max(mcfg.intermediate_size, mcfg.vocab_size),
         )
-        return cls(
-            log,
-            tokens.train_steps,
-            config.logging.iteration_step_info_interval,
-            ctx.world_size,
-            ctx.device,
+        peak, source = peak_flops(ctx.device, matmul_dtype, (rows, columns, mcfg.hidden_size))
+        flops, interval = (
             mcfg.flops_per_token(tokens.sequence_length),
-            peak,
-            source,
+            config.logging.iteration_step_info_interval,
         )
+        return cls(log, tokens.train_steps, interval, ctx.world_size, ctx.device, flops, peak, source)
 
     @property
     def yardstick(self) -> str:
@@ -145,9 +136,7 @@ class StepLogger:
             "step": step,
             "loss": result.loss,
             "lr": result.lr,
-            "grad_norm": result.grad_norm
-            if math.isfinite(result.grad_norm)
-            else None,  # None: a skipped step
+            "grad_norm": result.grad_norm if math.isfinite(result.grad_norm) else None,  # None: skipped
             "tokens_per_sec": tokens_per_sec,
             "tokens_per_sec_per_device": tokens_per_sec / self.world_size,
             "model_tflops_per_device": achieved / 1e12,

@@ -61,7 +61,9 @@ class Trainer:
         dtype = DTYPES[config.model.dtype]
         tf32_for_fp32(ctx.device, dtype)  # before the MFU yardstick: it reads whether fp32 runs as TF32
         # fp16 only (N1): the loss is multiplied by a dynamic scale; bf16 and fp32 get a disabled one.
-        self.scaler = DynamicLossScaler.from_config(config.optimizer.loss_scale, dtype == torch.float16)
+        self.scaler = DynamicLossScaler(
+            **config.optimizer.loss_scale.model_dump(), enabled=dtype == torch.float16
+        )
         self.state = TrainState(self.scaler)
         params = [p for _, p in self.named_parameters()]
         self.optimizer = ZeroAdamW(params, self.data_parallel, config.optimizer)
@@ -73,9 +75,8 @@ class Trainer:
         # weights every tp rank holds whole (the norms) are summed over tp.
         sequence_parallel = self.tp.sequence_parallel and ctx.tp > 1
         self.summed_over_tp = {i for i, r in enumerate(self.model.replicated) if r and sequence_parallel}
-        model, data = self.model, self.train_data
         self.parts = TrainingParts(
-            config, ctx, model, self.optimizer, self.state, data, self.log, self.tokenizer
+            config, ctx, self.model, self.optimizer, self.state, self.train_data, self.log, self.tokenizer
         )
         self.last_checkpoint: Path | None = None
         self.spikes = LossSpikes()
@@ -167,11 +168,8 @@ class Trainer:
 
     def warn_on_loss(self, loss: float) -> None:
         """N3: a first loss far from ln(vocab); N4: spikes against the running median."""
-        first = (
-            first_loss_warning(loss, self.config.model.model_config_.vocab_size)
-            if self.state.step == 1
-            else None
-        )
+        vocab = self.config.model.model_config_.vocab_size
+        first = first_loss_warning(loss, vocab) if self.state.step == 1 else None
         spike = self.spikes.observe(self.state.step, loss) if math.isfinite(loss) else None
         for warning in filter(None, [first, spike]):
             self.log.warn(warning)
@@ -203,7 +201,7 @@ class Trainer:
         except (RuntimeError, MemoryError) as e:
             if not is_out_of_memory(e):
                 raise
-            action, plan = self.pipeline.current, self.optimizer.memory_plan()
+            action, plan = self.pipeline.current, self.data_parallel.model_state_bytes()
             where = f"the {action.describe()}, pipeline stage {self.pipeline.stage_of(action.chunk)}"
             raise failures.out_of_memory(e, self.config, self.ctx, self.state.step + 1, where, plan) from None
 
@@ -216,13 +214,8 @@ class Trainer:
         # skips the step. A non-finite loss is a real divergence and is handled below.
         overflow = self.scaler.unscale_(grads, self.ctx) and math.isfinite(loss)
         clip = self.config.optimizer.clip_grad
-        grad_norm = (
-            math.inf
-            if overflow
-            else comm.read(
-                clip_grads_(grads, clip, self.ctx, self.counted_pieces, self.norm_groups), "grad norm"
-            )
-        )
+        norm = None if overflow else clip_grads_(grads, clip, self.ctx, self.counted_pieces, self.norm_groups)
+        grad_norm = math.inf if norm is None else comm.read(norm, "grad norm")
         if overflow:
             self.skip_fp16_step(loss)
         elif not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -270,9 +263,7 @@ class Trainer:
         still multiplied by the loss scale: `one_step` unscales them). Every rank of a dp replica reads the
         same micro-batches: the first pipeline stage needs the inputs, the last the targets, all the count."""
         ctx, step = self.ctx, self.state.step + 1
-        on_host = self.batches.step_at(
-            self.state.consumed_samples
-        )  # checked and counted there: no device sync
+        on_host = self.batches.step_at(self.state.consumed_samples)
         self.state.consumed_samples += self.config.global_batch_size
         check_batch_token_ids(on_host, self.config.model.model_config_.vocab_size, ctx, step)
         # Token-weighted loss: divide by the valid-token count of the whole global batch, so any
@@ -297,10 +288,8 @@ class Trainer:
 
     def reduce_gradients(self) -> list[torch.Tensor]:
         """The fp32 gradients of the elements this rank steps, summed over everything that computed a part:
-        over dp the bucket reductions started in backward (the loss is divided by the global token count
-        already, so a sum is right); then, on the pieces this rank owns (at the same places on every rank of
-        these groups), under sequence parallelism the tp-replicated parameters over tp (each tp rank saw part
-        of the sequence), and a tied embedding over the first and last pipeline stage."""
+        over dp (the buckets), then over tp for `summed_over_tp` and over the embedding group for a tied
+        embedding (the loss is divided by the global token count already, so sums are right)."""
         self.data_parallel.finish_reduction()
         grads, pieces, comm = self.optimizer.grads(), self.data_parallel.pieces, self.ctx.comm
         by_param = [(p.param, g) for p, g in zip(pieces, grads, strict=True)]

@@ -110,21 +110,21 @@ def _samples(micro_batch):
     return torch.cat([micro_batch.inputs, micro_batch.targets[:, -1:]], dim=1)
 
 
-def _steps(iterator, count):
-    return [[_samples(mb).clone() for mb in iterator.next_step()] for _ in range(count)]
+def _steps(iterator, count, global_batch, consumed=0):
+    """`count` steps' samples, from the step after `consumed` samples on."""
+    return [[_samples(mb) for mb in iterator.step_at(consumed + k * global_batch)] for k in range(count)]
 
 
 def test_micro_batches_shape_and_resume(tmp_path):
     prefixes = [_dataset(tmp_path / f"d{i}", 25, seed=i)[0] for i in range(2)]
     ns = Nanoset(prefixes, [1, 1], L, seed=5)
     straight = MicroBatchIterator(ns, micro_batch_size=2, batch_accumulation=3, dp_rank=0, dp_size=1)
-    steps = _steps(straight, 6)  # 36 samples: past one epoch of the smaller dataset
+    steps = _steps(straight, 6, global_batch=6)  # 36 samples: past one epoch of the smaller dataset
     assert all(mb.dtype == torch.int64 and mb.shape == (2, L + 1) for step in steps for mb in step)
-    assert straight.consumed_samples == 36
 
     resumed_ns = Nanoset(prefixes, [1, 1], L, seed=5)  # a new process after a restart
-    resumed = MicroBatchIterator(resumed_ns, 2, 3, dp_rank=0, dp_size=1, consumed_samples=2 * 6)
-    for expected, got in zip(steps[2:], _steps(resumed, 4), strict=True):
+    resumed = MicroBatchIterator(resumed_ns, 2, 3, dp_rank=0, dp_size=1)
+    for expected, got in zip(steps[2:], _steps(resumed, 4, global_batch=6, consumed=2 * 6), strict=True):
         for a, b in zip(expected, got, strict=True):
             assert torch.equal(a, b)
 
@@ -134,11 +134,10 @@ def test_union_of_a_step_does_not_depend_on_dp(tmp_path):
     ns = Nanoset([prefix], None, L, seed=2)
     single = MicroBatchIterator(ns, micro_batch_size=2, batch_accumulation=4, dp_rank=0, dp_size=1)
     ranks = [MicroBatchIterator(ns, 2, 2, dp_rank=r, dp_size=2) for r in range(2)]
-    for _ in range(3):
-        expected = torch.cat([_samples(mb) for mb in single.next_step()])
-        got = torch.cat([_samples(mb) for rank in ranks for mb in rank.next_step()])
+    for consumed in (0, 8, 16):
+        expected = torch.cat([_samples(mb) for mb in single.step_at(consumed)])
+        got = torch.cat([_samples(mb) for rank in ranks for mb in rank.step_at(consumed)])
         assert torch.equal(expected, got)
-    assert single.consumed_samples == ranks[1].consumed_samples == 24
 
 
 def test_too_little_data_is_explained(tmp_path):
@@ -163,9 +162,8 @@ def test_a_micro_batch_predicts_the_next_token_and_step_at_needs_no_state(tmp_pa
     prefix, _ = _dataset(tmp_path / "d", 40, seed=0)
     batches = MicroBatchIterator(Nanoset([prefix], None, L, seed=2), 2, 2, dp_rank=0, dp_size=1)
     later = batches.step_at(8)
-    assert batches.consumed_samples == 0  # asking for a step moves nothing
-    batches.consumed_samples = 8
-    for a, b in zip(later, batches.next_step(), strict=True):
+    batches.step_at(0)  # asking for another step changes nothing
+    for a, b in zip(later, batches.step_at(8), strict=True):
         assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
     assert torch.equal(later[0].inputs[:, 1:], later[0].targets[:, :-1])
     assert later[0].counted_targets == 2 * L

@@ -45,7 +45,7 @@ def measured_and_estimated(rank, config):
     trainer.train_step()  # Adam's moments exist from here on
     with LiveMemory() as memory:
         trainer.train_step()
-    measured = sum(trainer.optimizer.memory_plan().values()) + memory.peak
+    measured = sum(trainer.data_parallel.model_state_bytes().values()) + memory.peak
     estimated = estimate_rank(config, ctx.pp_rank, on_this_cpu=True).total
     ctx.close()
     return measured, estimated

@@ -103,7 +103,7 @@ def test_bf16_model_tracks_fp32_model(native):
 
 
 def test_upcast_path_for_cpus_without_bf16_units_matches_native_bf16():
-    from femtotron.precision import cpu_low_precision_path
+    from helpers import cpu_low_precision_path
 
     cfg = tiny_config()
     model = build(cfg, dtype=torch.bfloat16)

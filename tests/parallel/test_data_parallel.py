@@ -262,7 +262,7 @@ def _memory(rank, configs):
         out.append(
             (
                 held_bytes(trainer),
-                trainer.optimizer.memory_plan(),
+                trainer.data_parallel.model_state_bytes(),
                 data_parallel.flat_params.numel(),
                 data_parallel.padding,
                 sum(p.numel() for _, p in trainer.named_parameters()),

@@ -35,10 +35,11 @@ from torch.distributed.tensor.parallel import (
 from transformers import LlamaForCausalLM
 
 from femtotron.data.nanoset import IGNORE_INDEX
+from femtotron.diagnostics.check_tp import full_gradients
 from femtotron.models.hf_conversion import to_hf
 from femtotron.models.llama import Llama
 from femtotron.parallel.context import ParallelContext
-from femtotron.parallel.tensor_parallel import TensorParallel, full_gradients
+from femtotron.parallel.tensor_parallel import TensorParallel
 
 TP = 2
 

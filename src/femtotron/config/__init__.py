@@ -4,11 +4,4 @@ from femtotron.config.config import Config, LlamaConfig
 from femtotron.config.load import load_config, load_config_dict
 from femtotron.config.rules import Problem, check_world_size
 
-__all__ = [
-    "Config",
-    "LlamaConfig",
-    "Problem",
-    "check_world_size",
-    "load_config",
-    "load_config_dict",
-]
+__all__ = ["Config", "LlamaConfig", "Problem", "check_world_size", "load_config", "load_config_dict"]

@@ -244,9 +244,8 @@ class CheckpointsArgs(_Section):
     checkpoint_interval: NonNegativeInt = 0  # save a checkpoint every N steps (and after the last); 0: never
     save_initial_state: bool = False  # also save one before the first step
     save_final_state: bool = True  # full-shape weights in the run directory at the end
-    resume_checkpoint_path: str | None = (
-        None  # a step-NNNNNNN checkpoint, or a checkpoints directory (its latest)
-    )
+    # a step-NNNNNNN checkpoint, or a checkpoints directory (its latest)
+    resume_checkpoint_path: str | None = None
     keep_last_n: PositiveInt | None = None  # delete older checkpoints beyond the newest N; None: keep all
 
 
@@ -287,9 +286,8 @@ class Config(_Section):
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> Config:
         sched = self.optimizer.learning_rate_scheduler
-        if (
-            sched.lr_decay_starting_step is None
-        ):  # a warm-up longer than the run ends with it (config_warnings)
+        # A warm-up longer than the run ends with it (config_warnings).
+        if sched.lr_decay_starting_step is None:
             sched.lr_decay_starting_step = min(sched.lr_warmup_steps, self.tokens.train_steps)
         if sched.lr_decay_steps is None:
             sched.lr_decay_steps = max(0, self.tokens.train_steps - sched.lr_decay_starting_step)

@@ -86,14 +86,8 @@ def _map_lines(node: yaml.Node, prefix: str, lines: dict[str, int]) -> list[Prob
         for key_node, value_node in node.value:
             path, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
             if path in lines:
-                duplicates.append(
-                    Problem(
-                        (path,),
-                        f"duplicate key (also set at line {lines[path]}); YAML keeps "
-                        "only the last one. Delete one of them.",
-                        (f"line {line}",),
-                    )
-                )
+                message = f"duplicate key (also set at line {lines[path]}); YAML keeps only the last one."
+                duplicates.append(Problem((path,), message + " Delete one of them.", (f"line {line}",)))
                 for stale in [p for p in lines if p.startswith(path + ".")]:  # the first block is discarded
                     del lines[stale]
             lines[path] = line
@@ -109,13 +103,10 @@ class _Locator:
     """Says where a dotted path got its value: a command line override, a YAML line, or the default."""
 
     def __init__(self, lines: dict[str, int], overrides: dict[str, str], sources: Mapping[str, str]) -> None:
-        self.lines, self.overrides = (
-            lines,
-            {
-                target: sources.get(text, f"command line override '{text}'")
-                for target, text in overrides.items()
-            },
-        )
+        self.lines = lines
+        self.overrides = {
+            t: sources.get(text, f"command line override '{text}'") for t, text in overrides.items()
+        }
 
     def __call__(self, path: str) -> str:
         for target, where in self.overrides.items():
@@ -139,19 +130,11 @@ def _build(
 ) -> Config:
     if not isinstance(data, Mapping):
         got = "an empty file" if data is None else f"a {type(data).__name__}"
-        raise_problems(
-            f"Invalid config {source}",
-            [
-                Problem(
-                    (),
-                    (
-                        "the top level must be a mapping of sections (general, model, parallelism, "
-                        f"tokens, optimizer, data, ...); got {got}. A config needs at least "
-                        "tokens.train_steps and data.dataset_folder."
-                    ),
-                )
-            ],
+        message = (
+            "the top level must be a mapping of sections (general, model, parallelism, tokens, optimizer, "
+            f"data, ...); got {got}. A config needs at least tokens.train_steps and data.dataset_folder."
         )
+        raise_problems(f"Invalid config {source}", [Problem((), message)])
     data = copy.deepcopy(dict(data))
     applied, override_problems = _apply_overrides(data, overrides)
     locate = _Locator(lines, applied, sources)
@@ -185,26 +168,16 @@ def _apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> tuple[di
         key, eq, raw = (part.strip() for part in text.partition("="))
         where = (f"command line override '{text}'",)
         if not eq or "" in key.split("."):
-            problems.append(
-                Problem(
-                    (key or text,),
-                    "an override must look like section.key=value, "
-                    "e.g. parallelism.tp=2 or tokens.train_steps=50",
-                    where,
-                )
+            usage = (
+                "an override must look like section.key=value, e.g. parallelism.tp=2 or tokens.train_steps=50"
             )
+            problems.append(Problem((key or text,), usage, where))
             continue
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError as e:
-            problems.append(
-                Problem(
-                    (key,),
-                    f"the value {raw!r} is not valid YAML ({getattr(e, 'problem', e)}); "
-                    "quote it if it is a string",
-                    where,
-                )
-            )
+            message = f"the value {raw!r} is not valid YAML ({getattr(e, 'problem', e)}); quote a string"
+            problems.append(Problem((key,), message, where))
             continue
         *parents, leaf = key.split(".")
         node = data
@@ -213,13 +186,8 @@ def _apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> tuple[di
                 node[part] = {}  # create missing sections; unknown ones are reported by validation
             node = node[part]
             if not isinstance(node, dict):
-                problems.append(
-                    Problem(
-                        (key,),
-                        f"cannot set '{leaf}': {'.'.join(parents[: i + 1])} is {node!r}, not a section",
-                        where,
-                    )
-                )
+                message = f"cannot set '{leaf}': {'.'.join(parents[: i + 1])} is {node!r}, not a section"
+                problems.append(Problem((key,), message, where))
                 break
         else:
             node[leaf] = value
@@ -266,10 +234,6 @@ def _field(loc: list[str]) -> Any:
     return info
 
 
-def _keys(model: type[BaseModel]) -> list[str]:
-    return [f.alias or name for name, f in model.model_fields.items()]
-
-
 def _all_paths(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
     paths = []
     for name, info in model.model_fields.items():
@@ -287,7 +251,7 @@ def _unknown_key(parent: list[str], key: str) -> tuple[str, list[str]]:
     section = ".".join(parent)
     info = _field(parent) if parent else None
     model = info.annotation if info is not None else Config
-    valid = _keys(model)
+    valid = [f.alias or name for name, f in model.model_fields.items()]
     prefix = f"{section}." if section else ""
     what = f"unknown key '{key}' in {section}" if section else f"unknown section '{key}'"
     scores = {v: difflib.SequenceMatcher(None, key, v).ratio() for v in valid}

@@ -366,11 +366,3 @@ def _layouts(world_size: int) -> list[tuple[int, int, int]]:
         (world_size // (t * p), t, p) for t in _divisors(world_size) for p in _divisors(world_size // t)
     ]
     return sorted(triples, key=lambda layout: (-layout[0], layout[1], layout[2]))
-
-
-def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """The share of a step a pipeline stage idles (P2): fill and drain take pp - 1 stage-steps, which
-    interleaving shortens by its number of virtual stages (AFAB and 1F1B idle alike; 1F1B holds fewer
-    activations)."""
-    idle = (pp - 1) / virtual_stages
-    return idle / (micro_batches + idle)

@@ -42,8 +42,11 @@ def _fix(prefix: str) -> str:
     )
 
 
-def _corrupt(path: str, prefix: str, problem: str) -> DataError:
-    return DataError(f"{path}: {problem}. The dataset is corrupt or was not fully written.\n{_fix(prefix)}")
+def _corrupt(path: str, problem: str) -> DataError:
+    """`path` is a `.bin` or `.idx` file."""
+    return DataError(
+        f"{path}: {problem}. The dataset is corrupt or was not fully written.\n{_fix(path[:-4])}"
+    )
 
 
 def _scan(directory: str) -> tuple[list[str], list[str]]:
@@ -96,22 +99,19 @@ class IndexedDataset:
             else np.empty(0, np.uint8)
         )
         if idx.size < _HEADER.size:
-            raise _corrupt(
-                idx_path, self.path_prefix, f"truncated: {idx.size} bytes, shorter than the header"
-            )
+            raise _corrupt(idx_path, f"truncated: {idx.size} bytes, shorter than the header")
         magic, version, code, count, doc_count = _HEADER.unpack(idx[: _HEADER.size].tobytes())
         if magic != MAGIC:
-            raise _corrupt(idx_path, self.path_prefix, f"bad magic {magic!r}, expected {MAGIC!r}")
+            raise _corrupt(idx_path, f"bad magic {magic!r}, expected {MAGIC!r}")
         if version != VERSION:
-            raise _corrupt(idx_path, self.path_prefix, f"unsupported version {version}, expected {VERSION}")
+            raise _corrupt(idx_path, f"unsupported version {version}, expected {VERSION}")
         if code not in DTYPE_CODES:
-            raise _corrupt(idx_path, self.path_prefix, f"unknown dtype code {code}, expected one of 1-8")
+            raise _corrupt(idx_path, f"unknown dtype code {code}, expected one of 1-8")
         expected = _HEADER.size + 12 * count + 8 * doc_count
         # Megatron's multimodal variant appends one int8 mode per sequence; the tokens are still readable.
         if idx.size not in (expected, expected + count):
             raise _corrupt(
                 idx_path,
-                self.path_prefix,
                 f"size {idx.size} bytes does not match its header ({count} sequences, {doc_count} document "
                 f"boundaries need {expected} bytes){' - truncated' if idx.size < expected else ''}",
             )
@@ -128,7 +128,6 @@ class IndexedDataset:
         if bin_size != self.num_tokens * itemsize:
             raise _corrupt(
                 bin_path,
-                self.path_prefix,
                 f"size {bin_size} bytes, but {idx_path} lists {self.num_tokens} tokens of {self.dtype} "
                 f"= {self.num_tokens * itemsize} bytes",
             )
@@ -140,7 +139,7 @@ class IndexedDataset:
     def _check_index(self, idx_path: str, count: int) -> None:
         lengths, pointers, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
         if count and lengths.min() < 0:
-            raise _corrupt(idx_path, self.path_prefix, "a sequence length is negative")
+            raise _corrupt(idx_path, "a sequence length is negative")
         expected = np.zeros(count, dtype=np.int64)
         np.cumsum(lengths[:-1], dtype=np.int64, out=expected[1:])
         bad = np.flatnonzero(pointers != expected * self.dtype.itemsize)
@@ -148,7 +147,6 @@ class IndexedDataset:
             i = int(bad[0])
             raise _corrupt(
                 idx_path,
-                self.path_prefix,
                 f"byte offsets inconsistent with sequence lengths: sequence {i} starts at byte "
                 f"{int(pointers[i])}, expected {int(expected[i]) * self.dtype.itemsize}",
             )
@@ -156,33 +154,19 @@ class IndexedDataset:
             first, last = (int(docs[0]), int(docs[-1])) if docs.size else (None, None)
             raise _corrupt(
                 idx_path,
-                self.path_prefix,
                 f"document index must run from 0 to the sequence count {count}, found first={first}, "
                 f"last={last}",
             )
         if np.any(np.diff(docs) < 0):
-            raise _corrupt(idx_path, self.path_prefix, "document index is not sorted")
+            raise _corrupt(idx_path, "document index is not sorted")
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 
-    def _locate(self, i: int) -> tuple[int, int]:
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"sequence {i} out of range for {self.path_prefix} ({n} sequences)")
-        i %= n
-        return int(self.sequence_pointers[i]) // self.dtype.itemsize, int(self.sequence_lengths[i])
-
     def __getitem__(self, i: int) -> np.ndarray:
-        return self.get(i)
-
-    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Tokens `offset ... offset + length` of sequence `i`, as a view of the memory map (no copy)."""
-        start, size = self._locate(i)
-        length = size - offset if length is None else length
-        if offset < 0 or length < 0 or offset + length > size:
-            raise IndexError(f"slice [{offset}, {offset + length}) outside sequence {i} of length {size}")
-        return self.tokens(start + offset, start + offset + length)
+        """Sequence `i` (negative: from the end; IndexError beyond), a view of the memory map (no copy)."""
+        start = int(self.sequence_pointers[i]) // self.dtype.itemsize
+        return self.tokens(start, start + int(self.sequence_lengths[i]))
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Tokens `start ... stop` of all sequences concatenated in order (crossing document boundaries)."""

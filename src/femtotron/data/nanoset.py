@@ -94,8 +94,7 @@ class Nanoset:
             if n == 0:
                 raise DataError(
                     f"{ds.path_prefix}: {ds.num_tokens} tokens is too few for one sample of sequence_length "
-                    f"+ 1 "
-                    f"= {sequence_length + 1} tokens; use more data or a shorter tokens.sequence_length"
+                    f"+ 1 = {sequence_length + 1} tokens; use more data or a shorter tokens.sequence_length"
                 )
         self.weights = self._normalise(weights)
         self._blender = _Blender(self.weights) if len(self.datasets) > 1 else None
@@ -194,36 +193,24 @@ class MicroBatchIterator:
 
     A step consumes the next `micro_batch_size * batch_accumulation * dp_size` global samples; rank r takes
     the r-th contiguous chunk and cuts it into `batch_accumulation` micro-batches. The samples a step sees
-    therefore do not depend on dp_size: `step_at(consumed_samples)` gives any step's, and resuming is
-    constructing with the saved `consumed_samples`.
+    therefore do not depend on dp_size: `step_at(consumed_samples)` gives any step's, so resuming needs only
+    the saved `consumed_samples`.
     """
 
     def __init__(
-        self,
-        nanoset: Nanoset,
-        micro_batch_size: int,
-        batch_accumulation: int,
-        dp_rank: int,
-        dp_size: int,
-        consumed_samples: int = 0,
+        self, nanoset: Nanoset, micro_batch_size: int, batch_accumulation: int, dp_rank: int, dp_size: int
     ) -> None:
         if min(micro_batch_size, batch_accumulation, dp_size) < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(
                 f"need micro_batch_size, batch_accumulation, dp_size >= 1 and 0 <= dp_rank < dp_size; got "
                 f"{micro_batch_size}, {batch_accumulation}, {dp_size}, dp_rank={dp_rank}"
             )
-        if consumed_samples < 0:
-            raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
-        self.nanoset = nanoset
-        self.micro_batch_size = micro_batch_size
-        self.batch_accumulation = batch_accumulation
+        self.nanoset, self.micro_batch_size, self.batch_accumulation = (
+            nanoset,
+            micro_batch_size,
+            batch_accumulation,
+        )
         self.dp_rank = dp_rank
-        self.dp_size = dp_size
-        self.consumed_samples = consumed_samples
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.batch_accumulation * self.dp_size
 
     def step_at(self, consumed_samples: int) -> list[MicroBatch]:
         """This rank's `batch_accumulation` micro-batches of the step that starts after `consumed_samples`."""
@@ -237,14 +224,3 @@ class MicroBatchIterator:
             )
             for start in range(first, first + per_rank, self.micro_batch_size)
         ]
-
-    def next_step(self) -> list[MicroBatch]:
-        micro_batches = self.step_at(self.consumed_samples)
-        self.consumed_samples += self.global_batch_size
-        return micro_batches
-
-    def __iter__(self) -> MicroBatchIterator:
-        return self
-
-    def __next__(self) -> list[MicroBatch]:
-        return self.next_step()

@@ -96,7 +96,6 @@ def tokenizer_for_model(path: str | None, vocab_size: int) -> Tokenizer | None:
         raise ConfigError(
             f"tokenizer.tokenizer_name_or_path={path} has {size} tokens but model.model_config.vocab_size="
             f"{vocab_size}: ids {vocab_size}..{size - 1} would have no embedding. Set "
-            f"model.model_config.vocab_size "
-            f">= {size}, or use the tokenizer the data was preprocessed with."
+            f"model.model_config.vocab_size >= {size}, or use the tokenizer the data was preprocessed with."
         )
     return tokenizer

@@ -4,8 +4,16 @@ logs them at start and `femtotron doctor` prints them. Like the config itself, t
 from __future__ import annotations
 
 from femtotron.config import Config
-from femtotron.config.rules import fixes_that_hold, pipeline_bubble
+from femtotron.config.rules import fixes_that_hold
 from femtotron.parallel.pipeline.partition import IMBALANCE_WARNING, Stage, partition
+
+
+def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """The share of a step a pipeline stage idles (P2): fill and drain take pp - 1 stage-steps, which
+    interleaving shortens by its number of virtual stages (AFAB and 1F1B idle alike; 1F1B holds fewer
+    activations)."""
+    idle = (pp - 1) / virtual_stages
+    return idle / (micro_batches + idle)
 
 
 def _typical_lr(n_params: int) -> float:

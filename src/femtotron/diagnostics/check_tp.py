@@ -39,12 +39,28 @@ from femtotron.launch import check_local_devices, launch_local, launched_by_torc
 from femtotron.layout import tensor_parallel
 from femtotron.models.llama import Llama
 from femtotron.parallel.context import ParallelContext
-from femtotron.parallel.tensor_parallel import TensorParallel, full_gradients, gather_full
+from femtotron.parallel.sharding import split_dim
+from femtotron.parallel.tensor_parallel import TensorParallel, full_tensor, gather_full
 
 # Relative to the largest reference value. fp32 differs only by summation order (about 1e-6); bf16
 # keeps 8 significant bits and tp moves where the roundings happen.
 DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
 DIVERGES_EXIT_CODE = 1  # like diff: 0 same, 1 different, 2 and up could not compare
+
+
+def full_gradients(model: nn.Module, tp: TensorParallel) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient as one device would hold it, by name (None where there is none).
+
+    Under sequence parallelism each rank saw only its part of the sequence, so the gradients of the
+    weights every rank holds whole (the norms) are summed over tp first, as the trainer does.
+    """
+    grads: dict[str, torch.Tensor | None] = {}
+    for name, p in model.named_parameters():
+        grad = p.grad
+        if grad is not None and tp.sequence_parallel and split_dim(p.shard) is None:
+            grad = tp.comm.all_reduce(grad.clone(), tp.group)
+        grads[name] = None if grad is None else full_tensor(grad, p.shard, tp)
+    return grads
 
 
 @dataclass

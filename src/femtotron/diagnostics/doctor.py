@@ -9,8 +9,8 @@ fit, the usual fixes, each with the estimate it gives.
 from __future__ import annotations
 
 from femtotron.config import Config, check_world_size
-from femtotron.config.rules import pipeline_bubble, rule_problems, with_changes
-from femtotron.diagnostics.advice import config_warnings, imbalance_warning
+from femtotron.config.rules import rule_problems, with_changes
+from femtotron.diagnostics.advice import config_warnings, imbalance_warning, pipeline_bubble
 from femtotron.diagnostics.memory import (
     GIB,
     NCCL_COMMUNICATOR_BYTES,

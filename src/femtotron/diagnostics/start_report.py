@@ -3,8 +3,7 @@ warnings about legal but risky settings (N1, N2, P2, M3, T3)."""
 
 from __future__ import annotations
 
-from femtotron.config.rules import pipeline_bubble
-from femtotron.diagnostics.advice import config_warnings, imbalance_warning
+from femtotron.diagnostics.advice import config_warnings, imbalance_warning, pipeline_bubble
 from femtotron.parallel.pipeline.partition import stage_map
 from femtotron.train_state import TrainingParts
 
@@ -53,7 +52,8 @@ def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
 
 def memory_summary(parts: TrainingParts) -> str:
     """Where this rank's bytes for the model state go, and how dp reduces gradients."""
-    data_parallel, plan, dp = parts.model.data_parallel, parts.optimizer.memory_plan(), parts.ctx.dp
+    data_parallel, dp = parts.model.data_parallel, parts.ctx.dp
+    plan = data_parallel.model_state_bytes()
     elements = data_parallel.flat_params.numel() - data_parallel.padding
     total = sum(plan.values())
     kinds = " + ".join(f"{key.replace('_', ' ')} {value / 2**20:.1f}" for key, value in plan.items())

@@ -207,12 +207,9 @@ class Llama(nn.Module):
     output (activations, or the summed loss on the last stage). For the whole model `forward` returns
     the summed loss and the token count; every tp rank gets the same numbers.
 
-    `recompute_layer` (activation recomputation): while gradients are enabled, each decoder layer
-    keeps only its input for backward and runs its forward again when backward reaches it, so a
-    stage holds one (batch, sequence, hidden) tensor per layer instead of all of the layer's
-    intermediates, for about one more forward pass of compute. The recomputation replays the
-    layer's tp collectives in the same order on every tp rank (the same code runs everywhere), and
-    computes bit-identical activations, so gradients are unchanged.
+    `recompute_layer`: while gradients are enabled each decoder layer keeps only its input and runs its
+    forward again in backward (one (batch, sequence, hidden) tensor per layer instead of its intermediates,
+    for about one more forward pass); the replay, tp collectives included, is bit-identical.
     """
 
     def __init__(
@@ -241,14 +238,9 @@ class Llama(nn.Module):
         if stage.embedding or (stage.head and tied):
             # A tied LM head on a later stage holds its own copy of the embedding (same name, same
             # init); the trainer sums the two copies' gradients so they stay equal.
+            tie = "embed_tokens.weight" if tied else None
             self.embed_tokens = VocabParallelEmbedding(
-                make,
-                "embed_tokens",
-                cfg.vocab_size,
-                cfg.hidden_size,
-                std,
-                tp,
-                "embed_tokens.weight" if tied else None,
+                make, "embed_tokens", cfg.vocab_size, cfg.hidden_size, std, tp, tie
             )
         self.layers = DecoderLayers(
             {str(i): DecoderLayer(make, i, cfg, self.rotary, tp) for i in stage.layers}

@@ -10,8 +10,6 @@ range and need none of this: there the scaler is disabled (scale 1, no checks).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from femtotron.parallel.context import ParallelContext
@@ -33,18 +31,6 @@ class DynamicLossScaler:
         self.growth_interval, self.min_scale = growth_interval, min_scale
         self.clean_steps = 0  # consecutive steps without overflow since the scale last changed
         self.skipped_steps = 0  # over the whole run
-
-    @classmethod
-    def from_config(cls, cfg: Any, enabled: bool) -> DynamicLossScaler:
-        """`cfg` is the `optimizer.loss_scale` config section."""
-        return cls(
-            cfg.initial_scale,
-            cfg.growth_factor,
-            cfg.backoff_factor,
-            cfg.growth_interval,
-            cfg.min_scale,
-            enabled=enabled,
-        )
 
     def unscale_(self, grads: list[torch.Tensor], ctx: ParallelContext) -> bool:
         """Divide the (fp32) gradients by the scale in place; return True when any gradient on any rank is

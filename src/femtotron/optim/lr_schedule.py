@@ -12,9 +12,8 @@ from typing import Any
 def lr_at(step: int, sched: Any, train_steps: int) -> float:
     """LR for optimizer step `step` (0-based) under `optimizer.learning_rate_scheduler`."""
     peak, floor = sched.learning_rate, sched.min_decay_lr
-    warmup = min(
-        sched.lr_warmup_steps, train_steps
-    )  # a warm-up longer than the run ends with it (a warning says)
+    # A warm-up longer than the run ends with it (a warning says).
+    warmup = min(sched.lr_warmup_steps, train_steps)
     if step < warmup:
         return peak * (step + 1) / warmup if sched.lr_warmup_style == "linear" else peak
     start = warmup if sched.lr_decay_starting_step is None else sched.lr_decay_starting_step

@@ -95,12 +95,8 @@ class ZeroAdamW:
         are zeros before the first step)."""
         if kind == "master":
             return self.masters
-        self.prepare_state(self.steps_taken())
+        self.prepare_state(self.steps)
         return [self.adam.state[master][kind] for master in self.masters]
-
-    def steps_taken(self) -> int:
-        """Optimizer steps applied so far (fp16 steps skipped on overflow do not count)."""
-        return self.steps
 
     def prepare_state(self, steps: int) -> None:
         """Give every owned piece Adam state as torch's AdamW would after `steps` steps, keeping moments that
@@ -119,8 +115,3 @@ class ZeroAdamW:
     def full_masters(self) -> list[torch.Tensor]:
         """Per parameter, its whole fp32 master weight (gathered over dp under ZeRO-1)."""
         return self.data_parallel.full([m.detach().float() for m in self.masters])
-
-    def memory_plan(self) -> dict[str, int]:
-        """Bytes this rank holds in parameters, gradients, fp32 master weights and Adam moments (the moments
-        are allocated by the first step)."""
-        return self.data_parallel.model_state_bytes()

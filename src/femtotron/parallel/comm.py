@@ -203,9 +203,7 @@ class Comm:
         peer: int | None = None,
     ) -> Work:
         """Issue `launch(output, source)` (source None: in place on `output`) as one recorded op; return its
-        work; `wait`: as a blocking call (on GPUs the compute stream waits for it, the host does not). With
-        NCCL's semantics emulated an op started without waiting runs on private copies, and `output` (NaN
-        until then, as `source`) gets the result at the wait."""
+        work; `wait`: as a blocking call (on GPUs the compute stream waits for it, the host does not)."""
         with self._record(kind, group, output if source is None else source, sent, peer) as slot:
             if self.emulate_nccl and not wait and kind != "send":
                 private = output.clone() if source is None else torch.empty_like(output)
@@ -316,9 +314,7 @@ class Comm:
 
     def start_p2p(self, kind: str, tensor: torch.Tensor, peer: int, group: Group, tag: int) -> Work:
         """Start sending `tensor` to global rank `peer` ("send") or receiving it from there ("recv"); returns
-        the work to `wait` for. NCCL ignores the tag and pairs a group's transfers between two ranks in the
-        order they are issued, on one stream per group: parallel/pipeline/p2p.py gives each direction its
-        own group, so a send that waits for its receiver never holds up anything but later sends."""
+        the work to `wait` for. NCCL ignores the tag (parallel/pipeline/p2p.py says what that means)."""
         start_one = dist.isend if kind == "send" else dist.irecv
 
         def launch(out: torch.Tensor, _: None) -> Work:

@@ -84,8 +84,7 @@ def pipe_links(dp: int, tp: int, pp: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class PipeLink:
-    """A neighbouring pipeline stage's rank, and a process group for each direction to it (NCCL runs a
-    group's transfers in issue order on a stream of its own: parallel/pipeline/p2p.py says why)."""
+    """A neighbouring pipeline stage's rank, and a process group for each direction to it (p2p.py: why)."""
 
     rank: int
     outgoing: Group

@@ -12,9 +12,8 @@ gradient for the step's last micro-batch, the bucket's reduction starts asynchro
 the rest of backward; during the other micro-batches nothing is sent (what DDP calls no_sync).
 
 Each bucket is padded to a multiple of dp * 64 elements and split into dp equal, aligned shards; rank
-r owns shard r of every bucket. With ZeRO-1 (optim/zero.py) the gradients are reduce-scattered, so each rank
-receives the summed gradients of the elements it owns, steps only those, and the updated parameters
-are all-gathered. Without ZeRO the gradients are all-reduced and every rank owns every element.
+r owns shard r of every bucket under ZeRO-1 (optim/zero.py: reduce-scatter, step, all-gather). Without
+ZeRO the gradients are all-reduced and every rank owns every element.
 """
 
 from __future__ import annotations

@@ -85,8 +85,3 @@ def split_dim(shard: ShardInfo) -> int | None:
         if piece.stop - piece.start != n:
             return dim
     return None
-
-
-def unpadded(tensor: torch.Tensor, shard: ShardInfo) -> torch.Tensor:
-    """The part of a local tensor (parameter or gradient) that is real model, without padding."""
-    return tensor[tuple(slice(0, piece.stop - piece.start) for piece in shard.local_slice)]

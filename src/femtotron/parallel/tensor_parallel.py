@@ -109,19 +109,6 @@ def _conjugates(x: torch.Tensor, tp: TensorParallel, ahead: Callable, back: Call
     return _Conjugates.apply(x, tp, ahead, back)
 
 
-def vocab_embedding(
-    ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, tp: TensorParallel
-) -> torch.Tensor:
-    """Look up ids in this rank's rows [vocab_start, vocab_start + rows) and sum over tp."""
-    if tp.size == 1:
-        return torch.nn.functional.embedding(ids, weight)
-    local = ids - vocab_start
-    outside = (local < 0) | (local >= weight.shape[0])
-    out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
-    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-    return leave_row_parallel(out, tp)
-
-
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy from logits split over the vocabulary: three all-reduces of one number
     per token (max, sum of exponentials, target logit) instead of gathering (tokens x vocab) logits."""
@@ -177,14 +164,9 @@ def vocab_parallel_cross_entropy(
     Columns past `vocab_size` (the padding that makes the vocabulary divisible by tp) are masked
     to -inf, so they get probability 0 and no gradient.
     """
-    columns = logits.shape[-1]
-    padding = min(
-        vocab_start + columns - vocab_size, columns
-    )  # a tiny vocabulary can leave a shard all padding
-    if padding > 0:
-        mask = torch.zeros(columns, dtype=torch.bool, device=logits.device)
-        mask[columns - padding :] = True
-        logits = logits.masked_fill(mask, float("-inf"))
+    if vocab_start + logits.shape[-1] > vocab_size:  # a tiny vocabulary can leave a shard all padding
+        ids = torch.arange(vocab_start, vocab_start + logits.shape[-1], device=logits.device)
+        logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
     if tp.size == 1:
         return torch.nn.functional.cross_entropy(
             logits.flatten(0, -2).float(), targets.flatten(), reduction="sum", ignore_index=ignore_index
@@ -288,7 +270,13 @@ class VocabParallelEmbedding(nn.Module):
         self.output_split_dim = SEQUENCE_DIM if tp.sequence_parallel else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return vocab_embedding(ids, self.weight, self.vocab_start, self.tp)
+        """Look up ids in this rank's rows [vocab_start, vocab_start + rows) and sum over tp."""
+        if self.tp.size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return leave_row_parallel(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
 
 
 def full_tensor(tensor: torch.Tensor, shard: ShardInfo, tp: TensorParallel) -> torch.Tensor:
@@ -298,18 +286,3 @@ def full_tensor(tensor: torch.Tensor, shard: ShardInfo, tp: TensorParallel) -> t
         return tensor.detach()
     full = gather_full(tensor, dim, tp)
     return full[tuple(slice(0, n) for n in shard.global_shape)]
-
-
-def full_gradients(model: nn.Module, tp: TensorParallel) -> dict[str, torch.Tensor | None]:
-    """Every parameter's gradient as one device would hold it, by name (None where there is none).
-
-    Under sequence parallelism each rank saw only its part of the sequence, so the gradients of the
-    weights every rank holds whole (the norms) are summed over tp first, as the trainer does.
-    """
-    grads: dict[str, torch.Tensor | None] = {}
-    for name, p in model.named_parameters():
-        grad = p.grad
-        if grad is not None and tp.sequence_parallel and split_dim(p.shard) is None:
-            grad = tp.comm.all_reduce(grad.clone(), tp.group)
-        grads[name] = None if grad is None else full_tensor(grad, p.shard, tp)
-    return grads

@@ -10,12 +10,7 @@ finished (C2), writes the manifest last, renames the directory to `step-NNNNNNN`
 Load: the manifest says where every slice is, so each rank reads exactly the boxes its own layout
 needs; when the mesh changed since the save nothing else has to happen (C1). Weights, master
 weights, Adam moments and step count, the train state (step, consumed samples/tokens, loss scale)
-are restored, and each rank's RNG states when the mesh is unchanged (C3).
-
-Which checkpoint a run starts from (`resume_source`, decided by rank 0 for every rank):
-`checkpoints.resume_checkpoint_path` when given; else the newest committed one in `checkpoints_path`, so a
-requeued job continues where it stopped (`checkpoints.auto_resume: false` starts from step 0 instead, with
-a warning).
+are restored, and each rank's RNG states when the mesh is unchanged (C3). Which checkpoint: `resume_source`.
 
 Save and load take the pieces they need (`TrainingParts`), never the trainer.
 """
@@ -115,18 +110,11 @@ def rank_slices(
     for saved in saved_slices(model):
         start = data_parallel.pieces[saved.owner].start
         sources = {"model": data_parallel.flat_params[saved.low : saved.high]}
-        sources.update(
-            {kind: states[kind][saved.owner][saved.low - start : saved.high - start] for kind in kinds}
-        )
-        for kind, flat in sources.items():
-            out.append(
-                (
-                    f"{kind}/{saved.name}",
-                    saved.shape,
-                    saved.place.target,
-                    flat.view(saved.place.local_shape)[saved.place.valid],
-                )
-            )
+        sources |= {kind: states[kind][saved.owner][saved.low - start : saved.high - start] for kind in kinds}
+        values = {
+            kind: flat.view(saved.place.local_shape)[saved.place.valid] for kind, flat in sources.items()
+        }
+        out += [(f"{kind}/{saved.name}", saved.shape, saved.place.target, v) for kind, v in values.items()]
     return out
 
 
@@ -197,14 +185,12 @@ def save(parts: TrainingParts) -> Path:
                 records.append(file_record(tmp / TOKENIZER_FILE))
             commit(tmp, final, run_state(parts), records)
         except (CheckpointError, OSError) as e:
-            verdict = (
-                e
-                if isinstance(e, CheckpointError)
-                else CheckpointError(
+            verdict = e
+            if isinstance(e, OSError):
+                verdict = CheckpointError(
                     f"checkpoint {final} was not committed: {type(e).__name__}: {e}. Check free space and "
                     f"permissions under {root}; the previous checkpoint is intact."
                 )
-            )
             store.post(f"{key}/commit", str(verdict))
             raise verdict from None
         store.post(f"{key}/commit", "ok")
@@ -256,7 +242,7 @@ def run_state(parts: TrainingParts) -> dict[str, Any]:
     state["lr_schedule"]["style"] = config.optimizer.learning_rate_scheduler.lr_decay_style
     return {
         **state,
-        "optimizer_steps": parts.optimizer.steps_taken(),
+        "optimizer_steps": parts.optimizer.steps,
         "mesh": mesh_of(config),
         "world_size": parts.ctx.world_size,
         "global_batch_size": config.global_batch_size,
@@ -352,14 +338,11 @@ def resume_source(config: Config) -> tuple[Path | None, str, list[str]]:
     if not own_latest:
         return None, "", []
     if not config.checkpoints.auto_resume:
-        return (
-            None,
-            "",
-            [
-                f"checkpoints.auto_resume=false: starting from step 0, although {own} holds checkpoints up "
-                f"to {own_latest[0].name}; this run's saves replace them"
-            ],
+        warning = (
+            f"checkpoints.auto_resume=false: starting from step 0, although {own} holds checkpoints up "
+            f"to {own_latest[0].name}; this run's saves replace them"
         )
+        return None, "", [warning]
     return own, "checkpoints.checkpoints_path (the run's own, checkpoints.auto_resume=true)", []
 
 
@@ -412,14 +395,18 @@ def already_done(config: Config) -> str | None:
     )
 
 
-def check_model_matches(manifest: dict[str, Any], config: Config, directory: Path) -> None:
-    saved = manifest["config"]["model"]["model_config"]
-    current = config.model.model_config_
-    wrong = [
-        f"model.model_config.{field}: checkpoint {saved.get(field)!r}, config {getattr(current, field)!r}"
-        for field in MODEL_FIELDS
-        if saved.get(field) != getattr(current, field)
+def model_differences(saved: dict[str, Any], config: Config, where: str, fields=MODEL_FIELDS) -> list[str]:
+    """The model_config fields (by default those that decide the tensors' shapes) that differ, as lines."""
+    current = config.model.model_config_.model_dump(mode="json")
+    return [
+        f"model.model_config.{field}: {where} {saved.get(field)!r}, config {current[field]!r}"
+        for field in fields
+        if saved.get(field) != current[field]
     ]
+
+
+def check_model_matches(manifest: dict[str, Any], config: Config, directory: Path) -> None:
+    wrong = model_differences(manifest["config"]["model"]["model_config"], config, "checkpoint")
     if wrong:
         raise CheckpointError(
             f"checkpoint {directory} was saved from a different model:\n  "
@@ -432,10 +419,8 @@ def check_model_matches(manifest: dict[str, Any], config: Config, directory: Pat
 def load(
     parts: TrainingParts, path: Path, what: str = "checkpoints.resume_checkpoint_path"
 ) -> tuple[str, Path]:
-    """Restore the run from the checkpoint at (or latest under) `path`; return a line for the log and the
-    checkpoint's directory. Rank 0 decides which checkpoint `path` means (ranks reading `latest` on their
-    own could see different ones on a shared file system); every rank loads its own part and checks the
-    checksums of its share of the files; if any rank fails, all stop with the error."""
+    """Restore the run from the checkpoint at (or latest under) `path` (as rank 0 resolves it); return a line
+    for the log and its directory. Each rank checks its share of the checksums; if any fails, all stop."""
     ctx, failure, summary, directory = parts.ctx, None, "", path
 
     def pick() -> str:
@@ -471,12 +456,7 @@ def load(
 
 
 def fill(
-    target: torch.Tensor,
-    param: torch.nn.Parameter,
-    start: int,
-    stop: int,
-    reader: CheckpointReader,
-    tensor: str,
+    target: torch.Tensor, param: torch.Tensor, start: int, stop: int, reader: CheckpointReader, tensor: str
 ) -> None:
     """Fill `target`, elements [start, stop) of `param`'s local tensor flattened, from the checkpoint."""
     if reader.shape(tensor) != param.shard.global_shape:

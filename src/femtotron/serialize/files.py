@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +29,7 @@ from femtotron.serialize.geometry import Box, intersect, relative, volume
 FORMAT = "femtotron-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "uint8": torch.uint8,
-}
+DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "uint8")}
 
 
 class CheckpointError(FemtotronError):
@@ -72,16 +66,6 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-@dataclass
-class SliceRecord:
-    tensor: str  # e.g. "master/layers.0.mlp.down_proj.weight"
-    shape: tuple[int, ...]  # the global tensor's
-    dtype: str
-    key: str  # the key inside the file
-    start: tuple[int, ...]
-    stop: tuple[int, ...]
-
-
 def write_rank_file(
     directory: Path,
     rank: int,
@@ -95,19 +79,15 @@ def write_rank_file(
     for index, (name, shape, (start, stop), values) in enumerate(slices):
         key = f"{index}:{name}"
         tensors[key] = values.detach().to("cpu").contiguous()
+        dtype = str(values.dtype).removeprefix("torch.")
         records.append(
-            SliceRecord(name, tuple(shape), str(values.dtype).removeprefix("torch."), key, start, stop)
+            {"tensor": name, "shape": shape, "dtype": dtype, "key": key, "start": start, "stop": stop}
         )
     path = directory / rank_file(rank)
     save_file(tensors, str(path), metadata=metadata)
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-    return {
-        "file": path.name,
-        "sha256": sha256_of(path),
-        "bytes": path.stat().st_size,
-        "slices": [vars(r) for r in records],
-    }
+    return file_record(path) | {"slices": records}
 
 
 def file_record(path: Path) -> dict[str, Any]:
@@ -158,9 +138,6 @@ class CheckpointReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
         self._open.clear()
 
     def has(self, tensor: str) -> bool:

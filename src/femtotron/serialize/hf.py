@@ -28,6 +28,7 @@ from tokenizers import Tokenizer
 from femtotron.atomic import atomic_path
 from femtotron.config import Config, LlamaConfig, load_config_dict
 from femtotron.errors import ConfigError, FemtotronError
+from femtotron.layout import DTYPES
 from femtotron.models.hf_conversion import from_hf, to_hf
 from femtotron.models.llama import Llama
 from femtotron.serialize.weights import (
@@ -48,7 +49,6 @@ FIELDS = tuple(
 SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # What femtotron's Llama does not have, with the value that means "not used".
 ABSENT = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1, "sliding_window": None}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class HFError(FemtotronError):
@@ -76,12 +76,8 @@ def llama_config(hf: dict[str, Any], where: Path) -> LlamaConfig:
     values["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     if kind == "llama3":
         values["rope_scaling"] = {key: rope[key] for key in SCALING if key in rope}
-    head_dim = hf.get("head_dim")
-    if (
-        head_dim is not None
-        and "num_attention_heads" in values
-        and head_dim * values["num_attention_heads"] != values.get("hidden_size")
-    ):
+    head_dim, heads = hf.get("head_dim"), values.get("num_attention_heads")
+    if head_dim is not None and heads and head_dim * heads != values.get("hidden_size"):
         problems.append(f"head_dim={head_dim}: femtotron's heads are hidden_size / num_attention_heads")
     if problems:
         raise HFError(f"{where} describes a model femtotron cannot load:\n  - " + "\n  - ".join(problems))
@@ -137,12 +133,6 @@ def open_hf(hf_dir: Path) -> tuple[LlamaConfig, dict[str, Any], dict[str, Any]]:
     return cfg, hf, handles
 
 
-def read_hf(hf_dir: Path) -> tuple[LlamaConfig, dict[str, Any], dict[str, torch.Tensor]]:
-    """An HF Llama directory's config, its config.json as read, and its weights by femtotron name."""
-    cfg, hf, handles = open_hf(hf_dir)
-    return cfg, hf, from_hf({name: f.get_tensor(name) for name, f in handles.items()}, cfg)
-
-
 def _weight_files(hf_dir: Path) -> dict[str, list[str] | None]:
     """The safetensors files to read, with the tensors each holds (None: all of them)."""
     if (hf_dir / INDEX).is_file():
@@ -180,7 +170,8 @@ def _expected(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 def read_as_run(hf_dir: Path, out: Path | None = None) -> tuple[Config, dict[str, torch.Tensor]]:
     """An HF Llama directory as a run would hold it: the config a run directory at `out` (default: the HF
     directory itself) would have, and the weights by femtotron name."""
-    cfg, hf, state = read_hf(hf_dir)
+    cfg, hf, handles = open_hf(hf_dir)
+    state = from_hf({name: f.get_tensor(name) for name, f in handles.items()}, cfg)
     out = out or hf_dir
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     tokenizer = hf_dir / TOKENIZER_FILE

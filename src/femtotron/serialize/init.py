@@ -18,7 +18,7 @@ from safetensors import safe_open
 from femtotron.config import Config, LlamaConfig, load_config
 from femtotron.errors import ConfigError
 from femtotron.models.llama import Llama
-from femtotron.serialize.checkpoint import MODEL_FIELDS, fill, resolve
+from femtotron.serialize.checkpoint import MODEL_FIELDS, fill, model_differences, resolve
 from femtotron.serialize.files import CheckpointReader
 from femtotron.serialize.geometry import Box
 from femtotron.serialize.hf import HF_CONFIG, open_hf
@@ -28,10 +28,6 @@ if TYPE_CHECKING:
     from femtotron.layout import RankModel
 
 WHAT = "model.init_from"
-
-
-def _box(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(start, stop) for start, stop in zip(*box, strict=True))
 
 
 class HFFiles:
@@ -87,7 +83,7 @@ class RunFiles:
         return tuple(self.where[name].get_slice(name).get_shape())
 
     def read(self, name: str, box: Box) -> torch.Tensor:
-        return self.where[name].get_slice(name)[_box(box)]
+        return self.where[name].get_slice(name)[tuple(map(slice, *box))]
 
 
 class CheckpointWeights:
@@ -126,14 +122,8 @@ def init_weights(model: RankModel, config: Config) -> str:
     """Fill this rank's parameters from `model.init_from`; a line for the log."""
     path = Path(config.model.init_from)
     source_cfg, source = source_of(path)
-    current = config.model.model_config_
     fields = (*MODEL_FIELDS, "max_position_embeddings", "rope_theta", "rope_scaling", "rms_norm_eps")
-    wrong = [
-        f"model.model_config.{field}: {path} has {getattr(source_cfg, field)!r}, "
-        f"the config {getattr(current, field)!r}"
-        for field in fields
-        if getattr(source_cfg, field) != getattr(current, field)
-    ]
+    wrong = model_differences(source_cfg.model_dump(mode="json"), config, "source", fields)
     if wrong:
         raise ConfigError(
             f"{WHAT}={path} is another model:\n  - "

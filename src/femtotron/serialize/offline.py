@@ -54,21 +54,9 @@ def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
         if (directory / TOKENIZER_FILE).is_file():
             shutil.copyfile(directory / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
             records.append(file_record(tmp / TOKENIZER_FILE))
+        # The run state as saved; build_manifest and commit write the rest again (format, files, rng...).
         state = {
-            key: manifest[key]
-            for key in (
-                "step",
-                "consumed_samples",
-                "consumed_tokens",
-                "non_finite_skips",
-                "recent",
-                "optimizer_steps",
-                "lr_schedule",
-                "loss_scale",
-                "global_batch_size",
-                "data",
-            )
-            if key in manifest
+            k: v for k, v in manifest.items() if k not in ("format", "version", "files", "tensors", "rng")
         }
         state.update(mesh=mesh_of(config), world_size=len(records), config=config.to_dict())
         commit(tmp, final, state, records)

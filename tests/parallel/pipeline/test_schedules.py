@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from femtotron.config.rules import pipeline_bubble
+from femtotron.diagnostics.advice import pipeline_bubble
 from femtotron.parallel.pipeline.schedules import Action, forward_only, schedule
 
 ENGINES = ["afab", "1f1b", "interleaved-1f1b"]
@@ -286,7 +286,7 @@ def test_interleaved_needs_micro_batches_divisible_by_pp(pp, m):
 
 
 def test_unknown_engine():
-    with pytest.raises(ValueError, match="unknown pp_engine"):
+    with pytest.raises(KeyError, match="zero-bubble"):  # the config's Literal stops it first
         schedule("zero-bubble", 2, 0, 4)
 
 

@@ -135,10 +135,8 @@ class PipelineP2P:
         waiting, self.pending = self.pending, []
         for work, sent, pp_rank in waiting:
             if work.is_completed():
-                link = self.links[pp_rank]
-                self.comm.wait(
-                    work, link.outgoing, sent, link.rank, kind="send"
-                )  # instant; raises on failure
+                link = self.links[pp_rank]  # the wait is instant; it raises on a failure
+                self.comm.wait(work, link.outgoing, sent, link.rank, kind="send")
             else:
                 self.pending.append((work, sent, pp_rank))
 

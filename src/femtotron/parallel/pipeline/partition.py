@@ -77,11 +77,10 @@ def partition(cfg: LlamaConfig, sequence_length: int, stages: int) -> list[Stage
 
     def parameters(start: int, stop: int) -> int:
         first, last = start == 0, stop == n
+        # The last stage: the final norm and the LM head (or the tied copy of the embedding).
         return (
-            (stop - start) * cfg.layer_parameters
-            + (embedding if first else 0)
-            + (cfg.hidden_size + embedding if last else 0)
-        )  # final norm + LM head (or the tied copy)
+            (stop - start) * cfg.layer_parameters + first * embedding + last * (cfg.hidden_size + embedding)
+        )
 
     return [
         Stage(s, range(a, b), s == 0, s == stages - 1, cost(a, b), parameters(a, b))

@@ -77,13 +77,9 @@ def interleaved_one_f_one_b(pp: int, rank: int, micro_batches: int, chunks: int)
 
 
 def schedule(engine: str, pp: int, rank: int, micro_batches: int, chunks: int = 1) -> list[Action]:
-    if engine == "afab":
-        return afab(pp, rank, micro_batches)
-    if engine == "1f1b":
-        return one_f_one_b(pp, rank, micro_batches)
     if engine == "interleaved-1f1b":
         return interleaved_one_f_one_b(pp, rank, micro_batches, chunks)
-    raise ValueError(f"unknown pp_engine {engine!r}")
+    return {"afab": afab, "1f1b": one_f_one_b}[engine](pp, rank, micro_batches)  # KeyError: unknown pp_engine
 
 
 def forward_only(micro_batches: int, chunks: int) -> list[Action]:
@@ -129,8 +125,7 @@ class Pipeline:
 
     def run(self, actions: list[Action], step: Callable[[Action, PendingRecv | None], Send | None]) -> None:
         """Execute `actions` in order. The next action's receive is posted before this action computes, so
-        its data can arrive meanwhile; the output goes out as soon as it is computed (p2p.py: each direction
-        on a group of its own, so neither holds up the other)."""
+        its data can arrive meanwhile; the output goes out as soon as it is computed."""
         received = self.p2p.exchange(None, self.receive_for(actions[0])) if actions else None
         for i, action in enumerate(actions):
             self.current = action  # for diagnostics: the micro-batch and chunk being computed
