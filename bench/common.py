@@ -30,6 +30,17 @@ MODEL_KEYS = (
 )
 
 
+# The model and batch of examples/debug.yaml; scripts derive their shapes from it.
+DEBUG_SHAPE = {
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 2048,
+    "sequence_length": 128,
+    "micro_batch_size": 16,
+}
 HEADLINE = "HEADLINE "  # the prefix of the lines `make bench` (bench/run_all.py) collects
 
 

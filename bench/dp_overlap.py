@@ -26,20 +26,12 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import headline, shape_config, spawn_ranks, write_random_tokens
+from common import DEBUG_SHAPE, headline, shape_config, spawn_ranks, write_random_tokens
 
 from femtotron.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAPE = {
-    "hidden_size": 256,
-    "intermediate_size": 688,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 2048,
-    "sequence_length": 128,
-    "micro_batch_size": 4,
-}
+SHAPE = {**DEBUG_SHAPE, "micro_batch_size": 4}  # num_hidden_layers: --layers
 
 
 def make_config(case: dict, args, data: Path, runs: Path):

@@ -23,21 +23,12 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from common import headline, shape_config, spawn_ranks, write_random_tokens
+from common import DEBUG_SHAPE, headline, shape_config, spawn_ranks, write_random_tokens
 
 from femtotron.diagnostics.memory import LiveMemory, estimate_rank
 from femtotron.trainer import Trainer
 
-SHAPE = {
-    "hidden_size": 256,
-    "intermediate_size": 688,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "vocab_size": 2048,
-    "sequence_length": 128,
-    "micro_batch_size": 4,
-}
+SHAPE = {**DEBUG_SHAPE, "num_hidden_layers": 4, "num_key_value_heads": 4, "micro_batch_size": 4}
 # name: (ParallelContext layout, config overrides)
 LAYOUTS = {
     "one": ({}, {}),

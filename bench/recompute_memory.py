@@ -23,23 +23,13 @@ import time
 from pathlib import Path
 
 import torch
-from common import headline, shape_trainer, write_random_tokens
+from common import DEBUG_SHAPE, headline, shape_trainer, write_random_tokens
 
 from femtotron.diagnostics.activation_memory import saved_activation_bytes
 
-DEBUG = dict(
-    hidden_size=256,
-    intermediate_size=688,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=2048,
-    sequence_length=128,
-    micro_batch_size=16,
-)
 SHAPES = {
-    "debug": DEBUG,  # examples/debug.yaml
-    "deep": {**DEBUG, "num_hidden_layers": 8},  # the same layers, more of them
+    "debug": DEBUG_SHAPE,
+    "deep": {**DEBUG_SHAPE, "num_hidden_layers": 8},  # the same layers, more of them
 }
 
 

@@ -26,21 +26,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import MODEL_KEYS, headline, shape_config, spawn_ranks, write_random_tokens
+from common import DEBUG_SHAPE, MODEL_KEYS, headline, shape_config, spawn_ranks, write_random_tokens
 from torch import nn
 
 from femtotron.trainer import Trainer
 
-SHAPE = {
-    "hidden_size": 256,
-    "intermediate_size": 688,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 2048,
-    "sequence_length": 128,
-    "micro_batch_size": 4,
-}
+SHAPE = {**DEBUG_SHAPE, "num_hidden_layers": 4, "micro_batch_size": 4}
 LAYOUT = {"dp": 2, "tp": 2, "pp": 2}
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from femtotron.atomic import atomic_path
-from femtotron.precision import cpu_flags
+from femtotron.precision import CPU_FLAGS
 
 # Dense tensor-core peaks from the vendors' data sheets (FLOP/s): (bf16 and fp16, TF32 or None where the GPU
 # has no TF32), matched by device name as whole words, the first match counting: so variants come before
@@ -127,7 +127,7 @@ def peak_flops(
 
 
 def processor_name() -> str:
-    lines = cpu_flags().splitlines()
+    lines = CPU_FLAGS.splitlines()
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "") or (
         platform.processor()
     )

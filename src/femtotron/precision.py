@@ -17,9 +17,9 @@ def cpu_flags() -> str:
         return ""  # not Linux: no way to tell
 
 
-def cpu_has_bf16_matmul() -> bool:
+def cpu_has_bf16_matmul(flags: str | None = None) -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); without it bf16 is emulated."""
-    flags = cpu_flags()
+    flags = cpu_flags() if flags is None else flags
     return not flags or "avx512_bf16" in flags or "amx_bf16" in flags
 
 
@@ -27,10 +27,11 @@ def cpu_has_bf16_matmul() -> bool:
 # by the tests (tests/helpers.py `cpu_low_precision_path`: both paths on every machine). A module attribute,
 # not a ContextVar, so that torch.compile reads it while tracing (and guards on it) instead of breaking the
 # graph there.
-CPU_MULTIPLIES_BF16 = cpu_has_bf16_matmul()
+CPU_FLAGS = cpu_flags()
+CPU_MULTIPLIES_BF16 = cpu_has_bf16_matmul(CPU_FLAGS)
 # Without AMX, the CPU flash-attention kernel's bf16 backward takes 2.6-6x its fp32 time (AVX512-BF16 EPYC,
 # torch 2.13, bench/throughput.py's shapes; the forward is as fast): attention is upcast there too.
-CPU_ATTENDS_IN_BF16 = "amx_bf16" in (cpu_flags() or "amx_bf16")
+CPU_ATTENDS_IN_BF16 = not CPU_FLAGS or "amx_bf16" in CPU_FLAGS
 native_on_cpu = CPU_MULTIPLIES_BF16
 
 # Memory estimates run the model on the meta device; set while estimating for this CPU, so that they
@@ -63,7 +64,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
     """`causal` False: every query sees every key (one new position against a generation's cache)."""
-    if emulated_low_precision(q) or (q.dtype != torch.float32 and on_this_cpu(q) and not CPU_ATTENDS_IN_BF16):
+    if q.dtype != torch.float32 and on_this_cpu(q) and not (native_on_cpu and CPU_ATTENDS_IN_BF16):
         return _causal_attention(q.float(), k.float(), v.float(), causal).to(q.dtype)
     return _causal_attention(q, k, v, causal)
 
