@@ -35,7 +35,7 @@ def cmd_train(args: argparse.Namespace) -> int | None:
         if os.environ.get("RANK", "0") == "0":
             print(f"femtotron: {done}")
         return 0
-    if par.dp * par.tp * par.pp > 1 and not launched_by_torchrun():
+    if par.world_size > 1 and not launched_by_torchrun():
         return launch_train(args, config)
     # L1: checked on every rank, from the environment alone, before any process group exists.
     check_world_size(config, int(os.environ.get("WORLD_SIZE", "1")))
@@ -71,9 +71,10 @@ def launch_train(args: argparse.Namespace, config: Config) -> int:
     from femtotron.launch import check_local_devices, launch_local
 
     par = config.parallelism
-    check_local_devices(par.dp, par.tp, par.pp)
+    check_local_devices(par.dp, par.tp, par.pp, par.cp)
     argv = ["train", args.config, *args.overrides, *(["--debug"] if args.debug else [])]
-    return launch_local(par.dp * par.tp * par.pp, argv, what=f"dp={par.dp} tp={par.tp} pp={par.pp}")
+    cp = f" cp={par.cp}" if par.cp > 1 else ""
+    return launch_local(par.world_size, argv, what=f"dp={par.dp}{cp} tp={par.tp} pp={par.pp}")
 
 
 def cmd_check_tp(args: argparse.Namespace) -> int:
@@ -98,7 +99,7 @@ def cmd_reshard(args: argparse.Namespace) -> None:
 
     layout = [
         f"parallelism.{key}={value}"
-        for key in ("dp", "tp", "pp")
+        for key in ("dp", "cp", "tp", "pp")
         if (value := getattr(args, key)) is not None
     ]
     path = reshard(Path(args.checkpoint), Path(args.out), [*layout, *args.overrides])
@@ -209,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = verbs.add_parser(
         "train",
-        help="train a model from a YAML config; starts the dp*tp*pp processes "
+        help="train a model from a YAML config; starts the dp*cp*tp*pp processes "
         "itself, or runs as one rank under torchrun",
     )
     train.add_argument("config", help="YAML config, e.g. examples/debug.yaml")
@@ -283,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     re.add_argument(
         "--out", required=True, help="the checkpoints directory to write step-NNNNNNN and latest into"
     )
-    for key in ("dp", "tp", "pp"):
+    for key in ("dp", "cp", "tp", "pp"):
         re.add_argument(
             f"--{key}", type=int, default=None, help=f"the new parallelism.{key} (default: as saved)"
         )

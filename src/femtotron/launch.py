@@ -58,20 +58,20 @@ def launched_by_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
-def check_local_devices(dp: int, tp: int, pp: int) -> None:
+def check_local_devices(dp: int, tp: int, pp: int, cp: int = 1) -> None:
     """Refuse a layout needing more local processes than GPUs: each needs one of those this one sees."""
     import torch
 
     from femtotron.errors import ConfigError
 
-    processes, gpus = dp * tp * pp, torch.cuda.device_count()
+    processes, gpus = dp * cp * tp * pp, torch.cuda.device_count()
     if torch.cuda.is_available() and processes > gpus:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         raise ConfigError(
-            f"parallelism.dp={dp} * parallelism.tp={tp} * parallelism.pp={pp} = {processes} processes, but "
+            f"parallelism.dp={dp} * cp={cp} * tp={tp} * pp={pp} = {processes} processes, but "
             f"{gpus} GPU(s) are visible here"
             + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
-            + " and each process needs its own. Fix: lower parallelism.dp/tp/pp "
+            + " and each process needs its own. Fix: lower parallelism.dp/cp/tp/pp "
             f"so their product is at most {gpus}, or run across several nodes with torchrun or srun (e.g. "
             f"`torchrun --nnodes N --nproc-per-node {gpus} ... -m femtotron train CONFIG` on each node)."
         )

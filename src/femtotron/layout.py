@@ -16,6 +16,7 @@ from femtotron.config import Config
 from femtotron.models.llama import Llama
 from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.context import ParallelContext, coordinates_of
+from femtotron.parallel.context_parallel import ContextParallel
 from femtotron.parallel.data_parallel import DataParallel
 from femtotron.parallel.pipeline.p2p import PipelineP2P
 from femtotron.parallel.pipeline.partition import Stage, partition
@@ -50,29 +51,33 @@ def tensor_parallel(config: Config, comm: Comm, group: Group, rank: int) -> Tens
 def build_rank_model(config: Config, ctx: ParallelContext) -> RankModel:
     """This process's part of the model, on its device, talking over its groups."""
     tp = tensor_parallel(config, ctx.comm, ctx.tp_group, ctx.tp_rank)
-    return _build(config, tp, ctx.pp_rank, ctx.comm, ctx.dp_group, ctx.dp_rank, ctx.device)
+    cp = ContextParallel(ctx.comm, ctx.cp_group, ctx.cp_rank, ctx.cp_links)
+    return _build(config, tp, cp, ctx.pp_rank, ctx.comm, ctx.dp_cp_group, ctx.dp_cp_rank, ctx.device)
 
 
 def meta_rank_model(config: Config, rank: int) -> RankModel:
     """Rank `rank` of the config's mesh on the meta device, without a process group: shapes and layout
     only."""
     par = config.parallelism
-    at = coordinates_of(rank, par.dp, par.tp)
+    at = coordinates_of(rank, par.dp, par.tp, par.cp)
     tp = tensor_parallel(config, Comm(), Group("tp", tuple(range(par.tp))), at.tp_rank)
-    return _build(
-        config, tp, at.pp_rank, Comm(), Group("dp", tuple(range(par.dp))), at.dp_rank, torch.device("meta")
-    )
+    cp = ContextParallel(Comm(), Group("cp", tuple(range(par.cp))), at.cp_rank)
+    replicas = Group("dp", tuple(range(par.dp * par.cp)))
+    replica = at.dp_rank * par.cp + at.cp_rank
+    return _build(config, tp, cp, at.pp_rank, Comm(), replicas, replica, torch.device("meta"))
 
 
 def _build(
     config: Config,
     tp: TensorParallel,
+    cp: ContextParallel,
     pp_rank: int,
     comm: Comm,
     dp_group: Group,
     dp_rank: int,
     device: torch.device,
 ) -> RankModel:
+    """`dp_group`: the ranks whose gradients are summed (dp x cp), `dp_rank` this rank's place in it."""
     mcfg, par = config.model.model_config_, config.parallelism
     dtype = DTYPES[config.model.dtype]
     # Virtual stage s runs on pp rank s % pp as its chunk s // pp (one chunk unless interleaved).
@@ -85,6 +90,7 @@ def _build(
             dtype=dtype,
             device=device,
             tp=tp,
+            cp=cp,
             stage=stages[chunk * par.pp + pp_rank],
             recompute_layer=par.recompute_layer,
         )
@@ -117,7 +123,7 @@ def _build(
 def build_pipeline(config: Config, ctx: ParallelContext, model: RankModel) -> Pipeline:
     """The schedule executor over this rank's chunks; it checks the transfer shape with its neighbours."""
     tokens, hidden = config.tokens, config.model.model_config_.hidden_size
-    sequence = tokens.sequence_length // (ctx.tp if model.tp.sequence_parallel else 1)
+    sequence = tokens.sequence_length // ctx.cp // (ctx.tp if model.tp.sequence_parallel else 1)
     shape = (tokens.micro_batch_size, sequence, hidden)
     p2p = PipelineP2P(ctx.comm, ctx.pp_links, ctx.pp_rank, ctx.device, shape, DTYPES[config.model.dtype])
     pipeline = Pipeline(model.chunks, config.parallelism.pp_engine, ctx.pp, ctx.pp_rank, p2p)

@@ -62,11 +62,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def attention_dtype(q: torch.Tensor) -> torch.dtype:
+    """What attention computes in: bf16/fp16 on GPUs and on CPUs whose attention kernel runs them fast."""
+    if q.dtype != torch.float32 and on_this_cpu(q) and not (native_on_cpu and CPU_ATTENDS_IN_BF16):
+        return torch.float32
+    return q.dtype
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
     """`causal` False: every query sees every key (one new position against a generation's cache)."""
-    if q.dtype != torch.float32 and on_this_cpu(q) and not (native_on_cpu and CPU_ATTENDS_IN_BF16):
-        return _causal_attention(q.float(), k.float(), v.float(), causal).to(q.dtype)
-    return _causal_attention(q, k, v, causal)
+    dtype = attention_dtype(q)
+    return _causal_attention(q.to(dtype), k.to(dtype), v.to(dtype), causal).to(q.dtype)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -78,6 +84,99 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     if groups > 1 and not fused_kernel_takes_kv_groups(q.device.type, q.dtype, capability):
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, allowed: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of attention (k, v with the KV heads) and its fp32 log-sum-exp per query, -inf for a query
+    that sees no key; `allowed`: which query sees which key, (batch, 1, queries, keys). On CPUs the flash
+    kernel (its backward, below, takes the output and log-sum-exp of all blocks merged: ring attention);
+    elsewhere the same arithmetic written out in fp32 (`math_attention_with_lse`)."""
+    if on_this_cpu(q):
+        mask = None if allowed is None else _additive(allowed, q.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask
+        )
+        # The kernel gives a query that sees nothing a log-sum-exp of 0.
+        return out, lse if allowed is None else lse.masked_fill(~allowed.any(-1), float("-inf"))
+    return math_attention_with_lse(q, k, v, causal, allowed)
+
+
+def attention_with_lse_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    allowed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of one block's q, k, v, given the output and log-sum-exp of every block together."""
+    if on_this_cpu(q):
+        mask = None if allowed is None else _additive(allowed, q.dtype)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask
+        )
+    return math_attention_with_lse_backward(grad_out, q, k, v, out, lse, causal, allowed)
+
+
+def math_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, allowed: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    probabilities, lse = _probabilities(q, k, causal, allowed)
+    return (probabilities @ _grouped(v, q).float()).to(q.dtype), lse
+
+
+def math_attention_with_lse_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    allowed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flash attention's backward by autograd: with the softmax normalised by the merged `lse` (held fixed),
+    the scores' gradient P * (dP - rowsum(dO * O)) is that of dO . (P V) - rowsum(dO * O) . rowsum(P)."""
+    with torch.enable_grad():
+        inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        probabilities, _ = _probabilities(*inputs[:2], causal, allowed, lse)
+        grad_out, delta = grad_out.float(), (grad_out.float() * out.float()).sum(-1, keepdim=True)
+        weighted = probabilities @ _grouped(inputs[2], q)
+        objective = (grad_out * weighted).sum() - (delta * probabilities).sum()
+        grads = torch.autograd.grad(objective, inputs)
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf")
+    )
+
+
+def _grouped(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return kv.repeat_interleave(q.shape[1] // kv.shape[1], dim=1)
+
+
+def _probabilities(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool,
+    allowed: torch.Tensor | None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax probabilities (fp32) of one block, normalised by `lse` when given (else its own), and lse."""
+    scores = q.float() @ _grouped(k, q).float().transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = scores.logsumexp(-1) if lse is None else lse
+    safe = lse.masked_fill(lse == float("-inf"), 0)
+    return (scores - safe.unsqueeze(-1)).exp(), lse
 
 
 def fused_kernel_takes_kv_groups(device_type: str, dtype: torch.dtype, capability: tuple | None) -> bool:

@@ -18,7 +18,12 @@ from femtotron.dashboards import Dashboards
 from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch, MicroBatchIterator
 from femtotron.diagnostics import failures, start_report
 from femtotron.diagnostics.compile_check import compile_report
-from femtotron.diagnostics.data_check import check_batch_token_ids, first_loss_warning, open_run_data
+from femtotron.diagnostics.data_check import (
+    check_batch_token_ids,
+    document_end_id,
+    first_loss_warning,
+    open_run_data,
+)
 from femtotron.diagnostics.loss_spikes import LossSpikes
 from femtotron.diagnostics.nan_origin import locate
 from femtotron.diagnostics.profiling import StepProfiler
@@ -31,6 +36,7 @@ from femtotron.optim.loss_scale import DynamicLossScaler
 from femtotron.optim.lr_schedule import lr_at
 from femtotron.optim.zero import ZeroAdamW
 from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.context_parallel import place_tokens
 from femtotron.precision import CPU_MULTIPLIES_BF16, emulated_low_precision, tf32_for_fp32
 from femtotron.run_log import RunLog, StepLogger, StepResult
 from femtotron.serialize import checkpoint
@@ -49,6 +55,7 @@ class Trainer:
         self.profiler = StepProfiler(config, ctx, self.log)
         # Data first: a wrong dataset path must fail before minutes go into building the model.
         self.train_data, self.val_data, self.tokenizer = open_run_data(config)
+        self.eos_id = document_end_id(config, self.tokenizer) if config.model.document_masking else None
         size, accumulation = tokens.micro_batch_size, tokens.batch_accumulation_per_replica
         self.batches = MicroBatchIterator(self.train_data, size, accumulation, ctx.dp_rank, ctx.dp)
         self.model = build_rank_model(config, ctx)
@@ -70,7 +77,7 @@ class Trainer:
         # The grad norm sums the pieces this rank owns over the model-parallel group, and under ZeRO-1,
         # where each dp rank owns different pieces, over dp too.
         self.counted_pieces = [self.model.counted[piece.param] for piece in self.data_parallel.pieces]
-        self.norm_groups = [ctx.mp_group] + ([ctx.dp_group] if self.data_parallel.sharded else [])
+        self.norm_groups = [ctx.mp_group] + ([ctx.dp_cp_group] if self.data_parallel.sharded else [])
         # Under sequence parallelism each rank saw only its part of the sequence: the gradients of the
         # weights every tp rank holds whole (the norms) are summed over tp.
         sequence_parallel = self.tp.sequence_parallel and ctx.tp > 1
@@ -263,14 +270,15 @@ class Trainer:
         still multiplied by the loss scale: `one_step` unscales them). Every rank of a dp replica reads the
         same micro-batches: the first pipeline stage needs the inputs, the last the targets, all the count."""
         ctx, step = self.ctx, self.state.step + 1
-        on_host = self.batches.step_at(self.state.consumed_samples)
+        whole = self.batches.step_at(self.state.consumed_samples)
         self.state.consumed_samples += self.config.global_batch_size
-        check_batch_token_ids(on_host, self.config.model.model_config_.vocab_size, ctx, step)
+        check_batch_token_ids(whole, self.config.model.model_config_.vocab_size, ctx, step)
+        on_host = [place_tokens(mb, ctx.cp, ctx.cp_rank, self.eos_id) for mb in whole]
         # Token-weighted loss: divide by the valid-token count of the whole global batch, so any
-        # split into micro-batches and dp ranks gives the same loss and gradients.
+        # split into micro-batches, dp and cp ranks gives the same loss and gradients.
         count = torch.tensor(float(sum(mb.counted_targets for mb in on_host)), device=ctx.device)
         micro_batches = [mb.to(ctx.device) for mb in on_host]
-        global_tokens = ctx.comm.read(ctx.comm.all_reduce(count, ctx.dp_group), "token count")
+        global_tokens = ctx.comm.read(ctx.comm.all_reduce(count, ctx.dp_cp_group), "token count")
         if global_tokens == 0:
             raise DataError(
                 f"step {step}: no target token of the whole batch counts in the loss (every position "
@@ -283,13 +291,13 @@ class Trainer:
         grads = self.reduce_gradients()
         # Only the last stage computed the loss: summed over pp, every rank logs the same number (P3).
         ctx.comm.all_reduce(loss_sum, ctx.pp_group)
-        loss = ctx.comm.read(ctx.comm.all_reduce(loss_sum, ctx.dp_group), "loss")
+        loss = ctx.comm.read(ctx.comm.all_reduce(loss_sum, ctx.dp_cp_group), "loss")
         return loss / global_tokens, int(global_tokens), grads
 
     def reduce_gradients(self) -> list[torch.Tensor]:
         """The fp32 gradients of the elements this rank steps, summed over everything that computed a part:
-        over dp (the buckets), then over tp for `summed_over_tp` and over the embedding group for a tied
-        embedding (the loss is divided by the global token count already, so sums are right)."""
+        over dp and cp (the buckets), then over tp for `summed_over_tp` and over the embedding group for a
+        tied embedding (the loss is divided by the global token count already, so sums are right)."""
         self.data_parallel.finish_reduction()
         grads, pieces, comm = self.optimizer.grads(), self.data_parallel.pieces, self.ctx.comm
         by_param = [(p.param, g) for p, g in zip(pieces, grads, strict=True)]
@@ -303,10 +311,12 @@ class Trainer:
         """The loss over the first `limit_val_batches` micro-batches of the validation data, logged."""
         ctx, size, limit = self.ctx, self.config.tokens.micro_batch_size, self.config.tokens.limit_val_batches
         batches = MicroBatchIterator(self.val_data, size, limit, ctx.dp_rank, ctx.dp).step_at(0)
-        micro_batches: list[MicroBatch] = [batch.to(ctx.device) for batch in batches]
+        micro_batches: list[MicroBatch] = [
+            place_tokens(batch, ctx.cp, ctx.cp_rank, self.eos_id).to(ctx.device) for batch in batches
+        ]
         loss_sum = ctx.comm.all_reduce(self.pipeline.evaluate(micro_batches), ctx.pp_group)
         count = torch.tensor(float(sum(mb.counted_targets for mb in micro_batches)), device=ctx.device)
-        totals = ctx.comm.all_reduce(torch.stack([loss_sum, count]), ctx.dp_group)
+        totals = ctx.comm.all_reduce(torch.stack([loss_sum, count]), ctx.dp_cp_group)
         ctx.comm.take_seconds()  # validation's collectives are not part of any training step
         val_loss = ctx.comm.read(totals[0] / totals[1], "validation loss")
         self.log.record({"step": self.state.step, "val_loss": val_loss})

@@ -239,8 +239,19 @@ def test_reduce_scatter_needs_sequence_divisible_by_tp():
     p = only_problem(
         tiny(**{"parallelism.tp_mode": "REDUCE_SCATTER", "parallelism.tp": 2, "tokens.sequence_length": 31})
     )
-    assert p.fields == ("parallelism.tp_mode", "tokens.sequence_length", "parallelism.tp")
+    assert p.fields == ("tokens.sequence_length", "parallelism.tp_mode", "parallelism.tp")
     assert "sequence_length=30 or 32" in p.message and "tp_mode=ALL_REDUCE" in p.message
+
+
+def test_context_parallel_needs_sequence_divisible_by_twice_cp_and_by_tp_under_sequence_parallelism():
+    p = only_problem(tiny(**{"parallelism.cp": 2, "tokens.sequence_length": 30}))
+    assert p.fields == ("tokens.sequence_length", "parallelism.cp")
+    assert "2 * cp = 4 chunks" in p.message and "sequence_length=28 or 32" in p.message
+    both = {"parallelism.cp": 2, "parallelism.tp": 2, "parallelism.tp_mode": "REDUCE_SCATTER"}
+    p = only_problem(tiny(**both, **{"tokens.sequence_length": 36}))
+    assert p.fields == ("tokens.sequence_length", "parallelism.cp", "parallelism.tp_mode", "parallelism.tp")
+    assert "divisible by 8" in p.message and "sequence_length=32 or 40" in p.message
+    load_config_dict(tiny(**both, **{"tokens.sequence_length": 32}))
 
 
 def test_a_warm_up_longer_than_a_short_try_is_cut_to_the_run_with_a_warning():
@@ -302,9 +313,14 @@ def test_L1_world_size_mismatch_lists_valid_layouts():
     for name in ("dp=1", "tp=2", "pp=1", "= 2", "WORLD_SIZE=4"):
         assert name in message
     layouts = message.split("choose a layout for 4: ")[1].split(".")[0]
-    assert layouts == "dp=4 tp=1 pp=1; dp=2 tp=1 pp=2; dp=2 tp=2 pp=1; dp=1 tp=2 pp=2"  # not tp=4, not pp=4
-    assert "parallelism.dp=2 parallelism.tp=2 parallelism.pp=1" in message  # keeps the user's tp and pp
-    assert info.value.problems[0].fields == ("parallelism.dp", "parallelism.tp", "parallelism.pp")
+    assert layouts == (  # not tp=4, not pp=4; cp last resort
+        "dp=4 tp=1 pp=1; dp=2 tp=1 pp=2; dp=2 tp=2 pp=1; dp=2 cp=2 tp=1 pp=1; dp=1 tp=2 pp=2; "
+        "dp=1 cp=2 tp=1 pp=2; dp=1 cp=2 tp=2 pp=1; dp=1 cp=4 tp=1 pp=1"
+    )
+    # Keeps the user's cp, tp and pp.
+    assert "parallelism.dp=2 parallelism.cp=1 parallelism.tp=2 parallelism.pp=1" in message
+    fields = info.value.problems[0].fields
+    assert fields == ("parallelism.dp", "parallelism.cp", "parallelism.tp", "parallelism.pp")
 
 
 def test_world_size_match_passes():

@@ -14,6 +14,7 @@ from femtotron.parallel.context import (
     mesh_groups,
     rank_of,
     rendezvous,
+    ring_links,
     shared_gpus,
     subgroups,
 )
@@ -27,6 +28,12 @@ def test_T3_rank_layout_is_tp_innermost_pp_outermost():
     for rank in range(dp * tp * pp):
         c = coordinates_of(rank, dp, tp)
         assert rank_of(c.pp_rank, c.dp_rank, c.tp_rank, dp, tp) == rank
+    cp = 2  # between tp and dp
+    assert [rank_of(0, 0, 0, dp, tp, c, cp) for c in range(cp)] == [0, 2]
+    assert rank_of(0, 1, 0, dp, tp, 0, cp) == 4 and rank_of(1, 0, 0, dp, tp, 0, cp) == 8
+    for rank in range(dp * tp * pp * cp):
+        c = coordinates_of(rank, dp, tp, cp)
+        assert rank_of(c.pp_rank, c.dp_rank, c.tp_rank, dp, tp, c.cp_rank, cp) == rank
 
 
 def test_D2_world_of_one_needs_no_launcher(monkeypatch):
@@ -134,7 +141,7 @@ def test_L4_init_timeout_names_missing_ranks_and_interfaces():
 def test_L1_mismatched_world_size_is_refused_before_init(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(DistributedError, match=r"dp\*tp\*pp = 1\*2\*1 = 2 but WORLD_SIZE = 4"):
+    with pytest.raises(DistributedError, match=r"dp\*cp\*tp\*pp = 1\*1\*2\*1 = 2 but WORLD_SIZE = 4"):
         ParallelContext(tp=2)
     assert os.environ["WORLD_SIZE"] == "4"
 
@@ -194,13 +201,15 @@ def test_L1_two_ranks_on_one_gpu_are_refused_at_the_rendezvous_on_every_rank():
     assert run_ranks(_check_in_with, 2, ["GPU-7f3a", "GPU-00b1"], timeout=60)[0] == [socket.gethostname()] * 2
 
 
-LAYOUTS = {  # (dp, tp, pp) -> process groups created: before (one per group of every kind), now
-    (8, 1, 1): (8 + 1 + 8 + 8 + 8, 0),  # dp is the world: the default group
-    (1, 8, 1): (1 + 8 + 8 + 1 + 8, 0),  # tp = mp = the world
-    (1, 1, 2): (2 + 2 + 1 + 1 + 1, 0),  # pp = mp = embedding = the world
-    (2, 2, 1): (2 + 2 + 4 + 2 + 4, 4),  # mp = tp; the pp and embedding groups have one rank
-    (2, 2, 2): (4 + 4 + 4 + 2 + 4, 14),  # embedding = pp
-    (1, 2, 4): (4 + 8 + 2 + 1 + 2, 8),  # mp = the world; embedding: first and last stage
+LAYOUTS = {  # (dp, tp, pp, cp) -> process groups created: before (one per group of every kind), now
+    (8, 1, 1, 1): (8 + 8 + 1 + 1 + 8 + 8 + 8, 0),  # dp = dp_cp is the world: the default group
+    (1, 8, 1, 1): (1 + 8 + 8 + 8 + 8 + 1 + 8, 0),  # tp = mp = the world
+    (1, 1, 2, 1): (2 + 2 + 2 + 2 + 1 + 1 + 1, 0),  # pp = mp = embedding = the world
+    (2, 2, 1, 1): (2 + 4 + 2 + 2 + 4 + 2 + 4, 4),  # mp = tp; the pp and embedding groups have one rank
+    (2, 2, 2, 1): (4 + 8 + 4 + 4 + 4 + 2 + 4, 14),  # embedding = pp
+    (1, 2, 4, 1): (4 + 8 + 8 + 8 + 2 + 1 + 2, 8),  # mp = the world; embedding: first and last stage
+    (1, 1, 1, 2): (2 + 1 + 2 + 1 + 2 + 2 + 2, 0),  # cp = dp_cp is the world
+    (2, 2, 2, 2): (8 + 8 + 8 + 4 + 8 + 4 + 8, 40),  # tp, cp, dp, dp_cp, pp (= embedding), mp
 }
 
 
@@ -211,9 +220,18 @@ def test_each_distinct_rank_set_gets_one_process_group(layout):
     created = subgroups(*layout)
     assert sum(len(of_kind) for of_kind in groups.values()) == before and len(created) == now
     assert len(set(created)) == len(created)
-    world = layout[0] * layout[1] * layout[2]
+    world = layout[0] * layout[1] * layout[2] * layout[3]
     for of_kind in groups.values():  # every group of several ranks has a handle: its own, or the default
         assert all(ranks in created or len(ranks) in (1, world) for ranks in of_kind)
+
+
+def test_the_cp_ring_is_the_ranks_of_one_sequence_and_its_links_go_one_way_round():
+    dp, tp, pp, cp = 2, 2, 1, 4
+    groups = mesh_groups(dp, tp, pp, cp)
+    assert groups["cp"][0] == (0, 2, 4, 6)  # tp innermost, then cp
+    assert groups["dp"][0] == (0, 8) and groups["dp_cp"][0] == (0, 2, 4, 6, 8, 10, 12, 14)
+    assert ring_links(dp, tp, pp, cp)[:4] == [(0, 2), (2, 4), (4, 6), (6, 0)]
+    assert ring_links(dp, tp, pp, 2)[:2] == [(0, 2), (2, 0)] and ring_links(dp, tp, pp) == []
 
 
 def _shared_handles(rank):

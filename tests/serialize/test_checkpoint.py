@@ -26,7 +26,7 @@ from femtotron.trainer import Trainer
 LAYERS = 4
 
 
-def make(tiny_config, run, *more, dp=1, tp=1, pp=1, zero=0, steps=6):
+def make(tiny_config, run, *more, dp=1, tp=1, pp=1, zero=0, steps=6, cp=1):
     """The tiny model with 4 layers; the global batch is 16 samples of 32 tokens for every dp. The learning
     rate decays over 4 steps after the 2 of warm-up whatever train_steps is, so a run cut short follows the
     schedule of the whole run."""
@@ -41,6 +41,7 @@ def make(tiny_config, run, *more, dp=1, tp=1, pp=1, zero=0, steps=6):
         f"parallelism.dp={dp}",
         f"parallelism.tp={tp}",
         f"parallelism.pp={pp}",
+        f"parallelism.cp={cp}",
         f"optimizer.zero_stage={zero}",
         "parallelism.dp_bucket_size_mb=0.02",
         "parallelism.collective_timeout_seconds=60",
@@ -58,7 +59,7 @@ def train(config, ctx):
         consumed_samples,
     ):  # every tp and pp rank of a replica reads the same samples: count them once
         batches = step_at(consumed_samples)
-        if ctx.tp_rank == 0 and ctx.pp_rank == 0:
+        if ctx.tp_rank == 0 and ctx.pp_rank == 0 and ctx.cp_rank == 0:
             seen.append((trainer.state.step, [row.tolist() for batch in batches for row in batch.inputs]))
         return batches
 
@@ -75,7 +76,7 @@ def train(config, ctx):
 def ranks_train(rank, configs):
     """On every rank of a layout, run the configs one after the other."""
     par = configs[0].parallelism
-    ctx = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp, collective_timeout_seconds=60)
+    ctx = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, collective_timeout_seconds=60)
     out = [train(config, ctx) for config in configs]
     ctx.close()
     return out
@@ -174,6 +175,24 @@ def test_C1_resume_on_another_mesh_continues_the_run(three_d, label):
     assert seen == {step: rows for step, rows in whole_seen.items() if step >= 3}
     for name, weight in whole_weights.items():
         assert (weights[name] - weight).abs().max() <= 1e-4 * weight.abs().max(), name
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4_on_the_same_samples(tiny_config):
+    """Saved at cp=2 with ZeRO-1 (its optimizer state sharded over the two cp ranks): 3 more steps at cp=1
+    and at cp=4 have the uninterrupted run's losses and read exactly its samples."""
+    first = make(tiny_config, "cp-first", "checkpoints.checkpoint_interval=3", cp=2, zero=1, steps=3)
+    whole, saved = make(tiny_config, "cp-whole", cp=2, zero=1), first.run_dir / "checkpoints"
+    per_rank = run_ranks(ranks_train, 2, [whole, first], timeout=300)
+    whole_losses, whole_weights, _, whole_seen = merged(per_rank, 0)
+    for cp in (1, 4):
+        config = make(tiny_config, f"cp-{cp}", f"checkpoints.resume_checkpoint_path={saved}", cp=cp)
+        results = [ranks_train(0, [config])] if cp == 1 else run_ranks(ranks_train, cp, [config], timeout=300)
+        losses, weights, _, seen = merged(results, 0)
+        assert losses == pytest.approx(whole_losses[3:], rel=1e-5), cp
+        assert seen == {step: rows for step, rows in whole_seen.items() if step >= 3}, cp
+        for name, weight in whole_weights.items():
+            assert (weights[name] - weight).abs().max() <= 1e-4 * weight.abs().max(), (cp, name)
 
 
 @pytest.mark.distributed

@@ -131,6 +131,8 @@ class ModelArgs(_Section):
     init_method: InitMethod = Field(default_factory=InitMethod)
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     compile: bool = False  # torch.compile each decoder layer (models/compile.py)
+    # Attention stops at each end-of-document token of a packed sample and RoPE positions restart there.
+    document_masking: bool = False
     # The first weights: a Hugging Face Llama directory, a run directory or a checkpoint (serialize/init.py).
     init_from: str | None = None
 
@@ -143,6 +145,7 @@ class ParallelismArgs(_Section):
     dp: PositiveInt = 1
     tp: PositiveInt = 1
     pp: PositiveInt = 1
+    cp: PositiveInt = 1  # context parallel: each sequence split over cp ranks, attention as a ring
     pp_engine: Literal["1f1b", "afab", "interleaved-1f1b"] = "1f1b"
     pp_virtual_stages: PositiveInt = 1  # model chunks per pp rank; > 1 only with interleaved-1f1b
     tp_mode: Literal["ALL_REDUCE", "REDUCE_SCATTER"] = "ALL_REDUCE"
@@ -152,6 +155,10 @@ class ParallelismArgs(_Section):
     collective_timeout_seconds: PositiveFloat = 600
     # an op in flight this long on any rank: every rank's state is gathered into one report and the job stops
     hang_timeout_seconds: PositiveFloat = 600
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
 
 
 class TokensArgs(_Section):

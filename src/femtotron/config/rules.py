@@ -256,15 +256,25 @@ def sequence_fits_the_positions(cfg: Config) -> Problem | None:
     )
 
 
-def sequence_splits_over_tp(cfg: Config) -> Problem | None:
+def sequence_splits_over_cp_and_tp(cfg: Config) -> Problem | None:
     par, sequence = cfg.parallelism, cfg.tokens.sequence_length
-    if par.tp_mode != "REDUCE_SCATTER" or sequence % par.tp == 0:
+    chunks = 2 * par.cp if par.cp > 1 else 1  # cp's zigzag: 2 * cp chunks, two per cp rank
+    split = chunks * (par.tp if par.tp_mode == "REDUCE_SCATTER" else 1)
+    if sequence % split == 0:
         return None
+    fields = ["tokens.sequence_length"]
+    why = []
+    if par.cp > 1:
+        fields.append("parallelism.cp")
+        why.append(f"cp={par.cp} cuts every sequence into 2 * cp = {chunks} chunks (two per cp rank)")
+    if par.tp_mode == "REDUCE_SCATTER":
+        fields += ["parallelism.tp_mode", "parallelism.tp"]
+        why.append(f"tp_mode=REDUCE_SCATTER splits each rank's part of it over tp={par.tp} ranks")
+    other = " or tp_mode=ALL_REDUCE" if par.tp_mode == "REDUCE_SCATTER" else ""
     return Problem(
-        ("parallelism.tp_mode", "tokens.sequence_length", "parallelism.tp"),
-        f"tp_mode=REDUCE_SCATTER splits the sequence over tp ranks, so sequence_length={sequence} must be "
-        f"divisible by tp={par.tp}. Fix: sequence_length={_nearest_multiples(sequence, par.tp)}, or "
-        "tp_mode=ALL_REDUCE.",
+        tuple(fields),
+        f"{'; '.join(why)}, so sequence_length={sequence} must be divisible by {split}. Fix: "
+        f"sequence_length={_nearest_multiples(sequence, split)}{other}.",
     )
 
 
@@ -314,7 +324,7 @@ RULES: list[Callable[[Config], Problem | None]] = [
     chunks_need_interleaving,
     interleaving_takes_micro_batches_in_groups_of_pp,
     sequence_fits_the_positions,
-    sequence_splits_over_tp,
+    sequence_splits_over_cp_and_tp,
     zero_stage_implemented,
     loss_scale_range,
     decay_ends_below_the_peak,
@@ -327,42 +337,47 @@ def rule_problems(cfg: Config) -> list[Problem]:
 
 
 def check_world_size(config: Config, world_size: int) -> None:
-    """Raise ConfigError unless dp * tp * pp == world_size, listing the layouts that would work (L1)."""
+    """Raise ConfigError unless dp * cp * tp * pp == world_size, listing the layouts that would work (L1)."""
     par = config.parallelism
-    product = par.dp * par.tp * par.pp
+    product = par.dp * par.cp * par.tp * par.pp
     if product == world_size:
         return
-    fields = ("parallelism.dp", "parallelism.tp", "parallelism.pp")
+    fields = ("parallelism.dp", "parallelism.cp", "parallelism.tp", "parallelism.pp")
     valid = [
-        (d, t, p)
-        for d, t, p in _layouts(world_size)
-        if not rule_problems(
-            with_changes(config, {"parallelism.dp": d, "parallelism.tp": t, "parallelism.pp": p})
-        )
+        layout
+        for layout in _layouts(world_size)
+        if not rule_problems(with_changes(config, dict(zip(fields, layout, strict=True))))
     ]
-    # Suggest keeping the user's tp and pp when that works: it changes the least.
-    keep = (world_size // (par.tp * par.pp), par.tp, par.pp)
+    # Suggest keeping the user's cp, tp and pp when that works: it changes the least.
+    keep = (world_size // (par.cp * par.tp * par.pp), par.cp, par.tp, par.pp)
     best = keep if keep in valid else (valid[0] if valid else None)
-    listing = "; ".join(f"dp={d} tp={t} pp={p}" for d, t, p in valid[:12])
+    listing = "; ".join(_layout(layout) for layout in valid[:12])
     if len(valid) > 12:
         listing += f"; ... and {len(valid) - 12} more"
     processes = f"{product} process{'es' if product > 1 else ''}"
     message = (
-        f"dp={par.dp} * tp={par.tp} * pp={par.pp} = {product}, but WORLD_SIZE={world_size} processes were "
-        f"launched; dp * tp * pp must equal WORLD_SIZE. Fix: launch {processes}, or choose a layout "
-        f"for {world_size}: {listing or 'none fits this model'}."
+        f"{_layout((par.dp, par.cp, par.tp, par.pp), ' * ')} = {product}, but WORLD_SIZE={world_size} "
+        f"processes were launched; dp * cp * tp * pp must equal WORLD_SIZE. Fix: launch {processes}, or "
+        f"choose a layout for {world_size}: {listing or 'none fits this model'}."
     )
     if best:
-        dp, tp, pp = best
-        message += (
-            f" For example, add the overrides: parallelism.dp={dp} parallelism.tp={tp} parallelism.pp={pp}"
-        )
+        overrides = " ".join(f"{field}={value}" for field, value in zip(fields, best, strict=True))
+        message += f" For example, add the overrides: {overrides}"
     raise_problems("Parallel layout does not match the number of processes", [Problem(fields, message)])
 
 
-def _layouts(world_size: int) -> list[tuple[int, int, int]]:
-    """All (dp, tp, pp) with dp * tp * pp == world_size, most data-parallel first (the simplest layout)."""
-    triples = [
-        (world_size // (t * p), t, p) for t in _divisors(world_size) for p in _divisors(world_size // t)
+def _layout(layout: tuple[int, int, int, int], joint: str = " ") -> str:
+    dp, cp, tp, pp = layout
+    return joint.join([f"dp={dp}"] + ([f"cp={cp}"] if cp > 1 else []) + [f"tp={tp}", f"pp={pp}"])
+
+
+def _layouts(world_size: int) -> list[tuple[int, int, int, int]]:
+    """All (dp, cp, tp, pp) with product world_size, most data-parallel first (the simplest layout), then
+    the least context parallel (cp only when the sequence needs it)."""
+    layouts = [
+        (world_size // (c * t * p), c, t, p)
+        for c in _divisors(world_size)
+        for t in _divisors(world_size // c)
+        for p in _divisors(world_size // (c * t))
     ]
-    return sorted(triples, key=lambda layout: (-layout[0], layout[1], layout[2]))
+    return sorted(layouts, key=lambda layout: (-layout[0], layout[1], layout[2], layout[3]))

@@ -9,12 +9,16 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from femtotron.data.indexed import IndexedDataset, resolve_dataset_prefixes
 from femtotron.errors import DataError
+
+if TYPE_CHECKING:
+    from femtotron.parallel.context_parallel import TokenPlacement
 
 IGNORE_INDEX = -100  # a target that does not count in the loss (a masked position)
 
@@ -165,10 +169,13 @@ def open_nanoset(folders: str | list[str] | dict[str, float], sequence_length: i
 @dataclass
 class MicroBatch:
     """Token ids and the targets the model predicts from them: the next ids, IGNORE_INDEX where a position
-    does not count in the loss. Both (micro_batch_size, sequence_length)."""
+    does not count in the loss. Both (micro_batch_size, sequence_length), or this cp rank's part of the
+    sequences with where its tokens sit (`placement`, parallel/context_parallel.py; None: the whole
+    sequences, positions 0, 1, ...)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
+    placement: TokenPlacement | None = None
 
     @classmethod
     def from_tokens(cls, tokens: torch.Tensor) -> MicroBatch:
@@ -178,10 +185,11 @@ class MicroBatch:
     def to(self, device: torch.device) -> MicroBatch:
         """To CUDA through pinned memory: a copy from pageable memory waits for the work queued on the GPU,
         one from pinned memory is queued behind it (reading it on the host, `int()`, waits for it)."""
+        placement = None if self.placement is None else self.placement.to(device)
         if device.type != "cuda":
-            return MicroBatch(self.inputs.to(device), self.targets.to(device))
+            return MicroBatch(self.inputs.to(device), self.targets.to(device), placement)
         inputs, targets = (t.pin_memory().to(device, non_blocking=True) for t in (self.inputs, self.targets))
-        return MicroBatch(inputs, targets)
+        return MicroBatch(inputs, targets, placement)
 
     @property
     def counted_targets(self) -> int:

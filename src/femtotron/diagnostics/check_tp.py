@@ -568,7 +568,9 @@ def _working_tps(config: Config) -> list[int]:
         tp
         for tp in (2, 4, 8)
         if not rule_problems(
-            with_changes(config, {"parallelism.tp": tp, "parallelism.dp": 1, "parallelism.pp": 1})
+            with_changes(
+                config, {"parallelism.tp": tp, "parallelism.dp": 1, "parallelism.pp": 1, "parallelism.cp": 1}
+            )
         )
     ]
 
@@ -579,7 +581,7 @@ def run_check_tp(
     """`femtotron check-tp CONFIG [--tp N] [overrides]`; returns the exit code.
 
     Without a launcher it starts tp local processes running the same command; in a rank it compares
-    (dp and pp pinned to 1: one model replica) and rank 0 prints the report. Returns 0 when tp=N
+    (dp, pp and cp pinned to 1: one model replica) and rank 0 prints the report. Returns 0 when tp=N
     matches tp=1, DIVERGES_EXIT_CODE when it does not; config, data and launch problems raise.
     """
     overrides = list(overrides)
@@ -598,7 +600,7 @@ def run_check_tp(
             "float32 or 3e-2 for bfloat16 (the defaults)."
         )
     # Later overrides win, so these pin the layout whatever the config or the user's overrides say.
-    layout = [f"parallelism.tp={tp}", "parallelism.dp=1", "parallelism.pp=1"]
+    layout = [f"parallelism.tp={tp}", "parallelism.dp=1", "parallelism.pp=1", "parallelism.cp=1"]
     config = load_config(
         config_path,
         [*overrides, *layout],
@@ -606,6 +608,7 @@ def run_check_tp(
             layout[0]: f"--tp {tp}",
             layout[1]: "check-tp's one model replica (dp=1)",
             layout[2]: "check-tp's one model replica (pp=1)",
+            layout[3]: "check-tp's one model replica (cp=1)",
         },
     )
     _dtype(config)

@@ -11,8 +11,8 @@ from tokenizers import Tokenizer
 
 from femtotron.config import Config
 from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch, MicroBatchIterator, Nanoset, open_nanoset
-from femtotron.data.tokenizer import tokenizer_for_model
-from femtotron.errors import DataError
+from femtotron.data.tokenizer import eos_token_id, tokenizer_for_model
+from femtotron.errors import ConfigError, DataError
 from femtotron.parallel.context import ParallelContext
 
 SCANNED_TOKENS = 1 << 24  # per dataset at start: ~30 ms; later tokens are checked batch by batch
@@ -51,6 +51,17 @@ def open_run_data(config: Config) -> tuple[Nanoset, Nanoset | None, Tokenizer | 
     if val is not None:
         check_token_range(val, vocab, key="data.validation_folder")
     return train, val, tokenizer
+
+
+def document_end_id(config: Config, tokenizer: Tokenizer | None) -> int:
+    """The end-of-document token id model.document_masking cuts packed samples at."""
+    if tokenizer is None:
+        raise ConfigError(
+            "model.document_masking=true cuts each packed sample at its end-of-document tokens, but no "
+            "tokenizer names that token: set tokenizer.tokenizer_name_or_path to the tokenizer.json the data "
+            "was preprocessed with, or set model.document_masking=false."
+        )
+    return eos_token_id(tokenizer)
 
 
 def check_batch_token_ids(

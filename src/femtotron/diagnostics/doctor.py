@@ -51,7 +51,7 @@ def fixes(config: Config, budget: float, on_cpu: bool) -> list[str]:
             with_changes(config, {"tokens.sequence_length": tokens.sequence_length // 2}),
         )
     )
-    for key in ("tp", "pp"):
+    for key in ("tp", "pp", "cp"):
         bigger = with_changes(config, {f"parallelism.{key}": getattr(par, key) * 2})
         if not rule_problems(bigger):
             candidates.append(
@@ -74,7 +74,7 @@ def variants(config: Config, budget: float | None, on_cpu: bool) -> list[str]:
             with_changes(config, {"parallelism.recompute_layer": not par.recompute_layer}),
         )
     ]
-    if par.dp > 1:
+    if par.dp * par.cp > 1:
         other = 1 - config.optimizer.zero_stage
         toggles.insert(
             0, (f"optimizer.zero_stage={other}", with_changes(config, {"optimizer.zero_stage": other}))
@@ -93,18 +93,21 @@ def communication(config: Config, state: dict[str, int], device: str | None, gpu
     mcfg, par, tokens = config.model.model_config_, config.parallelism, config.tokens
     size = DTYPES[config.model.dtype].itemsize
     micro = tokens.batch_accumulation_per_replica
-    activation = tokens.micro_batch_size * tokens.sequence_length * mcfg.hidden_size * size
+    activation = tokens.micro_batch_size * tokens.sequence_length // par.cp * mcfg.hidden_size * size
     lines = []
-    if par.dp > 1:
-        grads = state["grads"]
-        share = (par.dp - 1) / par.dp
+    replicas = par.dp * par.cp  # the ranks holding the same parameters
+    if replicas > 1:
+        grads, name = state["grads"], "dp" if par.cp == 1 else "dp x cp"
+        share = (replicas - 1) / replicas
         if config.optimizer.zero_stage == 1:
-            gathered = state["params"]
-            lines.append(
-                f"  dp: reduce-scatter {human(share * grads)} + all-gather {human(share * gathered)} per step"
-            )
+            gathered = human(share * state["params"])
+            lines.append(f"  {name}: reduce-scatter {human(share * grads)} + all-gather {gathered} per step")
         else:
-            lines.append(f"  dp: all-reduce {human(2 * share * grads)} per step")
+            lines.append(f"  {name}: all-reduce {human(2 * share * grads)} per step")
+    if par.cp > 1:
+        lines.append(
+            f"  cp: {human(ring_bytes(config))} per step (the ring: keys and values, their gradients)"
+        )
     if par.tp > 1:
         layers = mcfg.num_hidden_layers / par.pp
         # Per layer and micro-batch: 2 collectives in forward and 2 in backward on the whole activation.
@@ -124,6 +127,20 @@ def communication(config: Config, state: dict[str, int], device: str | None, gpu
     return lines or ["  none (one process)"]
 
 
+def ring_bytes(config: Config) -> int:
+    """Bytes each rank sends round the cp ring per step: per layer and micro-batch, the forward's cp - 1
+    blocks of keys and values, the backward's cp - 1 again with cp blocks of their fp32 gradients, and with
+    recomputation the forward once more."""
+    mcfg, par, tokens = config.model.model_config_, config.parallelism, config.tokens
+    size = DTYPES[config.model.dtype].itemsize
+    heads = mcfg.num_key_value_heads // par.tp
+    block = 2 * tokens.micro_batch_size * tokens.sequence_length // par.cp * heads * mcfg.head_dim
+    forwards = 2 if par.recompute_layer else 1
+    per_layer = (forwards + 1) * (par.cp - 1) * block * size + par.cp * block * 4
+    layers = mcfg.num_hidden_layers / par.pp
+    return int(per_layer * layers * tokens.batch_accumulation_per_replica)
+
+
 def diagnose(
     config: Config,
     world_size: int | None,
@@ -133,15 +150,24 @@ def diagnose(
 ) -> tuple[str, bool]:
     """The report, and whether everything fits."""
     par = config.parallelism
-    world = par.dp * par.tp * par.pp
     if world_size is not None:
         check_world_size(config, world_size)  # L1: raises with the valid layouts
-    lines = [f"config: every rule holds; layout dp={par.dp} tp={par.tp} pp={par.pp} = {world} process(es)"]
+    cp = f" cp={par.cp}" if par.cp > 1 else ""
+    lines = [
+        f"config: every rule holds; layout dp={par.dp}{cp} tp={par.tp} pp={par.pp} = "
+        f"{par.world_size} process(es)"
+    ]
     lines += [f"warning: {w}" for w in config_warnings(config)]
     if par.tp > gpus_per_node:
         lines.append(
             f"warning: tp={par.tp} > {gpus_per_node} GPUs per node: every layer's tp collectives cross the "
             "network between nodes (T3). Keep tp <= GPUs per node; use dp or pp across nodes."
+        )
+    elif par.tp * par.cp > gpus_per_node:
+        lines.append(
+            f"warning: tp={par.tp} x cp={par.cp} > {gpus_per_node} GPUs per node: every layer's cp ring "
+            "crosses the network between nodes (T3). Keep tp * cp <= GPUs per node; use dp or pp across "
+            "nodes."
         )
     if par.pp > 1:
         bubble = pipeline_bubble(par.pp, config.tokens.batch_accumulation_per_replica, par.pp_virtual_stages)

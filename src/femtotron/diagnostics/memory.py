@@ -31,6 +31,7 @@ from femtotron.config import Config
 from femtotron.data.nanoset import MicroBatch
 from femtotron.layout import DTYPES, meta_rank_model
 from femtotron.parallel.context import rank_of, subgroups
+from femtotron.parallel.context_parallel import place_tokens
 from femtotron.parallel.pipeline.schedules import schedule
 from femtotron.precision import ESTIMATING_FOR_THIS_CPU
 
@@ -131,24 +132,25 @@ def estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool = False) -> Ra
         ESTIMATING_FOR_THIS_CPU.reset(token)
 
 
-def communicators(dp: int, tp: int, pp: int, rank: int) -> int:
+def communicators(dp: int, tp: int, pp: int, rank: int, cp: int = 1) -> int:
     """The NCCL communicators `rank` belongs to: the default group's and every subgroup's holding it."""
-    return (dp * tp * pp > 1) + sum(rank in ranks for ranks in subgroups(dp, tp, pp))
+    return (dp * cp * tp * pp > 1) + sum(rank in ranks for ranks in subgroups(dp, tp, pp, cp))
 
 
 def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstimate:
     par, tokens = config.parallelism, config.tokens
     meta = torch.device("meta")
-    rank = rank_of(pp_rank, 0, 0, par.dp, par.tp)
+    rank = rank_of(pp_rank, 0, 0, par.dp, par.tp, 0, par.cp)
     model = meta_rank_model(config, rank)
     state = model.data_parallel.model_state_bytes()
-    sequence = tokens.sequence_length // (par.tp if model.tp.sequence_parallel else 1)
+    sequence = tokens.sequence_length // par.cp // (par.tp if model.tp.sequence_parallel else 1)
+    # cp rank 0's part of the sequences (the ranks' parts are alike); one document (no token is -1).
+    eos = -1 if config.model.document_masking else None
+    whole = MicroBatch.from_tokens(torch.zeros(tokens.micro_batch_size, tokens.sequence_length + 1).long())
     saved, peaks = [], []
     for chunk_index, chunk in enumerate(model.chunks):
         stage = chunk_index * par.pp + pp_rank
-        batch = MicroBatch.from_tokens(
-            torch.zeros(tokens.micro_batch_size, tokens.sequence_length + 1, dtype=torch.int64, device=meta)
-        )
+        batch = place_tokens(whole, par.cp, 0, eos).to(meta)
         with LiveMemory() as memory:
             if stage == 0:
                 inputs = batch.inputs
@@ -160,7 +162,7 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
                     dtype=DTYPES[config.model.dtype],
                     device=meta,
                 ).requires_grad_()
-            output = chunk.run_stage(inputs, batch.targets)
+            output = chunk.run_stage(inputs, batch.targets, batch.placement)
             saved.append(memory.live)
             if stage == par.pp * par.pp_virtual_stages - 1:
                 output.backward()
@@ -172,7 +174,7 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
         par.pp_engine, par.pp, pp_rank, tokens.batch_accumulation_per_replica, saved
     )
     waiting = held_bytes - max(saved) if held > 1 else 0  # the others, while the largest one runs
-    nccl = 0 if on_this_cpu else communicators(par.dp, par.tp, par.pp, rank)
+    nccl = 0 if on_this_cpu else communicators(par.dp, par.tp, par.pp, rank, par.cp)
     return RankEstimate(pp_rank, state, saved, max(peaks), waiting, held, nccl)
 
 

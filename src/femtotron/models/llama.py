@@ -24,6 +24,7 @@ from femtotron.config import LlamaConfig
 from femtotron.config.config import RopeScaling
 from femtotron.data.nanoset import IGNORE_INDEX
 from femtotron.errors import ConfigError
+from femtotron.parallel.context_parallel import ContextParallel, TokenPlacement, ring_attention
 from femtotron.parallel.pipeline.partition import Stage
 from femtotron.parallel.sharding import make_param
 from femtotron.parallel.tensor_parallel import (
@@ -97,10 +98,14 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """x: (batch, heads, seq, head_dim), at positions start, start + 1, ..."""
-        positions = slice(start, start + x.shape[-2])
-        cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
+    def forward(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> torch.Tensor:
+        """x: (batch, heads, seq, head_dim), at positions `positions`, start, start + 1, ... for an int, else
+        (batch, seq) positions."""
+        if isinstance(positions, int):
+            cos, sin = (t[positions : positions + x.shape[-2]] for t in (self.cos, self.sin))
+        else:
+            cos, sin = (t[positions].unsqueeze(1) for t in (self.cos, self.sin))
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -114,6 +119,7 @@ class Attention(nn.Module):
         out_std: float,
         rotary: Rotary,
         tp: TensorParallel,
+        cp: ContextParallel,
     ) -> None:
         super().__init__()
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -134,21 +140,27 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(
             make, f"{name}.o_proj", heads * self.head_dim, cfg.hidden_size, out_std, tp
         )
-        self.rotary = rotary
+        self.rotary, self.cp = rotary, cp
         self.output_split_dim = self.o_proj.output_split_dim
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, placement: TokenPlacement | None = None
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         b, s, _ = qkv.shape  # the whole sequence, also when x is a sequence shard
         qkv = qkv.view(b, s, self.local_kv_heads, self.group_size + 2, self.head_dim)
         q = qkv[:, :, :, :-2].reshape(b, s, -1, self.head_dim).transpose(1, 2)
         k, v = qkv[:, :, :, -2].transpose(1, 2), qkv[:, :, :, -1].transpose(1, 2)
-        start = cache.length if cache is not None else 0
-        q, k = self.rotary(q, start), self.rotary(k, start)
-        if cache is not None:
-            k, v = cache.extend(self, k, v)
-        # Against a cache the new position sees all the earlier ones (one position at a time after the first).
-        out = causal_attention(q, k, v, causal=start == 0)
+        if placement is not None:  # a cp rank's part of the sequences, or documents (or both)
+            q, k = self.rotary(q, placement.positions), self.rotary(k, placement.positions)
+            out = ring_attention(q, k, v, placement, self.cp)
+        else:
+            start = cache.length if cache is not None else 0
+            q, k = self.rotary(q, start), self.rotary(k, start)
+            if cache is not None:
+                k, v = cache.extend(self, k, v)
+            # Against a cache the new position sees all the earlier ones (one at a time after the first).
+            out = causal_attention(q, k, v, causal=start == 0)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -170,7 +182,13 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, make: ParamFactory, index: int, cfg: LlamaConfig, rotary: Rotary, tp: TensorParallel
+        self,
+        make: ParamFactory,
+        index: int,
+        cfg: LlamaConfig,
+        rotary: Rotary,
+        tp: TensorParallel,
+        cp: ContextParallel,
     ) -> None:
         super().__init__()
         name = f"layers.{index}"
@@ -179,15 +197,17 @@ class DecoderLayer(nn.Module):
         out_std = make.std / math.sqrt(2 * cfg.num_hidden_layers)
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(make, f"{name}.input_layernorm", cfg.hidden_size, eps, tp)
-        self.self_attn = Attention(make, f"{name}.self_attn", cfg, out_std, rotary, tp)
+        self.self_attn = Attention(make, f"{name}.self_attn", cfg, out_std, rotary, tp, cp)
         self.post_attention_layernorm = RMSNorm(
             make, f"{name}.post_attention_layernorm", cfg.hidden_size, eps, tp
         )
         self.mlp = MLP(make, f"{name}.mlp", cfg.hidden_size, cfg.intermediate_size, out_std, tp)
         self.output_split_dim = self.mlp.output_split_dim
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cache)
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, placement: TokenPlacement | None = None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cache, placement)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -221,6 +241,7 @@ class Llama(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tp: TensorParallel | None = None,
+        cp: ContextParallel | None = None,
         stage: Stage | None = None,
         recompute_layer: bool = False,
     ) -> None:
@@ -242,8 +263,9 @@ class Llama(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(
                 make, "embed_tokens", cfg.vocab_size, cfg.hidden_size, std, tp, tie
             )
+        cp = cp or ContextParallel.single()
         self.layers = DecoderLayers(
-            {str(i): DecoderLayer(make, i, cfg, self.rotary, tp) for i in stage.layers}
+            {str(i): DecoderLayer(make, i, cfg, self.rotary, tp, cp) for i in stage.layers}
         )
         if stage.head:
             self.norm = RMSNorm(make, "norm", cfg.hidden_size, cfg.rms_norm_eps, tp)
@@ -257,14 +279,20 @@ class Llama(nn.Module):
     def padded_vocab_size(self) -> int:
         return shard_size(self.cfg.vocab_size, self.tp.size) * self.tp.size
 
-    def hidden_states(self, inputs: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def hidden_states(
+        self, inputs: torch.Tensor, cache: KVCache | None = None, placement: TokenPlacement | None = None
+    ) -> torch.Tensor:
         x = self.embed_tokens(inputs) if self.stage.embedding else inputs
         recompute = self.recompute_layer and torch.is_grad_enabled()
         for layer in self.layers.values():
             # Non-reentrant checkpoint: backward runs through the ordinary autograd graph (the
             # recomputed tensors stand in for the dropped ones), so gradients, gradient hooks and
             # the pipeline's backward from a stage's output work as without it.
-            x = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x, cache)
+            x = (
+                checkpoint(layer, x, None, placement, use_reentrant=False)
+                if recompute
+                else layer(x, cache, placement)
+            )
         if cache is not None:
             cache.length += inputs.shape[1]
         return x
@@ -276,13 +304,15 @@ class Llama(nn.Module):
             return linear(enter_column_parallel(x, self.tp), self.embed_tokens.weight)
         return self.lm_head(x)
 
-    def run_stage(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def run_stage(
+        self, inputs: torch.Tensor, targets: torch.Tensor, placement: TokenPlacement | None = None
+    ) -> torch.Tensor:
         """This stage's output: activations, or on the last stage the summed loss over valid targets (fp32).
 
         The sum, not the mean, lets the trainer divide by the token count of the whole global batch,
-        so every micro-batch / dp / pp split gives the same loss.
+        so every micro-batch / dp / cp / pp split gives the same loss.
         """
-        x = self.hidden_states(inputs)
+        x = self.hidden_states(inputs, placement=placement)
         return self.head_loss(x, targets) if self.stage.head else x
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -299,6 +329,8 @@ class Llama(nn.Module):
             ..., : self.cfg.vocab_size
         ]
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, input_ids: torch.Tensor, targets: torch.Tensor, placement: TokenPlacement | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole model: summed loss over valid targets (fp32) and how many there were."""
-        return self.run_stage(input_ids, targets), (targets != IGNORE_INDEX).sum()
+        return self.run_stage(input_ids, targets, placement), (targets != IGNORE_INDEX).sum()

@@ -38,7 +38,7 @@ class DynamicLossScaler:
 
         Every rank must take the same decision (skip or step), or the replicas drift apart and the next
         collective pairs different calls: the flag is agreed by an all-reduce (max) over the
-        model-parallel group and the dp group, which together span every rank.
+        model-parallel group and the dp x cp group, which together span every rank.
         """
         if not self.enabled:
             return False
@@ -47,7 +47,7 @@ class DynamicLossScaler:
             inv_scale = torch.full((), 1.0 / self.scale, device=ctx.device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
         ctx.comm.all_reduce(found_inf, ctx.mp_group, op="max")
-        ctx.comm.all_reduce(found_inf, ctx.dp_group, op="max")
+        ctx.comm.all_reduce(found_inf, ctx.dp_cp_group, op="max")
         return bool(ctx.comm.read(found_inf, "fp16 overflow flag"))
 
     def state_dict(self) -> dict[str, float | int]:

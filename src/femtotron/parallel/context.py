@@ -1,7 +1,8 @@
-"""ParallelContext: who this rank is in the (pp, dp, tp) mesh, and the process groups it talks on.
+"""ParallelContext: who this rank is in the (pp, dp, cp, tp) mesh, and the process groups it talks on.
 
-The layout is written once, here: `rank = (pp_rank * dp + dp_rank) * tp + tp_rank`. TP is
-innermost so a TP group is consecutive ranks (the same host, the fastest links); PP is outermost.
+The layout is written once, here: `rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank`. TP is
+innermost so a TP group is consecutive ranks (the same host, the fastest links), then CP (whose ring
+sends a block of keys and values per step); PP is outermost.
 Joining the job (the rendezvous, with a timeout that names the ranks that never came) is here too.
 """
 
@@ -14,6 +15,7 @@ import socket
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
+from itertools import product
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,51 +37,68 @@ class MeshCoordinates:
     pp_rank: int
     dp_rank: int
     tp_rank: int
+    cp_rank: int = 0
 
 
-def rank_of(pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
-    return (pp_rank * dp + dp_rank) * tp + tp_rank
+def rank_of(pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int, cp_rank: int = 0, cp: int = 1) -> int:
+    return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
-def coordinates_of(rank: int, dp: int, tp: int) -> MeshCoordinates:
-    return MeshCoordinates(pp_rank=rank // (dp * tp), dp_rank=(rank // tp) % dp, tp_rank=rank % tp)
+def coordinates_of(rank: int, dp: int, tp: int, cp: int = 1) -> MeshCoordinates:
+    return MeshCoordinates(
+        pp_rank=rank // (dp * cp * tp),
+        dp_rank=(rank // (cp * tp)) % dp,
+        tp_rank=rank % tp,
+        cp_rank=(rank // tp) % cp,
+    )
 
 
-def mesh_groups(dp: int, tp: int, pp: int) -> dict[str, list[tuple[int, ...]]]:
-    """Every group of each kind, as its ranks."""
+def mesh_groups(dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[tuple[int, ...]]]:
+    """Every group of each kind, as its ranks: the ranks that differ only in the kind's dimensions."""
+    sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}  # outermost first
 
-    def at(p: int, d: int, t: int) -> int:
-        return rank_of(p, d, t, dp, tp)
+    def points(dims: list[str]) -> list[dict[str, int]]:
+        return [dict(zip(dims, at, strict=True)) for at in product(*(range(sizes[d]) for d in dims))]
 
-    positions = [(d, t) for d in range(dp) for t in range(tp)]  # a rank's place within its pipeline stage
-    return {
-        "tp": [tuple(at(p, d, t) for t in range(tp)) for p in range(pp) for d in range(dp)],
-        "dp": [tuple(at(p, d, t) for d in range(dp)) for p in range(pp) for t in range(tp)],
-        "pp": [tuple(at(p, d, t) for p in range(pp)) for d, t in positions],
-        # Model-parallel group: every rank holding a piece of one model replica (for grad norms).
-        "mp": [tuple(at(p, d, t) for p in range(pp) for t in range(tp)) for d in range(dp)],
-        # First and last pipeline stage of each (dp, tp) position: they share tied embeddings.
-        "embedding": [tuple(sorted({at(0, d, t), at(pp - 1, d, t)})) for d, t in positions],
-    }
+    def spans(varying: list[str]) -> list[tuple[int, ...]]:
+        at = [f | v for f in points([d for d in sizes if d not in varying]) for v in points(varying)]
+        ranks = [rank_of(a["pp"], a["dp"], a["tp"], dp, tp, a["cp"], cp) for a in at]
+        size = len(points(varying))
+        return [tuple(ranks[i : i + size]) for i in range(0, len(ranks), size)]
+
+    # dp_cp: the ranks holding the same parameters (gradients summed, ZeRO-1 sharded over it); mp: every rank
+    # holding a piece of one model replica (grad norms).
+    kinds = {"tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp cp", "pp": "pp", "mp": "pp tp"}
+    groups = {kind: spans(dims.split()) for kind, dims in kinds.items()}
+    # First and last pipeline stage of each (dp, cp, tp) position: they share tied embeddings.
+    groups["embedding"] = [tuple(sorted({ranks[0], ranks[-1]})) for ranks in groups["pp"]]
+    return groups
 
 
-def subgroups(dp: int, tp: int, pp: int) -> list[tuple[int, ...]]:
+def subgroups(dp: int, tp: int, pp: int, cp: int = 1) -> list[tuple[int, ...]]:
     """The rank sets needing a process group (with NCCL, a communicator and its GPU memory) of their own, in
     creation order: each distinct set once, none of one rank, none of the whole world (the default group)."""
-    sets = (ranks for groups in mesh_groups(dp, tp, pp).values() for ranks in groups)
-    return [ranks for ranks in dict.fromkeys(sets) if 1 < len(ranks) < dp * tp * pp]
+    sets = (ranks for groups in mesh_groups(dp, tp, pp, cp).values() for ranks in groups)
+    return [ranks for ranks in dict.fromkeys(sets) if 1 < len(ranks) < dp * tp * pp * cp]
 
 
-def pipe_links(dp: int, tp: int, pp: int) -> list[tuple[int, int]]:
+def pipe_links(dp: int, tp: int, pp: int, cp: int = 1) -> list[tuple[int, int]]:
     """The one-way links between neighbouring pipeline stages, as (from, to) ranks, in creation order: both
     ways between stages p and p + 1, and between the last stage and the first (interleaved schedules)."""
     neighbours = {(p, p + 1) for p in range(pp - 1)} | ({(pp - 1, 0)} if pp > 2 else set())
     return [
         (pipeline[a], pipeline[b])
-        for pipeline in mesh_groups(dp, tp, pp)["pp"]
+        for pipeline in mesh_groups(dp, tp, pp, cp)["pp"]
         for p, q in sorted(neighbours)
         for a, b in ((p, q), (q, p))
     ]
+
+
+def ring_links(dp: int, tp: int, pp: int, cp: int = 1) -> list[tuple[int, int]]:
+    """The one-way links of each context-parallel ring, as (from, to): cp rank c sends to c + 1 mod cp."""
+    if cp == 1:
+        return []
+    return [(ring[c], ring[(c + 1) % cp]) for ring in mesh_groups(dp, tp, pp, cp)["cp"] for c in range(cp)]
 
 
 @dataclass(frozen=True)
@@ -118,19 +137,21 @@ class ParallelContext:
         dp: int = 1,
         tp: int = 1,
         pp: int = 1,
+        cp: int = 1,
         *,
         init_timeout_seconds: float = 300.0,
         collective_timeout_seconds: float = 600.0,
     ) -> None:
-        self.dp, self.tp, self.pp = dp, tp, pp
+        self.dp, self.tp, self.pp, self.cp = dp, tp, pp, cp
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if dp * tp * pp != self.world_size:
+        if dp * cp * tp * pp != self.world_size:
             # The config check (check_world_size) normally catches this first, with suggestions.
             raise DistributedError(
-                f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} but WORLD_SIZE = {self.world_size}: "
-                "set parallelism.dp/tp/pp so their product equals the number of processes launched."
+                f"dp*cp*tp*pp = {dp}*{cp}*{tp}*{pp} = {dp * cp * tp * pp} but WORLD_SIZE = "
+                f"{self.world_size}: "
+                "set parallelism.dp/cp/tp/pp so their product equals the number of processes launched."
             )
         self.collective_timeout_seconds = collective_timeout_seconds
         self.device, gpu = self._pick_device()
@@ -152,8 +173,13 @@ class ParallelContext:
                 gpu,
             )
             self.store = Store(tcp_store, (host, port))
-        coords = coordinates_of(self.rank, dp, tp)
-        self.pp_rank, self.dp_rank, self.tp_rank = coords.pp_rank, coords.dp_rank, coords.tp_rank
+        at = coordinates_of(self.rank, dp, tp, cp)
+        self.pp_rank, self.dp_rank, self.tp_rank, self.cp_rank = (
+            at.pp_rank,
+            at.dp_rank,
+            at.tp_rank,
+            at.cp_rank,
+        )
         self._build_groups()
 
     @classmethod
@@ -163,6 +189,7 @@ class ParallelContext:
             par.dp,
             par.tp,
             par.pp,
+            par.cp,
             init_timeout_seconds=par.init_timeout_seconds,
             collective_timeout_seconds=par.collective_timeout_seconds,
         )
@@ -189,7 +216,7 @@ class ParallelContext:
         each kind holding it (or itself alone: a middle pipeline stage has no embedding to share); kinds with
         equal ranks share a process group. Subgroups do not inherit init_process_group's timeout: passed."""
         timeout = timedelta(seconds=self.collective_timeout_seconds)
-        mesh = self.dp, self.tp, self.pp
+        mesh = self.dp, self.tp, self.pp, self.cp
         handles = {ranks: dist.new_group(list(ranks), timeout=timeout) for ranks in subgroups(*mesh)}
         groups = mesh_groups(*mesh)
 
@@ -198,9 +225,13 @@ class ParallelContext:
             return Group(kind, ranks, handles.get(ranks))
 
         self.tp_group, self.dp_group, self.pp_group = mine("tp"), mine("dp"), mine("pp")
-        self.mp_group, self.embedding_group = mine("mp"), mine("embedding")
+        self.mp_group, self.embedding_group, self.cp_group = mine("mp"), mine("embedding"), mine("cp")
+        # Every rank holding the same parameters: dp's, or with cp > 1 those of dp x cp.
+        self.dp_cp_group = mine("dp_cp") if self.cp > 1 else self.dp_group
+        self.dp_cp_rank = self.dp_rank * self.cp + self.cp_rank
         self.world_group = Group("world", tuple(range(self.world_size)))
-        links = {pair: dist.new_group(sorted(pair), timeout=timeout) for pair in pipe_links(*mesh)}
+        pairs = pipe_links(*mesh) + ring_links(*mesh)
+        links = {pair: dist.new_group(sorted(pair), timeout=timeout) for pair in pairs}
         self.pp_links = {  # by the neighbour's pp rank
             p: PipeLink(
                 peer,
@@ -210,10 +241,22 @@ class ParallelContext:
             for p, peer in enumerate(self.pp_group.ranks)
             if (self.rank, peer) in links
         }
+        ring, c = self.cp_group.ranks, self.cp_rank
+        following, preceding = ring[(c + 1) % self.cp], ring[(c - 1) % self.cp]
+        # The cp ring: a one-way group to the following rank and one from the preceding (p2p.py: why).
+        self.cp_links = (
+            (
+                Group("cp", (self.rank, following), links[self.rank, following], one_way=True),
+                Group("cp", (preceding, self.rank), links[preceding, self.rank], one_way=True),
+            )
+            if self.cp > 1
+            else None
+        )
 
     @property
     def log_prefix(self) -> str:
-        return f"[rank {self.rank} dp{self.dp_rank} tp{self.tp_rank} pp{self.pp_rank}]"
+        cp = f" cp{self.cp_rank}" if self.cp > 1 else ""
+        return f"[rank {self.rank} dp{self.dp_rank}{cp} tp{self.tp_rank} pp{self.pp_rank}]"
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -1,7 +1,7 @@
 """Save and resume training: every rank writes its own slices, rank 0 commits by rename.
 
 Save: rank 0 makes `<checkpoints>/.tmp-step-NNNNNNN`; each rank writes the slices of the global
-tensors it is the one to save (its 1/dp of every gradient bucket, parameters every tp rank holds
+tensors it is the one to save (its 1/(dp * cp) of every gradient bucket, parameters every tp rank holds
 whole only on tp rank 0, a tied embedding only on the first stage) and posts a record of them in the
 rendezvous store; rank 0 waits for every record with a timeout that names the ranks that never
 finished (C2), writes the manifest last, renames the directory to `step-NNNNNNN`, then points
@@ -61,7 +61,7 @@ def checkpoint_root(config: Config) -> Path:
 
 
 def mesh_of(config: Config) -> dict[str, Any]:
-    keys = ("dp", "tp", "pp", "pp_engine", "pp_virtual_stages", "tp_mode")
+    keys = ("dp", "cp", "tp", "pp", "pp_engine", "pp_virtual_stages", "tp_mode")
     return {key: getattr(config.parallelism, key) for key in keys} | {
         "zero_stage": config.optimizer.zero_stage
     }
@@ -80,7 +80,7 @@ class SavedSlice:
 
 
 def saved_slices(model: RankModel) -> list[SavedSlice]:
-    """What one rank saves: its 1/dp of every bucket, of the parameters whose copy on this rank counts."""
+    """What one rank saves: its 1/(dp * cp) of every bucket, of the parameters whose copy here counts."""
     data_parallel, named = model.data_parallel, model.named_parameters()
     out = []
     for piece in data_parallel.shard_pieces:
@@ -492,7 +492,7 @@ def restore_counters(parts: TrainingParts, reader: CheckpointReader, directory: 
     state.load_state_dict(
         manifest, loss_scale=state.scaler.enabled and manifest["config"]["model"].get("dtype") == "float16"
     )
-    saved, current = manifest["mesh"], mesh_of(config)
+    saved, current = {"cp": 1} | manifest["mesh"], mesh_of(config)  # saved before cp existed: cp 1
     same_layout = saved == current and manifest.get("world_size") == parts.ctx.world_size
     rng_file = manifest.get("rng", {}).get(str(parts.ctx.rank))
     if same_layout and rng_file is not None:

@@ -49,7 +49,7 @@ def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
         tmp.mkdir(parents=True)
         records = [
             write_rank_file(tmp, rank, rank_slices(config, rank, reader), {}, {})
-            for rank in range(config.parallelism.dp * config.parallelism.tp * config.parallelism.pp)
+            for rank in range(config.parallelism.world_size)
         ]
         if (directory / TOKENIZER_FILE).is_file():
             shutil.copyfile(directory / TOKENIZER_FILE, tmp / TOKENIZER_FILE)

@@ -181,7 +181,7 @@ class Pipeline:
             inputs = batch.inputs
         else:
             inputs = self.p2p.take(received).requires_grad_(torch.is_grad_enabled())
-        output = self.chunks[action.chunk].run_stage(inputs, batch.targets)
+        output = self.chunks[action.chunk].run_stage(inputs, batch.targets, batch.placement)
         if stage == self.stages - 1:
             return inputs, output, None
         return (

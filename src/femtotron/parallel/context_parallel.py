@@ -1,0 +1,243 @@
+"""Context parallelism (every sequence split over cp ranks, attention as a ring) and document masking.
+
+Zigzag split: a sequence of S tokens is cut into 2 * cp chunks and cp rank i holds chunks i and 2cp-1-i,
+so under the causal mask every rank has the same work (an early chunk sees few keys, a late one many).
+RoPE uses the global positions, so the model computes exactly what one device would.
+
+Ring attention: each rank's keys and values (its KV heads only: GQA's fewer heads travel) go round the
+ring, one step per cp rank; at each step a rank attends its queries to the block it holds while the next
+block is already on its way. Against the zigzag the blocks are simple: its own block is causal; a block
+from a lower cp rank is seen whole by both local chunks through its first chunk only; one from a higher
+rank is seen whole by the second local chunk only. Block results merge by their log-sum-exp (fp32). The
+backward pass sends the keys and values round again, each with its gradient accumulated so far (fp32):
+after the last step every rank holds the full gradient of its own keys and values.
+
+Document masking (`model.document_masking`): a token attends only to the tokens of its own document in the
+packed sample (documents end at the end-of-document token), and RoPE positions restart at each document.
+The same ring computes it, each block masked by document; a block where no query sees any key is skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from femtotron.data.nanoset import MicroBatch
+from femtotron.parallel.comm import Comm, Group, Work
+from femtotron.precision import attention_dtype, attention_with_lse, attention_with_lse_backward
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """The cp ring of this rank: its group, its place in it, and the one-way groups to the following and
+    from the preceding rank (None for cp = 1)."""
+
+    comm: Comm
+    group: Group
+    rank: int
+    links: tuple[Group, Group] | None = None
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    @staticmethod
+    def single() -> ContextParallel:
+        return ContextParallel(Comm(), Group("cp", (0,)), 0)
+
+    def start_shift(self, tensor: torch.Tensor, tag: int) -> tuple[torch.Tensor, Work | None, Work | None]:
+        """Start sending `tensor` to the following rank, receiving the preceding rank's into a new buffer."""
+        if self.links is None:
+            return tensor, None, None
+        outgoing, incoming = self.links
+        received = torch.empty_like(tensor)
+        recv = self.comm.start_p2p("recv", received, incoming.ranks[0], incoming, tag)
+        send = self.comm.start_p2p("send", tensor.contiguous(), outgoing.ranks[1], outgoing, tag)
+        return received, recv, send
+
+    def finish_shift(self, shift: tuple[torch.Tensor, Work | None, Work | None]) -> torch.Tensor:
+        received, recv, _ = shift
+        if recv is not None:
+            incoming = self.links[1]
+            self.comm.wait(recv, incoming, received, incoming.ranks[0], kind="recv")
+        return received
+
+    def finish_sends(self, shifts: list[tuple[torch.Tensor, Work | None, Work | None]]) -> None:
+        for tensor, _, send in shifts:
+            if send is not None:
+                self.comm.wait(send, self.links[0], tensor, self.links[0].ranks[1], kind="send")
+
+
+def zigzag_indices(length: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """The positions in the whole sequence of the tokens cp rank `rank` holds: chunks rank and 2cp-1-rank."""
+    if cp == 1:
+        return torch.arange(length, device=device)
+    chunk = length // (2 * cp)
+    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)]).to(device)
+
+
+@dataclass
+class TokenPlacement:
+    """Where a micro-batch's local tokens sit: what attention needs beyond the tokens themselves."""
+
+    positions: torch.Tensor  # (batch, local sequence): RoPE positions
+    documents: torch.Tensor | None  # (batch, sequence): each token's document, whole sequence (masking)
+    visible: tuple[bool, ...]  # per cp rank: whether any query here sees any of its keys
+
+    def to(self, device: torch.device) -> TokenPlacement:
+        documents = None if self.documents is None else self.documents.to(device)
+        return TokenPlacement(self.positions.to(device), documents, self.visible)
+
+
+def documents_of(inputs: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(document index, position within the document) of every token of (batch, sequence) `inputs`: a
+    document ends with its end-of-document token, the next one starts after it."""
+    ends = inputs == eos_id
+    documents = torch.cumsum(ends, dim=1) - ends.long()
+    index = torch.arange(inputs.shape[1]).expand_as(inputs)
+    starts = torch.ones_like(ends)
+    starts[:, 1:] = ends[:, :-1]
+    first = torch.where(starts, index, 0).cummax(dim=1).values
+    return documents, index - first
+
+
+def place_tokens(batch: MicroBatch, cp: int, cp_rank: int, eos_id: int | None) -> MicroBatch:
+    """This cp rank's part of a micro-batch of whole sequences, with its `TokenPlacement` (`eos_id`: document
+    masking). Unchanged when there is nothing to place (cp = 1, no masking)."""
+    if cp == 1 and eos_id is None:
+        return batch
+    length = batch.inputs.shape[1]
+    local = zigzag_indices(length, cp, cp_rank)
+    if eos_id is None:
+        positions, documents = local.expand(batch.inputs.shape[0], -1), None
+        visible = (True,) * cp
+    else:
+        documents, within = documents_of(batch.inputs, eos_id)
+        positions = within[:, local]
+        visible = tuple(
+            bool(_allowed(documents, local, zigzag_indices(length, cp, source), cp_rank, source, cp).any())
+            for source in range(cp)
+        )
+    placement = TokenPlacement(positions.contiguous(), documents, visible)
+    return replace(batch, inputs=batch.inputs[:, local], targets=batch.targets[:, local], placement=placement)
+
+
+def _block(rank: int, source: int, cp: int, local_length: int) -> tuple[slice, slice, bool]:
+    """Which local queries see which keys of cp rank `source` (rows, columns), and whether causally."""
+    chunk = local_length // 2
+    if source == rank:
+        return slice(None), slice(None), True
+    if source < rank:  # its first chunk precedes both of ours, its second follows both
+        return slice(None), slice(0, chunk), False
+    return slice(chunk, None), slice(None), False  # both its chunks precede our second and follow our first
+
+
+def _allowed(
+    documents: torch.Tensor, local: torch.Tensor, keys: torch.Tensor, rank: int, source: int, cp: int
+) -> torch.Tensor:
+    """(batch, rows, columns): which query of this rank sees which key of `source`'s block."""
+    rows, cols, causal = _block(rank, source, cp, len(local))
+    queries, keys = local[rows], keys[cols]
+    allowed = documents[:, queries, None] == documents[:, None, keys]
+    return allowed & (keys[None, :] <= queries[:, None]) if causal else allowed
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, placement: TokenPlacement, cp: ContextParallel) -> torch.Tensor:
+        ctx.dtype, dtype = q.dtype, attention_dtype(q)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kv, shifts = torch.stack([k, v]), []
+        for step, source in enumerate(_sources(cp)):
+            if step < cp.size - 1:
+                shifts.append(cp.start_shift(kv, step))
+            if placement.visible[source]:
+                rows, cols, causal, bias = _block_of(placement, cp, source, q)
+                block_out, block_lse = attention_with_lse(
+                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, bias
+                )
+                _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            if step < cp.size - 1:
+                kv = cp.finish_shift(shifts[-1])
+        cp.finish_sends(shifts)
+        out = out.to(dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.placement, ctx.cp = placement, cp
+        return out.to(ctx.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, placement = ctx.cp, ctx.placement
+        grad_out = grad_out.to(q.dtype)
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv, shifts, grads_in = torch.stack([k, v]), [], None
+        for step, source in enumerate(_sources(cp)):
+            if step < cp.size - 1:
+                shifts.append(cp.start_shift(kv, 2 * step))
+            grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            if placement.visible[source]:
+                rows, cols, causal, bias = _block_of(placement, cp, source, q)
+                dq, dk, dv = attention_with_lse_backward(
+                    grad_out[:, :, rows],
+                    q[:, :, rows],
+                    kv[0][:, :, cols],
+                    kv[1][:, :, cols],
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                    causal,
+                    bias,
+                )
+                grad_q[:, :, rows] += dq
+                grad_kv[0][:, :, cols] += dk
+                grad_kv[1][:, :, cols] += dv
+            if grads_in is not None:  # what the ranks before added to this block's gradient
+                grad_kv += cp.finish_shift(grads_in)
+            # After the last step this sends each block's gradient home, to the rank that holds the block.
+            grads_in = cp.start_shift(grad_kv, 2 * step + 1)
+            shifts.append(grads_in)
+            if step < cp.size - 1:
+                kv = cp.finish_shift(shifts[-2])
+        grad_kv = cp.finish_shift(grads_in)
+        cp.finish_sends(shifts)
+        return grad_q.to(ctx.dtype), grad_kv[0].to(ctx.dtype), grad_kv[1].to(ctx.dtype), None, None
+
+
+def _sources(cp: ContextParallel) -> list[int]:
+    """Whose keys and values this rank holds at each ring step: its own, then the preceding rank's, ..."""
+    return [(cp.rank - step) % cp.size for step in range(cp.size)]
+
+
+def _block_of(placement: TokenPlacement, cp: ContextParallel, source: int, q: torch.Tensor):
+    rows, cols, causal = _block(cp.rank, source, cp.size, q.shape[2])
+    if placement.documents is None:
+        return rows, cols, causal, None
+    length = placement.documents.shape[1]
+    local = zigzag_indices(length, cp.size, cp.rank, q.device)
+    keys = zigzag_indices(length, cp.size, source, q.device)
+    allowed = _allowed(placement.documents, local, keys, cp.rank, source, cp.size)
+    return rows, cols, False, allowed[:, None]
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold one block's softmax-normalised output into the running one (views, updated in place)."""
+    total = torch.logaddexp(lse, block_lse)
+    safe = total.masked_fill(total == float("-inf"), 0)  # no key seen yet in either: weights 0, not NaN
+    out.mul_((lse - safe).exp().unsqueeze(-1)).add_(
+        block_out.float() * (block_lse - safe).exp().unsqueeze(-1)
+    )
+    lse.copy_(total)
+
+
+@torch.compiler.disable  # model.compile: the ring's transfers end the layer's compiled graphs, as tp's do
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, placement: TokenPlacement, cp: ContextParallel
+) -> torch.Tensor:
+    """Causal attention of this rank's queries to the keys and values of the whole sequence (masked by
+    document when `placement.documents`); q: (batch, heads, local sequence, head_dim), k and v with the KV
+    heads."""
+    return _RingAttention.apply(q, k, v, placement, cp)

@@ -1,0 +1,360 @@
+"""Context parallelism and document masking equal one process: the zigzag split, the attention blocks, ring
+attention in every layout (loss, full-shape gradients, 3 optimizer steps), the ring's exact bytes, and
+document masking against each document run on its own."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from distributed import run_ranks
+from helpers import (
+    SMOOTH_ADAM,
+    TINY_VOCAB,
+    Steps,
+    assert_close_to_reference,
+    assert_steps_match,
+    build_llama,
+    llama_config,
+    precision_path,
+    record_steps,
+)
+from tokenizers import Tokenizer, models
+
+from femtotron.data.indexed import IndexedDatasetWriter
+from femtotron.data.nanoset import MicroBatch
+from femtotron.diagnostics.doctor import ring_bytes
+from femtotron.errors import ConfigError
+from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.context_parallel import documents_of, place_tokens, zigzag_indices
+from femtotron.precision import (
+    attention_with_lse,
+    attention_with_lse_backward,
+    math_attention_with_lse,
+    math_attention_with_lse_backward,
+)
+from femtotron.trainer import Trainer
+
+EOS = 0
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_zigzag_gives_each_rank_two_chunks_and_equal_causal_work(cp):
+    length = 8 * cp
+    parts = [zigzag_indices(length, cp, rank) for rank in range(cp)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(length))
+    assert parts[0].tolist()[: length // (2 * cp)] == list(range(length // (2 * cp)))
+    work = {int((part + 1).sum()) for part in parts}  # a query at position p sees p + 1 keys
+    assert len(work) == 1
+
+
+def test_documents_end_with_their_end_token_and_positions_restart_after_it():
+    inputs = torch.tensor([[5, 6, EOS, 7, EOS, EOS, 8, 9]])
+    documents, positions = documents_of(inputs, EOS)
+    assert documents.tolist() == [[0, 0, 0, 1, 1, 2, 3, 3]]
+    assert positions.tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
+
+
+def _qkv(dtype=torch.float32, rows=12, cols=12):
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, rows, 8, generator=generator).to(dtype)
+    k, v = (torch.randn(2, 2, cols, 8, generator=generator).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("kind", ["causal", "full", "masked"])
+@pytest.mark.parametrize("implementation", ["cpu kernel", "written out"])
+def test_two_blocks_merged_by_log_sum_exp_are_attention_over_all_keys(kind, implementation):
+    """Queries against keys in two blocks (GQA: 2 KV heads for 4 query heads): each block's output and
+    log-sum-exp, merged, and each block's backward from the merged output and log-sum-exp, give the output
+    and the q, k, v gradients of plain softmax attention over all the keys (autograd)."""
+    forward, backward = {
+        "cpu kernel": (attention_with_lse, attention_with_lse_backward),
+        "written out": (math_attention_with_lse, math_attention_with_lse_backward),
+    }[implementation]
+    q, k, v = _qkv(cols=24)
+    allowed = torch.ones(2, 1, 12, 24, dtype=torch.bool)
+    if kind == "causal":  # the first block is the queries' own (causal), the second is earlier keys
+        allowed[..., :12] = torch.ones(12, 12, dtype=torch.bool).tril()
+    if kind == "masked":
+        allowed = torch.rand(2, 1, 12, 24, generator=torch.Generator().manual_seed(1)) < 0.4
+        allowed[..., 3, :12] = False  # a query that sees no key of the first block
+        allowed[..., :, 12] = True  # ... but some key
+    blocks = [(slice(0, 12), kind == "causal"), (slice(12, 24), False)]
+    masks = [None if kind != "masked" else allowed[..., cols] for cols, _ in blocks]
+    results = [
+        forward(q, k[:, :, cols], v[:, :, cols], causal, mask)
+        for (cols, causal), mask in zip(blocks, masks, strict=True)
+    ]
+    lse = torch.logaddexp(results[0][1], results[1][1])
+    out = sum(o * (block_lse - lse).exp().unsqueeze(-1) for o, block_lse in results)
+    if kind == "masked":
+        assert torch.isinf(results[0][1][..., 3]).all() and torch.isfinite(lse).all()
+
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    scores = inputs[0] @ inputs[1].repeat_interleave(2, 1).transpose(-1, -2) / 8**0.5
+    reference = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ inputs[2].repeat_interleave(2, 1)
+    torch.testing.assert_close(out, reference.detach())
+    grad_out = torch.randn_like(out)
+    expected = torch.autograd.grad((grad_out * reference).sum(), inputs)
+    grads = [
+        backward(grad_out, q, k[:, :, cols], v[:, :, cols], out, lse, causal, mask)
+        for (cols, causal), mask in zip(blocks, masks, strict=True)
+    ]
+    torch.testing.assert_close(grads[0][0] + grads[1][0], expected[0])
+    torch.testing.assert_close(torch.cat([grads[0][1], grads[1][1]], dim=2), expected[1])
+    torch.testing.assert_close(torch.cat([grads[0][2], grads[1][2]], dim=2), expected[2])
+
+
+def _documents_batch(length=32, rows=3, seed=0) -> MicroBatch:
+    """Packed samples of documents of 1 to 12 tokens, each ended by EOS."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, 251, size=(rows, length + 1))  # llama_config's vocabulary
+    tokens[rng.random((rows, length + 1)) < 0.15] = EOS
+    tokens[:, 5] = EOS
+    return MicroBatch.from_tokens(torch.from_numpy(tokens))
+
+
+@pytest.mark.parametrize(
+    "dtype, native", [(torch.float32, None), (torch.bfloat16, True), (torch.bfloat16, False)]
+)
+def test_document_masking_equals_each_document_on_its_own(dtype, native):
+    """Loss and every gradient of a packed batch with document masking equal the sums over its documents, each
+    run alone from position 0 (bf16: within bf16 rounding of the same computation in fp32)."""
+    cfg = llama_config(max_position_embeddings=64)
+    batch = _documents_batch()
+
+    def packed(dtype):
+        model = build_llama(cfg, dtype)
+        placed = place_tokens(batch, 1, 0, EOS)
+        loss = model(placed.inputs, placed.targets, placed.placement)[0]
+        loss.backward()
+        return loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+    def alone(dtype):
+        model = build_llama(cfg, dtype)
+        total = 0.0
+        for row in range(batch.inputs.shape[0]):
+            ends = (batch.inputs[row] == EOS).nonzero().flatten().tolist()
+            for start, end in zip(
+                [0, *[e + 1 for e in ends]], [*[e + 1 for e in ends], batch.inputs.shape[1]], strict=True
+            ):
+                if start < end:
+                    loss = model(
+                        batch.inputs[row : row + 1, start:end], batch.targets[row : row + 1, start:end]
+                    )[0]
+                    loss.backward()
+                    total += loss.item()
+        return total, {n: p.grad.float() for n, p in model.named_parameters()}
+
+    with precision_path(native):
+        (loss, grads), (reference_loss, reference_grads) = packed(dtype), alone(dtype)
+    exact_loss, exact_grads = alone(torch.float32) if dtype != torch.float32 else (None, {})
+    assert_close_to_reference(loss, reference_loss, exact_loss, label="loss")
+    for name, grad in reference_grads.items():
+        assert_close_to_reference(grads[name], grad, exact_grads.get(name), label=name)
+    plain = build_llama(cfg)(batch.inputs, batch.targets)[0].item()
+    assert abs(plain - reference_loss) > 1e-3  # masking changed something: the test can fail
+
+
+def write_documents(prefix, documents=200, seed=0) -> str:
+    """Documents of 3 to 20 patterned tokens, each ended by EOS (0): several boundaries in every sample."""
+    rng = np.random.default_rng(seed)
+    writer = IndexedDatasetWriter(str(prefix), np.uint16)
+    for _ in range(documents):
+        length = int(rng.integers(3, 21))
+        tokens = [int(rng.integers(1, TINY_VOCAB))]
+        for _ in range(length - 2):
+            tokens.append((5 * tokens[-1] + 3) % (TINY_VOCAB - 1) + 1)
+        writer.add_document(np.array([*tokens, EOS], dtype=np.uint16))
+    writer.finalize()
+    return str(prefix)
+
+
+def write_tokenizer(path) -> str:
+    vocab = {"<|endoftext|>": EOS, **{f"t{i}": i for i in range(1, TINY_VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    tokenizer.save(str(path))
+    return str(path)
+
+
+@pytest.fixture
+def documents_config(tiny_config, tmp_path):
+    data, tokenizer = write_documents(tmp_path / "documents"), write_tokenizer(tmp_path / "tokenizer.json")
+
+    def make(*overrides):
+        return tiny_config(
+            "model.document_masking=true",
+            f"data.dataset_folder={data}",
+            f"tokenizer.tokenizer_name_or_path={tokenizer}",
+            *overrides,
+        )
+
+    return make
+
+
+def _layout(config) -> dict[str, int]:
+    par = config.parallelism
+    return dict(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
+
+
+def _cases(rank, cases):
+    ctx = ParallelContext(**_layout(cases[0][0]), collective_timeout_seconds=60)
+    out = []
+    for config, native in cases:
+        with precision_path(native):
+            out.append(record_steps(config, ctx))
+    ctx.close()
+    return out
+
+
+BASE = (
+    "model.model_config.num_hidden_layers=4",
+    "parallelism.dp_bucket_size_mb=0.02",
+    "optimizer.clip_grad=0.5",
+)
+
+
+def _case(make, dtype, native, *overrides, accumulation=2, dp=1):
+    """Global batch 8 samples of 32 tokens for every dp."""
+    return make(
+        *BASE,
+        f"model.dtype={dtype}",
+        "tokens.micro_batch_size=2",
+        f"tokens.batch_accumulation_per_replica={accumulation * 2 // dp}",
+        *([SMOOTH_ADAM] if native is not None else []),
+        *overrides,
+    )
+
+
+def _check(make, per_layout):
+    """`per_layout`: {layout overrides: [(dtype, native, extra overrides)]}; each case against one process."""
+    for layout, cases in per_layout.items():
+        dp = next((int(o.split("=")[1]) for o in layout if o.startswith("parallelism.dp=")), 1)
+        configs = [
+            (_case(make, dtype, native, *layout, *extra, dp=dp), native) for dtype, native, extra in cases
+        ]
+        world = int(np.prod(list(_layout(configs[0][0]).values())))
+        per_rank = run_ranks(_cases, world, configs, timeout=300)
+        for index, ((_, native), (dtype, _, extra)) in enumerate(zip(configs, cases, strict=True)):
+            with precision_path(native):
+                reference = record_steps(_case(make, dtype, native, *extra), ParallelContext())
+            exact = None
+            if native is not None:
+                exact = record_steps(_case(make, "float32", native, *extra), ParallelContext())
+            got = functools.reduce(Steps.merge, [rank[index] for rank in per_rank])
+            assert_steps_match(got, reference, exact, label=f"{layout} {dtype} {native} {extra}")
+            assert len({(rank[index].loss, tuple(rank[index].losses)) for rank in per_rank}) == 1
+
+
+CP_CASES = {
+    ("parallelism.cp=2",): [
+        ("float32", None, ()),
+        ("bfloat16", True, ()),
+        ("bfloat16", False, ()),
+        ("float32", None, ("optimizer.zero_stage=1", "parallelism.recompute_layer=true")),
+    ],
+    ("parallelism.cp=4",): [("float32", None, ())],
+}
+
+
+@pytest.mark.distributed
+def test_context_parallel_equals_one_process(tiny_config):
+    """cp = 2 (fp32, bf16 on both CPU paths, ZeRO-1 over the cp ranks with recomputation) and cp = 4: loss and
+    full-shape gradients of one step, then 3 steps' losses, grad norms and weight changes equal one process;
+    every rank logs the same loss."""
+    _check(tiny_config, CP_CASES)
+
+
+@pytest.mark.distributed
+def test_context_parallel_with_dp_tp_and_pp_equals_one_process(tiny_config):
+    """dp2 x cp2 x tp2 (sequence parallel, ZeRO-1 over dp x cp) and cp2 x tp2 x pp2 (1F1B, interleaved)."""
+    _check(
+        tiny_config,
+        {
+            (
+                "parallelism.dp=2",
+                "parallelism.cp=2",
+                "parallelism.tp=2",
+                "parallelism.tp_mode=REDUCE_SCATTER",
+            ): [("float32", None, ("optimizer.zero_stage=1",))],
+            ("parallelism.cp=2", "parallelism.tp=2", "parallelism.pp=2"): [("float32", None, ())],
+            (
+                "parallelism.cp=2",
+                "parallelism.tp=2",
+                "parallelism.pp=2",
+                "parallelism.pp_engine=interleaved-1f1b",
+                "parallelism.pp_virtual_stages=2",
+            ): [("float32", None, ())],
+        },
+    )
+
+
+@pytest.mark.distributed
+def test_document_masking_with_context_parallel_equals_one_process(documents_config):
+    """Document masking at cp = 2 and 4 (masked blocks; blocks no query sees skipped) equals it on one
+    process, and at cp2 x tp2 x pp2."""
+    _check(
+        documents_config,
+        {
+            ("parallelism.cp=2",): [("float32", None, ()), ("bfloat16", False, ())],
+            ("parallelism.cp=4",): [("float32", None, ())],
+            ("parallelism.cp=2", "parallelism.tp=2", "parallelism.pp=2"): [("float32", None, ())],
+        },
+    )
+
+
+def test_some_ring_blocks_are_skipped_under_document_masking():
+    """With short documents a rank's queries see nothing of most other ranks' keys: those blocks are not
+    computed. cp = 4 over 64 tokens: rank 3 holds tokens 24-31 and 32-39; documents of 4 tokens end at every
+    multiple of 4, so only rank 2's block (tokens 16-23, 40-47) has keys (21-23) that a query here sees."""
+    inputs = torch.full((1, 65), 7)
+    inputs[0, ::4] = EOS
+    placed = place_tokens(MicroBatch.from_tokens(inputs), 4, 3, EOS)
+    assert placed.placement.visible == (False, False, True, True)
+    assert place_tokens(MicroBatch.from_tokens(inputs), 4, 3, None).placement.visible == (True,) * 4
+
+
+def test_document_masking_without_a_tokenizer_says_which_key_to_set(tiny_config):
+    with pytest.raises(ConfigError, match="tokenizer.tokenizer_name_or_path"):
+        Trainer(tiny_config("model.document_masking=true"), ParallelContext(), log_to_console=False)
+
+
+def _ring_bytes(rank, config):
+    ctx = ParallelContext(cp=config.parallelism.cp, collective_timeout_seconds=60)
+    trainer = Trainer(config, ctx, log_to_console=False)
+    trainer.train_step()
+    sent = dict(ctx.comm.bytes_sent)
+    ctx.close()
+    return sent
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("cp, recompute", [(2, False), (4, True)])
+def test_the_ring_sends_exactly_the_analytic_bytes(tiny_config, cp, recompute):
+    """Per layer and micro-batch: cp - 1 blocks of keys and values forward (again when recomputed), cp - 1
+    in backward with cp blocks of their fp32 gradients: what `femtotron doctor` counts."""
+    config = tiny_config(
+        f"parallelism.cp={cp}",
+        f"parallelism.recompute_layer={str(recompute).lower()}",
+        "tokens.batch_accumulation_per_replica=2",
+    )
+    mcfg, tokens = config.model.model_config_, config.tokens
+    block = (
+        2
+        * tokens.micro_batch_size
+        * tokens.sequence_length
+        // cp
+        * mcfg.num_key_value_heads
+        * mcfg.head_dim
+        * 4
+    )
+    forwards = 2 if recompute else 1
+    expected = mcfg.num_hidden_layers * 2 * ((forwards + 1) * (cp - 1) * block + cp * block)
+    assert ring_bytes(config) == expected
+    for sent in run_ranks(_ring_bytes, cp, config, timeout=120):
+        assert sent[("cp", "send")] == expected
+        assert ("dp_cp", "all_reduce") in sent  # gradients over the cp ranks, on the dp x cp group
