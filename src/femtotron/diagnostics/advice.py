@@ -80,10 +80,10 @@ def config_warnings(config: Config) -> list[str]:
             "tokens.micro_batch_size to keep the batch)"
             + (f", or {interleave[0]}." if interleave and par.pp_engine != "interleaved-1f1b" else ".")
         )
-    if config.optimizer.zero_stage == 1 and par.dp == 1:
+    if config.optimizer.zero_stage == 1 and par.dp * par.cp == 1:
         out.append(
-            "optimizer.zero_stage=1 with parallelism.dp=1: ZeRO-1 shards optimizer state over dp ranks, so "
-            "with one replica it saves nothing. Raise parallelism.dp to save memory."
+            "optimizer.zero_stage=1 with parallelism.dp=1 (and cp=1): ZeRO-1 shards optimizer state over the "
+            "dp x cp ranks, so with one it saves nothing. Raise parallelism.dp to save memory."
         )
     if config.model.init_method.std > 0.1:
         out.append(

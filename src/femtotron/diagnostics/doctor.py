@@ -166,8 +166,9 @@ def diagnose(
     elif par.tp * par.cp > gpus_per_node:
         lines.append(
             f"warning: tp={par.tp} x cp={par.cp} > {gpus_per_node} GPUs per node: every layer's cp ring "
-            "crosses the network between nodes (T3). Keep tp * cp <= GPUs per node; use dp or pp across "
-            "nodes."
+            "crosses the network between nodes (T3). Each ring step overlaps its transfer with a block's "
+            "attention, so with long sequences a fast network keeps up (Llama 3 ran cp across nodes); "
+            "otherwise keep tp * cp <= GPUs per node and use dp or pp across nodes."
         )
     if par.pp > 1:
         bubble = pipeline_bubble(par.pp, config.tokens.batch_accumulation_per_replica, par.pp_virtual_stages)
