@@ -29,11 +29,13 @@ from helpers import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from femtotron.data.nanoset import MicroBatch
 from femtotron.diagnostics.doctor import worst_stage
 from femtotron.errors import OutOfMemory
 from femtotron.models.llama import Llama
 from femtotron.parallel.comm import Comm
 from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.context_parallel import place_tokens
 from femtotron.precision import emulated_low_precision
 from femtotron.trainer import Trainer
 
@@ -87,6 +89,25 @@ def test_bf16_runs_in_bf16_without_upcasts_and_its_loss_is_fp32s_within_rounding
     grads = torch.cat([p.grad.flatten().float().cpu() for p in model.parameters()])
     exact_grads = torch.cat([p.grad.flatten() for p in reference.parameters()])
     assert (grads - exact_grads).norm() <= 8 * BF16_ROUNDOFF * exact_grads.norm()
+
+
+def test_document_masking_on_cuda_equals_the_cpu_kernel():
+    """On GPUs each block of ring attention is written out in fp32 (precision.math_attention_with_lse): with
+    document masking (one block at cp = 1, masked) its loss and gradients are the CPU flash kernel's."""
+    cfg = llama_config(max_position_embeddings=64)
+    tokens = torch.randint(1, cfg.vocab_size, (3, 33), generator=torch.Generator().manual_seed(0))
+    tokens[:, ::7] = 0  # documents of 7 tokens, each ended by token 0
+    batch = place_tokens(MicroBatch.from_tokens(tokens), 1, 0, eos_id=0)
+    results = []
+    for device in (torch.device("cpu"), CUDA):
+        model = Llama(cfg, std=0.02, seed=5, dtype=torch.float32, device=device)
+        on_device = batch.to(device)
+        loss = model(on_device.inputs, on_device.targets, on_device.placement)[0]
+        loss.backward()
+        results.append((loss.item(), torch.cat([p.grad.flatten().cpu() for p in model.parameters()])))
+    (cpu_loss, cpu_grads), (gpu_loss, gpu_grads) = results
+    assert abs(gpu_loss - cpu_loss) <= 1e-5 * abs(cpu_loss)
+    assert (gpu_grads - cpu_grads).norm() <= 1e-4 * cpu_grads.norm()
 
 
 def test_adamw_is_the_fused_kernel(tiny_config):

@@ -154,7 +154,7 @@ class StepLogger:
         comm = "".join(
             f" | {k.removesuffix('_comm_share')} comm {v:.0%}"
             for k, v in record.items()
-            if k.endswith("_comm_share") and k[:2] in ("tp", "dp", "pp")
+            if k.endswith("_comm_share") and k[:2] in ("tp", "cp", "dp", "pp")
         )
         self.log.info(
             f"step {step}/{self.train_steps} | loss {result.loss:.4f} | lr {result.lr:.3e} | grad_norm "

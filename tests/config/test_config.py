@@ -383,4 +383,4 @@ def test_loading_a_config_does_not_import_torch():
 def test_every_example_config_is_valid_for_its_own_layout(example):
     config = load_config(example)
     par = config.parallelism
-    check_world_size(config, par.dp * par.tp * par.pp)
+    check_world_size(config, par.world_size)

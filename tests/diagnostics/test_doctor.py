@@ -80,3 +80,17 @@ def test_M1_doctor_budgets_the_nccl_communicators_on_gpus_only(tiny_config, tmp_
         totals[device] = float(line.split()[3]) * (1 if line.split()[4] == "MiB" else 1024)
         assert ("+ 3 NCCL communicator(s) x 0.50 GiB = 1.50 GiB" in line) == (device == "H100")
     assert totals["H100"] - totals["CPU"] == pytest.approx(1536, abs=6)  # shown to 0.01 GiB
+
+
+def test_doctor_with_context_parallelism_counts_the_ring_and_offers_more_cp(tiny_config, tmp_path, capsys):
+    """cp=2 tp=2: the layout line, the ring's bytes (femtotron.diagnostics.doctor.ring_bytes, tested exactly
+    against a run in tests/parallel/test_context_parallel.py), gradients over dp x cp, a warning when tp x cp
+    spans more than a node, and cp=4 among the fixes when it does not fit."""
+    config = write(tiny_config, tmp_path, "parallelism.cp=2", "parallelism.tp=2", "tokens.micro_batch_size=8")
+    assert main(["doctor", config, "--device-memory", "0.002", "--gpus-per-node", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "layout dp=1 cp=2 tp=2 pp=1 = 4 process(es)" in out
+    assert "  cp: " in out and "per step (the ring: keys and values, their gradients)" in out
+    assert "  dp x cp: all-reduce" in out
+    assert "warning: tp=2 x cp=2 > 2 GPUs per node: every layer's cp ring crosses the network" in out
+    assert "  parallelism.cp=4 (twice the processes, or dp halved): " in out

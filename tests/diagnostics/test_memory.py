@@ -29,6 +29,11 @@ LAYOUTS = {  # (overrides, bf16 path: native or upcast matmuls, None for fp32)
     "tp=2 sequence parallel": (("parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"), None),
     "pp=2 1F1B, 4 micro-batches": (("parallelism.pp=2", "tokens.batch_accumulation_per_replica=4"), None),
     "dp=2 ZeRO-1 bf16 native": (("parallelism.dp=2", "optimizer.zero_stage=1", "model.dtype=bfloat16"), True),
+    "cp=2 ZeRO-1 over the cp ranks": (("parallelism.cp=2", "optimizer.zero_stage=1"), None),
+    "cp=2 with tp=2 sequence parallel": (
+        ("parallelism.cp=2", "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"),
+        None,
+    ),
     "dp=2 ZeRO-1 bf16 upcast": (
         ("parallelism.dp=2", "optimizer.zero_stage=1", "model.dtype=bfloat16"),
         False,
@@ -40,7 +45,7 @@ def measured_and_estimated(rank, config):
     """This rank's real peak during a (second) training step: the model state it holds plus the peak of the
     storage the step allocates; and the estimate for its pipeline position."""
     par = config.parallelism
-    ctx = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp, collective_timeout_seconds=60)
+    ctx = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, collective_timeout_seconds=60)
     trainer = Trainer(config, ctx, log_to_console=False)
     trainer.train_step()  # Adam's moments exist from here on
     with LiveMemory() as memory:
@@ -65,7 +70,7 @@ def test_M1_the_estimate_is_within_10_percent_of_the_measured_peak(tiny_config, 
         if "micro-batches" not in layout
         else "tokens.micro_batch_size=4",
     )
-    world = config.parallelism.dp * config.parallelism.tp * config.parallelism.pp
+    world = config.parallelism.world_size
     with precision_path(native):  # the estimate follows the path too (fp32 copies of bf16 tensors, or none)
         results = (
             [measured_and_estimated(0, config)]

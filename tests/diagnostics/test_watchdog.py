@@ -17,15 +17,15 @@ from femtotron.diagnostics.watchdog import Watchdog, nccl_flight_recorder
 from femtotron.parallel.context import ParallelContext
 
 # One rank of a job, started the way torchrun or srun would. `how` breaks it: "skip-send" drops rank 0's
-# pipeline send of micro-batch 1; "freeze" stops rank 1 (SIGSTOP) after its first step.
+# pipeline send of micro-batch 1; "skip-ring" its first send round the cp ring; "freeze" stops rank 1
+# (SIGSTOP) after its first step.
 RANK = """
 import os, signal, sys
 from femtotron.config import load_config
 from femtotron.parallel.context import ParallelContext
 from femtotron.trainer import Trainer
 config, how = load_config(sys.argv[1]), sys.argv[2]
-par = config.parallelism
-ctx = ParallelContext(par.dp, par.tp, par.pp, collective_timeout_seconds=par.collective_timeout_seconds)
+ctx = ParallelContext.from_config(config)
 trainer = Trainer(config, ctx)
 rank = int(os.environ["RANK"])
 if how == "skip-send" and rank == 0:
@@ -35,6 +35,16 @@ if how == "skip-send" and rank == 0:
             send = None
         return exchange(send, recv)
     trainer.pipeline.p2p.exchange = dropping
+if how == "skip-ring" and rank == 0:  # receives its first block of keys and values, never sends its own
+    import torch
+    from femtotron.parallel.context_parallel import ContextParallel
+    shift = ContextParallel.start_shift
+    def receiving_only(self, tensor, tag):
+        ContextParallel.start_shift = shift
+        received = torch.empty_like(tensor)
+        incoming = self.links[1]
+        return received, self.comm.start_p2p("recv", received, incoming.ranks[0], incoming, tag), None
+    ContextParallel.start_shift = receiving_only
 if how == "freeze" and rank == 1:
     step = trainer.train_step
     def freezing():
@@ -57,7 +67,7 @@ def start_job(tiny_config, tmp_path, how, *overrides):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config.to_dict()))
     port = free_port()
-    world = config.parallelism.dp * config.parallelism.pp
+    world = config.parallelism.world_size
     env = {
         **os.environ,
         "WORLD_SIZE": str(world),
@@ -109,6 +119,16 @@ def test_P1_a_rank_that_skips_a_send_ends_the_job_with_a_report_naming_the_pair(
         "micro-batch 1 on stage 0; step 1, pipeline forward of micro-batch 1 on stage 1): one of them "
         "skipped or reordered a send"
     ) in report
+
+
+@pytest.mark.distributed
+def test_a_ring_transfer_that_never_comes_is_named_like_a_pipeline_one(tiny_config, tmp_path):
+    ranks = start_job(tiny_config, tmp_path, "skip-ring", "parallelism.cp=2", "tokens.micro_batch_size=1")
+    outputs = [rank.communicate(timeout=90)[1] for rank in ranks]
+    assert 4 in [rank.returncode for rank in ranks] and all(rank.returncode for rank in ranks), outputs
+    report = next(output for output in outputs if "hang report" in output)
+    # Rank 1 waits for the block rank 0 never sent, on the ring's one-way group from 0 to 1.
+    assert re.search(r"rank 1 \(as of \d+ s ago\): in recv on cp\[0->1\] with rank 0", report), report
 
 
 @pytest.mark.distributed

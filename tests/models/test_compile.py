@@ -140,7 +140,7 @@ def layout_config(tiny_config, parallel, dtype, compiled, zero=0, accumulation=4
 
 def _layout_ranks(rank, cases):
     par = cases[0][0].parallelism
-    ctx = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp, collective_timeout_seconds=300)
+    ctx = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, collective_timeout_seconds=300)
     out = []
     for config, native in cases:
         with precision_path(native):
@@ -173,3 +173,23 @@ def test_compiled_layouts_equal_one_eager_process(tiny_config, world):
     for index, ((config, _), (reference, exact)) in enumerate(zip(cases, expected, strict=True)):
         replica = [per_rank[stage * (world // pp)][index] for stage in range(pp)]  # dp 0, tp 0 of each stage
         assert_steps_match(functools.reduce(Steps.merge, replica), reference, exact, label=config.general.run)
+
+
+@NEEDS_CXX
+@pytest.mark.distributed
+def test_compiled_context_parallel_equals_one_eager_process(tiny_config):
+    """cp = 2: the ring (like tp's collectives) is where the compiled graphs end; fp32 and bf16."""
+    cases, expected = [], []
+    for dtype, native in (("float32", None), ("bfloat16", False)):
+        with precision_path(native):
+            reference, exact = (
+                record_steps(layout_config(tiny_config, [], how, False), ParallelContext())
+                for how in (dtype, "float32")
+            )
+        expected.append((reference, exact if dtype != "float32" else None))
+        cases.append((layout_config(tiny_config, ["cp=2"], dtype, True), native))
+    per_rank, graphs = zip(*run_ranks(_layout_ranks, 2, cases, timeout=600), strict=True)
+    assert min(graphs) > 0
+    for index, ((config, _), (reference, exact)) in enumerate(zip(cases, expected, strict=True)):
+        for rank in per_rank:
+            assert_steps_match(rank[index], reference, exact, label=config.general.run)

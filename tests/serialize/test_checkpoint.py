@@ -211,6 +211,7 @@ def test_the_manifest_records_mesh_counters_slices_and_checksums(three_d):
     manifest = json.loads((saved / "step-0000003" / MANIFEST).read_text())
     assert manifest["mesh"] == {
         "dp": 2,
+        "cp": 1,
         "tp": 2,
         "pp": 2,
         "pp_engine": "1f1b",

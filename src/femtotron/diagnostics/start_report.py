@@ -19,7 +19,8 @@ def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
         f"{mcfg.num_attention_heads} heads ({mcfg.num_key_value_heads} kv), vocab {mcfg.vocab_size}: "
         f"{mcfg.parameter_count / 1e6:.2f}M parameters, {config.model.dtype} with fp32 master weights"
         + (f", dynamic loss scale from {scaler.scale:g}" if scaler.enabled else ""),
-        f"layout: dp={ctx.dp} tp={ctx.tp} pp={ctx.pp} on {ctx.world_size} process(es) on "
+        f"layout: dp={ctx.dp}{f' cp={ctx.cp}' if ctx.cp > 1 else ''} tp={ctx.tp} pp={ctx.pp} on "
+        f"{ctx.world_size} process(es) on "
         f"{len(set(ctx.hosts))} host(s), device {ctx.device}",
         f"batch: {tokens.micro_batch_size} x {tokens.sequence_length} tokens x {accumulation} micro-batches "
         f"x dp "
@@ -31,6 +32,14 @@ def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
     ]
     if ctx.tp > 1:
         lines.append(f"tensor parallel: tp={ctx.tp}, tp_mode={par.tp_mode}")
+    if ctx.cp > 1:
+        lines.append(
+            f"context parallel: cp={ctx.cp}, each rank holds 2 of the {2 * ctx.cp} chunks of every sequence "
+            f"({tokens.sequence_length // ctx.cp} of {tokens.sequence_length} tokens, zigzag); attention as "
+            "a ring; gradients summed over dp x cp"
+        )
+    if config.model.document_masking:
+        lines.append("document masking: attention stops at each end-of-document token, RoPE restarts there")
     padded = parts.model.chunks[0].padded_vocab_size
     if padded != mcfg.vocab_size:
         lines.append(
@@ -52,19 +61,20 @@ def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
 
 def memory_summary(parts: TrainingParts) -> str:
     """Where this rank's bytes for the model state go, and how dp reduces gradients."""
-    data_parallel, dp = parts.model.data_parallel, parts.ctx.dp
+    data_parallel, dp = parts.model.data_parallel, parts.ctx.dp * parts.ctx.cp
+    over = "dp" if parts.ctx.cp == 1 else "dp x cp"
     plan = data_parallel.model_state_bytes()
     elements = data_parallel.flat_params.numel() - data_parallel.padding
     total = sum(plan.values())
     kinds = " + ".join(f"{key.replace('_', ' ')} {value / 2**20:.1f}" for key, value in plan.items())
     sharing = (
-        f"ZeRO-1 shards master weights and Adam moments over dp={dp}"
+        f"ZeRO-1 shards master weights and Adam moments over {over}={dp}"
         if parts.config.optimizer.zero_stage
         else "optimizer state on every dp rank (zero_stage 0)"
     )
     own_masters = " (fp32 parameters are their own master weights)" if not plan["master_weights"] else ""
     reduction = (
-        f"gradients reduced over dp in {len(data_parallel.buckets)} bucket(s) during backward"
+        f"gradients reduced over {over} in {len(data_parallel.buckets)} bucket(s) during backward"
         if dp > 1
         else "no dp reduction (dp=1)"
     )
