@@ -45,6 +45,7 @@ SCRIPTS = {
     "recompute_memory": (["--cases=debug", "--rounds=3"], []),
     "memory": (["--layouts=one,zero1-dp2"], []),
     "torch_native_3d": (["--steps=3"], []),
+    "context_parallel": (["--quick"], []),
 }
 
 

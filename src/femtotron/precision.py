@@ -98,8 +98,10 @@ def attention_with_lse(
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=mask
         )
-        # The kernel gives a query that sees nothing a log-sum-exp of 0.
-        return out, lse if allowed is None else lse.masked_fill(~allowed.any(-1), float("-inf"))
+        if allowed is not None:  # the kernel gives a query that sees nothing a log-sum-exp of 0
+            seen = _visible(allowed, causal, q.shape[-2], k.shape[-2], q.device).any(-1)
+            lse = lse.masked_fill(~seen, float("-inf"))
+        return out, lse
     return math_attention_with_lse(q, k, v, causal, allowed)
 
 
@@ -152,9 +154,17 @@ def math_attention_with_lse_backward(
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-        ~allowed, float("-inf")
-    )
+    return torch.zeros((), dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+
+
+def _visible(
+    allowed: torch.Tensor | None, causal: bool, queries: int, keys: int, device: torch.device
+) -> torch.Tensor | None:
+    """Which query sees which key: `allowed` (None: every one), under the causal mask up to its own."""
+    if not causal:
+        return allowed
+    tril = torch.ones(queries, keys, dtype=torch.bool, device=device).tril()
+    return tril if allowed is None else allowed & tril
 
 
 def _grouped(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -170,8 +180,7 @@ def _probabilities(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax probabilities (fp32) of one block, normalised by `lse` when given (else its own), and lse."""
     scores = q.float() @ _grouped(k, q).float().transpose(-1, -2) * q.shape[-1] ** -0.5
-    if causal:
-        allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    allowed = _visible(allowed, causal, *scores.shape[-2:], q.device)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     lse = scores.logsumexp(-1) if lse is None else lse

@@ -64,7 +64,7 @@ def _qkv(dtype=torch.float32, rows=12, cols=12):
     return q, k, v
 
 
-@pytest.mark.parametrize("kind", ["causal", "full", "masked"])
+@pytest.mark.parametrize("kind", ["causal", "full", "masked", "masked causal"])
 @pytest.mark.parametrize("implementation", ["cpu kernel", "written out"])
 def test_two_blocks_merged_by_log_sum_exp_are_attention_over_all_keys(kind, implementation):
     """Queries against keys in two blocks (GQA: 2 KV heads for 4 query heads): each block's output and
@@ -78,19 +78,21 @@ def test_two_blocks_merged_by_log_sum_exp_are_attention_over_all_keys(kind, impl
     allowed = torch.ones(2, 1, 12, 24, dtype=torch.bool)
     if kind == "causal":  # the first block is the queries' own (causal), the second is earlier keys
         allowed[..., :12] = torch.ones(12, 12, dtype=torch.bool).tril()
-    if kind == "masked":
+    if kind.startswith("masked"):
         allowed = torch.rand(2, 1, 12, 24, generator=torch.Generator().manual_seed(1)) < 0.4
         allowed[..., 3, :12] = False  # a query that sees no key of the first block
         allowed[..., :, 12] = True  # ... but some key
-    blocks = [(slice(0, 12), kind == "causal"), (slice(12, 24), False)]
-    masks = [None if kind != "masked" else allowed[..., cols] for cols, _ in blocks]
+    blocks = [(slice(0, 12), kind.endswith("causal")), (slice(12, 24), False)]
+    masks = [allowed[..., cols] if kind.startswith("masked") else None for cols, _ in blocks]
+    if kind == "masked causal":  # the mask and the causal mask together: the own block under document masking
+        allowed[..., :12] &= torch.ones(12, 12, dtype=torch.bool).tril()
     results = [
         forward(q, k[:, :, cols], v[:, :, cols], causal, mask)
         for (cols, causal), mask in zip(blocks, masks, strict=True)
     ]
     lse = torch.logaddexp(results[0][1], results[1][1])
     out = sum(o * (block_lse - lse).exp().unsqueeze(-1) for o, block_lse in results)
-    if kind == "masked":
+    if kind.startswith("masked"):
         assert torch.isinf(results[0][1][..., 3]).all() and torch.isfinite(lse).all()
 
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]

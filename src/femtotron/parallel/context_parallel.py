@@ -116,10 +116,10 @@ def place_tokens(batch: MicroBatch, cp: int, cp_rank: int, eos_id: int | None) -
     else:
         documents, within = documents_of(batch.inputs, eos_id)
         positions = within[:, local]
-        visible = tuple(
-            bool(_allowed(documents, local, zigzag_indices(length, cp, source), cp_rank, source, cp).any())
-            for source in range(cp)
-        )
+        keys = [zigzag_indices(length, cp, source) for source in range(cp)]
+        blocks = [_allowed(documents, local, keys[source], cp_rank, source, cp) for source in range(cp)]
+        # Its own block: every token sees itself. Another's: seen if any query shares a document with a key.
+        visible = tuple(causal or bool(allowed.any()) for allowed, causal in blocks)
     placement = TokenPlacement(positions.contiguous(), documents, visible)
     return replace(batch, inputs=batch.inputs[:, local], targets=batch.targets[:, local], placement=placement)
 
@@ -136,12 +136,11 @@ def _block(rank: int, source: int, cp: int, local_length: int) -> tuple[slice, s
 
 def _allowed(
     documents: torch.Tensor, local: torch.Tensor, keys: torch.Tensor, rank: int, source: int, cp: int
-) -> torch.Tensor:
-    """(batch, rows, columns): which query of this rank sees which key of `source`'s block."""
+) -> tuple[torch.Tensor, bool]:
+    """(batch, rows, columns): which query of this rank shares a document with which key of `source`'s block;
+    and whether the causal mask applies on top (the kernel applies it, skipping the tiles above it)."""
     rows, cols, causal = _block(rank, source, cp, len(local))
-    queries, keys = local[rows], keys[cols]
-    allowed = documents[:, queries, None] == documents[:, None, keys]
-    return allowed & (keys[None, :] <= queries[:, None]) if causal else allowed
+    return documents[:, local[rows], None] == documents[:, None, keys[cols]], causal
 
 
 class _RingAttention(torch.autograd.Function):
@@ -219,8 +218,8 @@ def _block_of(placement: TokenPlacement, cp: ContextParallel, source: int, q: to
     length = placement.documents.shape[1]
     local = zigzag_indices(length, cp.size, cp.rank, q.device)
     keys = zigzag_indices(length, cp.size, source, q.device)
-    allowed = _allowed(placement.documents, local, keys, cp.rank, source, cp.size)
-    return rows, cols, False, allowed[:, None]
+    allowed, causal = _allowed(placement.documents, local, keys, cp.rank, source, cp.size)
+    return rows, cols, causal, allowed[:, None]
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
