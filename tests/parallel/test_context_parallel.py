@@ -298,13 +298,15 @@ def test_context_parallel_with_dp_tp_and_pp_equals_one_process(tiny_config):
 @pytest.mark.distributed
 def test_document_masking_with_context_parallel_equals_one_process(documents_config):
     """Document masking at cp = 2 and 4 (masked blocks; blocks no query sees skipped) equals it on one
-    process, and at cp2 x tp2 x pp2."""
+    process, and at cp2 x tp2 x pp2 (AFAB: with the other tests, every pipeline engine runs with cp)."""
     _check(
         documents_config,
         {
             ("parallelism.cp=2",): [("float32", None, ()), ("bfloat16", False, ())],
             ("parallelism.cp=4",): [("float32", None, ())],
-            ("parallelism.cp=2", "parallelism.tp=2", "parallelism.pp=2"): [("float32", None, ())],
+            ("parallelism.cp=2", "parallelism.tp=2", "parallelism.pp=2", "parallelism.pp_engine=afab"): [
+                ("float32", None, ())
+            ],
         },
     )
 

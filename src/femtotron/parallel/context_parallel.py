@@ -116,31 +116,30 @@ def place_tokens(batch: MicroBatch, cp: int, cp_rank: int, eos_id: int | None) -
     else:
         documents, within = documents_of(batch.inputs, eos_id)
         positions = within[:, local]
-        keys = [zigzag_indices(length, cp, source) for source in range(cp)]
-        blocks = [_allowed(documents, local, keys[source], cp_rank, source, cp) for source in range(cp)]
+        blocks = [_block_of(cp_rank, source, cp, len(local), documents) for source in range(cp)]
         # Its own block: every token sees itself. Another's: seen if any query shares a document with a key.
-        visible = tuple(causal or bool(allowed.any()) for allowed, causal in blocks)
+        visible = tuple(causal or bool(allowed.any()) for *_, causal, allowed in blocks)
     placement = TokenPlacement(positions.contiguous(), documents, visible)
     return replace(batch, inputs=batch.inputs[:, local], targets=batch.targets[:, local], placement=placement)
 
 
-def _block(rank: int, source: int, cp: int, local_length: int) -> tuple[slice, slice, bool]:
-    """Which local queries see which keys of cp rank `source` (rows, columns), and whether causally."""
+def _block_of(
+    rank: int, source: int, cp: int, local_length: int, documents: torch.Tensor | None
+) -> tuple[slice, slice, bool, torch.Tensor | None]:
+    """Which local queries see which keys of cp rank `source` (rows, columns), whether causally, and under
+    document masking which query shares a document with which key, (batch, 1, rows, columns)."""
     chunk = local_length // 2
     if source == rank:
-        return slice(None), slice(None), True
-    if source < rank:  # its first chunk precedes both of ours, its second follows both
-        return slice(None), slice(0, chunk), False
-    return slice(chunk, None), slice(None), False  # both its chunks precede our second and follow our first
-
-
-def _allowed(
-    documents: torch.Tensor, local: torch.Tensor, keys: torch.Tensor, rank: int, source: int, cp: int
-) -> tuple[torch.Tensor, bool]:
-    """(batch, rows, columns): which query of this rank shares a document with which key of `source`'s block;
-    and whether the causal mask applies on top (the kernel applies it, skipping the tiles above it)."""
-    rows, cols, causal = _block(rank, source, cp, len(local))
-    return documents[:, local[rows], None] == documents[:, None, keys[cols]], causal
+        rows, cols, causal = slice(None), slice(None), True
+    elif source < rank:  # its first chunk precedes both of ours, its second follows both
+        rows, cols, causal = slice(None), slice(0, chunk), False
+    else:  # both its chunks precede our second and follow our first
+        rows, cols, causal = slice(chunk, None), slice(None), False
+    if documents is None:
+        return rows, cols, causal, None
+    queries = zigzag_indices(documents.shape[1], cp, rank, documents.device)[rows]
+    keys = zigzag_indices(documents.shape[1], cp, source, documents.device)[cols]
+    return rows, cols, causal, (documents[:, queries, None] == documents[:, None, keys]).unsqueeze(1)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -150,15 +149,14 @@ class _RingAttention(torch.autograd.Function):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        kv, shifts = torch.stack([k, v]), []
+        kv, shifts, length = torch.stack([k, v]), [], q.shape[2]
         for step, source in enumerate(_sources(cp)):
             if step < cp.size - 1:
                 shifts.append(cp.start_shift(kv, step))
             if placement.visible[source]:
-                rows, cols, causal, bias = _block_of(placement, cp, source, q)
-                block_out, block_lse = attention_with_lse(
-                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, bias
-                )
+                rows, cols, causal, allowed = _block_of(cp.rank, source, cp.size, length, placement.documents)
+                keys = [t[:, :, cols] for t in kv]
+                block_out, block_lse = attention_with_lse(q[:, :, rows], *keys, causal, allowed)
                 _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if step < cp.size - 1:
                 kv = cp.finish_shift(shifts[-1])
@@ -174,23 +172,15 @@ class _RingAttention(torch.autograd.Function):
         cp, placement = ctx.cp, ctx.placement
         grad_out = grad_out.to(q.dtype)
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv, shifts, grads_in = torch.stack([k, v]), [], None
+        kv, shifts, grads_in, length = torch.stack([k, v]), [], None, q.shape[2]
         for step, source in enumerate(_sources(cp)):
             if step < cp.size - 1:
                 shifts.append(cp.start_shift(kv, 2 * step))
             grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             if placement.visible[source]:
-                rows, cols, causal, bias = _block_of(placement, cp, source, q)
-                dq, dk, dv = attention_with_lse_backward(
-                    grad_out[:, :, rows],
-                    q[:, :, rows],
-                    kv[0][:, :, cols],
-                    kv[1][:, :, cols],
-                    out[:, :, rows],
-                    lse[:, :, rows],
-                    causal,
-                    bias,
-                )
+                rows, cols, causal, allowed = _block_of(cp.rank, source, cp.size, length, placement.documents)
+                queries, keys = [t[:, :, rows] for t in (grad_out, q, out, lse)], [t[:, :, cols] for t in kv]
+                dq, dk, dv = attention_with_lse_backward(*queries[:2], *keys, *queries[2:], causal, allowed)
                 grad_q[:, :, rows] += dq
                 grad_kv[0][:, :, cols] += dk
                 grad_kv[1][:, :, cols] += dv
@@ -209,17 +199,6 @@ class _RingAttention(torch.autograd.Function):
 def _sources(cp: ContextParallel) -> list[int]:
     """Whose keys and values this rank holds at each ring step: its own, then the preceding rank's, ..."""
     return [(cp.rank - step) % cp.size for step in range(cp.size)]
-
-
-def _block_of(placement: TokenPlacement, cp: ContextParallel, source: int, q: torch.Tensor):
-    rows, cols, causal = _block(cp.rank, source, cp.size, q.shape[2])
-    if placement.documents is None:
-        return rows, cols, causal, None
-    length = placement.documents.shape[1]
-    local = zigzag_indices(length, cp.size, cp.rank, q.device)
-    keys = zigzag_indices(length, cp.size, source, q.device)
-    allowed, causal = _allowed(placement.documents, local, keys, cp.rank, source, cp.size)
-    return rows, cols, causal, allowed[:, None]
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
