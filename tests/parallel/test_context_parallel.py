@@ -26,8 +26,9 @@ from tokenizers import Tokenizer, models
 from femtotron.data.indexed import IndexedDatasetWriter
 from femtotron.data.nanoset import MicroBatch
 from femtotron.diagnostics.doctor import ring_bytes
+from femtotron.diagnostics.start_report import cp_host_warnings
 from femtotron.errors import ConfigError
-from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.context import ParallelContext, mesh_groups
 from femtotron.parallel.context_parallel import documents_of, place_tokens, zigzag_indices
 from femtotron.precision import (
     attention_with_lse,
@@ -362,3 +363,11 @@ def test_the_ring_sends_exactly_the_analytic_bytes(tiny_config, cp, recompute):
     for sent in run_ranks(_ring_bytes, cp, config, timeout=120):
         assert sent[("cp", "send")] == expected
         assert ("dp_cp", "all_reduce") in sent  # gradients over the cp ranks, on the dp x cp group
+
+
+def test_a_ring_across_hosts_is_a_start_warning_that_says_what_to_watch():
+    rings = mesh_groups(dp=1, tp=2, pp=1, cp=2)["cp"]  # (0, 2) and (1, 3)
+    assert cp_host_warnings(rings, ["a", "a", "a", "a"]) == []
+    (warning,) = cp_host_warnings(rings, ["a", "a", "b", "b"])
+    assert warning.startswith("2 context-parallel ring(s) span several hosts, e.g. ranks 0, 2 on a, b")
+    assert "parallelism.tp * parallelism.cp within a node" in warning

@@ -4,6 +4,7 @@ warnings about legal but risky settings (N1, N2, P2, M3, T3)."""
 from __future__ import annotations
 
 from femtotron.diagnostics.advice import config_warnings, imbalance_warning, pipeline_bubble
+from femtotron.parallel.context import mesh_groups
 from femtotron.parallel.pipeline.partition import stage_map
 from femtotron.train_state import TrainingParts
 
@@ -94,6 +95,8 @@ def start_warnings(parts: TrainingParts, has_validation: bool, upcasts: bool) ->
             "is not set: no validation will run. Set it, or set tokens.val_check_interval=0."
         )
     warnings += tp_host_warnings(ctx.tp, ctx.hosts)
+    rings = mesh_groups(ctx.dp, ctx.tp, ctx.pp, ctx.cp)["cp"] if ctx.cp > 1 else []
+    warnings += cp_host_warnings(rings, ctx.hosts)
     imbalance = imbalance_warning(config, parts.model.stages) if ctx.pp > 1 else None
     if imbalance:
         warnings.append(imbalance)
@@ -122,4 +125,19 @@ def tp_host_warnings(tp: int, hosts: list[str]) -> list[str]:
         f"on {', '.join(sorted({hosts[r] for r in ranks}))}: every layer all-reduces activations over the "
         "(slow) network between them. Set parallelism.tp to at most the number of GPUs per node (and "
         "launch the same number of processes on every node); use dp or pp across nodes."
+    ]
+
+
+def cp_host_warnings(rings: list[tuple[int, ...]], hosts: list[str]) -> list[str]:
+    """T3 for cp: a ring across hosts sends each step's keys and values over the network."""
+    spanning = [ring for ring in rings if len({hosts[r] for r in ring}) > 1]
+    if not spanning:
+        return []
+    ring = spanning[0]
+    return [
+        f"{len(spanning)} context-parallel ring(s) span several hosts, e.g. ranks "
+        f"{', '.join(map(str, ring))} on {', '.join(sorted({hosts[r] for r in ring}))}: every layer's ring "
+        "steps cross the network. Each "
+        "step's transfer overlaps a block's attention; when `cp comm` in the step line is large, keep "
+        "parallelism.tp * parallelism.cp within a node and use dp or pp across nodes."
     ]
