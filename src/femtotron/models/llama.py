@@ -99,8 +99,8 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> torch.Tensor:
-        """x: (batch, heads, seq, head_dim), at positions `positions`, start, start + 1, ... for an int, else
-        (batch, seq) positions."""
+        """x: (batch, heads, seq, head_dim) at `positions`: an int start (start, start + 1, ...), or a
+        (batch, seq) tensor of them."""
         if isinstance(positions, int):
             cos, sin = (t[positions : positions + x.shape[-2]] for t in (self.cos, self.sin))
         else:
