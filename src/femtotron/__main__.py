@@ -1,5 +1,4 @@
-"""`python -m femtotron ...`, the same as the `femtotron` command; torchrun and the local launcher start
-this."""
+"""`python -m femtotron ...`, as the `femtotron` command; torchrun and the local launcher start this."""
 
 import sys
 

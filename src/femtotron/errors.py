@@ -45,8 +45,7 @@ class OutOfMemory(FemtotronError):
 
 
 class TrainingInterrupted(FemtotronError):
-    """SIGTERM or SIGUSR1 (what schedulers send before preemption): a checkpoint was saved, then the run
-    stopped."""
+    """SIGTERM or SIGUSR1 (sent by schedulers before preemption): a checkpoint was saved, the run stopped."""
 
     exit_code = 7
     same_on_every_rank = True
@@ -55,7 +54,5 @@ class TrainingInterrupted(FemtotronError):
 def is_out_of_memory(error: BaseException) -> bool:
     """torch.OutOfMemoryError on GPUs; on the CPU an allocation failure is a plain RuntimeError
     ("DefaultCPUAllocator: can't allocate memory")."""
-    return isinstance(error, MemoryError) or (
-        isinstance(error, RuntimeError)
-        and (type(error).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(error))
-    )
+    oom = type(error).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(error)
+    return isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and oom)

@@ -22,13 +22,8 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Config, Llama]:
         config, weights = read_as_run(run_dir)
     else:
         config, weights = load_weights(run_dir, device)
-    model = Llama(
-        config.model.model_config_,
-        std=config.model.init_method.std,
-        seed=config.general.seed,
-        dtype=torch.float32,
-        device=torch.device(device),
-    )
+    cfg, std, seed = config.model.model_config_, config.model.init_method.std, config.general.seed
+    model = Llama(cfg, std=std, seed=seed, dtype=torch.float32, device=torch.device(device))
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as e:
@@ -51,10 +46,8 @@ def sample(
 ) -> list[int]:
     """Autoregressive sampling (temperature 0: greedy) with a key/value cache; when the context outgrows the
     model's max_position_embeddings it is cropped to that and the cache rebuilt."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = list(prompt_ids)
-    window = model.cfg.max_position_embeddings
-    device = model.embed_tokens.weight.device
+    generator, ids = torch.Generator().manual_seed(seed), list(prompt_ids)
+    window, device = model.cfg.max_position_embeddings, model.embed_tokens.weight.device
     cache, feed = KVCache(), ids[-window:]
     for _ in range(max_new_tokens):
         if cache.length + len(feed) > window:

@@ -10,6 +10,7 @@ Several machines need torchrun on each node, or srun with one task per process (
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -126,10 +127,8 @@ def _forward_stop_signals() -> dict[int, object]:
 
     def forward(signum: int, _frame: object) -> None:
         for pid in _child_processes():
-            try:
+            with contextlib.suppress(ProcessLookupError):  # exited meanwhile
                 os.kill(pid, signum)
-            except ProcessLookupError:  # exited meanwhile
-                pass
 
     return {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
 
@@ -139,13 +138,11 @@ def _child_processes() -> list[int]:
     me, children = os.getpid(), []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    # pid (comm) state ppid ...: comm may hold spaces, so split after its closing parenthesis
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
-                        children.append(int(entry))
-            except (OSError, IndexError, ValueError):  # gone meanwhile
-                pass
+            # a process gone meanwhile is skipped
+            with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{entry}/stat") as f:
+                # pid (comm) state ppid ...: comm may hold spaces, so split after its closing parenthesis
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                    children.append(int(entry))
     return children
 
 

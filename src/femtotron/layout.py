@@ -56,8 +56,7 @@ def build_rank_model(config: Config, ctx: ParallelContext) -> RankModel:
 
 
 def meta_rank_model(config: Config, rank: int) -> RankModel:
-    """Rank `rank` of the config's mesh on the meta device, without a process group: shapes and layout
-    only."""
+    """Rank `rank` of the config's mesh on the meta device, no process group: shapes and layout only."""
     par = config.parallelism
     at = coordinates_of(rank, par.dp, par.tp, par.cp)
     tp = tensor_parallel(config, Comm(), Group("tp", tuple(range(par.tp))), at.tp_rank)
@@ -82,20 +81,9 @@ def _build(
     dtype = DTYPES[config.model.dtype]
     # Virtual stage s runs on pp rank s % pp as its chunk s // pp (one chunk unless interleaved).
     stages = partition(mcfg, config.tokens.sequence_length, par.pp * par.pp_virtual_stages)
-    chunks = [
-        Llama(
-            mcfg,
-            std=config.model.init_method.std,
-            seed=config.general.seed,
-            dtype=dtype,
-            device=device,
-            tp=tp,
-            cp=cp,
-            stage=stages[chunk * par.pp + pp_rank],
-            recompute_layer=par.recompute_layer,
-        )
-        for chunk in range(par.pp_virtual_stages)
-    ]
+    common = dict(std=config.model.init_method.std, seed=config.general.seed, dtype=dtype, device=device)
+    common |= dict(tp=tp, cp=cp, recompute_layer=par.recompute_layer)
+    chunks = [Llama(mcfg, **common, stage=stages[c * par.pp + pp_rank]) for c in range(par.pp_virtual_stages)]
     named = [item for chunk in chunks for item in chunk.named_parameters()]
     replicated = [split_dim(p.shard) is None for _, p in named]
     # A tied LM head on the last stage holds a copy of the first stage's embedding: its gradient is summed

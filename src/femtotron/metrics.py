@@ -102,10 +102,9 @@ def peak_flops(
     # which reaches the peak already, whatever the micro-batch.
     m, n, k = (min(max(size, 1024), 4096) for size in gemm_shape)
     what = f"{dtype} matmul {m}x{k}x{n} on {device.type} with {torch.get_num_threads()} thread(s)"
-    default = (
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "femtotron" / "peak_flops.json"
-    )
-    cache, key = cache or default, f"{processor_name()} | {what} | torch {torch.__version__}"
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    cache = cache or home / "femtotron" / "peak_flops.json"
+    key = f"{processor_name()} | {what} | torch {torch.__version__}"
     try:
         known = json.loads(cache.read_text()) if cache.is_file() else {}
         cached = float(known.get(key, 0.0))
@@ -128,9 +127,8 @@ def peak_flops(
 
 def processor_name() -> str:
     lines = CPU_FLAGS.splitlines()
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "") or (
-        platform.processor()
-    )
+    names = (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    return next(names, "") or platform.processor()
 
 
 def memory_gib(device: torch.device, cuda: Any = torch.cuda) -> dict[str, float]:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextvars
 import os
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -36,9 +36,12 @@ native_on_cpu = CPU_MULTIPLIES_BF16
 
 # Memory estimates run the model on the meta device; set while estimating for this CPU, so that they
 # make the same fp32 copies the CPU run makes (diagnostics/memory.py).
-ESTIMATING_FOR_THIS_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "estimating_for_cpu", default=False
-)
+ESTIMATING_FOR_THIS_CPU: ContextVar[bool] = ContextVar("estimating_for_cpu", default=False)
+
+
+# The CPU's flash-attention kernels, which also return (and take) the log-sum-exp.
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def on_this_cpu(x: torch.Tensor) -> bool:
@@ -78,7 +81,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     # Memory estimates: keep what a fused kernel keeps (output, log-sum-exp), as on GPUs and CPUs.
     if q.is_meta:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+        return _CPU_FLASH(q, k, v, 0.0, True)[0]
     groups = q.shape[1] // k.shape[1]
     capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
     if groups > 1 and not fused_kernel_takes_kv_groups(q.device.type, q.dtype, capability):
@@ -95,9 +98,7 @@ def attention_with_lse(
     elsewhere the same arithmetic written out in fp32 (`math_attention_with_lse`)."""
     if on_this_cpu(q):
         mask = None if allowed is None else _additive(allowed, q.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=mask
-        )
+        out, lse = _CPU_FLASH(q, k, v, 0.0, causal, attn_mask=mask)
         if allowed is not None:  # the kernel gives a query that sees nothing a log-sum-exp of 0
             seen = _visible(allowed, causal, q.shape[-2], k.shape[-2], q.device).any(-1)
             lse = lse.masked_fill(~seen, float("-inf"))
@@ -118,9 +119,7 @@ def attention_with_lse_backward(
     """The gradients of one block's q, k, v, given the output and log-sum-exp of every block together."""
     if on_this_cpu(q):
         mask = None if allowed is None else _additive(allowed, q.dtype)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask
-        )
+        return _CPU_FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask)
     return math_attention_with_lse_backward(grad_out, q, k, v, out, lse, causal, allowed)
 
 
@@ -190,9 +189,8 @@ def _probabilities(
 
 def fused_kernel_takes_kv_groups(device_type: str, dtype: torch.dtype, capability: tuple | None) -> bool:
     """Whether SDPA's fused kernel takes fewer K/V heads than query heads (`enable_gqa`): the CPU's flash
-    kernel does; on CUDA (torch 2.13) only flash (fp16/bf16, sm80+). Elsewhere `enable_gqa` means the
-    math kernel and its (batch, heads, seq, seq) scores: the K/V heads are repeated for the mem-efficient
-    one instead."""
+    kernel does; on CUDA (torch 2.13) only flash (fp16/bf16, sm80+). Elsewhere `enable_gqa` means the math
+    kernel and its (batch, heads, seq, seq) scores: the K/V heads are repeated for the mem-efficient one."""
     gpu_flash = dtype in (torch.float16, torch.bfloat16) and capability is not None and capability >= (8, 0)
     return device_type != "cuda" or gpu_flash
 

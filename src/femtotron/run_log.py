@@ -38,8 +38,7 @@ class RunLog:
 
     def start_at(self, step: int) -> None:
         """The run (re)starts after `step`: keep the records up to it, drop those of later steps (logged by an
-        attempt that died before its next checkpoint). Called once training is known to start, never
-        before."""
+        attempt that died before its next checkpoint). Called only once training is known to start."""
         if not self.is_main:
             return
         if self.dashboards:
@@ -50,13 +49,9 @@ class RunLog:
             Path(tmp).write_text("".join(f"{line}\n" for line in kept))
 
     def info(self, message: str, every_rank: bool = False) -> None:
-        """Print on the main rank (on every rank with `every_rank` or at level debug); tqdm.write keeps the
-        progress bar intact."""
-        if (
-            self.console
-            and self.level in ("debug", "info")
-            and (self.is_main or every_rank or self.level == "debug")
-        ):
+        """Print on the main rank (all with `every_rank` or at level debug); tqdm.write keeps the bar."""
+        shown_here = self.is_main or every_rank or self.level == "debug"
+        if self.console and self.level in ("debug", "info") and shown_here:
             self._write(message)
 
     def warn(self, message: str) -> None:
@@ -111,15 +106,11 @@ class StepLogger:
     ) -> StepLogger:
         """MFU against the peak of the matmul the model runs most: its largest weight times a micro-batch."""
         tokens, mcfg = config.tokens, config.model.model_config_
-        rows, columns = (
-            tokens.micro_batch_size * tokens.sequence_length,
-            max(mcfg.intermediate_size, mcfg.vocab_size),
-        )
+        rows = tokens.micro_batch_size * tokens.sequence_length
+        columns = max(mcfg.intermediate_size, mcfg.vocab_size)
         peak, source = peak_flops(ctx.device, matmul_dtype, (rows, columns, mcfg.hidden_size))
-        flops, interval = (
-            mcfg.flops_per_token(tokens.sequence_length),
-            config.logging.iteration_step_info_interval,
-        )
+        flops = mcfg.flops_per_token(tokens.sequence_length)
+        interval = config.logging.iteration_step_info_interval
         return cls(log, tokens.train_steps, interval, ctx.world_size, ctx.device, flops, peak, source)
 
     @property
@@ -143,10 +134,7 @@ class StepLogger:
             "mfu": achieved / self.peak_flops,
             "step_seconds": result.seconds,
             **memory_gib(self.device),
-            **{
-                f"{kind}_comm_share": seconds / result.seconds
-                for kind, seconds in result.comm_seconds.items()
-            },
+            **{f"{kind}_comm_share": s / result.seconds for kind, s in result.comm_seconds.items()},
         }
         if skipped_steps is not None:
             record.update(loss_scale=result.loss_scale, skipped_steps=skipped_steps)

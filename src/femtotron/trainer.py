@@ -136,14 +136,9 @@ class Trainer:
         if ckpt.save_initial_state and self.state.step == 0:
             last_saved = self.save_checkpoint()
         results = []
-        bar = tqdm(
-            total=train_steps,
-            initial=self.state.step,
-            unit="step",
-            dynamic_ncols=True,
-            leave=False,
-            disable=True if self.ctx.rank else None,
-        )
+        # disable None: tqdm shows the bar only on a terminal
+        style = dict(unit="step", dynamic_ncols=True, leave=False, disable=True if self.ctx.rank else None)
+        bar = tqdm(total=train_steps, initial=self.state.step, **style)
         with StopSignals() as signals:
             while self.state.step < train_steps:
                 with self.profiler.step(self.state.step + 1):
@@ -201,8 +196,7 @@ class Trainer:
         )
 
     def train_step(self) -> StepResult:
-        """One optimizer step; running out of memory anywhere in it is reported with where and what to
-        change."""
+        """One optimizer step; an out-of-memory anywhere in it is reported with where and what to change."""
         try:
             return self.one_step()
         except (RuntimeError, MemoryError) as e:
@@ -237,9 +231,8 @@ class Trainer:
         state.consumed_tokens += tokens
         comm.synchronize(self.ctx.device)  # the optimizer and ZeRO's all-gather are part of the step's time
         seconds, scale = time.perf_counter() - start, self.scaler.scale if self.scaler.enabled else None
-        return StepResult(
-            loss, grad_norm, lr, tokens, seconds, comm.take_seconds(), scale, math.isinf(grad_norm)
-        )
+        skipped = math.isinf(grad_norm)
+        return StepResult(loss, grad_norm, lr, tokens, seconds, comm.take_seconds(), scale, skipped)
 
     def skip_non_finite_step(self, loss: float, grad_norm: float) -> None:
         """The loss or gradient norm is inf/NaN: find the module it came from, then stop (or, with

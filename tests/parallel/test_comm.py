@@ -113,6 +113,10 @@ def _finished_ops_let_go(rank):
         held.append(weakref.ref(tensor))
         del tensor
     comm.all_reduce(torch.ones(1), g)  # the group's next op drops the finished ones before it
+    # gloo's own threads may let go of a finished op's tensors a moment later: allow them that moment.
+    deadline = time.monotonic() + 2
+    while any(ref() is not None for ref in held) and time.monotonic() < deadline:
+        time.sleep(0.01)
     alive = [ref() is not None for ref in held]
     if rank == 1:
         comm.wait(comm.start_p2p("send", torch.ones(1), 0, ctx.world_group, tag=9), ctx.world_group, received)

@@ -94,14 +94,10 @@ class LlamaConfig(_Section):
 
     @property
     def parameter_count(self) -> int:
-        """Every parameter: embedding, layers, final norm and the LM head (shared with the embedding when
-        tied)."""
+        """Every parameter: embedding, layers, final norm and LM head (the embedding itself when tied)."""
         heads = 1 if self.tie_word_embeddings else 2
-        return (
-            heads * self.embedding_parameters
-            + self.num_hidden_layers * self.layer_parameters
-            + self.hidden_size
-        )
+        layers = self.num_hidden_layers * self.layer_parameters
+        return heads * self.embedding_parameters + layers + self.hidden_size
 
     def layer_flops(self, sequence_length: int) -> float:
         """Forward FLOPs per token of one decoder layer: 2 per matmul weight, and causal attention's scores

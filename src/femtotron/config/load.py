@@ -34,11 +34,8 @@ def load_config(
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        _fail(
-            path,
-            f"file not found (relative paths start from {Path.cwd()}); check the path, "
-            "e.g. `femtotron train examples/debug.yaml`",
-        )
+        example = "e.g. `femtotron train examples/debug.yaml`"
+        _fail(path, f"file not found (relative paths start from {Path.cwd()}); check the path, {example}")
     except (OSError, UnicodeDecodeError) as e:
         _fail(path, f"cannot read the file: {e}")
     # safe_load, done in two steps so the node tree (with line numbers) is kept.
@@ -160,8 +157,7 @@ def _build(
 
 
 def _apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str, str], list[Problem]]:
-    """Apply `dotted.path=value` (value parsed as YAML) in place; return {path: text} applied and the
-    problems."""
+    """Set `dotted.path=value` (value parsed as YAML) in place; return {path: text} applied, and problems."""
     applied: dict[str, str] = {}
     problems: list[Problem] = []
     for text in overrides:
@@ -246,8 +242,7 @@ def _all_paths(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
 
 
 def _unknown_key(parent: list[str], key: str) -> tuple[str, list[str]]:
-    """Message for an unknown key: the likely intended key, or the section it belongs in, or the valid
-    keys."""
+    """Message for an unknown key: the likely intended key, the section it belongs in, or the valid keys."""
     section = ".".join(parent)
     info = _field(parent) if parent else None
     model = info.annotation if info is not None else Config

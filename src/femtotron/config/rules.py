@@ -176,19 +176,11 @@ def enough_layers_for_the_stages(cfg: Config) -> Problem | None:
             f"num_hidden_layers={layers} must be >= pp={par.pp} (every pipeline stage needs at least one "
             f"layer). Fix: pp={layers} or less, or num_hidden_layers={par.pp} or more.",
         )
-    fewer_chunks = fixes_that_hold(
-        cfg,
-        [
-            *[
-                (f"pp_virtual_stages={v}", {"parallelism.pp_virtual_stages": v})
-                for v in range(layers // par.pp, 1, -1)
-            ],
-            (
-                "pp_engine=1f1b with pp_virtual_stages=1 (no interleaving)",
-                {"parallelism.pp_engine": "1f1b", "parallelism.pp_virtual_stages": 1},
-            ),
-        ],
-    )
+    fewer = range(layers // par.pp, 1, -1)
+    candidates = [(f"pp_virtual_stages={v}", {"parallelism.pp_virtual_stages": v}) for v in fewer]
+    no_interleaving = {"parallelism.pp_engine": "1f1b", "parallelism.pp_virtual_stages": 1}
+    candidates.append(("pp_engine=1f1b with pp_virtual_stages=1 (no interleaving)", no_interleaving))
+    fewer_chunks = fixes_that_hold(cfg, candidates)
     return Problem(
         (M + "num_hidden_layers", "parallelism.pp", "parallelism.pp_virtual_stages"),
         f"num_hidden_layers={layers} must be >= pp * pp_virtual_stages = {par.pp} * {par.pp_virtual_stages} "

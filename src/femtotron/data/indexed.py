@@ -63,13 +63,9 @@ def _describe(directory: str) -> str:
     if not os.path.isdir(directory):
         return f"directory {directory!r} does not exist"
     pairs, lone = _scan(directory)
-    parts = [
-        f"pairs in {directory!r}: {', '.join(pairs)}"
-        if pairs
-        else f"{directory!r} holds zero .bin/.idx pairs"
-    ]
-    if lone:
-        parts.append(f"files without their partner: {', '.join(lone)}")
+    none = f"{directory!r} holds zero .bin/.idx pairs"
+    parts = [f"pairs in {directory!r}: {', '.join(pairs)}" if pairs else none]
+    parts += [f"files without their partner: {', '.join(lone)}"] if lone else []
     return "; ".join(parts)
 
 

@@ -89,8 +89,7 @@ class Nanoset:
         if not self.prefixes:
             raise DataError("no dataset given: the data section lists no dataset path")
         self.datasets = [IndexedDataset(p) for p in self.prefixes]
-        self.sequence_length = sequence_length
-        self.seed = seed
+        self.sequence_length, self.seed = sequence_length, seed
         self.samples_per_dataset = [max(ds.num_tokens - 1, 0) // sequence_length for ds in self.datasets]
         for ds, n in zip(self.datasets, self.samples_per_dataset, strict=True):
             if ds.dtype.kind not in "iu":
@@ -170,8 +169,7 @@ def open_nanoset(folders: str | list[str] | dict[str, float], sequence_length: i
 class MicroBatch:
     """Token ids and the targets the model predicts from them: the next ids, IGNORE_INDEX where a position
     does not count in the loss. Both (micro_batch_size, sequence_length), or this cp rank's part of the
-    sequences with where its tokens sit (`placement`, parallel/context_parallel.py; None: the whole
-    sequences, positions 0, 1, ...)."""
+    sequences with where its tokens sit (`placement`, parallel/context_parallel.py; None: whole sequences)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
@@ -213,22 +211,13 @@ class MicroBatchIterator:
                 f"need micro_batch_size, batch_accumulation, dp_size >= 1 and 0 <= dp_rank < dp_size; got "
                 f"{micro_batch_size}, {batch_accumulation}, {dp_size}, dp_rank={dp_rank}"
             )
-        self.nanoset, self.micro_batch_size, self.batch_accumulation = (
-            nanoset,
-            micro_batch_size,
-            batch_accumulation,
-        )
-        self.dp_rank = dp_rank
+        self.nanoset, self.micro_batch_size = nanoset, micro_batch_size
+        self.batch_accumulation, self.dp_rank = batch_accumulation, dp_rank
 
     def step_at(self, consumed_samples: int) -> list[MicroBatch]:
         """This rank's `batch_accumulation` micro-batches of the step that starts after `consumed_samples`."""
         per_rank = self.micro_batch_size * self.batch_accumulation
         first = consumed_samples + self.dp_rank * per_rank
-        return [
-            MicroBatch.from_tokens(
-                torch.from_numpy(
-                    np.stack([self.nanoset[g] for g in range(start, start + self.micro_batch_size)])
-                )
-            )
-            for start in range(first, first + per_rank, self.micro_batch_size)
-        ]
+        starts = range(first, first + per_rank, self.micro_batch_size)
+        stacked = (np.stack([self.nanoset[g] for g in range(s, s + self.micro_batch_size)]) for s in starts)
+        return [MicroBatch.from_tokens(torch.from_numpy(tokens)) for tokens in stacked]

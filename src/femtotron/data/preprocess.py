@@ -1,5 +1,4 @@
-"""Text documents -> tokens -> a Megatron-Core `.bin`/`.idx` pair, one sequence per document,
-EOS-terminated."""
+"""Text documents -> tokens -> a Megatron-Core .bin/.idx pair, one EOS-terminated sequence per document."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -46,12 +46,8 @@ def train_tokenizer(
         initial_alphabet=alphabet,
         show_progress=show_progress,
     )
-
-    def texts() -> Iterator[str]:
-        for path in input_paths:
-            yield from iter_documents(path, text_key)
-
-    tokenizer.train_from_iterator(texts(), trainer=trainer)
+    texts = (text for path in input_paths for text in iter_documents(path, text_key))
+    tokenizer.train_from_iterator(texts, trainer=trainer)
     with atomic_path(output_path) as tmp:
         tokenizer.save(tmp)
     return tokenizer
@@ -86,8 +82,7 @@ def eos_token_id(tokenizer: Tokenizer) -> int:
 
 
 def tokenizer_for_model(path: str | None, vocab_size: int) -> Tokenizer | None:
-    """The run's tokenizer (tokenizer.tokenizer_name_or_path), refused when it has ids the model cannot
-    embed."""
+    """The run's tokenizer (tokenizer.tokenizer_name_or_path), refused if it has ids the model can't embed."""
     if path is None:
         return None
     tokenizer = load_tokenizer(path)

@@ -89,9 +89,8 @@ class Rotary(nn.Module):
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         if scaling is not None:  # llama3: slow the low frequencies down, keep the high, ramp between
             wavelength, original = 2 * math.pi / inv_freq, scaling.original_max_position_embeddings
-            ramp = (original / wavelength - scaling.low_freq_factor) / (
-                scaling.high_freq_factor - scaling.low_freq_factor
-            )
+            low, high = scaling.low_freq_factor, scaling.high_freq_factor
+            ramp = (original / wavelength - low) / (high - low)
             inv_freq = inv_freq * (ramp.clamp(0, 1) * (1 - 1 / scaling.factor) + 1 / scaling.factor)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
@@ -122,7 +121,7 @@ class Attention(nn.Module):
         cp: ContextParallel,
     ) -> None:
         super().__init__()
-        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        heads, kv_heads, hidden = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
         if heads % kv_heads or kv_heads % tp.size:
             raise ConfigError(
                 f"model.model_config.num_attention_heads={heads}, num_key_value_heads={kv_heads}, "
@@ -130,16 +129,11 @@ class Attention(nn.Module):
                 "key/value head, so num_key_value_heads must divide num_attention_heads and be divisible "
                 f"by tp. Choose tp dividing {kv_heads}."
             )
-        self.head_dim = cfg.head_dim
-        self.group_size = heads // kv_heads
+        self.head_dim, self.group_size = cfg.head_dim, heads // kv_heads
         self.local_kv_heads = kv_heads // tp.size
         qkv_rows = (heads + 2 * kv_heads) * self.head_dim
-        self.qkv_proj = ColumnParallelLinear(
-            make, f"{name}.qkv_proj", cfg.hidden_size, qkv_rows, make.std, tp
-        )
-        self.o_proj = RowParallelLinear(
-            make, f"{name}.o_proj", heads * self.head_dim, cfg.hidden_size, out_std, tp
-        )
+        self.qkv_proj = ColumnParallelLinear(make, f"{name}.qkv_proj", hidden, qkv_rows, make.std, tp)
+        self.o_proj = RowParallelLinear(make, f"{name}.o_proj", heads * self.head_dim, hidden, out_std, tp)
         self.rotary, self.cp = rotary, cp
         self.output_split_dim = self.o_proj.output_split_dim
 
@@ -195,13 +189,11 @@ class DecoderLayer(nn.Module):
         # Residual-output projections are scaled down by depth so the residual stream's variance
         # does not grow with the number of layers (GPT-2 / Megatron init).
         out_std = make.std / math.sqrt(2 * cfg.num_hidden_layers)
-        eps = cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(make, f"{name}.input_layernorm", cfg.hidden_size, eps, tp)
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(make, f"{name}.input_layernorm", hidden, eps, tp)
         self.self_attn = Attention(make, f"{name}.self_attn", cfg, out_std, rotary, tp, cp)
-        self.post_attention_layernorm = RMSNorm(
-            make, f"{name}.post_attention_layernorm", cfg.hidden_size, eps, tp
-        )
-        self.mlp = MLP(make, f"{name}.mlp", cfg.hidden_size, cfg.intermediate_size, out_std, tp)
+        self.post_attention_layernorm = RMSNorm(make, f"{name}.post_attention_layernorm", hidden, eps, tp)
+        self.mlp = MLP(make, f"{name}.mlp", hidden, cfg.intermediate_size, out_std, tp)
         self.output_split_dim = self.mlp.output_split_dim
 
     def forward(
@@ -246,8 +238,7 @@ class Llama(nn.Module):
         recompute_layer: bool = False,
     ) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.recompute_layer = recompute_layer
+        self.cfg, self.recompute_layer = cfg, recompute_layer
         self.tp = tp = tp or TensorParallel.single()
         self.stage = stage = stage or Stage(
             0, range(cfg.num_hidden_layers), embedding=True, head=True, cost=0.0
@@ -264,9 +255,8 @@ class Llama(nn.Module):
                 make, "embed_tokens", cfg.vocab_size, cfg.hidden_size, std, tp, tie
             )
         cp = cp or ContextParallel.single()
-        self.layers = DecoderLayers(
-            {str(i): DecoderLayer(make, i, cfg, self.rotary, tp, cp) for i in stage.layers}
-        )
+        layers = {str(i): DecoderLayer(make, i, cfg, self.rotary, tp, cp) for i in stage.layers}
+        self.layers = DecoderLayers(layers)
         if stage.head:
             self.norm = RMSNorm(make, "norm", cfg.hidden_size, cfg.rms_norm_eps, tp)
             if not tied:
@@ -288,11 +278,10 @@ class Llama(nn.Module):
             # Non-reentrant checkpoint: backward runs through the ordinary autograd graph (the
             # recomputed tensors stand in for the dropped ones), so gradients, gradient hooks and
             # the pipeline's backward from a stage's output work as without it.
-            x = (
-                checkpoint(layer, x, None, placement, use_reentrant=False)
-                if recompute
-                else layer(x, cache, placement)
-            )
+            if recompute:
+                x = checkpoint(layer, x, None, placement, use_reentrant=False)
+            else:
+                x = layer(x, cache, placement)
         if cache is not None:
             cache.length += inputs.shape[1]
         return x
@@ -316,18 +305,15 @@ class Llama(nn.Module):
         return self.head_loss(x, targets) if self.stage.head else x
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.head_logits(x)
-        return vocab_parallel_cross_entropy(
-            logits, targets, self.vocab_start, self.cfg.vocab_size, IGNORE_INDEX, self.tp
-        )
+        vocab = self.vocab_start, self.cfg.vocab_size, IGNORE_INDEX
+        return vocab_parallel_cross_entropy(self.head_logits(x), targets, *vocab, self.tp)
 
     def logits(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Full-vocabulary logits of the whole model (gathered over tp; for evaluation and generation). With
         `cache`, `input_ids` continue the positions it holds (all of them when it is empty, then one at a
         time), and it keeps their keys and values."""
-        return gather_full(self.head_logits(self.hidden_states(input_ids, cache)), -1, self.tp)[
-            ..., : self.cfg.vocab_size
-        ]
+        logits = gather_full(self.head_logits(self.hidden_states(input_ids, cache)), -1, self.tp)
+        return logits[..., : self.cfg.vocab_size]
 
     def forward(
         self, input_ids: torch.Tensor, targets: torch.Tensor, placement: TokenPlacement | None = None

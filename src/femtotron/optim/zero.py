@@ -29,27 +29,21 @@ class ZeroAdamW:
         if data_parallel.flat_params.dtype == torch.float32:
             self.masters = self.model_pieces  # the optimizer updates the model's own storage
         else:
-            self.master_flat = (
-                torch.cat(self.model_pieces).float()
-                if self.model_pieces
-                else torch.zeros(0, device=data_parallel.flat_params.device)
-            )
-            self.masters = list(self.master_flat.split([piece.end - piece.start for piece in self.pieces]))
+            master_flat = torch.cat(self.model_pieces).float() if self.model_pieces else torch.zeros(0)
+            self.masters = list(master_flat.split([piece.end - piece.start for piece in self.pieces]))
         self._grads: list[torch.Tensor] | None = None
         factory = cfg.optimizer_factory
         decayed = [params[piece.param].dim() >= 2 for piece in self.pieces]  # norms are not decayed
-        groups = [
-            {
-                "params": [m for m, d in zip(self.masters, decayed, strict=True) if d == want],
-                "weight_decay": cfg.weight_decay if want else 0.0,
-            }
-            for want in (True, False)
-        ]
-        groups = [group for group in groups if group["params"]]
+        groups = []
+        for want in (True, False):
+            members = [m for m, d in zip(self.masters, decayed, strict=True) if d == want]
+            if members:
+                groups.append({"params": members, "weight_decay": cfg.weight_decay if want else 0.0})
         # A rank can own no element at all (ZeRO-1 over many ranks and buckets that are mostly padding): it
         # steps nothing, but still takes part in the all-gather.
-        self.adam = (
-            torch.optim.AdamW(
+        self.adam = None
+        if groups:
+            self.adam = torch.optim.AdamW(
                 groups,
                 lr=cfg.learning_rate_scheduler.learning_rate,
                 betas=(factory.adam_beta1, factory.adam_beta2),
@@ -57,18 +51,13 @@ class ZeroAdamW:
                 fused=factory.torch_adam_is_fused or None,
                 foreach=None if factory.torch_adam_is_fused else True,
             )
-            if groups
-            else None
-        )
         self.steps = 0  # applied (fp16 steps skipped on overflow are not)
 
     def grads(self) -> list[torch.Tensor]:
         """The fp32 gradients of the owned pieces, summed over dp (call after `finish_reduction`)."""
         if self._grads is None:
-            owned = self.data_parallel.owned(self.data_parallel.flat_grads)
-            self._grads = (
-                owned if self.data_parallel.flat_grads.dtype == torch.float32 else [g.float() for g in owned]
-            )
+            # .float() of an fp32 gradient is the gradient itself, not a copy
+            self._grads = [g.float() for g in self.data_parallel.owned(self.data_parallel.flat_grads)]
         return self._grads
 
     def step(self, lr: float) -> None:
@@ -106,9 +95,8 @@ class ZeroAdamW:
             on_device = group["fused"] or group["capturable"]  # torch keeps the step count there, else on CPU
             for master in group["params"]:
                 state = self.adam.state[master]
-                state["step"] = torch.tensor(
-                    float(steps), dtype=torch.float32, device=master.device if on_device else "cpu"
-                )
+                device = master.device if on_device else "cpu"
+                state["step"] = torch.tensor(float(steps), dtype=torch.float32, device=device)
                 for kind in ("exp_avg", "exp_avg_sq"):
                     state.setdefault(kind, torch.zeros_like(master))
 

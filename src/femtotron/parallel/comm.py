@@ -153,9 +153,8 @@ class Comm:
     ) -> Iterator[_Slot]:
         """Around issuing one op: the body puts its work in the yielded slot. group None: the host waits for
         its device (no op counted). `track`: kept until complete (a wait is not: what it awaits is)."""
-        op = OpInFlight(
-            kind, group and group.name, peer, tuple(tensor.shape), str(tensor.dtype), time.monotonic()
-        )
+        name = group and group.name
+        op = OpInFlight(kind, name, peer, tuple(tensor.shape), str(tensor.dtype), time.monotonic())
         slot = _Slot(on_host=not tensor.is_cuda)
         with self._lock:
             issued = self._issued[op.group]
@@ -251,10 +250,8 @@ class Comm:
         if not tensors or group.size == 1:
             return
         flat = self.all_reduce(torch.cat([t.flatten() for t in tensors]), group)
-        torch._foreach_copy_(
-            tensors,
-            [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)],
-        )
+        parts = flat.split([t.numel() for t in tensors])
+        torch._foreach_copy_(tensors, [f.view_as(t) for f, t in zip(parts, tensors, strict=True)])
 
     def all_gather(self, tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's `tensor` along `dim`, in group-rank order: one collective into one buffer,
@@ -264,9 +261,8 @@ class Comm:
         n, part, dim = group.size, tensor.contiguous(), dim % tensor.dim()
         gathered = torch.empty((n * part.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
         if not part.is_meta:
-            self._issue(
-                "all_gather", group, gathered, (n - 1) * _nbytes(part), _gather_into(group), part, wait=True
-            )
+            sent = (n - 1) * _nbytes(part)
+            self._issue("all_gather", group, gathered, sent, _gather_into(group), part, wait=True)
         shape = list(part.shape)
         shape[dim] *= n
         return gathered.view(n, *part.shape).movedim(0, dim).reshape(shape)
@@ -286,14 +282,11 @@ class Comm:
         return out
 
     def start_all_reduce(self, tensor: torch.Tensor, group: Group) -> Work | None:
-        """Start an in-place sum over `group` and return at once; `wait` for the result (None: nothing to wait
-        for)."""
+        """Start an in-place sum over `group`; `wait` for the result (None: nothing to wait for)."""
         if group.size == 1 or tensor.is_meta:
             return None
-        n = group.size
-        return self._issue(
-            "all_reduce", group, tensor, 2 * (n - 1) / n * _nbytes(tensor), _reduce_into(group)
-        )
+        sent = 2 * (group.size - 1) / group.size * _nbytes(tensor)
+        return self._issue("all_reduce", group, tensor, sent, _reduce_into(group))
 
     def start_reduce_scatter(self, shard: torch.Tensor, tensor: torch.Tensor, group: Group) -> Work | None:
         """Start summing `tensor` over `group` into `shard`, this rank's equal part of it (`shard` may be a
@@ -304,13 +297,11 @@ class Comm:
         return self._issue("reduce_scatter", group, shard, sent, _scatter_into(group), tensor)
 
     def start_all_gather(self, tensor: torch.Tensor, shard: torch.Tensor, group: Group) -> Work | None:
-        """Start filling `tensor` with every rank's `shard` in group-rank order (`shard` may be a view of this
-        rank's part of `tensor`)."""
+        """Start filling `tensor` with every rank's `shard` in group order (`shard` may be a view into it)."""
         if group.size == 1 or shard.is_meta:
             return None
-        return self._issue(
-            "all_gather", group, tensor, (group.size - 1) * _nbytes(shard), _gather_into(group), shard
-        )
+        sent = (group.size - 1) * _nbytes(shard)
+        return self._issue("all_gather", group, tensor, sent, _gather_into(group), shard)
 
     def start_p2p(self, kind: str, tensor: torch.Tensor, peer: int, group: Group, tag: int) -> Work:
         """Start sending `tensor` to global rank `peer` ("send") or receiving it from there ("recv"); returns

@@ -13,7 +13,7 @@ import json
 import os
 import socket
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from datetime import timedelta
 from itertools import product
 from typing import TYPE_CHECKING
@@ -162,37 +162,20 @@ class ParallelContext:
         if self.world_size > 1:
             host = os.environ.get("MASTER_ADDR", "127.0.0.1")
             port = int(os.environ.get("MASTER_PORT", "29500"))
+            timeouts = init_timeout_seconds, collective_timeout_seconds
             self.hosts, tcp_store = rendezvous(
-                self.rank,
-                self.world_size,
-                host,
-                port,
-                self.device,
-                init_timeout_seconds,
-                collective_timeout_seconds,
-                gpu,
+                self.rank, self.world_size, host, port, self.device, *timeouts, gpu
             )
             self.store = Store(tcp_store, (host, port))
-        at = coordinates_of(self.rank, dp, tp, cp)
-        self.pp_rank, self.dp_rank, self.tp_rank, self.cp_rank = (
-            at.pp_rank,
-            at.dp_rank,
-            at.tp_rank,
-            at.cp_rank,
-        )
+        at = astuple(coordinates_of(self.rank, dp, tp, cp))
+        self.pp_rank, self.dp_rank, self.tp_rank, self.cp_rank = at
         self._build_groups()
 
     @classmethod
     def from_config(cls, config: Config) -> ParallelContext:
         par = config.parallelism
-        return cls(
-            par.dp,
-            par.tp,
-            par.pp,
-            par.cp,
-            init_timeout_seconds=par.init_timeout_seconds,
-            collective_timeout_seconds=par.collective_timeout_seconds,
-        )
+        timeouts = par.model_dump(include={"init_timeout_seconds", "collective_timeout_seconds"})
+        return cls(par.dp, par.tp, par.pp, par.cp, **timeouts)
 
     def __enter__(self) -> ParallelContext:
         return self
@@ -232,26 +215,21 @@ class ParallelContext:
         self.world_group = Group("world", tuple(range(self.world_size)))
         pairs = pipe_links(*mesh) + ring_links(*mesh)
         links = {pair: dist.new_group(sorted(pair), timeout=timeout) for pair in pairs}
+
+        def one_way(kind: str, pair: tuple[int, int]) -> Group:
+            return Group(kind, pair, links[pair], one_way=True)
+
         self.pp_links = {  # by the neighbour's pp rank
-            p: PipeLink(
-                peer,
-                Group("pp", (self.rank, peer), links[self.rank, peer], one_way=True),
-                Group("pp", (peer, self.rank), links[peer, self.rank], one_way=True),
-            )
+            p: PipeLink(peer, one_way("pp", (self.rank, peer)), one_way("pp", (peer, self.rank)))
             for p, peer in enumerate(self.pp_group.ranks)
             if (self.rank, peer) in links
         }
         ring, c = self.cp_group.ranks, self.cp_rank
         following, preceding = ring[(c + 1) % self.cp], ring[(c - 1) % self.cp]
         # The cp ring: a one-way group to the following rank and one from the preceding (p2p.py: why).
-        self.cp_links = (
-            (
-                Group("cp", (self.rank, following), links[self.rank, following], one_way=True),
-                Group("cp", (preceding, self.rank), links[preceding, self.rank], one_way=True),
-            )
-            if self.cp > 1
-            else None
-        )
+        self.cp_links = None
+        if self.cp > 1:
+            self.cp_links = one_way("cp", (self.rank, following)), one_way("cp", (preceding, self.rank))
 
     @property
     def log_prefix(self) -> str:

@@ -215,7 +215,6 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
 def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, placement: TokenPlacement, cp: ContextParallel
 ) -> torch.Tensor:
-    """Causal attention of this rank's queries to the keys and values of the whole sequence (masked by
-    document when `placement.documents`); q: (batch, heads, local sequence, head_dim), k and v with the KV
-    heads."""
+    """Causal attention of this rank's queries to the keys and values of the whole sequence (document-masked
+    when `placement.documents`); q: (batch, heads, local sequence, head_dim), k and v with the KV heads."""
     return _RingAttention.apply(q, k, v, placement, cp)

@@ -170,9 +170,8 @@ class DataParallel:
                 if index not in self.pending:
                     self._launch(index)
             for index, work in self.pending.items():
-                self.comm.wait(
-                    work, self.group, self.flat_grads[self.buckets[index].start : self.buckets[index].end]
-                )
+                bucket = self.buckets[index]
+                self.comm.wait(work, self.group, self.flat_grads[bucket.start : bucket.end])
         self.pending.clear()
 
     def zero_grad(self) -> None:
@@ -204,30 +203,20 @@ class DataParallel:
         works = []
         for bucket in self.buckets:
             low, high = bucket.shard(self.dp, self.dp_rank)
-            works.append(
-                self.comm.start_all_gather(
-                    self.flat_params[bucket.start : bucket.end], self.flat_params[low:high], self.group
-                )
-            )
+            whole, mine = self.flat_params[bucket.start : bucket.end], self.flat_params[low:high]
+            works.append(self.comm.start_all_gather(whole, mine, self.group))
         for bucket, work in zip(self.buckets, works, strict=True):
             self.comm.wait(work, self.group, self.flat_params[bucket.start : bucket.end])
 
     def full(self, owned: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per parameter, the whole tensor from every rank's owned pieces (e.g. fp32 master weights):
         each element is owned by exactly one rank, so a sum over dp assembles them."""
-        flat = torch.zeros(
-            self.flat_grads.numel(),
-            dtype=owned[0].dtype if owned else torch.float32,
-            device=self.flat_grads.device,
-        )
+        flat = torch.zeros_like(self.flat_grads, dtype=owned[0].dtype if owned else torch.float32)
         for piece, values in zip(self.pieces, owned, strict=True):
             flat[piece.start : piece.end] = values
         if self.sharded:
             self.comm.all_reduce(flat, self.group)
-        return [
-            flat[offset : offset + grad.numel()].view_as(grad)
-            for offset, grad in zip(self.offsets, self.grads, strict=True)
-        ]
+        return [flat[o : o + g.numel()].view_as(g) for o, g in zip(self.offsets, self.grads, strict=True)]
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -64,11 +64,10 @@ def make_param(
     Chunks are ceil(n / world) long; where that overshoots n, the last chunks are zero-padded.
     """
     full = full_init(name, shape, std, seed, device)
-    local_slice = [slice(0, n) for n in shape]
-    local_shape = list(shape)
+    local_slice, local_shape = [slice(0, n) for n in shape], list(shape)
     if shard_dim is not None and world > 1:
-        size = -(-shape[shard_dim] // world)
         n = shape[shard_dim]
+        size = -(-n // world)
         local_slice[shard_dim] = slice(min(rank * size, n), min((rank + 1) * size, n))
         local_shape[shard_dim] = size
     local = torch.zeros(local_shape, device=device, dtype=dtype)

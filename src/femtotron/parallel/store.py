@@ -7,6 +7,7 @@ of a save, where a NaN came from, and the hang watchdog's heartbeats. With one p
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 
@@ -29,14 +30,11 @@ class Store:
 
     def new_client(self) -> dist.Store | None:
         """Another connection to the store (None with one process): a client serves one request at a time, so
-        a thread that must get through while the main thread waits on the store (the watchdog) needs its
-        own."""
+        a thread that must get through while the main thread waits on it (the watchdog) needs its own."""
         if self.address is None:
             return None
-        host, port = self.address
-        return dist.TCPStore(
-            host, port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False
-        )
+        (host, port), limit = self.address, timedelta(seconds=30)
+        return dist.TCPStore(host, port, is_master=False, timeout=limit, wait_for_workers=False)
 
     def post(self, key: str, value: str) -> None:
         """Publish a string under `key`."""
@@ -50,14 +48,11 @@ class Store:
         unless the wait timed out: the caller names the missing ones). `remove`: delete them from the store
         (when only this rank reads them), so a long run does not pile them up."""
         if self.store is None:
-            return {
-                k: (self._posted.pop if remove else self._posted.get)(k) for k in keys if k in self._posted
-            }
+            take = self._posted.pop if remove else self._posted.get
+            return {k: take(k) for k in keys if k in self._posted}
         full = [f"{self.key_prefix}post/{k}" for k in keys]
-        try:
+        with contextlib.suppress(RuntimeError, OSError):  # a timeout: some key never came
             self.store.wait(full, timedelta(seconds=timeout))
-        except (RuntimeError, OSError):  # a timeout: some key never came
-            pass
         got = {
             k: self.store.get(f).decode() for k, f in zip(keys, full, strict=True) if self.store.check([f])
         }

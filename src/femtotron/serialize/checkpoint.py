@@ -38,6 +38,7 @@ from femtotron.serialize.files import (
     MANIFEST,
     CheckpointError,
     CheckpointReader,
+    Slice,
     build_manifest,
     file_record,
     fsync_directory,
@@ -45,7 +46,7 @@ from femtotron.serialize.files import (
     write_rank_file,
     write_synced,
 )
-from femtotron.serialize.geometry import Box, Placement, placements
+from femtotron.serialize.geometry import Placement, placements
 from femtotron.serialize.weights import TOKENIZER_FILE, weights_present
 from femtotron.train_state import TrainingParts
 
@@ -62,9 +63,8 @@ def checkpoint_root(config: Config) -> Path:
 
 def mesh_of(config: Config) -> dict[str, Any]:
     keys = ("dp", "cp", "tp", "pp", "pp_engine", "pp_virtual_stages", "tp_mode")
-    return {key: getattr(config.parallelism, key) for key in keys} | {
-        "zero_stage": config.optimizer.zero_stage
-    }
+    mesh = {key: getattr(config.parallelism, key) for key in keys}
+    return mesh | {"zero_stage": config.optimizer.zero_stage}
 
 
 @dataclass(frozen=True)
@@ -98,9 +98,7 @@ def saved_slices(model: RankModel) -> list[SavedSlice]:
     return out
 
 
-def rank_slices(
-    model: RankModel, optimizer: ZeroAdamW
-) -> list[tuple[str, tuple[int, ...], Box, torch.Tensor]]:
+def rank_slices(model: RankModel, optimizer: ZeroAdamW) -> list[Slice]:
     """(tensor name, global shape, box, values) for every slice this rank saves, from the live tensors."""
     data_parallel = model.data_parallel
     fp32 = data_parallel.flat_params.dtype == torch.float32  # fp32 weights are their own masters
@@ -108,13 +106,11 @@ def rank_slices(
     states = {kind: optimizer.state(kind) for kind in kinds}
     out = []
     for saved in saved_slices(model):
-        start = data_parallel.pieces[saved.owner].start
+        start, place = data_parallel.pieces[saved.owner].start, saved.place
         sources = {"model": data_parallel.flat_params[saved.low : saved.high]}
         sources |= {kind: states[kind][saved.owner][saved.low - start : saved.high - start] for kind in kinds}
-        values = {
-            kind: flat.view(saved.place.local_shape)[saved.place.valid] for kind, flat in sources.items()
-        }
-        out += [(f"{kind}/{saved.name}", saved.shape, saved.place.target, v) for kind, v in values.items()]
+        values = {kind: flat.view(place.local_shape)[place.valid] for kind, flat in sources.items()}
+        out += [(f"{kind}/{saved.name}", saved.shape, place.target, v) for kind, v in values.items()]
     return out
 
 

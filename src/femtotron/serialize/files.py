@@ -30,6 +30,7 @@ FORMAT = "femtotron-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "uint8")}
+Slice = tuple[str, tuple[int, ...], Box, torch.Tensor]  # (tensor name, global shape, box, values)
 
 
 class CheckpointError(FemtotronError):
@@ -67,22 +68,15 @@ def sha256_of(path: Path) -> str:
 
 
 def write_rank_file(
-    directory: Path,
-    rank: int,
-    slices: list[tuple[str, tuple[int, ...], Box, torch.Tensor]],
-    extra: dict[str, torch.Tensor],
-    metadata: dict[str, str],
+    directory: Path, rank: int, slices: list[Slice], extra: dict[str, torch.Tensor], metadata: dict[str, str]
 ) -> dict[str, Any]:
-    """Write one rank's slices, given as (tensor name, global shape, box, values), plus `extra` tensors
-    (RNG states) and string `metadata`; return what the manifest needs to know about the file."""
+    """Write a rank's slices, `extra` tensors (RNG states) and `metadata` strings; return its file record."""
     tensors, records = dict(extra), []
     for index, (name, shape, (start, stop), values) in enumerate(slices):
         key = f"{index}:{name}"
         tensors[key] = values.detach().to("cpu").contiguous()
         dtype = str(values.dtype).removeprefix("torch.")
-        records.append(
-            {"tensor": name, "shape": shape, "dtype": dtype, "key": key, "start": start, "stop": stop}
-        )
+        records.append(dict(tensor=name, shape=shape, dtype=dtype, key=key, start=start, stop=stop))
     path = directory / rank_file(rank)
     save_file(tensors, str(path), metadata=metadata)
     with open(path, "rb") as f:
@@ -103,14 +97,8 @@ def build_manifest(state: dict[str, Any], files: list[dict[str, Any]]) -> dict[s
             entry = tensors.setdefault(
                 piece["tensor"], {"shape": list(piece["shape"]), "dtype": piece["dtype"], "slices": []}
             )
-            entry["slices"].append(
-                {
-                    "file": record["file"],
-                    "key": piece["key"],
-                    "start": list(piece["start"]),
-                    "stop": list(piece["stop"]),
-                }
-            )
+            where = {"file": record["file"], "key": piece["key"]}
+            entry["slices"].append(where | {"start": list(piece["start"]), "stop": list(piece["stop"])})
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -121,10 +109,9 @@ def build_manifest(state: dict[str, Any], files: list[dict[str, Any]]) -> dict[s
 
 
 class CheckpointReader:
-    """Reads slices of global tensors from a committed checkpoint directory, checking the size of each file
-    it opens first, and with `verify_all` its sha256 too (in a distributed load each rank `verify`s its
-    share of the files instead, so the checkpoint is hashed once, not once per reader). Use as a context
-    manager, or call `close`."""
+    """Reads slices of global tensors from a committed checkpoint directory, checking the size of each file it
+    opens first, and with `verify_all` its sha256 too (in a distributed load each rank `verify`s its share of
+    the files instead, so the checkpoint is hashed once, not once per reader). Use as a context manager."""
 
     def __init__(self, directory: str | os.PathLike, verify_all: bool = False) -> None:
         self.directory = Path(directory)

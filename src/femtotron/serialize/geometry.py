@@ -38,9 +38,8 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tupl
     boxes = flat_range_boxes(shape, start, head_end)
     if body_end > head_end:
         rest = tuple(shape[1:])
-        boxes.append(
-            (head_end, body_end, ((head_end // inner, *(0,) * len(rest)), (body_end // inner, *rest)))
-        )
+        whole_rows = ((head_end // inner, *(0,) * len(rest)), (body_end // inner, *rest))
+        boxes.append((head_end, body_end, whole_rows))
     return boxes + flat_range_boxes(shape, body_end, stop)
 
 
@@ -61,24 +60,18 @@ def placements(shard: ShardInfo, local_shape: tuple[int, ...], start: int, stop:
     wholly in the padding are dropped: padding is never saved."""
     out = []
     extent = [piece.stop - piece.start for piece in shard.local_slice]  # the real (unpadded) local extent
+    offsets = [piece.start for piece in shard.local_slice]
     for flat_start, flat_stop, (low, high) in flat_range_boxes(local_shape, start, stop):
         clipped_high = [min(h, n) for h, n in zip(high, extent, strict=True)]
         if any(h <= lo for lo, h in zip(low, clipped_high, strict=True)):
             continue
-        offsets = [piece.start for piece in shard.local_slice]
         target = (
             tuple(lo + o for lo, o in zip(low, offsets, strict=True)),
             tuple(h + o for h, o in zip(clipped_high, offsets, strict=True)),
         )
-        out.append(
-            Placement(
-                flat_start,
-                flat_stop,
-                tuple(h - lo for lo, h in zip(low, high, strict=True)),
-                tuple(slice(0, h - lo) for lo, h in zip(low, clipped_high, strict=True)),
-                target,
-            )
-        )
+        shape = tuple(h - lo for lo, h in zip(low, high, strict=True))
+        valid = tuple(slice(0, h - lo) for lo, h in zip(low, clipped_high, strict=True))
+        out.append(Placement(flat_start, flat_stop, shape, valid, target))
     return out
 
 

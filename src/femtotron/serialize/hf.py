@@ -89,8 +89,7 @@ def llama_config(hf: dict[str, Any], where: Path) -> LlamaConfig:
 
 def open_hf(hf_dir: Path) -> tuple[LlamaConfig, dict[str, Any], dict[str, Any]]:
     """An HF Llama directory's config, its config.json as read, and by HF tensor name the open safetensors
-    file holding it: names, shapes and dtypes checked against the config from the files' headers, no
-    tensor read yet."""
+    file holding it: names, shapes and dtypes checked against the config from the headers, no tensor read."""
     config_path = hf_dir / HF_CONFIG
     if not config_path.is_file():
         raise HFError(f"{config_path} does not exist: {hf_dir} is not a Hugging Face model directory.")
@@ -174,14 +173,12 @@ def read_as_run(hf_dir: Path, out: Path | None = None) -> tuple[Config, dict[str
     state = from_hf({name: f.get_tensor(name) for name, f in handles.items()}, cfg)
     out = out or hf_dir
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    tokenizer = hf_dir / TOKENIZER_FILE
+    tokenizer = str(out / TOKENIZER_FILE) if (hf_dir / TOKENIZER_FILE).is_file() else None
     config = load_config_dict(
         {
             "general": {"run": out.name},
             "model": {"model_config": cfg.model_dump(), "dtype": dtype if dtype in DTYPES else "float32"},
-            "tokenizer": {
-                "tokenizer_name_or_path": str(out / TOKENIZER_FILE) if tokenizer.is_file() else None
-            },
+            "tokenizer": {"tokenizer_name_or_path": tokenizer},
             "tokens": {"sequence_length": min(cfg.max_position_embeddings, 4096), "train_steps": 1},
             "data": {"dataset_folder": "set data.dataset_folder to your tokenized data to train this model"},
             "logging": {"output_dir": str(out.parent)},
@@ -263,11 +260,8 @@ def _special_tokens(path: Path) -> dict[str, int]:
     """bos/eos ids for config.json, from the tokenizer's special tokens (none without a tokenizer)."""
     if not path.is_file():
         return {}
-    special = {
-        t.content: i
-        for i, t in Tokenizer.from_file(str(path)).get_added_tokens_decoder().items()
-        if t.special
-    }
+    added = Tokenizer.from_file(str(path)).get_added_tokens_decoder()
+    special = {t.content: i for i, t in added.items() if t.special}
     found = {}
     for key, pattern in (
         ("bos_token_id", r"<s>|<\|begin_of_text\|>|<bos>"),
@@ -281,17 +275,14 @@ def _special_tokens(path: Path) -> dict[str, int]:
 
 def _hf_config(config: Config, cfg: LlamaConfig, dtype: str, tokens: dict[str, int]) -> dict[str, Any]:
     scaling = cfg.rope_scaling.model_dump(exclude={"rope_type"}) if cfg.rope_scaling else {}
+    kind = "llama3" if scaling else "default"
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         **{key: getattr(cfg, key) for key in FIELDS},
         "rope_theta": cfg.rope_theta,  # transformers 4.x reads these two, 5.x rope_parameters
         "rope_scaling": {"rope_type": "llama3", **scaling} if scaling else None,
-        "rope_parameters": {
-            "rope_theta": cfg.rope_theta,
-            "rope_type": "llama3" if scaling else "default",
-            **scaling,
-        },
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": kind, **scaling},
         "head_dim": cfg.head_dim,
         "attention_bias": False,
         "mlp_bias": False,

@@ -61,11 +61,10 @@ class HFFiles:
         pieces = []
         for row in range(starts[0] - starts[0] % head, stops[0], head):  # one head's rows at a time
             kv, part = divmod(row // head, group + 2)
-            hf_name, first = (
-                (prefix + "q_proj.weight", (kv * group + part) * head)
-                if part < group
-                else (prefix + ("k_proj.weight" if part == group else "v_proj.weight"), kv * head)
-            )
+            if part < group:
+                hf_name, first = prefix + "q_proj.weight", (kv * group + part) * head
+            else:
+                hf_name, first = prefix + ("k_proj.weight" if part == group else "v_proj.weight"), kv * head
             low, high = max(row, starts[0]) - row, min(row + head, stops[0]) - row
             pieces.append(self._rows(hf_name, first + low, first + high, columns))
         return torch.cat(pieces)

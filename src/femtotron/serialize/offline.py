@@ -55,9 +55,8 @@ def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
             shutil.copyfile(directory / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
             records.append(file_record(tmp / TOKENIZER_FILE))
         # The run state as saved; build_manifest and commit write the rest again (format, files, rng...).
-        state = {
-            k: v for k, v in manifest.items() if k not in ("format", "version", "files", "tensors", "rng")
-        }
+        rewritten = ("format", "version", "files", "tensors", "rng")
+        state = {k: v for k, v in manifest.items() if k not in rewritten}
         state.update(mesh=mesh_of(config), world_size=len(records), config=config.to_dict())
         commit(tmp, final, state, records)
     return final
@@ -66,17 +65,8 @@ def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
 def rank_slices(config: Config, rank: int, reader: CheckpointReader) -> list:
     """What `rank` of `config`'s mesh would save, with the values read from `reader`."""
     model = meta_rank_model(config, rank)
-    return [
-        (
-            f"{kind}/{saved.name}",
-            saved.shape,
-            saved.place.target,
-            reader.read(f"{kind}/{saved.name}", saved.place.target),
-        )
-        for saved in saved_slices(model)
-        for kind in KINDS
-        if reader.has(f"{kind}/{saved.name}")
-    ]
+    named = [(f"{kind}/{saved.name}", saved) for saved in saved_slices(model) for kind in KINDS]
+    return [(n, s.shape, s.place.target, reader.read(n, s.place.target)) for n, s in named if reader.has(n)]
 
 
 def consolidate(source: Path, out: Path, with_optimizer: bool = False) -> Path:

@@ -60,21 +60,17 @@ def save_weights(ctx: ParallelContext, model: RankModel, run_dir: Path, log: Run
     """Full-shape weights, gathered over tp. With pp > 1 each stage writes its own part (no stage holds all
     the weights) and rank 0 lists them in model-parts.json."""
     weights = {n: full_tensor(p, p.shard, model.tp).cpu().contiguous() for n, p in model.named_parameters()}
-    parts = (
-        [WEIGHTS_FILE]
-        if ctx.pp == 1
-        else [f"model-pp{p:02d}-of-{ctx.pp:02d}.safetensors" for p in range(ctx.pp)]
-    )
+    parts = [WEIGHTS_FILE]
+    if ctx.pp > 1:
+        parts = [f"model-pp{p:02d}-of-{ctx.pp:02d}.safetensors" for p in range(ctx.pp)]
     if ctx.dp_rank == 0 and ctx.tp_rank == 0:
         with atomic_path(run_dir / parts[ctx.pp_rank if ctx.pp > 1 else 0]) as tmp:
             save_file(weights, tmp)
     ctx.comm.barrier(ctx.mp_group)  # rank 0's model-parallel group holds every writer
     if ctx.rank == 0:
         write_parts(run_dir, parts)
-        log.info(
-            f"saved weights to {run_dir / parts[0]}"
-            + (f" and {len(parts) - 1} more parts" if len(parts) > 1 else "")
-        )
+        more = f" and {len(parts) - 1} more parts" if len(parts) > 1 else ""
+        log.info(f"saved weights to {run_dir / parts[0]}{more}")
     return run_dir / parts[0]
 
 

@@ -58,6 +58,9 @@ class Transfer:
     what: str
 
 
+Send = tuple[torch.Tensor, Transfer]  # a tensor to send, and where to
+
+
 class PipelineP2P:
     """Point-to-point with the neighbouring pp ranks for tensors of one shape and dtype; peers named by pp
     rank, each reached through its `PipeLink`."""
@@ -81,8 +84,7 @@ class PipelineP2P:
         return self.comm.start_p2p(kind, tensor, link.rank, group, tag)
 
     def handshake(self, neighbours: list[int]) -> None:
-        """Exchange the transfer shape and dtype with the neighbouring pp ranks; raise on disagreement
-        (P1)."""
+        """Exchange the transfer shape and dtype with the neighbouring pp ranks; raise if they differ (P1)."""
         neighbours = sorted(set(neighbours) - {self.pp_rank})
         if not neighbours:
             return
@@ -104,9 +106,7 @@ class PipelineP2P:
                     "model.model_config.hidden_size, model.dtype, parallelism.tp and tp_mode)."
                 )
 
-    def exchange(
-        self, send: tuple[torch.Tensor, Transfer] | None, recv: Transfer | None
-    ) -> PendingRecv | None:
+    def exchange(self, send: Send | None, recv: Transfer | None) -> PendingRecv | None:
         """Start sending `send` and receiving `recv`; returns the receive to `take` later."""
         if send is not None:
             tensor, to = send

@@ -32,16 +32,10 @@ class Stage:
     parameters: int = 0  # how many parameters it holds (memory, M3); a tied head's copy counts
 
     def describe(self) -> str:
-        parts = (
-            (["embedding"] if self.embedding else [])
-            + [
-                f"layer {self.layers.start}"
-                if len(self.layers) == 1
-                else f"layers {self.layers.start}-{self.layers.stop - 1}"
-            ]
-            + (["final norm + LM head"] if self.head else [])
-        )
-        return " + ".join(parts)
+        first, last = self.layers.start, self.layers.stop - 1
+        parts = ["embedding"] if self.embedding else []
+        parts.append(f"layer {first}" if first == last else f"layers {first}-{last}")
+        return " + ".join(parts + (["final norm + LM head"] if self.head else []))
 
 
 def partition(cfg: LlamaConfig, sequence_length: int, stages: int) -> list[Stage]:

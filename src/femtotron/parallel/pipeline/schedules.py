@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from femtotron.data.nanoset import MicroBatch
-from femtotron.parallel.pipeline.p2p import PendingRecv, PipelineP2P, Transfer
+from femtotron.parallel.pipeline.p2p import PendingRecv, PipelineP2P, Send, Transfer
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,7 @@ class Action:
 
 
 def afab(pp: int, rank: int, micro_batches: int) -> list[Action]:
-    return [Action("F", mb, 0) for mb in range(micro_batches)] + [
-        Action("B", mb, 0) for mb in range(micro_batches)
-    ]
+    return [Action(kind, mb, 0) for kind in "FB" for mb in range(micro_batches)]
 
 
 def one_f_one_b(pp: int, rank: int, micro_batches: int) -> list[Action]:
@@ -87,9 +85,6 @@ def forward_only(micro_batches: int, chunks: int) -> list[Action]:
     return [Action("F", mb, chunk) for mb in range(micro_batches) for chunk in range(chunks)]
 
 
-Send = tuple[torch.Tensor, Transfer]
-
-
 class Pipeline:
     """Runs one rank's part of a schedule: its model chunks, the transfers, the loss on the last stage.
 
@@ -102,9 +97,7 @@ class Pipeline:
         self.stages = pp * len(chunks)
         self.current = Action("F", 0, 0)
         # Stage s talks to stages s - 1 and s + 1: with interleaving that wraps around the pp ranks.
-        neighbours = (
-            [pp_rank - 1, pp_rank + 1] if len(chunks) == 1 else [(pp_rank - 1) % pp, (pp_rank + 1) % pp]
-        )
+        neighbours = [(pp_rank + d) % pp if len(chunks) > 1 else pp_rank + d for d in (-1, 1)]
         p2p.handshake([p for p in neighbours if 0 <= p < pp])
 
     def stage_of(self, chunk: int) -> int:
@@ -184,11 +177,8 @@ class Pipeline:
         output = self.chunks[action.chunk].run_stage(inputs, batch.targets, batch.placement)
         if stage == self.stages - 1:
             return inputs, output, None
-        return (
-            inputs,
-            output,
-            (output, Transfer((stage + 1) % self.pp, self.tag(mb, stage, gradient=False), "activations")),
-        )
+        to = Transfer((stage + 1) % self.pp, self.tag(mb, stage, gradient=False), "activations")
+        return inputs, output, (output, to)
 
     def backward(
         self, action: Action, inputs: torch.Tensor, output: torch.Tensor, received: PendingRecv | None
@@ -200,6 +190,5 @@ class Pipeline:
             torch.autograd.backward(output, self.p2p.take(received))
         if stage == 0:
             return None
-        return inputs.grad, Transfer(
-            (stage - 1) % self.pp, self.tag(mb, stage - 1, gradient=True), "gradients"
-        )
+        to = Transfer((stage - 1) % self.pp, self.tag(mb, stage - 1, gradient=True), "gradients")
+        return inputs.grad, to
