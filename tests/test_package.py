@@ -149,9 +149,9 @@ def test_D4_the_core_stays_small_enough_to_read():
     # ~6240; a review then took out ~290 lines (repeated docstrings, over-split expressions, test-only
     # methods moved to the tests, check-tp's and the bubble's helpers moved to diagnostics). Context
     # parallelism and document masking (issue 16) took it to ~6340; a second review took out ~230 (docstrings
-    # to one line, expressions the formatter had split, a few helpers inlined) to ~6105. MoE raises it as it
-    # adds, within 6,500.
-    assert lines < 6110, lines
+    # to one line, expressions the formatter had split, a few helpers inlined) to ~6105; the written-out
+    # attention blocks taken a chunk of rows at a time made it ~6125. MoE raises it as it adds, within 6,500.
+    assert lines < 6130, lines
 
 
 def test_every_failure_mode_has_a_test_named_after_it():

@@ -100,7 +100,7 @@ def attention_with_lse(
         mask = None if allowed is None else _additive(allowed, q.dtype)
         out, lse = _CPU_FLASH(q, k, v, 0.0, causal, attn_mask=mask)
         if allowed is not None:  # the kernel gives a query that sees nothing a log-sum-exp of 0
-            seen = _visible(allowed, causal, q.shape[-2], k.shape[-2], q.device).any(-1)
+            seen = _visible(allowed, causal, slice(0, q.shape[-2]), k.shape[-2], q.device).any(-1)
             lse = lse.masked_fill(~seen, float("-inf"))
         return out, lse
     return math_attention_with_lse(q, k, v, causal, allowed)
@@ -126,8 +126,13 @@ def attention_with_lse_backward(
 def math_attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, allowed: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    probabilities, lse = _probabilities(q, k, causal, allowed)
-    return (probabilities @ _grouped(v, q).float()).to(q.dtype), lse
+    """`attention_with_lse` written out, SCORES_PER_CHUNK query rows' scores at a time."""
+    outs, lses = [], []
+    for rows in _row_chunks(q, k):
+        probabilities, lse = _probabilities(q[:, :, rows], k, causal, allowed, rows)
+        outs.append((probabilities @ _grouped(v, q).float()).to(q.dtype))
+        lses.append(lse)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
 def math_attention_with_lse_backward(
@@ -140,16 +145,30 @@ def math_attention_with_lse_backward(
     causal: bool,
     allowed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flash attention's backward by autograd: with the softmax normalised by the merged `lse` (held fixed),
-    the scores' gradient P * (dP - rowsum(dO * O)) is that of dO . (P V) - rowsum(dO * O) . rowsum(P)."""
-    with torch.enable_grad():
-        inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
-        probabilities, _ = _probabilities(*inputs[:2], causal, allowed, lse)
-        grad_out, delta = grad_out.float(), (grad_out.float() * out.float()).sum(-1, keepdim=True)
-        weighted = probabilities @ _grouped(inputs[2], q)
-        objective = (grad_out * weighted).sum() - (delta * probabilities).sum()
-        grads = torch.autograd.grad(objective, inputs)
-    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
+    """Flash attention's backward by autograd, a chunk of query rows at a time: with the softmax normalised by
+    the merged `lse` (held fixed), the scores' gradient P * (dP - rowsum(dO * O)) is that of
+    dO . (P V) - rowsum(dO * O) . rowsum(P)."""
+    keys = [t.detach().float().requires_grad_() for t in (k, v)]  # their gradients add up over the chunks
+    grad_q = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for rows in _row_chunks(q, k):
+        grad = grad_out[:, :, rows].float()
+        delta = (grad * out[:, :, rows].float()).sum(-1, keepdim=True)
+        with torch.enable_grad():
+            queries = q[:, :, rows].detach().float().requires_grad_()
+            probabilities, _ = _probabilities(queries, keys[0], causal, allowed, rows, lse[:, :, rows])
+            weighted = probabilities @ _grouped(keys[1], q)
+            ((grad * weighted).sum() - (delta * probabilities).sum()).backward()
+        grad_q[:, :, rows] = queries.grad
+    return grad_q.to(q.dtype), keys[0].grad.to(k.dtype), keys[1].grad.to(v.dtype)
+
+
+# The written-out blocks hold (batch, heads, rows, keys) fp32 scores: at most this many at once (256 MiB).
+SCORES_PER_CHUNK = 2**26
+
+
+def _row_chunks(q: torch.Tensor, k: torch.Tensor) -> list[slice]:
+    rows = max(1, SCORES_PER_CHUNK // (q.shape[0] * q.shape[1] * k.shape[-2]))
+    return [slice(first, min(first + rows, q.shape[-2])) for first in range(0, q.shape[-2], rows)]
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -157,12 +176,14 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _visible(
-    allowed: torch.Tensor | None, causal: bool, queries: int, keys: int, device: torch.device
+    allowed: torch.Tensor | None, causal: bool, rows: slice, keys: int, device: torch.device
 ) -> torch.Tensor | None:
-    """Which query sees which key: `allowed` (None: every one), under the causal mask up to its own."""
+    """Which query of `rows` sees which key: `allowed` (None: every one), under the causal mask up to its
+    own position."""
+    allowed = None if allowed is None else allowed[..., rows, :]
     if not causal:
         return allowed
-    tril = torch.ones(queries, keys, dtype=torch.bool, device=device).tril()
+    tril = torch.ones(rows.stop - rows.start, keys, dtype=torch.bool, device=device).tril(rows.start)
     return tril if allowed is None else allowed & tril
 
 
@@ -171,15 +192,17 @@ def _grouped(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def _probabilities(
-    q: torch.Tensor,
+    queries: torch.Tensor,
     k: torch.Tensor,
     causal: bool,
     allowed: torch.Tensor | None,
+    rows: slice,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax probabilities (fp32) of one block, normalised by `lse` when given (else its own), and lse."""
-    scores = q.float() @ _grouped(k, q).float().transpose(-1, -2) * q.shape[-1] ** -0.5
-    allowed = _visible(allowed, causal, *scores.shape[-2:], q.device)
+    """Softmax probabilities (fp32) of the block's query `rows` (`queries`), normalised by `lse` when given
+    (else their own), and that lse."""
+    scores = queries.float() @ _grouped(k, queries).float().transpose(-1, -2) * queries.shape[-1] ** -0.5
+    allowed = _visible(allowed, causal, rows, k.shape[-2], queries.device)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     lse = scores.logsumexp(-1) if lse is None else lse
