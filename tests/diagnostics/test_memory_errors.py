@@ -160,3 +160,20 @@ def test_M2_expandable_segments_are_set_unless_the_user_chose(
         == 0
     )
     assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == expected
+
+
+def test_with_long_sequences_the_advice_includes_context_parallelism(tiny_config):
+    """From 4096 tokens on, activations are what to split: cp doubles; ZeRO-1's share counts dp x cp."""
+    from femtotron.diagnostics import failures
+
+    config = tiny_config(
+        "tokens.sequence_length=4096",
+        "model.model_config.max_position_embeddings=4096",
+        "parallelism.dp=2",
+        "parallelism.cp=2",
+    )
+    rank = SimpleNamespace(rank=0, dp=2, device=torch.device("cpu"))
+    error = RuntimeError("DefaultCPUAllocator: can't allocate memory")
+    message = str(failures.out_of_memory(error, config, rank, 1, "the forward", {"params": 2**20}))
+    assert "parallelism.cp=4 (each rank holds 1/cp of every sequence's activations)" in message
+    assert "optimizer.zero_stage=1 (master weights and Adam moments / dp x cp = 4)" in message

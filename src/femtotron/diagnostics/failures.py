@@ -73,9 +73,9 @@ def out_of_memory(
     model_state: dict[str, int],
 ) -> OutOfMemory:
     """`where`: the pass, micro-batch and stage it ran out in; `model_state`: this rank's bytes by kind."""
-    rank, dp, device = ctx.rank, ctx.dp, ctx.device
-    state = ", ".join(f"{key.replace('_', ' ')} {human(value)}" for key, value in model_state.items())
     tokens, par = config.tokens, config.parallelism
+    rank, dp, device = ctx.rank, ctx.dp * par.cp, ctx.device
+    state = ", ".join(f"{key.replace('_', ' ')} {human(value)}" for key, value in model_state.items())
     fixes = [
         f"tokens.micro_batch_size={max(tokens.micro_batch_size // 2, 1)} (activations scale with it; raise "
         "batch_accumulation_per_replica to keep the batch)"
@@ -85,7 +85,12 @@ def out_of_memory(
     if not par.recompute_layer:
         fixes.append("parallelism.recompute_layer=true (76-90% fewer saved activations, ~25% more compute)")
     if config.optimizer.zero_stage == 0 and dp > 1:
-        fixes.append(f"optimizer.zero_stage=1 (master weights and Adam moments / dp={dp})")
+        over = f"dp={dp}" if par.cp == 1 else f"dp x cp = {dp}"
+        fixes.append(f"optimizer.zero_stage=1 (master weights and Adam moments / {over})")
+    if (
+        tokens.sequence_length >= 4096
+    ):  # long sequences: their activations are what context parallelism splits
+        fixes.append(f"parallelism.cp={par.cp * 2} (each rank holds 1/cp of every sequence's activations)")
     fixes.append(f"parallelism.tp={par.tp * 2} or parallelism.pp={par.pp * 2} (fewer parameters per rank)")
     gap = (
         ""
