@@ -128,7 +128,7 @@ class SleepChunk(nn.Module):
         self.first, self.last, self.shape = first, last, shape
         self.forward_s, self.backward_s, self.clock = forward_s, backward_s, clock
 
-    def run_stage(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def run_stage(self, inputs: torch.Tensor, targets: torch.Tensor, placement: None = None) -> torch.Tensor:
         # The first stage gets token ids; it makes up activations of the transferred shape instead.
         x = torch.zeros(self.shape, requires_grad=True) if self.first else inputs
         out = _Sleep.apply(x, self.forward_s, self.backward_s, self.clock)
