@@ -23,6 +23,7 @@ from femtotron.data.indexed import IndexedDatasetWriter
 from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch
 from femtotron.diagnostics.check_tp import full_gradients
 from femtotron.models.llama import Llama
+from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.tensor_parallel import TensorParallel, full_tensor
 from femtotron.trainer import Trainer
 
@@ -251,6 +252,19 @@ def record_steps(config, ctx, steps: int = 3, prepare=None) -> Steps:
     results = [trainer.train_step() for _ in range(steps)]
     updates = {n: w - initial[n] for n, w in full(trainer.optimizer.full_masters()).items()}
     return Steps(loss, grads, [r.loss for r in results], [r.grad_norm for r in results], updates)
+
+
+def record_cases(rank, cases) -> list[Steps]:
+    """On every rank of one layout (the first config's parallelism), `record_steps` of each (config, bf16
+    path) in turn."""
+    par = cases[0][0].parallelism
+    ctx = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, collective_timeout_seconds=60)
+    out = []
+    for config, native in cases:
+        with precision_path(native):
+            out.append(record_steps(config, ctx))
+    ctx.close()
+    return out
 
 
 def mask_unevenly(trainer) -> None:

@@ -19,6 +19,7 @@ from helpers import (
     build_llama,
     llama_config,
     precision_path,
+    record_cases,
     record_steps,
 )
 from tokenizers import Tokenizer, models
@@ -202,21 +203,6 @@ def documents_config(tiny_config, tmp_path):
     return make
 
 
-def _layout(config) -> dict[str, int]:
-    par = config.parallelism
-    return dict(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
-
-
-def _cases(rank, cases):
-    ctx = ParallelContext(**_layout(cases[0][0]), collective_timeout_seconds=60)
-    out = []
-    for config, native in cases:
-        with precision_path(native):
-            out.append(record_steps(config, ctx))
-    ctx.close()
-    return out
-
-
 BASE = (
     "model.model_config.num_hidden_layers=4",
     "parallelism.dp_bucket_size_mb=0.02",
@@ -243,8 +229,8 @@ def _check(make, per_layout):
         configs = [
             (_case(make, dtype, native, *layout, *extra, dp=dp), native) for dtype, native, extra in cases
         ]
-        world = int(np.prod(list(_layout(configs[0][0]).values())))
-        per_rank = run_ranks(_cases, world, configs, timeout=300)
+        world = configs[0][0].parallelism.world_size
+        per_rank = run_ranks(record_cases, world, configs, timeout=300)
         for index, ((_, native), (dtype, _, extra)) in enumerate(zip(configs, cases, strict=True)):
             with precision_path(native):
                 reference = record_steps(_case(make, dtype, native, *extra), ParallelContext())

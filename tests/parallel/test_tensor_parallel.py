@@ -16,6 +16,7 @@ from helpers import (
     loss_and_grads,
     precision_path,
     random_batch,
+    record_cases,
     record_steps,
 )
 
@@ -68,16 +69,6 @@ def test_tensor_parallel_model_equals_one_device(tp_size, kv_heads):
     run_ranks(_compare_models, tp_size, tp_size, kv_heads, timeout=240)
 
 
-def _train_cases(rank, cases):
-    ctx = ParallelContext(tp=cases[0][0].parallelism.tp, collective_timeout_seconds=60)
-    out = []
-    for config, native in cases:
-        with precision_path(native):
-            out.append(record_steps(config, ctx))
-    ctx.close()
-    return out
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_three_optimizer_steps_equal_one_device(tiny_config, tp_size):
@@ -113,7 +104,7 @@ def test_three_optimizer_steps_equal_one_device(tiny_config, tp_size):
                 native,
             )
         )
-    results = run_ranks(_train_cases, tp_size, cases, timeout=240)
+    results = run_ranks(record_cases, tp_size, cases, timeout=240)
     for (config, _), (reference, exact), got in zip(cases, references, results[0], strict=True):
         assert_steps_match(got, reference, exact, label=config.general.run)
     # Every tp rank ends with the same full weights.

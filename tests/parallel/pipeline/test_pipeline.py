@@ -7,22 +7,12 @@ import functools
 import pytest
 import torch
 from distributed import RankFailed, run_ranks
-from helpers import SMOOTH_ADAM, Steps, assert_steps_match, precision_path, record_steps
+from helpers import SMOOTH_ADAM, Steps, assert_steps_match, precision_path, record_cases, record_steps
 
 from femtotron.errors import DistributedError
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.pipeline.p2p import PipelineP2P, Transfer
 from femtotron.trainer import Trainer
-
-
-def _cases(rank, world, tp, cases):
-    ctx = ParallelContext(tp=tp, pp=world // tp, collective_timeout_seconds=60)
-    out = []
-    for config, native in cases:
-        with precision_path(native):
-            out.append(record_steps(config, ctx))
-    ctx.close()
-    return out
 
 
 def case_config(
@@ -119,7 +109,7 @@ def test_P3_pipeline_equals_one_process(tiny_config, pp, tp):
                 native,
             )
         )
-    per_rank = run_ranks(_cases, pp * tp, pp * tp, tp, cases, timeout=300)
+    per_rank = run_ranks(record_cases, pp * tp, cases, timeout=300)
     for index, ((config, _), (reference, exact)) in enumerate(zip(cases, expected, strict=True)):
         assert_steps_match(
             functools.reduce(Steps.merge, [rank[index] for rank in per_rank]),
