@@ -64,9 +64,10 @@ class ContextParallel:
         return received
 
     def finish_sends(self, shifts: list[tuple[torch.Tensor, Work | None, Work | None]]) -> None:
-        for tensor, _, send in shifts:
+        # The record names the received buffer: what was sent had its shape and dtype.
+        for received, _, send in shifts:
             if send is not None:
-                self.comm.wait(send, self.links[0], tensor, self.links[0].ranks[1], kind="send")
+                self.comm.wait(send, self.links[0], received, self.links[0].ranks[1], kind="send")
 
 
 def zigzag_indices(length: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
