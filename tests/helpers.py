@@ -241,7 +241,7 @@ def record_steps(config, ctx, steps: int = 3, prepare=None) -> Steps:
 
     def full(tensors):
         return {
-            n: full_tensor(t, p.shard, trainer.tp).float().clone()
+            n: full_tensor(t, p.shard, trainer.tp, trainer.model.ep.group).float().clone()
             for (n, p), t in zip(named, tensors, strict=True)
         }
 
@@ -258,7 +258,7 @@ def record_cases(rank, cases) -> list[Steps]:
     """On every rank of one layout (the first config's parallelism), `record_steps` of each (config, bf16
     path) in turn."""
     par = cases[0][0].parallelism
-    ctx = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, collective_timeout_seconds=60)
+    ctx = ParallelContext(par.dp, par.tp, par.pp, par.cp, par.ep, collective_timeout_seconds=60)
     out = []
     for config, native in cases:
         with precision_path(native):

@@ -14,10 +14,12 @@ from torch import nn
 
 from femtotron.config import Config
 from femtotron.models.llama import Llama
+from femtotron.models.moe import RouterStats
 from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.context import ParallelContext, coordinates_of
 from femtotron.parallel.context_parallel import ContextParallel
-from femtotron.parallel.data_parallel import DataParallel
+from femtotron.parallel.data_parallel import DataParallel, Replicas
+from femtotron.parallel.expert_parallel import ExpertParallel
 from femtotron.parallel.pipeline.p2p import PipelineP2P
 from femtotron.parallel.pipeline.partition import Stage, partition
 from femtotron.parallel.pipeline.schedules import Pipeline
@@ -38,6 +40,8 @@ class RankModel:
     # tp-replicated parameter on tp rank 0 only, a tied embedding on the first stage only).
     counted: list[bool]
     tied_embedding: int | None  # the index of a tied embedding shared between first and last stage
+    ep: ExpertParallel
+    router_stats: RouterStats | None  # what this rank's MoE layers routed in a step (None: a dense model)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters over all its chunks, by their names in the whole model."""
@@ -52,7 +56,9 @@ def build_rank_model(config: Config, ctx: ParallelContext) -> RankModel:
     """This process's part of the model, on its device, talking over its groups."""
     tp = tensor_parallel(config, ctx.comm, ctx.tp_group, ctx.tp_rank)
     cp = ContextParallel(ctx.comm, ctx.cp_group, ctx.cp_rank, ctx.cp_links)
-    return _build(config, tp, cp, ctx.pp_rank, ctx.comm, ctx.dp_cp_group, ctx.dp_cp_rank, ctx.device)
+    ep = ExpertParallel(ctx.comm, ctx.ep_group, ctx.ep_rank)
+    replicas = Replicas(ctx.dp_cp_group, ctx.dp_cp_rank), Replicas(ctx.edp_group, ctx.edp_rank)
+    return _build(config, (tp, cp, ep), ctx.pp_rank, ctx.comm, replicas, ctx.device)
 
 
 def meta_rank_model(config: Config, rank: int) -> RankModel:
@@ -61,28 +67,31 @@ def meta_rank_model(config: Config, rank: int) -> RankModel:
     at = coordinates_of(rank, par.dp, par.tp, par.cp)
     tp = tensor_parallel(config, Comm(), Group("tp", tuple(range(par.tp))), at.tp_rank)
     cp = ContextParallel(Comm(), Group("cp", tuple(range(par.cp))), at.cp_rank)
-    replicas = Group("dp", tuple(range(par.dp * par.cp)))
     replica = at.dp_rank * par.cp + at.cp_rank
-    return _build(config, tp, cp, at.pp_rank, Comm(), replicas, replica, torch.device("meta"))
+    ep = ExpertParallel(Comm(), Group("ep", tuple(range(par.ep))), replica % par.ep)
+    dense = Replicas(Group("dp", tuple(range(par.dp * par.cp))), replica)
+    experts = Replicas(Group("edp", tuple(range(par.dp * par.cp // par.ep))), replica // par.ep)
+    return _build(config, (tp, cp, ep), at.pp_rank, Comm(), (dense, experts), torch.device("meta"))
 
 
 def _build(
     config: Config,
-    tp: TensorParallel,
-    cp: ContextParallel,
+    parallel: tuple[TensorParallel, ContextParallel, ExpertParallel],
     pp_rank: int,
     comm: Comm,
-    dp_group: Group,
-    dp_rank: int,
+    replicas: tuple[Replicas, Replicas],
     device: torch.device,
 ) -> RankModel:
-    """`dp_group`: the ranks whose gradients are summed (dp x cp), `dp_rank` this rank's place in it."""
+    """`replicas`: the ranks whose gradients are summed (dp x cp) and this rank's place among them; for the
+    experts (dp x cp / ep)."""
+    (tp, cp, ep), (dense, experts) = parallel, replicas
     mcfg, par = config.model.model_config_, config.parallelism
     dtype = DTYPES[config.model.dtype]
     # Virtual stage s runs on pp rank s % pp as its chunk s // pp (one chunk unless interleaved).
     stages = partition(mcfg, config.tokens.sequence_length, par.pp * par.pp_virtual_stages)
     common = dict(std=config.model.init_method.std, seed=config.general.seed, dtype=dtype, device=device)
-    common |= dict(tp=tp, cp=cp, recompute_layer=par.recompute_layer)
+    stats = RouterStats(mcfg, device) if mcfg.moe else None
+    common |= dict(tp=tp, cp=cp, ep=ep, recompute_layer=par.recompute_layer, router_stats=stats)
     chunks = [Llama(mcfg, **common, stage=stages[c * par.pp + pp_rank]) for c in range(par.pp_virtual_stages)]
     named = [item for chunk in chunks for item in chunk.named_parameters()]
     replicated = [split_dim(p.shard) is None for _, p in named]
@@ -97,15 +106,16 @@ def _build(
         named,
         bucket_groups(chunks, tied_copy),
         comm,
-        dp_group,
-        dp_rank,
+        dense.group,
+        dense.rank,
         micro_batches=config.tokens.batch_accumulation_per_replica,
         bucket_mb=par.dp_bucket_size_mb,
         grad_dtype=torch.float32 if config.optimizer.accumulate_grad_in_fp32 else dtype,
         sharded=config.optimizer.zero_stage == 1,
+        expert_replicas=experts if ep.size > 1 else None,
     )
     tied = tied_copy.index(True) if any(tied_copy) else None
-    return RankModel(stages, chunks, tp, data_parallel, replicated, counted, tied)
+    return RankModel(stages, chunks, tp, data_parallel, replicated, counted, tied, ep, stats)
 
 
 def build_pipeline(config: Config, ctx: ParallelContext, model: RankModel) -> Pipeline:
@@ -120,14 +130,17 @@ def build_pipeline(config: Config, ctx: ParallelContext, model: RankModel) -> Pi
 
 
 def bucket_groups(chunks: list[Llama], own_bucket: list[bool]) -> list[list[int]]:
-    """Parameter indices in the order backward produces their gradients: each chunk's, last layer first.
-    A tied embedding gets a bucket of its own, laid out alike on the first and last stage, so the gradient
-    pieces each rank owns after the dp reduction match across the embedding group."""
+    """Parameter indices in the order backward produces their gradients: each chunk's, last layer first, its
+    experts' in buckets of their own (reduced over other ranks). A tied embedding gets a bucket of its own,
+    laid out alike on the first and last stage, so the gradient pieces each rank owns after the dp reduction
+    match across the embedding group."""
     groups, first = [], 0
     for chunk in chunks:
-        count = len(list(chunk.parameters()))
-        backward_order = list(range(first + count - 1, first - 1, -1))
-        groups.append([i for i in backward_order if not own_bucket[i]])
+        params = list(chunk.parameters())
+        backward_order = list(range(first + len(params) - 1, first - 1, -1))
+        experts = {first + i for i, p in enumerate(params) if p.shard.experts}
+        groups.append([i for i in backward_order if not own_bucket[i] and i not in experts])
+        groups.append([i for i in backward_order if i in experts])
         groups += [[i] for i in backward_order if own_bucket[i]]
-        first += count
+        first += len(params)
     return [group for group in groups if group]

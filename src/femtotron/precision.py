@@ -65,6 +65,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows [ends[g - 1], ends[g]) of `x` times weight[g]^T for each group g (a layer's experts) in one
+    grouped GEMM: on CPUs in any dtype, on GPUs (and the meta device) in bf16, which is what torch's kernel
+    takes there; in other dtypes there (and rows not a multiple of 16 bytes) it is a loop over the groups."""
+    if emulated_low_precision(x):
+        return grouped_linear(x.float(), weight.float(), ends).to(x.dtype)
+    aligned = all(n * x.element_size() % 16 == 0 for n in weight.shape[-2:])  # the kernel's rule
+    if aligned and (on_this_cpu(x) and not x.is_meta or x.dtype == torch.bfloat16):
+        out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends.to(device=x.device, dtype=torch.int32))
+        if out.requires_grad:  # its backward takes only a contiguous gradient
+            out.register_hook(torch.Tensor.contiguous)
+        return out
+    rows = torch.diff(ends.cpu(), prepend=ends.new_zeros(1).cpu()).tolist()
+    return torch.cat([F.linear(part, w) for part, w in zip(x.split(rows), weight, strict=True)])
+
+
 def attention_dtype(q: torch.Tensor) -> torch.dtype:
     """What attention computes in: bf16/fp16 on GPUs and on CPUs whose attention kernel runs them fast."""
     if q.dtype != torch.float32 and on_this_cpu(q) and not (native_on_cpu and CPU_ATTENDS_IN_BF16):

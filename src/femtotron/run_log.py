@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,7 @@ class StepResult:
     comm_seconds: dict[str, float]  # group kind ("tp", "dp", ...) -> seconds in its collectives
     loss_scale: float | None = None  # fp16: the scale the next step uses (after this step's update)
     skipped: bool = False  # the optimizer step was skipped (fp16 overflow, or on_non_finite=skip)
+    moe: dict[str, float] = field(default_factory=dict)  # a mixture of experts' `moe/` metrics
 
 
 @dataclass
@@ -135,6 +136,7 @@ class StepLogger:
             "step_seconds": result.seconds,
             **memory_gib(self.device),
             **{f"{kind}_comm_share": s / result.seconds for kind, s in result.comm_seconds.items()},
+            **result.moe,
         }
         if skipped_steps is not None:
             record.update(loss_scale=result.loss_scale, skipped_steps=skipped_steps)
@@ -142,8 +144,10 @@ class StepLogger:
         comm = "".join(
             f" | {k.removesuffix('_comm_share')} comm {v:.0%}"
             for k, v in record.items()
-            if k.endswith("_comm_share") and k[:2] in ("tp", "cp", "dp", "pp")
+            if k.endswith("_comm_share") and k[:2] in ("tp", "cp", "dp", "pp", "ep")
         )
+        if result.moe:
+            comm += f" | moe aux {result.moe['moe/aux_loss']:.3f}"
         self.log.info(
             f"step {step}/{self.train_steps} | loss {result.loss:.4f} | lr {result.lr:.3e} | grad_norm "
             f"{result.grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s | {achieved / 1e12:.2f} TFLOP/s | MFU "

@@ -27,6 +27,7 @@ from femtotron.diagnostics.data_check import (
 from femtotron.diagnostics.loss_spikes import LossSpikes
 from femtotron.diagnostics.nan_origin import locate
 from femtotron.diagnostics.profiling import StepProfiler
+from femtotron.diagnostics.router_collapse import RouterCollapse
 from femtotron.diagnostics.watchdog import Watchdog
 from femtotron.errors import DataError, TrainingInterrupted, is_out_of_memory
 from femtotron.layout import DTYPES, build_pipeline, build_rank_model
@@ -75,9 +76,13 @@ class Trainer:
         params = [p for _, p in self.named_parameters()]
         self.optimizer = ZeroAdamW(params, self.data_parallel, config.optimizer)
         # The grad norm sums the pieces this rank owns over the model-parallel group, and under ZeRO-1,
-        # where each dp rank owns different pieces, over dp too.
-        self.counted_pieces = [self.model.counted[piece.param] for piece in self.data_parallel.pieces]
-        self.norm_groups = [ctx.mp_group] + ([ctx.dp_cp_group] if self.data_parallel.sharded else [])
+        # where each dp rank owns different pieces, over dp too; so does it under expert parallelism, where
+        # the ep ranks hold different experts (each piece then counts on one of its replicas).
+        once = self.data_parallel.counted_once() if ctx.ep > 1 else [True] * len(self.data_parallel.pieces)
+        counted = [self.model.counted[piece.param] for piece in self.data_parallel.pieces]
+        self.counted_pieces = [c and o for c, o in zip(counted, once, strict=True)]
+        over_dp = self.data_parallel.sharded or ctx.ep > 1
+        self.norm_groups = [ctx.mp_group] + ([ctx.dp_cp_group] if over_dp else [])
         # Under sequence parallelism each rank saw only its part of the sequence: the gradients of the
         # weights every tp rank holds whole (the norms) are summed over tp.
         sequence_parallel = self.tp.sequence_parallel and ctx.tp > 1
@@ -87,6 +92,8 @@ class Trainer:
         )
         self.last_checkpoint: Path | None = None
         self.spikes = LossSpikes()
+        mcfg = config.model.model_config_
+        self.router_collapse = RouterCollapse(mcfg) if mcfg.moe else None
         self.upcasts = emulated_low_precision(torch.empty(0, dtype=dtype, device=ctx.device))
         # MFU against the matmul the hardware runs: fp32 on a CPU without bf16 units (precision.py).
         fp32 = ctx.device.type == "cpu" and not CPU_MULTIPLIES_BF16
@@ -210,6 +217,7 @@ class Trainer:
         start, state, comm = time.perf_counter(), self.state, self.ctx.comm
         comm.new_step(state.step + 1)
         loss, tokens, grads = self.compute_gradients()
+        moe = self.router_metrics()
         lr = lr_at(state.step, self.config.optimizer.learning_rate_scheduler, self.config.tokens.train_steps)
         # fp16: back to true units before clipping; an overflow (agreed by every rank) with a finite loss
         # skips the step. A non-finite loss is a real divergence and is handled below.
@@ -232,7 +240,22 @@ class Trainer:
         comm.synchronize(self.ctx.device)  # the optimizer and ZeRO's all-gather are part of the step's time
         seconds, scale = time.perf_counter() - start, self.scaler.scale if self.scaler.enabled else None
         skipped = math.isinf(grad_norm)
-        return StepResult(loss, grad_norm, lr, tokens, seconds, comm.take_seconds(), scale, skipped)
+        return StepResult(loss, grad_norm, lr, tokens, seconds, comm.take_seconds(), scale, skipped, moe)
+
+    def router_metrics(self) -> dict[str, float]:
+        """A mixture of experts' step: its loads and router losses over every rank (metrics.jsonl), and a
+        warning for a layer whose router collapsed."""
+        stats, ctx = self.model.router_stats, self.ctx
+        if stats is None:
+            return {}
+        micro_batches = self.config.tokens.batch_accumulation_per_replica * ctx.dp
+        sp_group = ctx.tp_group if self.tp.sequence_parallel else None
+        metrics, loads = stats.step_metrics(
+            ctx.comm, [ctx.dp_cp_group, ctx.pp_group], sp_group, micro_batches
+        )
+        for warning in self.router_collapse.observe(loads):
+            self.log.warn(f"step {self.state.step + 1}: {warning}")
+        return metrics
 
     def skip_non_finite_step(self, loss: float, grad_norm: float) -> None:
         """The loss or gradient norm is inf/NaN: find the module it came from, then stop (or, with
@@ -279,6 +302,11 @@ class Trainer:
                 "data with `femtotron inspect-data CONFIG`."
             )
         # fp16: dividing by global_tokens / scale multiplies the loss, so every gradient, by the loss scale.
+        if (
+            self.model.router_stats is not None
+        ):  # the router losses: a mean over the global batch's micro-batches
+            micro_batches = self.config.tokens.batch_accumulation_per_replica * ctx.dp
+            self.model.router_stats.reset(self.scaler.scale / micro_batches)
         self.last_inputs = (micro_batches, count / self.scaler.scale)  # to run the step again (NaN origin)
         loss_sum = self.pipeline.train_step(*self.last_inputs)
         grads = self.reduce_gradients()

@@ -82,6 +82,48 @@ def test_llama3_rope_scaling_gives_transformers_logits_in_and_out(tmp_path):
         logits_close(back(ids).logits, hf(ids).logits)
 
 
+MOE = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, intermediate_size=32)),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64, qkv_bias=False),
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "kind, changes",
+    [("mixtral", {}), ("qwen2_moe", {"norm_topk_prob": False}), ("qwen2_moe", {"norm_topk_prob": True})],
+)
+def test_mixture_of_experts_models_give_transformers_logits_in_and_out(tmp_path, kind, changes):
+    """Mixtral (top-2 of 4 experts, renormalised) and Qwen2-MoE (shared experts with a sigmoid gate, top-k
+    probabilities as they are or renormalised), written by transformers in their checkpoints' per-expert
+    layout: femtotron's logits equal theirs, and the export is the same files, which transformers loads."""
+    import transformers
+
+    config_name, model_name, shape = MOE[kind]
+    model_class = getattr(transformers, model_name)
+    torch.manual_seed(0)
+    hf = model_class(getattr(transformers, config_name)(**{**SHAPE, **shape, **changes})).float().eval()
+    with torch.no_grad():  # weights large enough that the routing differs between tokens
+        for param in hf.parameters():
+            param.normal_(0.0, 0.1)
+    hf.save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "run")
+    config, ours = load_run(tmp_path / "run")
+    assert config.model.model_config_.moe.num_experts == 4
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 24))
+    export_hf(tmp_path / "run", tmp_path / "back", shard_bytes=30_000)
+    back = model_class.from_pretrained(tmp_path / "back").float().eval()
+    with torch.no_grad():
+        logits_close(ours.logits(ids), hf(ids).logits)
+        logits_close(back(ids).logits, hf(ids).logits)
+    original, exported = _tensors(tmp_path / "hf"), _tensors(tmp_path / "back")
+    assert original.keys() == exported.keys()
+    assert all(torch.equal(original[name], exported[name]) for name in original)
+
+
 def _tensors(directory):
     out = {}
     for file in directory.glob("*.safetensors"):
@@ -117,7 +159,7 @@ def test_an_export_from_a_checkpoint_saved_at_another_mesh_loads_in_transformers
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"attention_bias": True}, "attention_bias=True: femtotron's Llama has none"),
+        ({"attention_bias": True}, "attention_bias=True: femtotron's model has none"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}}, "rope type 'yarn'"),
         ({"architectures": ["MistralForCausalLM"]}, "architectures=['MistralForCausalLM']"),
     ],

@@ -55,6 +55,27 @@ class RopeScaling(_Section):
     original_max_position_embeddings: PositiveInt = 8192
 
 
+class MoEConfig(_Section):
+    """A mixture of experts in place of every layer's MLP (models/moe.py). Dropless unless capacity_factor."""
+
+    num_experts: PositiveInt = 8
+    num_experts_per_tok: PositiveInt = 2  # top-k
+    intermediate_size: PositiveInt = 14336  # each expert's FFN size
+    # Experts every token goes through, fused into one MLP of num_shared_experts * intermediate_size
+    # (DeepSeek); shared_expert_gate scales its output by sigmoid(x . w) per token (Qwen2-MoE).
+    num_shared_experts: NonNegativeInt = 0
+    shared_expert_gate: bool = False
+    # topk_then_softmax: softmax over the k chosen logits (Mixtral, Qwen3-MoE; = softmax then top-k
+    # renormalised); softmax_then_topk: the chosen experts' probabilities of a softmax over all experts
+    # (Qwen2-MoE, DeepSeek-V2).
+    router_norm: Literal["topk_then_softmax", "softmax_then_topk"] = "topk_then_softmax"
+    aux_loss_coef: NonNegativeFloat = 0.01  # load balancing (Switch): 1 when balanced, E / k when collapsed
+    z_loss_coef: NonNegativeFloat = 0.0  # router z-loss (ST-MoE): mean squared log-sum-exp of the logits
+    # None: dropless. Else each expert takes at most ceil(factor * tokens * k / num_experts) of a rank's
+    # tokens per micro-batch, in token order; the rest skip it (counted as dropped).
+    capacity_factor: PositiveFloat | None = None
+
+
 class LlamaConfig(_Section):
     vocab_size: PositiveInt = 32000
     hidden_size: PositiveInt = 4096
@@ -68,6 +89,7 @@ class LlamaConfig(_Section):
     rms_norm_eps: PositiveFloat = 1e-6
     tie_word_embeddings: bool = False
     hidden_act: Literal["silu"] = "silu"
+    moe: MoEConfig | None = None  # None: a dense Llama
 
     @model_validator(mode="after")
     def _resolve_kv_heads(self) -> LlamaConfig:
@@ -84,9 +106,26 @@ class LlamaConfig(_Section):
     @property
     def layer_parameters(self) -> int:
         """One decoder layer: q and o (hidden x hidden), k and v (hidden x kv heads' dims), the gated MLP's
-        three matrices and the two RMSNorm weights (no biases)."""
+        three matrices, or the router, every expert's and the shared experts', and the two RMSNorm weights."""
+        return self._attention_and_norms + self._mlp_parameters(active=False)
+
+    @property
+    def active_layer_parameters(self) -> int:
+        """The parameters one token goes through in a layer: with experts, k of them (and the shared)."""
+        return self._attention_and_norms + self._mlp_parameters(active=True)
+
+    @property
+    def _attention_and_norms(self) -> int:
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
-        return 2 * h * h + 2 * h * kv + 3 * h * self.intermediate_size + 2 * h
+        return 2 * h * h + 2 * h * kv + 2 * h
+
+    def _mlp_parameters(self, active: bool) -> int:
+        h, moe = self.hidden_size, self.moe
+        if moe is None:
+            return 3 * h * self.intermediate_size
+        experts = moe.num_experts_per_tok if active else moe.num_experts
+        shared = 3 * h * moe.num_shared_experts * moe.intermediate_size + h * moe.shared_expert_gate
+        return h * moe.num_experts + experts * 3 * h * moe.intermediate_size + shared
 
     @property
     def embedding_parameters(self) -> int:
@@ -100,9 +139,10 @@ class LlamaConfig(_Section):
         return heads * self.embedding_parameters + layers + self.hidden_size
 
     def layer_flops(self, sequence_length: int) -> float:
-        """Forward FLOPs per token of one decoder layer: 2 per matmul weight, and causal attention's scores
-        and weighted sum (4 * sequence * hidden at full width, halved by the causal mask)."""
-        return 2.0 * (self.layer_parameters - 2 * self.hidden_size) + 2.0 * sequence_length * self.hidden_size
+        """Forward FLOPs per token of one decoder layer: 2 per matmul weight it goes through, and causal
+        attention's scores and weighted sum (4 * sequence * hidden in full, halved by the causal mask)."""
+        matmuls = self.active_layer_parameters - 2 * self.hidden_size
+        return 2.0 * matmuls + 2.0 * sequence_length * self.hidden_size
 
     @property
     def head_flops(self) -> float:
@@ -142,6 +182,8 @@ class ParallelismArgs(_Section):
     tp: PositiveInt = 1
     pp: PositiveInt = 1
     cp: PositiveInt = 1  # context parallel: each sequence split over cp ranks, attention as a ring
+    # expert parallel: each MoE layer's experts split over ep of the dp x cp ranks (ep divides dp * cp)
+    ep: PositiveInt = 1
     pp_engine: Literal["1f1b", "afab", "interleaved-1f1b"] = "1f1b"
     pp_virtual_stages: PositiveInt = 1  # model chunks per pp rank; > 1 only with interleaved-1f1b
     tp_mode: Literal["ALL_REDUCE", "REDUCE_SCATTER"] = "ALL_REDUCE"

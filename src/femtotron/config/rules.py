@@ -156,13 +156,54 @@ def heads_split_over_tp(cfg: Config) -> Problem | None:
 
 def mlp_splits_over_tp(cfg: Config) -> Problem | None:
     m, tp = cfg.model.model_config_, cfg.parallelism.tp
-    if m.intermediate_size % tp == 0:
+    if m.intermediate_size % tp == 0 or m.moe is not None:  # a mixture of experts has no dense MLP
         return None
     return Problem(
         (M + "intermediate_size", "parallelism.tp"),
         f"intermediate_size={m.intermediate_size} must be divisible by tp={tp} (the MLP is split over tp "
         f"ranks). Fix: intermediate_size={_nearest_multiples(m.intermediate_size, tp)}, "
         f"or tp one of {_join(working_tp(cfg))}.",
+    )
+
+
+def experts_split_over_tp_and_ep(cfg: Config) -> Problem | None:
+    moe, par = cfg.model.model_config_.moe, cfg.parallelism
+    if moe is None:
+        return None
+    if moe.num_experts_per_tok > moe.num_experts:
+        return Problem(
+            (f"{M}moe.num_experts_per_tok", f"{M}moe.num_experts"),
+            f"each token takes num_experts_per_tok={moe.num_experts_per_tok} of the num_experts="
+            f"{moe.num_experts} experts. Fix: num_experts_per_tok <= {moe.num_experts}.",
+        )
+    for field, n, over, split in (
+        ("intermediate_size", moe.intermediate_size, "tp", par.tp),
+        ("num_experts", moe.num_experts, "ep", par.ep),
+    ):
+        if n % split:
+            return Problem(
+                (f"{M}moe.{field}", f"parallelism.{over}"),
+                f"{field}={n} is not divisible by {over}={split} (the experts are split over {over} ranks). "
+                f"Fix: {over} one of {_join(_divisors(n))}, or {field}={_nearest_multiples(n, split)}.",
+            )
+    return None
+
+
+def experts_split_over_data_parallel_ranks(cfg: Config) -> Problem | None:
+    par, moe = cfg.parallelism, cfg.model.model_config_.moe
+    if par.ep == 1 or (moe is not None and (par.dp * par.cp) % par.ep == 0):
+        return None
+    if moe is None:
+        return Problem(
+            ("parallelism.ep", f"{M}moe"),
+            f"ep={par.ep} splits the experts of a mixture of experts, but the model is dense (no "
+            f"model_config.moe). Fix: ep=1, or give the model a moe section.",
+        )
+    return Problem(
+        ("parallelism.ep", "parallelism.dp", "parallelism.cp"),
+        f"ep={par.ep} must divide dp * cp = {par.dp * par.cp}: the experts are split over ep of the ranks "
+        f"that hold the same dense parameters. Fix: ep one of {_join(_divisors(par.dp * par.cp))}, or raise "
+        "dp.",
     )
 
 
@@ -310,6 +351,8 @@ RULES: list[Callable[[Config], Problem | None]] = [
     kv_heads_split_heads,
     heads_split_over_tp,
     mlp_splits_over_tp,
+    experts_split_over_tp_and_ep,
+    experts_split_over_data_parallel_ranks,
     enough_layers_for_the_stages,
     interleaving_needs_several_ranks,
     interleaving_needs_several_chunks,

@@ -12,6 +12,7 @@ Every parameter is made by `make_param` and carries its `ShardInfo`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -24,7 +25,9 @@ from femtotron.config import LlamaConfig
 from femtotron.config.config import RopeScaling
 from femtotron.data.nanoset import IGNORE_INDEX
 from femtotron.errors import ConfigError
+from femtotron.models.moe import MoE, RouterStats
 from femtotron.parallel.context_parallel import ContextParallel, TokenPlacement, ring_attention
+from femtotron.parallel.expert_parallel import ExpertParallel
 from femtotron.parallel.pipeline.partition import Stage
 from femtotron.parallel.sharding import make_param
 from femtotron.parallel.tensor_parallel import (
@@ -181,11 +184,11 @@ class DecoderLayer(nn.Module):
         index: int,
         cfg: LlamaConfig,
         rotary: Rotary,
-        tp: TensorParallel,
-        cp: ContextParallel,
+        parallel: tuple[TensorParallel, ContextParallel, ExpertParallel],
+        stats: RouterStats | None,
     ) -> None:
         super().__init__()
-        name = f"layers.{index}"
+        name, (tp, cp, _) = f"layers.{index}", parallel
         # Residual-output projections are scaled down by depth so the residual stream's variance
         # does not grow with the number of layers (GPT-2 / Megatron init).
         out_std = make.std / math.sqrt(2 * cfg.num_hidden_layers)
@@ -193,7 +196,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(make, f"{name}.input_layernorm", hidden, eps, tp)
         self.self_attn = Attention(make, f"{name}.self_attn", cfg, out_std, rotary, tp, cp)
         self.post_attention_layernorm = RMSNorm(make, f"{name}.post_attention_layernorm", hidden, eps, tp)
-        self.mlp = MLP(make, f"{name}.mlp", hidden, cfg.intermediate_size, out_std, tp)
+        if cfg.moe is None:
+            self.mlp = MLP(make, f"{name}.mlp", hidden, cfg.intermediate_size, out_std, tp)
+        else:
+            shared = cfg.moe.num_shared_experts * cfg.moe.intermediate_size
+            shared_mlp = (
+                MLP(make, f"{name}.mlp.shared_expert", hidden, shared, out_std, tp) if shared else None
+            )
+            self.mlp = MoE(make, f"{name}.mlp", index, cfg, out_std, parallel, stats, shared_mlp)
         self.output_split_dim = self.mlp.output_split_dim
 
     def forward(
@@ -234,8 +244,10 @@ class Llama(nn.Module):
         device: torch.device,
         tp: TensorParallel | None = None,
         cp: ContextParallel | None = None,
+        ep: ExpertParallel | None = None,
         stage: Stage | None = None,
         recompute_layer: bool = False,
+        router_stats: RouterStats | None = None,
     ) -> None:
         super().__init__()
         self.cfg, self.recompute_layer = cfg, recompute_layer
@@ -254,8 +266,12 @@ class Llama(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(
                 make, "embed_tokens", cfg.vocab_size, cfg.hidden_size, std, tp, tie
             )
-        cp = cp or ContextParallel.single()
-        layers = {str(i): DecoderLayer(make, i, cfg, self.rotary, tp, cp) for i in stage.layers}
+        parallel = tp, cp or ContextParallel.single(), ep or ExpertParallel.single()
+        # One per rank, shared by its model chunks (the trainer reads it after each step).
+        self.router_stats = router_stats or (RouterStats(cfg, device) if cfg.moe else None)
+        layers = {
+            str(i): DecoderLayer(make, i, cfg, self.rotary, parallel, self.router_stats) for i in stage.layers
+        }
         self.layers = DecoderLayers(layers)
         if stage.head:
             self.norm = RMSNorm(make, "norm", cfg.hidden_size, cfg.rms_norm_eps, tp)
@@ -279,12 +295,17 @@ class Llama(nn.Module):
             # recomputed tensors stand in for the dropped ones), so gradients, gradient hooks and
             # the pipeline's backward from a stage's output work as without it.
             if recompute:
-                x = checkpoint(layer, x, None, placement, use_reentrant=False)
+                x = checkpoint(layer, x, None, placement, use_reentrant=False, context_fn=self._replay)
             else:
                 x = layer(x, cache, placement)
         if cache is not None:
             cache.length += inputs.shape[1]
         return x
+
+    def _replay(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """Contexts of a recomputed layer's first forward and of its replay: the replay records no routing."""
+        replay = self.router_stats.replay() if self.router_stats else contextlib.nullcontext()
+        return contextlib.nullcontext(), replay
 
     def head_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits for this rank's vocabulary shard [vocab_start, vocab_start + padded_vocab / tp)."""

@@ -19,11 +19,13 @@ and a send completes only once its receiver has posted the receive (gloo's own r
 messages), so a schedule where a rank's send waits on a receive its peer posts later deadlocks on a CPU too.
 
 Byte counts are the volume a ring algorithm sends from this rank: all_reduce 2(n-1)/n of the
-tensor, all_gather and reduce_scatter (n-1)/n of the full tensor, send the tensor itself.
+tensor, all_gather and reduce_scatter (n-1)/n of the full tensor, send the tensor itself, all_to_all
+the rows it sends to the other ranks.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -279,6 +281,27 @@ class Comm:
         if not tensor.is_meta:
             sent = (n - 1) / n * _nbytes(tensor)
             self._issue("reduce_scatter", group, out, sent, _scatter_into(group), by_rank, wait=True)
+        return out
+
+    def all_to_all(
+        self, tensor: torch.Tensor, group: Group, sent_rows: list[int], received_rows: list[int]
+    ) -> torch.Tensor:
+        """Send rows [sum(sent_rows[:j]), sum(sent_rows[:j + 1])) of `tensor` to group rank j; return what
+        every rank sent here, in group-rank order (`received_rows[j]` rows from rank j)."""
+        if group.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        out = tensor.new_empty((sum(received_rows), *tensor.shape[1:]))
+        if not tensor.is_meta:
+            me = group.ranks.index(dist.get_rank())
+            sent = (sum(sent_rows) - sent_rows[me]) * math.prod(tensor.shape[1:]) * tensor.element_size()
+
+            def launch(output: torch.Tensor, source: torch.Tensor) -> Work:
+                return dist.all_to_all_single(
+                    output, source, received_rows, sent_rows, group=group.handle, async_op=True
+                )
+
+            self._issue("all_to_all", group, out, sent, launch, tensor, wait=True)
         return out
 
     def start_all_reduce(self, tensor: torch.Tensor, group: Group) -> Work | None:

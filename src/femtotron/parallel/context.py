@@ -53,7 +53,7 @@ def coordinates_of(rank: int, dp: int, tp: int, cp: int = 1) -> MeshCoordinates:
     )
 
 
-def mesh_groups(dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[tuple[int, ...]]]:
+def mesh_groups(dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> dict[str, list[tuple[int, ...]]]:
     """Every group of each kind, as its ranks: the ranks that differ only in the kind's dimensions."""
     sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}  # outermost first
 
@@ -72,13 +72,16 @@ def mesh_groups(dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[tuple[
     groups = {kind: spans(dims.split()) for kind, dims in kinds.items()}
     # First and last pipeline stage of each (dp, cp, tp) position: they share tied embeddings.
     groups["embedding"] = [tuple(sorted({ranks[0], ranks[-1]})) for ranks in groups["pp"]]
+    if ep > 1:  # ep: consecutive dp x cp ranks splitting the experts; edp: those holding the same experts
+        groups["ep"] = [ranks[i : i + ep] for ranks in groups["dp_cp"] for i in range(0, len(ranks), ep)]
+        groups["edp"] = [ranks[i::ep] for ranks in groups["dp_cp"] for i in range(ep)]
     return groups
 
 
-def subgroups(dp: int, tp: int, pp: int, cp: int = 1) -> list[tuple[int, ...]]:
+def subgroups(dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> list[tuple[int, ...]]:
     """The rank sets needing a process group (with NCCL, a communicator and its GPU memory) of their own, in
     creation order: each distinct set once, none of one rank, none of the whole world (the default group)."""
-    sets = (ranks for groups in mesh_groups(dp, tp, pp, cp).values() for ranks in groups)
+    sets = (ranks for groups in mesh_groups(dp, tp, pp, cp, ep).values() for ranks in groups)
     return [ranks for ranks in dict.fromkeys(sets) if 1 < len(ranks) < dp * tp * pp * cp]
 
 
@@ -138,11 +141,12 @@ class ParallelContext:
         tp: int = 1,
         pp: int = 1,
         cp: int = 1,
+        ep: int = 1,
         *,
         init_timeout_seconds: float = 300.0,
         collective_timeout_seconds: float = 600.0,
     ) -> None:
-        self.dp, self.tp, self.pp, self.cp = dp, tp, pp, cp
+        self.dp, self.tp, self.pp, self.cp, self.ep = dp, tp, pp, cp, ep
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -152,6 +156,11 @@ class ParallelContext:
                 f"dp*cp*tp*pp = {dp}*{cp}*{tp}*{pp} = {dp * cp * tp * pp} but WORLD_SIZE = "
                 f"{self.world_size}: "
                 "set parallelism.dp/cp/tp/pp so their product equals the number of processes launched."
+            )
+        if (dp * cp) % ep:
+            raise DistributedError(
+                f"ep={ep} does not divide dp*cp = {dp * cp}: the experts are split over ep of the ranks "
+                "holding the same dense parameters. Set parallelism.ep to a divisor of dp * cp."
             )
         self.collective_timeout_seconds = collective_timeout_seconds
         self.device, gpu = self._pick_device()
@@ -175,7 +184,7 @@ class ParallelContext:
     def from_config(cls, config: Config) -> ParallelContext:
         par = config.parallelism
         timeouts = par.model_dump(include={"init_timeout_seconds", "collective_timeout_seconds"})
-        return cls(par.dp, par.tp, par.pp, par.cp, **timeouts)
+        return cls(par.dp, par.tp, par.pp, par.cp, par.ep, **timeouts)
 
     def __enter__(self) -> ParallelContext:
         return self
@@ -200,11 +209,11 @@ class ParallelContext:
         equal ranks share a process group. Subgroups do not inherit init_process_group's timeout: passed."""
         timeout = timedelta(seconds=self.collective_timeout_seconds)
         mesh = self.dp, self.tp, self.pp, self.cp
-        handles = {ranks: dist.new_group(list(ranks), timeout=timeout) for ranks in subgroups(*mesh)}
-        groups = mesh_groups(*mesh)
+        handles = {ranks: dist.new_group(list(ranks), timeout=timeout) for ranks in subgroups(*mesh, self.ep)}
+        groups = mesh_groups(*mesh, self.ep)
 
         def mine(kind: str) -> Group:
-            ranks = next((ranks for ranks in groups[kind] if self.rank in ranks), (self.rank,))
+            ranks = next((ranks for ranks in groups.get(kind, []) if self.rank in ranks), (self.rank,))
             return Group(kind, ranks, handles.get(ranks))
 
         self.tp_group, self.dp_group, self.pp_group = mine("tp"), mine("dp"), mine("pp")
@@ -212,6 +221,9 @@ class ParallelContext:
         # Every rank holding the same parameters: dp's, or with cp > 1 those of dp x cp.
         self.dp_cp_group = mine("dp_cp") if self.cp > 1 else self.dp_group
         self.dp_cp_rank = self.dp_rank * self.cp + self.cp_rank
+        # Expert parallelism splits the dp x cp ranks: ep groups share out the experts, edp groups hold alike.
+        self.ep_group, self.edp_group = mine("ep"), mine("edp")
+        self.ep_rank, self.edp_rank = self.dp_cp_rank % self.ep, self.dp_cp_rank // self.ep
         self.world_group = Group("world", tuple(range(self.world_size)))
         pairs = pipe_links(*mesh) + ring_links(*mesh)
         links = {pair: dist.new_group(sorted(pair), timeout=timeout) for pair in pairs}
@@ -234,7 +246,8 @@ class ParallelContext:
     @property
     def log_prefix(self) -> str:
         cp = f" cp{self.cp_rank}" if self.cp > 1 else ""
-        return f"[rank {self.rank} dp{self.dp_rank}{cp} tp{self.tp_rank} pp{self.pp_rank}]"
+        ep = f" ep{self.ep_rank}" if self.ep > 1 else ""
+        return f"[rank {self.rank} dp{self.dp_rank}{cp}{ep} tp{self.tp_rank} pp{self.pp_rank}]"
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -14,6 +14,9 @@ the rest of backward; during the other micro-batches nothing is sent (what DDP c
 Each bucket is padded to a multiple of dp * 64 elements and split into dp equal, aligned shards; rank
 r owns shard r of every bucket under ZeRO-1 (optim/zero.py: reduce-scatter, step, all-gather). Without
 ZeRO the gradients are all-reduced and every rank owns every element.
+
+Under expert parallelism the experts' buckets are reduced over their own replicas instead (`Replicas`:
+the dp x cp / ep ranks holding the same experts, parallel/expert_parallel.py), and sharded over them.
 """
 
 from __future__ import annotations
@@ -32,6 +35,19 @@ ALIGNMENT = 64
 
 
 @dataclass(frozen=True)
+class Replicas:
+    """The ranks holding the same parameters (gradients summed, ZeRO-1 state sharded over them); this rank's
+    place among them."""
+
+    group: Group
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+
+@dataclass(frozen=True)
 class Bucket:
     start: int  # element range [start, end) in the flat buffers; (end - start) is a multiple of dp
     end: int
@@ -40,6 +56,9 @@ class Bucket:
     def shard(self, dp: int, dp_rank: int) -> tuple[int, int]:
         size = (self.end - self.start) // dp
         return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
+
+    def owned(self, replicas: Replicas) -> tuple[int, int]:
+        return self.shard(replicas.size, replicas.rank)
 
 
 @dataclass(frozen=True)
@@ -58,7 +77,8 @@ def plan_buckets(
 
     `groups` lists parameter indices in the order their gradients are expected; a bucket never spans
     two groups. A bucket closes once it holds `bucket_elements` or more, so a larger parameter gets
-    a bucket of its own. Its size is a multiple of dp * ALIGNMENT, so its dp shards stay aligned.
+    a bucket of its own. Its size is a multiple of dp * ALIGNMENT, so its dp shards stay aligned (and those of
+    any divisor of dp: the experts' replicas).
     """
     offsets = [0] * len(numels)
     buckets: list[Bucket] = []
@@ -92,13 +112,22 @@ class DataParallel:
         bucket_mb: float,
         grad_dtype: torch.dtype,
         sharded: bool,
+        expert_replicas: Replicas | None = None,
     ) -> None:
+        """`groups`: parameter indices in backward order (plan_buckets); an expert parameter's group holds
+        expert parameters only, reduced over `expert_replicas` (default: the dp group, like the others)."""
         self.names, params = [n for n, _ in named_params], [p for _, p in named_params]
         self.comm, self.group, self.dp, self.dp_rank = comm, dp_group, dp_group.size, dp_rank
         self.micro_batches, self.sharded = micro_batches, sharded
         numels = [p.numel() for p in params]
         bucket_elements = max(1, int(bucket_mb * 2**20) // grad_dtype.itemsize)
         self.offsets, self.buckets = plan_buckets(numels, groups, bucket_elements, self.dp)
+        dense = Replicas(dp_group, dp_rank)
+        experts = [getattr(p, "shard", None) is not None and p.shard.experts for p in params]
+        self.replicas = [  # per bucket
+            expert_replicas if expert_replicas and experts[bucket.params[0]] else dense
+            for bucket in self.buckets
+        ]
         size = self.buckets[-1].end if self.buckets else 0
         self.padding = size - sum(numels)
         device, dtype = params[0].device, params[0].dtype
@@ -124,8 +153,8 @@ class DataParallel:
 
     def _pieces(self, numels: list[int], sharded: bool) -> list[Piece]:
         pieces = []
-        for bucket in self.buckets:
-            low, high = bucket.shard(self.dp, self.dp_rank) if sharded else (bucket.start, bucket.end)
+        for bucket, replicas in zip(self.buckets, self.replicas, strict=True):
+            low, high = bucket.owned(replicas) if sharded else (bucket.start, bucket.end)
             for param in sorted(bucket.params, key=lambda p: self.offsets[p]):
                 start, end = max(low, self.offsets[param]), min(high, self.offsets[param] + numels[param])
                 if start < end:
@@ -152,26 +181,25 @@ class DataParallel:
         return hook
 
     def _launch(self, index: int) -> None:
-        if self.dp == 1:
+        bucket, replicas = self.buckets[index], self.replicas[index]
+        if replicas.size == 1:
             return
-        bucket = self.buckets[index]
-        grads = self.flat_grads[bucket.start : bucket.end]
+        grads, group = self.flat_grads[bucket.start : bucket.end], replicas.group
         if self.sharded:
-            low, high = bucket.shard(self.dp, self.dp_rank)
-            self.pending[index] = self.comm.start_reduce_scatter(self.flat_grads[low:high], grads, self.group)
+            low, high = bucket.owned(replicas)
+            self.pending[index] = self.comm.start_reduce_scatter(self.flat_grads[low:high], grads, group)
         else:
-            self.pending[index] = self.comm.start_all_reduce(grads, self.group)
+            self.pending[index] = self.comm.start_all_reduce(grads, group)
 
     def finish_reduction(self) -> None:
         """After the step's backward: reduce the buckets whose gradients did not all arrive (a parameter
         unused this step), then wait for every reduction. Each owned gradient is then summed over dp."""
-        if self.dp > 1:
-            for index in range(len(self.buckets)):
-                if index not in self.pending:
-                    self._launch(index)
-            for index, work in self.pending.items():
-                bucket = self.buckets[index]
-                self.comm.wait(work, self.group, self.flat_grads[bucket.start : bucket.end])
+        for index in range(len(self.buckets)):
+            if index not in self.pending:
+                self._launch(index)
+        for index, work in self.pending.items():
+            bucket = self.buckets[index]
+            self.comm.wait(work, self.replicas[index].group, self.flat_grads[bucket.start : bucket.end])
         self.pending.clear()
 
     def zero_grad(self) -> None:
@@ -196,17 +224,24 @@ class DataParallel:
         """This rank's pieces of a flat buffer (or of any tensor laid out like one), as 1-D views."""
         return [flat[piece.start : piece.end] for piece in self.pieces]
 
+    def counted_once(self) -> list[bool]:
+        """Per owned piece: whether this rank counts it in a sum over all its replicas (a norm): always under
+        ZeRO-1, where the replicas own different pieces; else on the first replica only."""
+        pairs = zip(self.buckets, self.replicas, strict=True)
+        first = {param: replicas.rank == 0 for bucket, replicas in pairs for param in bucket.params}
+        return [self.sharded or first[piece.param] for piece in self.pieces]
+
     def gather_params(self) -> None:
         """ZeRO-1, after the step: every rank's updated shard of the parameters to every rank."""
-        if not self.sharded or self.dp == 1:
+        if not self.sharded:
             return
         works = []
-        for bucket in self.buckets:
-            low, high = bucket.shard(self.dp, self.dp_rank)
+        for bucket, replicas in zip(self.buckets, self.replicas, strict=True):
+            low, high = bucket.owned(replicas)
             whole, mine = self.flat_params[bucket.start : bucket.end], self.flat_params[low:high]
-            works.append(self.comm.start_all_gather(whole, mine, self.group))
-        for bucket, work in zip(self.buckets, works, strict=True):
-            self.comm.wait(work, self.group, self.flat_params[bucket.start : bucket.end])
+            works.append(self.comm.start_all_gather(whole, mine, replicas.group))
+        for bucket, replicas, work in zip(self.buckets, self.replicas, works, strict=True):
+            self.comm.wait(work, replicas.group, self.flat_params[bucket.start : bucket.end])
 
     def full(self, owned: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per parameter, the whole tensor from every rank's owned pieces (e.g. fp32 master weights):
@@ -214,8 +249,11 @@ class DataParallel:
         flat = torch.zeros_like(self.flat_grads, dtype=owned[0].dtype if owned else torch.float32)
         for piece, values in zip(self.pieces, owned, strict=True):
             flat[piece.start : piece.end] = values
-        if self.sharded:
+        if self.sharded and len(set(self.replicas)) == 1:
             self.comm.all_reduce(flat, self.group)
+        elif self.sharded:  # the experts' buckets over their own replicas
+            for bucket, replicas in zip(self.buckets, self.replicas, strict=True):
+                self.comm.all_reduce(flat[bucket.start : bucket.end], replicas.group)
         return [flat[o : o + g.numel()].view_as(g) for o, g in zip(self.offsets, self.grads, strict=True)]
 
 

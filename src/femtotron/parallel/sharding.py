@@ -26,6 +26,7 @@ class ShardInfo:
     # multiple of tp), and the padding is never part of the model.
     local_slice: tuple[slice, ...]
     tie_group: str | None = None  # parameters sharing one value (tied embeddings) share a group
+    experts: bool = False  # dimension 0 indexes a layer's experts, split over the ep ranks
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -58,8 +59,10 @@ def make_param(
     rank: int = 0,
     world: int = 1,
     tie_group: str | None = None,
+    experts: tuple[int, int] | None = None,
 ) -> nn.Parameter:
-    """Initialise `name` at full shape on `device` and keep this rank's chunk of `shard_dim` (if any).
+    """Initialise `name` at full shape on `device` and keep this rank's chunk of `shard_dim` (if any), and
+    with `experts` = (ep rank, ep) its 1/ep of dimension 0.
 
     Chunks are ceil(n / world) long; where that overshoots n, the last chunks are zero-padded.
     """
@@ -70,17 +73,21 @@ def make_param(
         size = -(-n // world)
         local_slice[shard_dim] = slice(min(rank * size, n), min((rank + 1) * size, n))
         local_shape[shard_dim] = size
+    if experts is not None:
+        ep_rank, ep = experts
+        local_shape[0] = shape[0] // ep
+        local_slice[0] = slice(ep_rank * local_shape[0], (ep_rank + 1) * local_shape[0])
     local = torch.zeros(local_shape, device=device, dtype=dtype)
     piece = full[tuple(local_slice)]
     local[tuple(slice(0, k) for k in piece.shape)] = piece
     param = nn.Parameter(local)
-    param.shard = ShardInfo(name, tuple(shape), tuple(local_slice), tie_group)
+    param.shard = ShardInfo(name, tuple(shape), tuple(local_slice), tie_group, experts is not None)
     return param
 
 
 def split_dim(shard: ShardInfo) -> int | None:
-    """The dimension this parameter is split along, or None when every rank holds all of it."""
+    """The dimension this parameter is split along over tp, or None when every tp rank holds all of it."""
     for dim, (piece, n) in enumerate(zip(shard.local_slice, shard.global_shape, strict=True)):
-        if piece.stop - piece.start != n:
+        if piece.stop - piece.start != n and not (shard.experts and dim == 0):
             return dim
     return None

@@ -279,10 +279,12 @@ class VocabParallelEmbedding(nn.Module):
         return leave_row_parallel(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
 
 
-def full_tensor(tensor: torch.Tensor, shard: ShardInfo, tp: TensorParallel) -> torch.Tensor:
-    """A parameter's (or its gradient's) full global tensor, gathered over tp, padding removed."""
-    dim = split_dim(shard)
-    if dim is None:
-        return tensor.detach()
-    full = gather_full(tensor, dim, tp)
+def full_tensor(
+    tensor: torch.Tensor, shard: ShardInfo, tp: TensorParallel, ep: Group | None = None
+) -> torch.Tensor:
+    """A parameter's (or its gradient's) full global tensor, gathered over tp (and experts over the `ep`
+    group), padding removed."""
+    full = gather_full(tensor.detach(), split_dim(shard), tp)
+    if shard.experts and ep is not None:
+        full = tp.comm.all_gather(full.contiguous(), ep, dim=0)
     return full[tuple(slice(0, n) for n in shard.global_shape)]

@@ -1,7 +1,8 @@
 """Hugging Face model directories in and out: `femtotron import-hf` and `femtotron export-hf`.
 
-    HF_DIR/                          what `LlamaForCausalLM.save_pretrained` writes
-      config.json                    LlamaForCausalLM's hyper-parameters
+    HF_DIR/                          what `save_pretrained` of LlamaForCausalLM,
+      config.json                    MixtralForCausalLM or Qwen2MoeForCausalLM writes:
+                                     the model's hyper-parameters
       generation_config.json
       model.safetensors              or model-00001-of-0000N.safetensors ... with
       model.safetensors.index.json   which file holds which tensor
@@ -29,7 +30,7 @@ from femtotron.atomic import atomic_path
 from femtotron.config import Config, LlamaConfig, load_config_dict
 from femtotron.errors import ConfigError, FemtotronError
 from femtotron.layout import DTYPES
-from femtotron.models.hf_conversion import from_hf, to_hf
+from femtotron.models.hf_conversion import from_hf, hf_kind, to_hf
 from femtotron.models.llama import Llama
 from femtotron.serialize.weights import (
     CONFIG_FILE,
@@ -47,8 +48,25 @@ FIELDS = tuple(
     "max_position_embeddings rms_norm_eps tie_word_embeddings hidden_act".split()
 )
 SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-# What femtotron's Llama does not have, with the value that means "not used".
+# The architectures read and written, by config.json's "architectures" and "model_type".
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+}
+# Per model type, what femtotron's model does not have, with the value that means "not used".
 ABSENT = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1, "sliding_window": None}
+ABSENT_IN = {
+    "llama": ABSENT,
+    "mixtral": ABSENT | {"router_jitter_noise": 0.0},
+    # Qwen2-MoE writes sliding_window 0 and says whether it is used
+    "qwen2_moe": {
+        "qkv_bias": False,
+        "use_sliding_window": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+}
 
 
 class HFError(FemtotronError):
@@ -61,11 +79,13 @@ def llama_config(hf: dict[str, Any], where: Path) -> LlamaConfig:
     """LlamaConfig from an HF config.json's contents; what femtotron's Llama does not compute is refused."""
     problems = []
     architectures = hf.get("architectures") or [hf.get("model_type")]
-    if architectures != ["LlamaForCausalLM"] and architectures != ["llama"]:
-        problems.append(f"architectures={architectures}: only LlamaForCausalLM is supported")
+    kinds = [ARCHITECTURES.get(name, name) for name in architectures]  # a class, or a model_type
+    model_type = kinds[0] if len(kinds) == 1 and kinds[0] in ABSENT_IN else "llama"
+    if kinds != [model_type]:
+        problems.append(f"architectures={architectures}: {', '.join(ARCHITECTURES)} are supported")
     problems += [
-        f"{key}={hf[key]!r}: femtotron's Llama has none (needs {default!r})"
-        for key, default in ABSENT.items()
+        f"{key}={hf[key]!r}: femtotron's model has none (needs {default!r})"
+        for key, default in ABSENT_IN[model_type].items()
         if hf.get(key, default) != default
     ]
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -73,6 +93,8 @@ def llama_config(hf: dict[str, Any], where: Path) -> LlamaConfig:
     if kind not in ("default", "llama3"):
         problems.append(f"rope type {kind!r} (rope_parameters / rope_scaling): plain RoPE and llama3 only")
     values = {key: hf[key] for key in FIELDS if hf.get(key) is not None}
+    if model_type != "llama":
+        values["moe"] = _moe_config(hf, model_type, problems)
     values["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     if kind == "llama3":
         values["rope_scaling"] = {key: rope[key] for key in SCALING if key in rope}
@@ -85,6 +107,33 @@ def llama_config(hf: dict[str, Any], where: Path) -> LlamaConfig:
         return LlamaConfig(**values)
     except ValueError as e:
         raise HFError(f"{where} holds values femtotron's Llama cannot take: {e}") from None
+
+
+def _moe_config(hf: dict[str, Any], model_type: str, problems: list[str]) -> dict[str, Any]:
+    """model_config.moe from a Mixtral or Qwen2-MoE config.json (transformers' default for an absent key)."""
+    moe = {
+        "num_experts_per_tok": hf.get("num_experts_per_tok", 2),
+        "aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
+    }
+    if model_type == "mixtral":
+        return moe | {
+            "num_experts": hf.get("num_local_experts", 8),
+            "intermediate_size": hf["intermediate_size"],
+        }
+    inner, shared = hf.get("moe_intermediate_size", 1408), hf.get("shared_expert_intermediate_size", 5632)
+    if shared % inner or not shared:
+        problems.append(
+            f"shared_expert_intermediate_size={shared}: femtotron's shared experts are a multiple (>= 1) of "
+            f"moe_intermediate_size={inner}"
+        )
+    norm = "topk_then_softmax" if hf.get("norm_topk_prob") else "softmax_then_topk"
+    return moe | {
+        "num_experts": hf.get("num_experts", 60),
+        "intermediate_size": inner,
+        "num_shared_experts": shared // inner,
+        "shared_expert_gate": True,
+        "router_norm": norm,
+    }
 
 
 def open_hf(hf_dir: Path) -> tuple[LlamaConfig, dict[str, Any], dict[str, Any]]:
@@ -118,9 +167,7 @@ def open_hf(hf_dir: Path) -> tuple[LlamaConfig, dict[str, Any], dict[str, Any]]:
         )
     for name, f in handles.items():
         if name not in expected:
-            raise HFError(
-                f"{hf_dir} holds {name}, which a LlamaForCausalLM with its config.json does not have"
-            )
+            raise HFError(f"{hf_dir} holds {name}, which the model its config.json describes does not have")
         header = f.get_slice(name)
         if tuple(header.get_shape()) != expected[name]:
             raise HFError(
@@ -273,13 +320,40 @@ def _special_tokens(path: Path) -> dict[str, int]:
     return found
 
 
+def _architecture(cfg: LlamaConfig) -> dict[str, Any]:
+    """The transformers class computing `cfg`, and its config.json keys beyond the Llama ones."""
+    kind, moe = hf_kind(cfg), cfg.moe
+    names = {"architectures": [next(a for a, t in ARCHITECTURES.items() if t == kind)], "model_type": kind}
+    if moe is None:
+        return names
+    common = names | {
+        "num_experts_per_tok": moe.num_experts_per_tok,
+        "router_aux_loss_coef": moe.aux_loss_coef,
+    }
+    if kind == "mixtral":
+        return common | {
+            "num_local_experts": moe.num_experts,
+            "intermediate_size": moe.intermediate_size,
+            "router_jitter_noise": 0.0,
+        }
+    return common | {
+        "num_experts": moe.num_experts,
+        "moe_intermediate_size": moe.intermediate_size,
+        "shared_expert_intermediate_size": moe.num_shared_experts * moe.intermediate_size,
+        "norm_topk_prob": moe.router_norm == "topk_then_softmax",
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "qkv_bias": False,
+        "use_sliding_window": False,
+    }
+
+
 def _hf_config(config: Config, cfg: LlamaConfig, dtype: str, tokens: dict[str, int]) -> dict[str, Any]:
     scaling = cfg.rope_scaling.model_dump(exclude={"rope_type"}) if cfg.rope_scaling else {}
     kind = "llama3" if scaling else "default"
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
         **{key: getattr(cfg, key) for key in FIELDS},
+        **_architecture(cfg),
         "rope_theta": cfg.rope_theta,  # transformers 4.x reads these two, 5.x rope_parameters
         "rope_scaling": {"rope_type": "llama3", **scaling} if scaling else None,
         "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": kind, **scaling},

@@ -57,9 +57,10 @@ def write_parts(run_dir: Path, parts: list[str]) -> None:
 
 
 def save_weights(ctx: ParallelContext, model: RankModel, run_dir: Path, log: RunLog) -> Path:
-    """Full-shape weights, gathered over tp. With pp > 1 each stage writes its own part (no stage holds all
-    the weights) and rank 0 lists them in model-parts.json."""
-    weights = {n: full_tensor(p, p.shard, model.tp).cpu().contiguous() for n, p in model.named_parameters()}
+    """Full-shape weights, gathered over tp (and experts over ep). With pp > 1 each stage writes its own part
+    (no stage holds all the weights) and rank 0 lists them in model-parts.json."""
+    named, ep = model.named_parameters(), model.ep.group
+    weights = {n: full_tensor(p, p.shard, model.tp, ep).cpu().contiguous() for n, p in named}
     parts = [WEIGHTS_FILE]
     if ctx.pp > 1:
         parts = [f"model-pp{p:02d}-of-{ctx.pp:02d}.safetensors" for p in range(ctx.pp)]

@@ -1,0 +1,39 @@
+"""Router collapse: a layer's router sending most tokens to one expert, step after step (the other experts
+then stop learning, and the layer is a dense MLP of one expert's size)."""
+
+from __future__ import annotations
+
+import torch
+
+from femtotron.config import LlamaConfig
+
+COLLAPSE_STEPS = 20  # consecutive steps before the warning
+
+
+class RouterCollapse:
+    def __init__(self, cfg: LlamaConfig) -> None:
+        self.moe = cfg.moe
+        self.balanced = self.moe.num_experts_per_tok / self.moe.num_experts  # each expert's share of tokens
+        # "Most tokens", and clearly more than a balanced share (4 experts, top-2: a half is balanced).
+        self.threshold = min(0.9, max(0.5, 2 * self.balanced))
+        self.runs: dict[int, int] = {}
+
+    def observe(self, loads: torch.Tensor) -> list[str]:
+        """`loads`: a step's tokens per expert, (layers, experts); a warning per layer that has just collapsed
+        for COLLAPSE_STEPS steps in a row."""
+        tokens = loads.sum(dim=1) / self.moe.num_experts_per_tok
+        busiest, expert = loads.max(dim=1)
+        warnings = []
+        shares = (busiest / tokens.clamp(min=1)).tolist()
+        for layer, (share, chosen) in enumerate(zip(shares, expert.tolist(), strict=True)):
+            self.runs[layer] = self.runs.get(layer, 0) + 1 if share > self.threshold else 0
+            if self.runs[layer] == COLLAPSE_STEPS:
+                warnings.append(
+                    f"router collapse in layer {layer}: expert {chosen} took {share:.0%} of the tokens "
+                    f"in each of the last {COLLAPSE_STEPS} steps (balanced: {self.balanced:.0%}), so the "
+                    "other experts of that layer barely learn. Fix: raise "
+                    f"model.model_config.moe.aux_loss_coef (now {self.moe.aux_loss_coef:g}; 0.01 is usual, 0 "
+                    "disables balancing) or lower the learning rate; moe/layerN/load_* in metrics.jsonl show "
+                    "the loads per step."
+                )
+        return warnings

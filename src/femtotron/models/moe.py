@@ -1,0 +1,254 @@
+"""Mixture of experts: the MLP of every decoder layer replaced by `num_experts` gated MLPs ("experts"), of
+which a router picks `num_experts_per_tok` (k) per token, and optional shared experts every token takes.
+
+Parameters (the names of transformers' Mixtral / Qwen2-MoE, but the router's):
+- `mlp.router.weight` (num_experts, hidden): replicated over tp; the logits are computed in fp32.
+- `mlp.experts.gate_up_proj` (num_experts, 2, intermediate, hidden): gate and up of every expert, and
+  `mlp.experts.down_proj` (num_experts, hidden, intermediate): split over tp along intermediate (like the
+  dense MLP) and over ep along the experts (parallel/expert_parallel.py).
+- `mlp.shared_expert.*`: a dense MLP of num_shared_experts * intermediate; `mlp.shared_expert_gate.weight`.
+
+A layer: route each token (on this rank's tokens, before entering tensor parallelism, so that tp ranks do
+not each add the router's gradient), sort the (token, expert) assignments by expert, run every expert on
+its rows with one grouped GEMM per matrix, and add each token's k outputs weighted by its router weights.
+No token is dropped unless `capacity_factor` is set.
+
+Router losses: the load-balancing loss aux = E * sum_e f_e * P_e (f_e: the share of the micro-batch's
+assignments expert e got, P_e: its mean router probability; 1 when balanced) and the z-loss (mean squared
+log-sum-exp of the logits), each averaged over layers and over the micro-batches of the global batch, so
+that any layout gives the same gradients. They are not part of the logged LM loss: their gradient is
+injected in backward (`_AddRouterLoss`), and `RouterStats` records them with the experts' loads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from femtotron.config import LlamaConfig
+from femtotron.errors import ConfigError
+from femtotron.parallel.comm import Comm, Group
+from femtotron.parallel.context_parallel import ContextParallel
+from femtotron.parallel.expert_parallel import ExpertParallel
+from femtotron.parallel.tensor_parallel import (
+    SEQUENCE_DIM,
+    TensorParallel,
+    enter_column_parallel,
+    gather_full,
+    leave_row_parallel,
+)
+from femtotron.precision import grouped_linear, linear
+
+# RouterStats columns after the per-expert token counts.
+DROPPED, AUX, Z = range(3)
+
+
+class RouterStats:
+    """What the routers of one rank's MoE layers did during a step, per layer: tokens per expert (of the
+    micro-batches this rank saw; every tp rank sees them all), dropped assignments, and this rank's share of
+    the load-balancing and z losses. Also the weight of the router losses' gradients for this step."""
+
+    def __init__(self, cfg: LlamaConfig, device: torch.device) -> None:
+        self.experts = cfg.moe.num_experts
+        self.values = torch.zeros(cfg.num_hidden_layers, self.experts + 3, device=device)
+        self.gradient_scale = 1.0  # set by the trainer: loss scale / micro-batches per global batch
+        self.replaying = False  # a recomputed forward (recompute_layer) records nothing
+
+    @contextmanager
+    def replay(self) -> Iterator[None]:
+        self.replaying = True
+        try:
+            yield
+        finally:
+            self.replaying = False
+
+    def record(
+        self, layer: int, counts: torch.Tensor, dropped: int, aux: torch.Tensor, z: torch.Tensor
+    ) -> None:
+        if self.replaying:
+            return
+        row = self.values[layer]
+        row[: self.experts] += counts
+        row[self.experts + DROPPED] += dropped
+        row[self.experts + AUX] += aux.detach()
+        row[self.experts + Z] += z.detach()
+
+    def reset(self, gradient_scale: float) -> None:
+        """Before a step: forget the last one's; the router losses' gradients are multiplied by
+        `gradient_scale` (the loss scale over the micro-batches per global batch)."""
+        self.values.zero_()
+        self.gradient_scale = gradient_scale
+
+    def step_metrics(
+        self, comm: Comm, groups: list[Group], sp_group: Group | None, micro_batches: int
+    ) -> tuple[dict[str, float], torch.Tensor]:
+        """The step's records summed over `groups` (the dp x cp and pp ranks: every micro-batch and layer),
+        the losses' shares also over `sp_group` (tp under sequence parallelism): metrics.jsonl's `moe/` keys,
+        and the tokens per expert of each layer (layers, experts)."""
+        values = self.values.clone()
+        for group in groups:
+            comm.all_reduce(values, group)
+        if sp_group is not None:
+            values[:, self.experts + AUX :] = comm.all_reduce(
+                values[:, self.experts + AUX :].contiguous(), sp_group
+            )
+        loads, extra = values[:, : self.experts], values[:, self.experts :]
+        layers = len(values)
+        metrics = {
+            "moe/aux_loss": extra[:, AUX].sum().item() / layers / micro_batches,
+            "moe/z_loss": extra[:, Z].sum().item() / layers / micro_batches,
+            "moe/dropped_tokens": extra[:, DROPPED].sum().item(),
+        }
+        for layer, load in enumerate(loads):
+            metrics |= {
+                f"moe/layer{layer}/load_min": load.min().item(),
+                f"moe/layer{layer}/load_max": load.max().item(),
+                f"moe/layer{layer}/load_cv": (load.std(correction=0) / load.mean().clamp(min=1)).item(),
+            }
+        return metrics, loads.cpu()
+
+
+class _AddRouterLoss(torch.autograd.Function):
+    """Returns `x`; in backward also gives `loss` the gradient `scale` (the loss, added to the total)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.new_full((), ctx.scale, dtype=torch.float32), None
+
+
+class Router(nn.Module):
+    def __init__(self, make, name: str, experts: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = make(f"{name}.weight", (experts, hidden), make.std)  # replicated over tp
+
+
+class Experts(nn.Module):
+    """Every expert's gated MLP as two grouped weights; `forward` runs rows sorted by expert."""
+
+    def __init__(
+        self, make, name: str, cfg: LlamaConfig, out_std: float, tp: TensorParallel, ep: ExpertParallel
+    ):
+        super().__init__()
+        experts, inner, hidden = cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.hidden_size
+        split = dict(shard_dim=2, rank=tp.rank, world=tp.size, experts=(ep.rank, ep.size))
+        self.gate_up_proj = make(f"{name}.gate_up_proj", (experts, 2, inner, hidden), make.std, **split)
+        self.down_proj = make(f"{name}.down_proj", (experts, hidden, inner), out_std, **split)
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`rows` sorted by expert, counts[e] of them for this rank's expert e."""
+        ends = counts.cumsum(0)
+        gate, up = grouped_linear(rows, self.gate_up_proj.flatten(1, 2), ends).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, self.down_proj, ends)
+
+
+class MoE(nn.Module):
+    def __init__(
+        self,
+        make,
+        name: str,
+        layer: int,
+        cfg: LlamaConfig,
+        out_std: float,
+        parallel: tuple[TensorParallel, ContextParallel, ExpertParallel],
+        stats: RouterStats,
+        shared: nn.Module | None,
+    ) -> None:
+        super().__init__()
+        tp, _, ep = self.tp, self.cp, self.ep = parallel
+        self.moe = moe = cfg.moe
+        self.layer, self.layers, self.stats = layer, cfg.num_hidden_layers, stats
+        # The config rules (E1) catch these first; a model built by hand must not split experts unevenly.
+        for what, n, split in (
+            ("intermediate_size", moe.intermediate_size, tp),
+            ("num_experts", moe.num_experts, ep),
+        ):
+            if n % split.size:
+                raise ConfigError(
+                    f"model.model_config.moe.{what}={n} is not divisible by parallelism.{split.group.kind}="
+                    f"{split.size}: experts are split over those ranks. Choose a divisor of {n}."
+                )
+        self.router = Router(make, f"{name}.router", moe.num_experts, cfg.hidden_size)
+        self.experts = Experts(make, f"{name}.experts", cfg, out_std, tp, ep)
+        self.shared_expert = shared
+        if moe.shared_expert_gate:
+            self.shared_expert_gate = Router(make, f"{name}.shared_expert_gate", 1, cfg.hidden_size)
+        self.output_split_dim = SEQUENCE_DIM if tp.sequence_parallel else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (batch, sequence, hidden), this rank's part of the sequence under sequence parallelism."""
+        b, s, h = x.shape
+        k, tp = self.moe.num_experts_per_tok, self.tp
+        logits = F.linear(x.reshape(-1, h).float(), self.router.weight.float())
+        if self.moe.router_norm == "topk_then_softmax":
+            top, chosen = logits.topk(k, dim=-1)
+            weights = top.softmax(dim=-1)
+        else:
+            weights, chosen = logits.softmax(dim=-1).topk(k, dim=-1)
+        # Every tp rank runs its part of every expert on all the micro-batch's tokens of this cp rank.
+        tokens = enter_column_parallel(x, tp)
+        weights = enter_column_parallel(weights.view(b, s, k), tp).reshape(-1, k)
+        if tp.sequence_parallel:
+            chosen = gather_full(chosen.view(b, s, k), SEQUENCE_DIM, tp).reshape(-1, k)
+        out, counts, dropped = self.routed(tokens.reshape(-1, h), chosen, weights)
+        out = leave_row_parallel(out.view(tokens.shape), tp)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.moe.shared_expert_gate:
+                shared = torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * shared
+            out = out + shared
+        if not torch.is_grad_enabled() or x.is_meta:
+            return out
+        aux, z = self.router_losses(logits, counts)
+        self.stats.record(self.layer, counts, dropped, aux, z)
+        loss = (self.moe.aux_loss_coef * aux + self.moe.z_loss_coef * z) / self.layers
+        return _AddRouterLoss.apply(out, loss, self.stats.gradient_scale) if loss.requires_grad else out
+
+    def routed(
+        self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Each token's weighted sum of its experts' outputs (this tp rank's partial sum), the assignments per
+        expert (before any are dropped) and how many were dropped."""
+        n, k = chosen.shape
+        experts = self.moe.num_experts
+        # The meta device (memory estimates) has shapes but no routing: taken as perfectly balanced.
+        flat = torch.arange(n * k) % experts if chosen.is_meta else chosen.flatten()
+        counts = torch.bincount(flat, minlength=experts)
+        order = flat.argsort(stable=True)
+        kept = counts
+        if self.moe.capacity_factor is not None:
+            capacity = math.ceil(self.moe.capacity_factor * n * k / experts)
+            place = torch.arange(n * k, device=flat.device) - (counts.cumsum(0) - counts).repeat_interleave(
+                counts
+            )
+            order, kept = order[place < capacity], counts.clamp(max=capacity)
+        order = order.to(tokens.device)
+        token = order // k
+        out = self.ep.run(tokens[token], kept, self.experts)
+        out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
+        combined = tokens.new_zeros(n, tokens.shape[-1]).index_add(0, token, out)
+        return combined, counts, n * k - len(order)
+
+    def router_losses(self, logits: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's shares of the micro-batch's load-balancing and z losses (fp32 scalars; the shares of
+        the cp ranks, and of the tp ranks under sequence parallelism, add up to the whole)."""
+        zero = logits.new_zeros(())
+        shards = self.cp.size * (self.tp.size if self.tp.sequence_parallel else 1)
+        tokens = len(logits) * shards
+        aux = z = zero
+        if self.moe.aux_loss_coef:
+            assigned = self.cp.comm.all_reduce(counts.float(), self.cp.group)  # the whole micro-batch's
+            share = assigned / (tokens * self.moe.num_experts_per_tok)
+            aux = self.moe.num_experts * (share * logits.softmax(dim=-1).sum(0)).sum() / tokens
+        if self.moe.z_loss_coef:
+            z = logits.logsumexp(dim=-1).square().sum() / tokens
+        return aux, z

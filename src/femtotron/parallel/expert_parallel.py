@@ -1,0 +1,77 @@
+"""Expert parallelism: a layer's experts split over the ep ranks, tokens sent to their experts' ranks.
+
+The ep ranks are carved out of the ranks that hold the same dense parameters (dp x cp): ep consecutive
+ones of them form an ep group, each holding num_experts / ep of every layer's experts, and the ranks at
+the same place in the other ep groups (`edp`, dp x cp / ep of them) hold the same experts: an expert's
+gradient is summed, and ZeRO-1 shards its optimizer state, over those.
+
+A layer's step: each rank sorts its tokens' (token, expert) assignments by expert, tells every rank how
+many rows it will get for each of its experts (an all-to-all of counts), sends them (an all-to-all of
+rows of variable size), runs its experts on what it received, and sends the results back the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from femtotron.parallel.comm import Comm, Group
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    comm: Comm
+    group: Group
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    @staticmethod
+    def single() -> ExpertParallel:
+        return ExpertParallel(Comm(), Group("ep", (0,)), 0)
+
+    def run(
+        self,
+        rows: torch.Tensor,
+        counts: torch.Tensor,
+        experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """`experts(rows, counts)` on the rank holding each expert: `rows` sorted by expert, `counts` rows per
+        expert of the whole layer; returns the outputs in the order of `rows`."""
+        if self.size == 1:
+            return experts(rows, counts)
+        local = len(counts) // self.size
+        # received[j, e]: the rows rank j sends for this rank's expert e (on the meta device, where routing is
+        # taken as balanced: what this rank sends)
+        ones, sent = [1] * self.size, counts.view(self.size, local)
+        received = sent if rows.is_meta else self.comm.all_to_all(sent, self.group, ones, ones)
+        sent_rows, received_rows = sent.sum(1).tolist(), received.sum(1).tolist()
+        arrived = _exchange(rows, self, sent_rows, received_rows)
+        # Arrived by (source rank, expert); the experts want them by (expert, source rank).
+        place = torch.arange(self.size * local, device=rows.device).view(local, self.size).T.flatten()
+        order = torch.argsort(place.repeat_interleave(received.flatten()), stable=True)
+        outputs = experts(arrived[order], received.sum(0))
+        return _exchange(outputs[order.argsort()], self, received_rows, sent_rows)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to their ranks; the gradient goes back the same way with the split sizes swapped."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, ep: ExpertParallel, sent: list[int], received: list[int]):
+        ctx.ep, ctx.sent, ctx.received = ep, sent, received
+        return ep.comm.all_to_all(rows, ep.group, sent, received)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.ep.comm.all_to_all(grad, ctx.ep.group, ctx.received, ctx.sent), None, None, None
+
+
+# model.compile: the exchange's sizes depend on the routing, so it runs between compiled graphs.
+@torch.compiler.disable
+def _exchange(rows: torch.Tensor, ep: ExpertParallel, sent: list[int], received: list[int]) -> torch.Tensor:
+    return _AllToAll.apply(rows, ep, sent, received)
