@@ -3,6 +3,7 @@ parallel run with one process in fp32 and in bf16 (on both of the CPU's bf16 pat
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from distributed import run_ranks
 
 import femtotron.precision as precision_module
 from femtotron.config import LlamaConfig, load_config_dict
@@ -265,6 +267,47 @@ def record_cases(rank, cases) -> list[Steps]:
             out.append(record_steps(config, ctx))
     ctx.close()
     return out
+
+
+# The layout-equivalence tests' model: 4 layers, small dp buckets (several per rank), clipping active.
+BASE = (
+    "model.model_config.num_hidden_layers=4",
+    "parallelism.dp_bucket_size_mb=0.02",
+    "optimizer.clip_grad=0.5",
+)
+
+
+def layout_case(make, dtype, native, *overrides, accumulation=2, dp=1):
+    """Global batch 8 samples of 32 tokens for every dp."""
+    return make(
+        *BASE,
+        f"model.dtype={dtype}",
+        "tokens.micro_batch_size=2",
+        f"tokens.batch_accumulation_per_replica={accumulation * 2 // dp}",
+        *([SMOOTH_ADAM] if native is not None else []),
+        *overrides,
+    )
+
+
+def check_layouts(make, per_layout):
+    """`per_layout`: {layout overrides: [(dtype, native, extra overrides)]}; each case against one process."""
+    for layout, cases in per_layout.items():
+        dp = next((int(o.split("=")[1]) for o in layout if o.startswith("parallelism.dp=")), 1)
+        configs = [
+            (layout_case(make, dtype, native, *layout, *extra, dp=dp), native)
+            for dtype, native, extra in cases
+        ]
+        world = configs[0][0].parallelism.world_size
+        per_rank = run_ranks(record_cases, world, configs, timeout=300)
+        for index, ((_, native), (dtype, _, extra)) in enumerate(zip(configs, cases, strict=True)):
+            with precision_path(native):
+                reference = record_steps(layout_case(make, dtype, native, *extra), ParallelContext())
+            exact = None
+            if native is not None:
+                exact = record_steps(layout_case(make, "float32", native, *extra), ParallelContext())
+            got = functools.reduce(Steps.merge, [rank[index] for rank in per_rank])
+            assert_steps_match(got, reference, exact, label=f"{layout} {dtype} {native} {extra}")
+            assert len({(rank[index].loss, tuple(rank[index].losses)) for rank in per_rank}) == 1
 
 
 def mask_unevenly(trainer) -> None:

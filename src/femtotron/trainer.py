@@ -302,11 +302,8 @@ class Trainer:
                 "data with `femtotron inspect-data CONFIG`."
             )
         # fp16: dividing by global_tokens / scale multiplies the loss, so every gradient, by the loss scale.
-        if (
-            self.model.router_stats is not None
-        ):  # the router losses: a mean over the global batch's micro-batches
-            micro_batches = self.config.tokens.batch_accumulation_per_replica * ctx.dp
-            self.model.router_stats.reset(self.scaler.scale / micro_batches)
+        if self.model.router_stats is not None:  # router losses: a mean over the global batch's micro-batches
+            self.model.router_stats.reset(self.scaler.scale / (len(micro_batches) * ctx.dp))
         self.last_inputs = (micro_batches, count / self.scaler.scale)  # to run the step again (NaN origin)
         loss_sum = self.pipeline.train_step(*self.last_inputs)
         grads = self.reduce_gradients()

@@ -4,23 +4,17 @@ document masking against each document run on its own."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 import torch
 from distributed import run_ranks
 from helpers import (
-    SMOOTH_ADAM,
     TINY_VOCAB,
-    Steps,
     assert_close_to_reference,
-    assert_steps_match,
     build_llama,
+    check_layouts,
     llama_config,
     precision_path,
-    record_cases,
-    record_steps,
 )
 from tokenizers import Tokenizer, models
 
@@ -203,45 +197,6 @@ def documents_config(tiny_config, tmp_path):
     return make
 
 
-BASE = (
-    "model.model_config.num_hidden_layers=4",
-    "parallelism.dp_bucket_size_mb=0.02",
-    "optimizer.clip_grad=0.5",
-)
-
-
-def _case(make, dtype, native, *overrides, accumulation=2, dp=1):
-    """Global batch 8 samples of 32 tokens for every dp."""
-    return make(
-        *BASE,
-        f"model.dtype={dtype}",
-        "tokens.micro_batch_size=2",
-        f"tokens.batch_accumulation_per_replica={accumulation * 2 // dp}",
-        *([SMOOTH_ADAM] if native is not None else []),
-        *overrides,
-    )
-
-
-def _check(make, per_layout):
-    """`per_layout`: {layout overrides: [(dtype, native, extra overrides)]}; each case against one process."""
-    for layout, cases in per_layout.items():
-        dp = next((int(o.split("=")[1]) for o in layout if o.startswith("parallelism.dp=")), 1)
-        configs = [
-            (_case(make, dtype, native, *layout, *extra, dp=dp), native) for dtype, native, extra in cases
-        ]
-        world = configs[0][0].parallelism.world_size
-        per_rank = run_ranks(record_cases, world, configs, timeout=300)
-        for index, ((_, native), (dtype, _, extra)) in enumerate(zip(configs, cases, strict=True)):
-            with precision_path(native):
-                reference = record_steps(_case(make, dtype, native, *extra), ParallelContext())
-            exact = None
-            if native is not None:
-                exact = record_steps(_case(make, "float32", native, *extra), ParallelContext())
-            got = functools.reduce(Steps.merge, [rank[index] for rank in per_rank])
-            assert_steps_match(got, reference, exact, label=f"{layout} {dtype} {native} {extra}")
-            assert len({(rank[index].loss, tuple(rank[index].losses)) for rank in per_rank}) == 1
-
-
 CP_CASES = {
     ("parallelism.cp=2",): [
         ("float32", None, ()),
@@ -258,13 +213,13 @@ def test_context_parallel_equals_one_process(tiny_config):
     """cp = 2 (fp32, bf16 on both CPU paths, ZeRO-1 over the cp ranks with recomputation) and cp = 4: loss and
     full-shape gradients of one step, then 3 steps' losses, grad norms and weight changes equal one process;
     every rank logs the same loss."""
-    _check(tiny_config, CP_CASES)
+    check_layouts(tiny_config, CP_CASES)
 
 
 @pytest.mark.distributed
 def test_context_parallel_with_dp_tp_and_pp_equals_one_process(tiny_config):
     """dp2 x cp2 x tp2 (sequence parallel, ZeRO-1 over dp x cp) and cp2 x tp2 x pp2 (1F1B, interleaved)."""
-    _check(
+    check_layouts(
         tiny_config,
         {
             (
@@ -289,7 +244,7 @@ def test_context_parallel_with_dp_tp_and_pp_equals_one_process(tiny_config):
 def test_document_masking_with_context_parallel_equals_one_process(documents_config):
     """Document masking at cp = 2 and 4 (masked blocks; blocks no query sees skipped) equals it on one
     process, and at cp2 x tp2 x pp2 (AFAB: with the other tests, every pipeline engine runs with cp)."""
-    _check(
+    check_layouts(
         documents_config,
         {
             ("parallelism.cp=2",): [("float32", None, ()), ("bfloat16", False, ())],
