@@ -99,7 +99,7 @@ def cmd_reshard(args: argparse.Namespace) -> None:
 
     layout = [
         f"parallelism.{key}={value}"
-        for key in ("dp", "cp", "tp", "pp")
+        for key in ("dp", "cp", "tp", "pp", "ep")
         if (value := getattr(args, key)) is not None
     ]
     path = reshard(Path(args.checkpoint), Path(args.out), [*layout, *args.overrides])
@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     re.add_argument(
         "--out", required=True, help="the checkpoints directory to write step-NNNNNNN and latest into"
     )
-    for key in ("dp", "cp", "tp", "pp"):
+    for key in ("dp", "cp", "tp", "pp", "ep"):
         re.add_argument(
             f"--{key}", type=int, default=None, help=f"the new parallelism.{key} (default: as saved)"
         )

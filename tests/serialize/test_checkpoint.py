@@ -26,7 +26,7 @@ from femtotron.trainer import Trainer
 LAYERS = 4
 
 
-def make(tiny_config, run, *more, dp=1, tp=1, pp=1, zero=0, steps=6, cp=1):
+def make(tiny_config, run, *more, dp=1, tp=1, pp=1, zero=0, steps=6, cp=1, ep=1):
     """The tiny model with 4 layers; the global batch is 16 samples of 32 tokens for every dp. The learning
     rate decays over 4 steps after the 2 of warm-up whatever train_steps is, so a run cut short follows the
     schedule of the whole run."""
@@ -42,6 +42,7 @@ def make(tiny_config, run, *more, dp=1, tp=1, pp=1, zero=0, steps=6, cp=1):
         f"parallelism.tp={tp}",
         f"parallelism.pp={pp}",
         f"parallelism.cp={cp}",
+        f"parallelism.ep={ep}",
         f"optimizer.zero_stage={zero}",
         "parallelism.dp_bucket_size_mb=0.02",
         "parallelism.collective_timeout_seconds=60",
@@ -65,9 +66,12 @@ def train(config, ctx):
 
     trainer.batches.step_at = recording
     losses = [r.loss for r in trainer.train()]
-    weights = {n: full_tensor(p, p.shard, trainer.tp).float().clone() for n, p in trainer.named_parameters()}
+    ep = trainer.model.ep.group
+    weights = {
+        n: full_tensor(p, p.shard, trainer.tp, ep).float().clone() for n, p in trainer.named_parameters()
+    }
     masters = {
-        n: full_tensor(m, p.shard, trainer.tp).clone()
+        n: full_tensor(m, p.shard, trainer.tp, ep).clone()
         for (n, p), m in zip(trainer.named_parameters(), trainer.optimizer.full_masters(), strict=True)
     }
     return {"losses": losses, "weights": weights, "masters": masters, "seen": seen}
@@ -76,7 +80,7 @@ def train(config, ctx):
 def ranks_train(rank, configs):
     """On every rank of a layout, run the configs one after the other."""
     par = configs[0].parallelism
-    ctx = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, collective_timeout_seconds=60)
+    ctx = ParallelContext(par.dp, par.tp, par.pp, par.cp, par.ep, collective_timeout_seconds=60)
     out = [train(config, ctx) for config in configs]
     ctx.close()
     return out
@@ -195,6 +199,32 @@ def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4_on_the_same_samples(ti
             assert (weights[name] - weight).abs().max() <= 1e-4 * weight.abs().max(), (cp, name)
 
 
+MOE = ("model.model_config.moe.num_experts=4", "model.model_config.moe.intermediate_size=32")
+
+
+@pytest.mark.distributed
+def test_experts_saved_at_ep2_resume_at_ep1_and_ep4_on_the_same_samples(tiny_config):
+    """A mixture of experts saved at dp2 x ep2 with ZeRO-1 (each expert's optimizer state on one rank): the
+    checkpoint holds every expert as a global tensor, and 3 more steps on one process and at dp4 x ep4 have
+    the uninterrupted run's losses and weights."""
+    first = make(
+        tiny_config, "ep-first", *MOE, "checkpoints.checkpoint_interval=3", dp=2, ep=2, zero=1, steps=3
+    )
+    whole, saved = make(tiny_config, "ep-whole", *MOE, dp=2, ep=2, zero=1), first.run_dir / "checkpoints"
+    per_rank = run_ranks(ranks_train, 2, [whole, first], timeout=300)
+    whole_losses, whole_weights, _, _ = merged(per_rank, 0)
+    manifest = json.loads((saved / "step-0000003" / MANIFEST).read_text())
+    assert manifest["tensors"]["model/layers.0.mlp.experts.down_proj"]["shape"] == [4, 64, 32]
+    for dp, ep in ((1, 1), (4, 4)):
+        resume = f"checkpoints.resume_checkpoint_path={saved}"
+        config = make(tiny_config, f"ep-{ep}", *MOE, resume, dp=dp, ep=ep)
+        results = [ranks_train(0, [config])] if dp == 1 else run_ranks(ranks_train, dp, [config], timeout=300)
+        losses, weights, _, _ = merged(results, 0)
+        assert losses == pytest.approx(whole_losses[3:], rel=1e-5), ep
+        for name, weight in whole_weights.items():
+            assert (weights[name] - weight).abs().max() <= 1e-4 * weight.abs().max(), (ep, name)
+
+
 @pytest.mark.distributed
 def test_a_resharded_resume_says_what_changed(three_d, capsys):
     tiny_config, _, saved = three_d
@@ -214,6 +244,7 @@ def test_the_manifest_records_mesh_counters_slices_and_checksums(three_d):
         "cp": 1,
         "tp": 2,
         "pp": 2,
+        "ep": 1,
         "pp_engine": "1f1b",
         "pp_virtual_stages": 1,
         "tp_mode": "ALL_REDUCE",

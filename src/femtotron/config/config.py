@@ -138,6 +138,12 @@ class LlamaConfig(_Section):
         layers = self.num_hidden_layers * self.layer_parameters
         return heads * self.embedding_parameters + layers + self.hidden_size
 
+    @property
+    def active_parameter_count(self) -> int:
+        """The parameters one token goes through (all of them in a dense model)."""
+        inactive = self.num_hidden_layers * (self.layer_parameters - self.active_layer_parameters)
+        return self.parameter_count - inactive
+
     def layer_flops(self, sequence_length: int) -> float:
         """Forward FLOPs per token of one decoder layer: 2 per matmul weight it goes through, and causal
         attention's scores and weighted sum (4 * sequence * hidden in full, halved by the causal mask)."""

@@ -96,14 +96,23 @@ def communication(config: Config, state: dict[str, int], device: str | None, gpu
     activation = tokens.micro_batch_size * tokens.sequence_length // par.cp * mcfg.hidden_size * size
     lines = []
     replicas = par.dp * par.cp  # the ranks holding the same parameters
-    if replicas > 1:
-        grads, name = state["grads"], "dp" if par.cp == 1 else "dp x cp"
-        share = (replicas - 1) / replicas
+    expert = expert_fraction(config) if par.ep > 1 else 0.0  # summed over the experts' own replicas
+    groups = [("dp" if par.cp == 1 else "dp x cp", replicas, 1 - expert)]
+    groups += [("experts over their replicas", replicas // par.ep, expert)] if expert else []
+    for name, ranks, fraction in groups:
+        if ranks == 1:
+            continue
+        grads, params, share = fraction * state["grads"], fraction * state["params"], (ranks - 1) / ranks
         if config.optimizer.zero_stage == 1:
-            gathered = human(share * state["params"])
+            gathered = human(share * params)
             lines.append(f"  {name}: reduce-scatter {human(share * grads)} + all-gather {gathered} per step")
         else:
             lines.append(f"  {name}: all-reduce {human(2 * share * grads)} per step")
+    if par.ep > 1:
+        lines.append(
+            f"  ep: all-to-all {human(all_to_all_bytes(config))} per step (tokens to their experts' ranks "
+            "and back, and their gradients; with the routing balanced)"
+        )
     if par.cp > 1:
         lines.append(
             f"  cp: {human(ring_bytes(config))} per step (the ring: keys and values, their gradients)"
@@ -125,6 +134,31 @@ def communication(config: Config, state: dict[str, int], device: str | None, gpu
             "per step and stage boundary (activations forward, gradients back)"
         )
     return lines or ["  none (one process)"]
+
+
+def expert_fraction(config: Config) -> float:
+    """The share of a rank's parameters that are experts (the stage's average; padding ignored)."""
+    mcfg, par = config.model.model_config_, config.parallelism
+    if mcfg.moe is None:
+        return 0.0
+    experts = (
+        mcfg.num_hidden_layers * mcfg.moe.num_experts * 3 * mcfg.hidden_size * mcfg.moe.intermediate_size
+    )
+    return experts / mcfg.parameter_count * (1 if par.tp == 1 else 1)
+
+
+def all_to_all_bytes(config: Config) -> int:
+    """Bytes each rank sends in all-to-alls per step, with every expert getting its share of the tokens: per
+    layer and micro-batch, each forward (again with recomputation) sends the counts per expert, then the
+    (ep - 1) / ep of its tokens' k rows bound for other ranks and their outputs back; backward both again."""
+    mcfg, par, tokens = config.model.model_config_, config.parallelism, config.tokens
+    moe, size = mcfg.moe, DTYPES[config.model.dtype].itemsize
+    rows = tokens.micro_batch_size * tokens.sequence_length // par.cp * moe.num_experts_per_tok
+    away = rows * (par.ep - 1) / par.ep * mcfg.hidden_size * size
+    counts = (par.ep - 1) * moe.num_experts // par.ep * 8
+    forwards = 2 if par.recompute_layer else 1
+    per_layer = forwards * (counts + 2 * away) + 2 * away
+    return int(per_layer * mcfg.num_hidden_layers / par.pp * tokens.batch_accumulation_per_replica)
 
 
 def ring_bytes(config: Config) -> int:
@@ -153,6 +187,7 @@ def diagnose(
     if world_size is not None:
         check_world_size(config, world_size)  # L1: raises with the valid layouts
     cp = f" cp={par.cp}" if par.cp > 1 else ""
+    cp += f" (ep={par.ep})" if par.ep > 1 else ""
     lines = [
         f"config: every rule holds; layout dp={par.dp}{cp} tp={par.tp} pp={par.pp} = "
         f"{par.world_size} process(es)"

@@ -132,9 +132,9 @@ def estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool = False) -> Ra
         ESTIMATING_FOR_THIS_CPU.reset(token)
 
 
-def communicators(dp: int, tp: int, pp: int, rank: int, cp: int = 1) -> int:
+def communicators(dp: int, tp: int, pp: int, rank: int, cp: int = 1, ep: int = 1) -> int:
     """The NCCL communicators `rank` belongs to: the default group's and every subgroup's holding it."""
-    return (dp * cp * tp * pp > 1) + sum(rank in ranks for ranks in subgroups(dp, tp, pp, cp))
+    return (dp * cp * tp * pp > 1) + sum(rank in ranks for ranks in subgroups(dp, tp, pp, cp, ep))
 
 
 def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstimate:
@@ -174,7 +174,7 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
         par.pp_engine, par.pp, pp_rank, tokens.batch_accumulation_per_replica, saved
     )
     waiting = held_bytes - max(saved) if held > 1 else 0  # the others, while the largest one runs
-    nccl = 0 if on_this_cpu else communicators(par.dp, par.tp, par.pp, rank, par.cp)
+    nccl = 0 if on_this_cpu else communicators(par.dp, par.tp, par.pp, rank, par.cp, par.ep)
     return RankEstimate(pp_rank, state, saved, max(peaks), waiting, held, nccl)
 
 

@@ -14,8 +14,8 @@ class RouterCollapse:
     def __init__(self, cfg: LlamaConfig) -> None:
         self.moe = cfg.moe
         self.balanced = self.moe.num_experts_per_tok / self.moe.num_experts  # each expert's share of tokens
-        # "Most tokens", and clearly more than a balanced share (4 experts, top-2: a half is balanced).
-        self.threshold = min(0.9, max(0.5, 2 * self.balanced))
+        # "Most tokens", and far more than a balanced share (4 experts, top-2: a half is balanced).
+        self.threshold = min(0.9, max(0.5, 3 * self.balanced))
         self.runs: dict[int, int] = {}
 
     def observe(self, loads: torch.Tensor) -> list[str]:

@@ -39,6 +39,25 @@ def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
             f"({tokens.sequence_length // ctx.cp} of {tokens.sequence_length} tokens, zigzag); attention as "
             "a ring; gradients summed over dp x cp"
         )
+    if mcfg.moe is not None:
+        moe, active = (
+            mcfg.moe,
+            mcfg.parameter_count
+            - mcfg.num_hidden_layers * (mcfg.layer_parameters - mcfg.active_layer_parameters),
+        )
+        lines.append(
+            f"mixture of experts: top-{moe.num_experts_per_tok} of {moe.num_experts} experts per layer"
+            + (f" + {moe.num_shared_experts} shared" if moe.num_shared_experts else "")
+            + f", {active / 1e6:.2f}M parameters active per token; "
+            + ("dropless" if moe.capacity_factor is None else f"capacity factor {moe.capacity_factor:g}")
+            + (
+                f"; ep={ctx.ep}: each rank holds {moe.num_experts // ctx.ep} experts of every layer, tokens "
+                f"go to them by all-to-all, their gradients are summed over the {ctx.dp * ctx.cp // ctx.ep} "
+                "rank(s) holding the same experts"
+                if ctx.ep > 1
+                else ""
+            )
+        )
     if config.model.document_masking:
         lines.append("document masking: attention stops at each end-of-document token, RoPE restarts there")
     padded = parts.model.chunks[0].padded_vocab_size

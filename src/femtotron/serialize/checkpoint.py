@@ -62,7 +62,7 @@ def checkpoint_root(config: Config) -> Path:
 
 
 def mesh_of(config: Config) -> dict[str, Any]:
-    keys = ("dp", "cp", "tp", "pp", "pp_engine", "pp_virtual_stages", "tp_mode")
+    keys = ("dp", "cp", "tp", "pp", "ep", "pp_engine", "pp_virtual_stages", "tp_mode")
     mesh = {key: getattr(config.parallelism, key) for key in keys}
     return mesh | {"zero_stage": config.optimizer.zero_stage}
 
@@ -488,7 +488,7 @@ def restore_counters(parts: TrainingParts, reader: CheckpointReader, directory: 
     state.load_state_dict(
         manifest, loss_scale=state.scaler.enabled and manifest["config"]["model"].get("dtype") == "float16"
     )
-    saved, current = {"cp": 1} | manifest["mesh"], mesh_of(config)  # saved before cp existed: cp 1
+    saved, current = {"cp": 1, "ep": 1} | manifest["mesh"], mesh_of(config)  # saved before cp, ep: 1
     same_layout = saved == current and manifest.get("world_size") == parts.ctx.world_size
     rng_file = manifest.get("rng", {}).get(str(parts.ctx.rank))
     if same_layout and rng_file is not None:
