@@ -46,6 +46,7 @@ SCRIPTS = {
     "memory": (["--layouts=one,zero1-dp2"], []),
     "torch_native_3d": (["--steps=3"], []),
     "context_parallel": (["--quick"], []),
+    "moe": (["--quick"], []),
 }
 
 

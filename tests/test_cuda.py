@@ -110,6 +110,34 @@ def test_document_masking_on_cuda_equals_the_cpu_kernel():
     assert (gpu_grads - cpu_grads).norm() <= 1e-4 * cpu_grads.norm()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mixture_of_experts_on_cuda_equals_fp32_on_the_cpu(dtype):
+    """bf16 runs the experts as torch's grouped GEMM on the GPU, fp32 as a loop over them (the kernel takes
+    bf16 only there): loss and gradients are the CPU's fp32 ones, within bf16's rounding for bf16."""
+    cfg = llama_config(
+        moe={"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64, "z_loss_coef": 1e-3}
+    )
+    ids, targets = random_batch(cfg.vocab_size)
+    results = []
+    for device, dtype_here in ((torch.device("cpu"), torch.float32), (CUDA, dtype)):
+        model = Llama(cfg, std=0.02, seed=5, dtype=dtype_here, device=device)
+        model.router_stats.reset(gradient_scale=1.0)
+        with Ops() as ops:
+            loss_sum, count = model(ids.to(device), targets.to(device))
+            (loss_sum / count).backward()
+        results.append(
+            (
+                (loss_sum / count).item(),
+                torch.cat([p.grad.flatten().float().cpu() for p in model.parameters()]),
+            )
+        )
+    (cpu_loss, cpu_grads), (gpu_loss, gpu_grads) = results
+    assert ("_grouped_mm" in ops.inputs) == (dtype == torch.bfloat16), ops.inputs.keys()
+    bound = 1e-4 if dtype == torch.float32 else 8 * BF16_ROUNDOFF  # the routing may flip a near tie in bf16
+    assert abs(gpu_loss - cpu_loss) <= bound * abs(cpu_loss)
+    assert (gpu_grads - cpu_grads).norm() <= bound * cpu_grads.norm() * (1 if dtype == torch.float32 else 4)
+
+
 def test_adamw_is_the_fused_kernel(tiny_config):
     trainer = Trainer(tiny_config("model.dtype=bfloat16"), ParallelContext(), log_to_console=False)
     assert trainer.ctx.device.type == "cuda" and not trainer.upcasts

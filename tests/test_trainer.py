@@ -169,6 +169,30 @@ def test_N3_a_first_loss_far_from_ln_vocab_is_a_warning(tiny_config, capsys):
     assert "should start near ln(vocab_size)" not in capsys.readouterr().out
 
 
+def test_a_mixture_of_experts_logs_its_loads_and_warns_of_a_collapsed_router(
+    tiny_config, capsys, monkeypatch
+):
+    """Every step's record has each layer's tokens per expert and the router losses; a router whose busiest
+    expert stays over the threshold (here: any share, for 3 steps) is warned about once."""
+    import femtotron.diagnostics.expert_load as expert_load
+
+    monkeypatch.setattr(expert_load, "COLLAPSE_STEPS", 3)
+    moe = ("model.model_config.moe.num_experts=4", "model.model_config.moe.z_loss_coef=0.001")
+    config = tiny_config("tokens.train_steps=4", *moe)
+    trainer = Trainer(config, ParallelContext())
+    trainer.router_collapse.threshold = 0.0
+    trainer.train()
+    records = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+    tokens = config.tokens.micro_batch_size * config.tokens.sequence_length * 2  # top-2
+    assert all(sum(r[f"moe/layer0/load_{k}"] for k in ("min", "max")) <= tokens for r in records)
+    assert all(
+        r["moe/aux_loss"] >= 1 - 1e-6 and r["moe/z_loss"] > 0 and r["moe/dropped_tokens"] == 0
+        for r in records
+    )
+    out = capsys.readouterr().out
+    assert out.count("step 3: router collapse in layer 0") == 1 and "moe aux 1." in out
+
+
 def weights(trainer):
     return [p.detach().clone() for _, p in trainer.named_parameters()] + [
         m.detach().clone() for m in trainer.optimizer.full_masters()

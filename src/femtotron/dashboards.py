@@ -24,8 +24,7 @@ def tag(key: str) -> str:
 
 
 class Dashboards:
-    """Built on every rank with the trainer, so a missing extra fails before training starts; opened on
-    rank 0 only (RunLog.start_at)."""
+    """Built on every rank (a missing extra fails before training); opened on rank 0 (RunLog.start_at)."""
 
     def __init__(self, config: Config) -> None:
         self.config, self.board, self.wandb_run = config, None, None

@@ -52,7 +52,6 @@ class TrainingInterrupted(FemtotronError):
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """torch.OutOfMemoryError on GPUs; on the CPU an allocation failure is a plain RuntimeError
-    ("DefaultCPUAllocator: can't allocate memory")."""
+    """torch.OutOfMemoryError on GPUs; on the CPU a RuntimeError saying "can't allocate memory"."""
     oom = type(error).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(error)
     return isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and oom)

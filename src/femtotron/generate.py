@@ -15,8 +15,7 @@ from femtotron.serialize.weights import CONFIG_FILE, TOKENIZER_FILE, load_weight
 
 
 def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Config, Llama]:
-    """The model of `run_dir` (written by `femtotron train`, `consolidate` or `import-hf`, or a Hugging Face
-    Llama directory) with its trained weights, in fp32."""
+    """The fp32 model of `run_dir` (from `femtotron train`, `consolidate`, `import-hf`; or an HF Llama)."""
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file() and (run_dir / HF_CONFIG).is_file():
         config, weights = read_as_run(run_dir)

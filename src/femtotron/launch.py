@@ -1,10 +1,8 @@
 """Start a multi-process run's local processes when `femtotron train` is run without a launcher.
 
-`femtotron train CONFIG parallelism.dp=2` should work on one machine as plainly as a dp=1 run, without
-the user having to learn torchrun first. Rather than manage processes itself, femtotron runs
-torch.distributed.run (the code behind `torchrun`) inside this process: it picks a free port, starts one
-`python -m femtotron <same arguments>` per rank with RANK/WORLD_SIZE/MASTER_ADDR/... set, and stops the
-others when one fails. The children therefore take exactly the path they take under torchrun.
+So that `femtotron train CONFIG parallelism.dp=2` works on one machine as plainly as dp=1, this process runs
+torch.distributed.run (the code behind `torchrun`): one `python -m femtotron <same arguments>` per rank, on a
+free port, all stopped when one fails; the children take exactly the path they take under torchrun.
 Several machines need torchrun on each node, or srun with one task per process (adopt_slurm_environment).
 """
 
@@ -28,13 +26,8 @@ _FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
 
 def adopt_slurm_environment(env: MutableMapping[str, str]) -> bool:
-    """Under `srun` with one task per process, set what torchrun would have set, from Slurm's variables.
-
-    Without this every task of `srun python -m femtotron train ...` would see no launcher and start
-    its own local processes. Task 0 runs on the first node of the step, so that node hosts the
-    rendezvous store; the port is derived from the job id so two jobs sharing a node do not collide.
-    Returns whether it did anything.
-    """
+    """Under `srun` (a task per process, else each starts its own), set torchrun's variables from Slurm's;
+    return whether it did. Task 0's node hosts the store, on a port from the job id (jobs share nodes)."""
     if "WORLD_SIZE" in env or "SLURM_PROCID" not in env or int(env.get("SLURM_NTASKS", "1")) <= 1:
         return False
     env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
@@ -52,10 +45,7 @@ def first_host(nodelist: str) -> str:
 
 
 def launched_by_torchrun() -> bool:
-    """True inside a process started by torchrun (or any launcher that sets WORLD_SIZE).
-
-    WORLD_SIZE is what ParallelContext reads, so keying on it keeps the two from ever disagreeing.
-    """
+    """True under torchrun (or any launcher that sets WORLD_SIZE, which is what ParallelContext reads)."""
     return "WORLD_SIZE" in os.environ
 
 
@@ -68,21 +58,17 @@ def check_local_devices(dp: int, tp: int, pp: int, cp: int = 1) -> None:
     processes, gpus = dp * cp * tp * pp, torch.cuda.device_count()
     if torch.cuda.is_available() and processes > gpus:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
         raise ConfigError(
-            f"parallelism.dp={dp} * cp={cp} * tp={tp} * pp={pp} = {processes} processes, but "
-            f"{gpus} GPU(s) are visible here"
-            + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
-            + " and each process needs its own. Fix: lower parallelism.dp/cp/tp/pp "
-            f"so their product is at most {gpus}, or run across several nodes with torchrun or srun (e.g. "
+            f"parallelism.dp={dp} * cp={cp} * tp={tp} * pp={pp} = {processes} processes, but {gpus} GPU(s) "
+            f"are visible here{shown} and each process needs its own. Fix: lower parallelism.dp/cp/tp/pp so "
+            f"their product is at most {gpus}, or run across several nodes with torchrun or srun (e.g. "
             f"`torchrun --nnodes N --nproc-per-node {gpus} ... -m femtotron train CONFIG` on each node)."
         )
 
 
 def launch_local(nprocs: int, argv: list[str], what: str = "this run") -> int:
-    """Run `python -m femtotron *argv` as `nprocs` ranks on this machine.
-
-    Returns 0, or the exit code of the rank that failed first. `what` names the layout for the message.
-    """
+    """Run `python -m femtotron *argv` as `nprocs` local ranks; 0, or the first failed rank's exit code."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -119,9 +105,8 @@ def launch_local(nprocs: int, argv: list[str], what: str = "this run") -> int:
 
 
 def _forward_stop_signals() -> dict[int, object]:
-    """SIGTERM and SIGUSR1 (a scheduler's "stop soon") go on to the ranks, which save a checkpoint and exit 7;
-    the launcher then passes that 7 on. (torch's agent would instead kill the ranks and exit 143; SIGUSR1
-    would kill the launcher outright.) Needs /proc to find the ranks; elsewhere torch's handling stays."""
+    """SIGTERM and SIGUSR1 go on to the ranks, which save a checkpoint and exit 7, passed on (torch's agent
+    would kill them, exit 143; SIGUSR1 would kill the launcher). Needs /proc to find the ranks."""
     if not os.path.isdir("/proc/self"):
         return {}
 
@@ -147,19 +132,13 @@ def _child_processes() -> list[int]:
 
 
 def _first_failure_code(error: ChildFailedError) -> int:
-    """The exit code of the rank that failed first: the others were stopped because of it.
-
-    Failure times have one-second resolution, so among ties prefer a rank that exited on its own
-    over one the launcher then killed with a signal.
-    """
+    """The exit code of the rank that failed first (the others were stopped because of it). Failure times
+    have one-second resolution: among ties, a rank that exited on its own, not one killed with a signal."""
     rank, failure = min(error.failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode < 0, kv[0]))
     if failure.exitcode >= 0:
         return failure.exitcode  # the rank printed its own message (a femtotron error or a traceback)
     sig = -failure.exitcode
-    try:
-        name = signal.Signals(sig).name
-    except ValueError:
-        name = f"signal {sig}"
+    name = next((s.name for s in signal.Signals if s == sig), f"signal {sig}")
     print(
         f"femtotron: error: rank {rank} was killed by {name} without a message (SIGKILL usually means the "
         "machine ran out of memory: lower tokens.micro_batch_size or use fewer processes)",

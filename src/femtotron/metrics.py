@@ -1,7 +1,5 @@
 """What a training step is measured against: the device's peak FLOP/s (for MFU) and its memory.
-
-Model FLOPs per token come from the model config (`LlamaConfig.flops_per_token`).
-"""
+(Model FLOPs per token come from the model config, `LlamaConfig.flops_per_token`.)"""
 
 from __future__ import annotations
 
@@ -61,12 +59,9 @@ def data_sheet_peak(name: str, dtype: torch.dtype, tf32: bool) -> float | None:
 def matmul_flops_rate(
     m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, seconds: float = 0.3, trials: int = 3
 ) -> float:
-    """Measured FLOP/s of an (m×k)·(k×n) matmul, the yardstick for MFU where no peak is known.
-
-    The best of a few short trials: a busy machine only ever makes a trial slower.
-    """
-    a = torch.randn(m, k, dtype=dtype, device=device)
-    b = torch.randn(k, n, dtype=dtype, device=device)
+    """Measured FLOP/s of an (m×k)·(k×n) matmul, the yardstick for MFU where no peak is known: the best of
+    a few short trials (a busy machine only ever makes a trial slower)."""
+    a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
     a @ b  # warm-up: first call pays for kernel selection
     best = 0.0
     for _ in range(trials):
@@ -83,13 +78,9 @@ def matmul_flops_rate(
 def peak_flops(
     device: torch.device, dtype: torch.dtype, gemm_shape: tuple[int, int, int], cache: Path | None = None
 ) -> tuple[float, str]:
-    """The FLOP/s to divide by for MFU, and where the number came from.
-
-    On known GPUs the data sheet's peak for `dtype`. Elsewhere a matmul is timed, and a machine that is busy
-    meanwhile only makes it slower: so the fastest rate ever measured on this machine for this shape, dtype,
-    thread count and torch version is kept in `cache` (default: ~/.cache/femtotron/peak_flops.json) and used
-    when higher.
-    """
+    """The FLOP/s to divide by for MFU, and its source: on known GPUs the data sheet's peak for `dtype`; else
+    the fastest rate of a timed matmul ever measured here for this shape, dtype, thread count and torch
+    version (a busy machine only slows it), kept in `cache` (default ~/.cache/femtotron/peak_flops.json)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         # Read with torch's newer API, which also reports the older one's setting (not the reverse).

@@ -1,8 +1,5 @@
-"""The run's log: rank-prefixed console lines, and one JSON record per logged step in metrics.jsonl.
-
-Console lines carry the rank (`[rank 3 dp1 tp1 pp0]`). metrics.jsonl is written by rank 0 and belongs to
-the run directory across restarts: a resumed run keeps the records up to the step it resumes from and
-appends, so every step appears once, in order.
+"""The run's log: console lines prefixed by the rank (`[rank 3 dp1 tp1 pp0]`), and one JSON record per
+logged step in metrics.jsonl, kept by a resumed run up to its step and appended to: each step once, in order.
 """
 
 from __future__ import annotations

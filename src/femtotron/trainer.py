@@ -24,10 +24,10 @@ from femtotron.diagnostics.data_check import (
     first_loss_warning,
     open_run_data,
 )
+from femtotron.diagnostics.expert_load import RouterCollapse, step_metrics
 from femtotron.diagnostics.loss_spikes import LossSpikes
 from femtotron.diagnostics.nan_origin import locate
 from femtotron.diagnostics.profiling import StepProfiler
-from femtotron.diagnostics.router_collapse import RouterCollapse
 from femtotron.diagnostics.watchdog import Watchdog
 from femtotron.errors import DataError, TrainingInterrupted, is_out_of_memory
 from femtotron.layout import DTYPES, build_pipeline, build_rank_model
@@ -250,9 +250,8 @@ class Trainer:
             return {}
         micro_batches = self.config.tokens.batch_accumulation_per_replica * ctx.dp
         sp_group = ctx.tp_group if self.tp.sequence_parallel else None
-        metrics, loads = stats.step_metrics(
-            ctx.comm, [ctx.dp_cp_group, ctx.pp_group], sp_group, micro_batches
-        )
+        groups = [ctx.dp_cp_group, ctx.pp_group]
+        metrics, loads = step_metrics(stats, ctx.comm, groups, sp_group, micro_batches)
         for warning in self.router_collapse.observe(loads):
             self.log.warn(f"step {self.state.step + 1}: {warning}")
         return metrics

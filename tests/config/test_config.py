@@ -254,6 +254,24 @@ def test_context_parallel_needs_sequence_divisible_by_twice_cp_and_by_tp_under_s
     load_config_dict(tiny(**both, **{"tokens.sequence_length": 32}))
 
 
+def test_experts_must_split_over_tp_and_ep_and_ep_over_dp_times_cp():
+    moe = {M + "moe": {"num_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 48}}
+    p = only_problem(tiny(**moe, **{"parallelism.ep": 4, "parallelism.dp": 4}))
+    assert p.fields == (M + "moe.num_experts", "parallelism.ep") and "ep one of 1, 2, 3, 6" in p.message
+    odd = {M + "moe": {**moe[M + "moe"], "intermediate_size": 45}}
+    p = only_problem(tiny(**odd, **{"parallelism.tp": 2}))
+    assert p.fields[0] == M + "moe.intermediate_size" and "intermediate_size=44 or 46" in p.message
+    p = only_problem(tiny(**moe, **{"parallelism.ep": 2, "parallelism.dp": 3}))
+    assert (
+        p.fields == ("parallelism.ep", "parallelism.dp", "parallelism.cp") and "ep one of 1, 3" in p.message
+    )
+    load_config_dict(tiny(**moe, **{"parallelism.ep": 2, "parallelism.cp": 2}))  # ep over the cp ranks
+    p = only_problem(tiny(**{"parallelism.ep": 2, "parallelism.dp": 2}))
+    assert "the model is dense" in p.message and "Fix: ep=1" in p.message
+    p = only_problem(tiny(**{M + "moe": {"num_experts": 2, "num_experts_per_tok": 3}}))
+    assert "num_experts_per_tok <= 2" in p.message
+
+
 def test_a_warm_up_longer_than_a_short_try_is_cut_to_the_run_with_a_warning():
     """examples/debug.yaml warms up for 20 steps: `tokens.train_steps=10` must still run."""
     cfg = load_config_dict(

@@ -94,3 +94,17 @@ def test_doctor_with_context_parallelism_counts_the_ring_and_offers_more_cp(tiny
     assert "  dp x cp: all-reduce" in out
     assert "warning: tp=2 x cp=2 > 2 GPUs per node: every layer's cp ring crosses the network" in out
     assert "  parallelism.cp=4 (twice the processes, or dp halved): " in out
+
+
+def test_doctor_counts_each_ranks_experts_and_the_all_to_all(capsys):
+    """examples/mixtral_8x7b_gpu.yaml: the layout line, the dense weights' and the experts' gradient
+    reductions apart, the all-to-all (doctor.all_to_all_bytes, tested exactly in
+    tests/parallel/test_expert_parallel.py), and a per-rank estimate holding 1/(ep tp pp) of the experts."""
+    assert main(["doctor", "examples/mixtral_8x7b_gpu.yaml", "--world-size", "32", "--device", "H100"]) == 0
+    out = capsys.readouterr().out
+    assert "layout dp=8 (ep=4) tp=2 pp=2 = 32 process(es)" in out
+    assert "  dp: reduce-scatter" in out and "  experts over their replicas: reduce-scatter" in out
+    assert "  ep: all-to-all 144.00 GiB per step" in out and "fits: the largest rank needs" in out
+    # bf16 weights: 45.1B of the 46.7B parameters are experts, over ep 4 x tp 2 x pp 2; the rest over tp pp
+    params = float(out.split("params ")[1].split(" GiB")[0])
+    assert 5.6 < params < 6.4, params

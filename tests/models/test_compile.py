@@ -55,6 +55,18 @@ def test_fp32_compiled_equals_eager_and_compiles_only_at_the_first_step(tiny_con
 
 
 @NEEDS_CXX
+def test_a_mixture_of_experts_compiled_equals_eager(tiny_config):
+    """The routing and the router losses run between the layer's compiled graphs."""
+
+    def config_of(compiled):
+        moe = ("model.model_config.moe.num_experts=4", "model.model_config.moe.intermediate_size=32")
+        return tiny_config(f"model.compile={compiled}", "model.model_config.num_hidden_layers=2", *moe)
+
+    eager, compiled = steps_eager_and_compiled(config_of)
+    assert_steps_match(compiled, eager, label="moe")
+
+
+@NEEDS_CXX
 @BF16_PATHS
 def test_bf16_compiled_is_eager_within_bf16_rounding(tiny_config, native):
     def config_of(compiled, dtype="bfloat16"):

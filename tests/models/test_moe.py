@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from helpers import BF16_PATHS, BF16_ROUNDOFF, build_llama, llama_config, precision_path, random_batch
 
-from femtotron.diagnostics.router_collapse import COLLAPSE_STEPS, RouterCollapse
+from femtotron.diagnostics.expert_load import COLLAPSE_STEPS, RouterCollapse
 from femtotron.models.moe import AUX, MoE
 from femtotron.precision import grouped_linear
 

@@ -8,6 +8,7 @@ import pytest
 from distributed import run_ranks
 from helpers import check_layouts
 
+from femtotron.diagnostics.doctor import all_to_all_bytes
 from femtotron.parallel.context import ParallelContext
 from femtotron.trainer import Trainer
 
@@ -93,3 +94,6 @@ def test_the_all_to_all_sends_exactly_the_routed_rows(tiny_config, dp, ep, recom
         counts = forwards * exchanges * (ep - 1) * local * 8  # int64 counts
         assert sent[("ep", "all_to_all")] == counts + (forwards + 1) * (away + arrived) * row
         assert (("edp", "all_reduce") in sent) == (dp > ep)  # the experts' gradients over their replicas
+    # What `femtotron doctor` counts: the same, with every expert getting its share of the rows.
+    rows = config.tokens.micro_batch_size * config.tokens.sequence_length * 2 * exchanges * (ep - 1) / ep
+    assert all_to_all_bytes(config) == counts + (forwards + 1) * 2 * rows * row

@@ -27,7 +27,10 @@ def _full_weights(rank, config):
     ctx = ParallelContext.from_config(config)
     trainer = Trainer(config, ctx, log_to_console=False)
     model = trainer.model
-    out = {name: full_tensor(p, p.shard, model.tp).float() for name, p in model.named_parameters()}
+    out = {
+        name: full_tensor(p, p.shard, model.tp, model.ep.group).float()
+        for name, p in model.named_parameters()
+    }
     step = trainer.state.step
     ctx.close()
     return out, step
@@ -96,6 +99,42 @@ def test_each_tp_rank_reads_its_rows_of_the_fused_weights_from_hugging_face_file
     config = tiny_config("general.run=from-hf-tp", f"model.init_from={tmp_path / 'hf'}", "parallelism.tp=2")
     for weights, _ in run_ranks(_full_weights, 2, config):
         assert all(torch.equal(weights[name], expected[name]) for name in expected)
+
+
+@pytest.mark.distributed
+def test_each_rank_reads_its_experts_from_a_mixture_of_experts_directory(tiny_config, tmp_path):
+    """A Qwen2-MoE directory holds each expert's gate/up/down (and the shared experts') as matrices of their
+    own: at dp2 x ep2 x tp2 each rank reads its 2 experts' rows, and gathered they are the imported model."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from femtotron.serialize.hf import read_as_run
+
+    cfg = tiny_config("general.run=shape").model.model_config_
+    shape = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    experts = dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+    hf = Qwen2MoeForCausalLM(
+        Qwen2MoeConfig(
+            **{key: getattr(cfg, key) for key in shape},
+            num_key_value_heads=cfg.num_key_value_heads,
+            max_position_embeddings=cfg.max_position_embeddings,
+            qkv_bias=False,
+            **experts,
+        )
+    )
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    imported, expected = read_as_run(tmp_path / "hf")
+    chosen = imported.model.model_config_.moe.model_dump(exclude_none=True)
+    moe = [f"model.model_config.moe.{key}={value}" for key, value in chosen.items()]
+    layout = (
+        "parallelism.dp=2",
+        "parallelism.ep=2",
+        "parallelism.tp=2",
+        "model.model_config.rms_norm_eps=1e-6",
+    )
+    config = tiny_config("general.run=from-moe", f"model.init_from={tmp_path / 'hf'}", *moe, *layout)
+    for weights, _ in run_ranks(_full_weights, 4, config):
+        assert weights.keys() == expected.keys()
+        assert all(torch.equal(weights[name], expected[name].float()) for name in expected)
 
 
 def test_a_source_of_another_model_is_refused_naming_each_field(tiny_config, tmp_path):

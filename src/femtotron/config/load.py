@@ -1,8 +1,7 @@
 """YAML (+ command-line overrides) -> Config, reporting every problem at once.
 
-Each problem names its dotted path, where it was set (YAML line or override), the rule or expected
-type, the value given, and a fix. Cross-field rules are only checked on fields that parsed, so one
-typo does not turn into a cascade of follow-on complaints.
+Each problem names its dotted path, where it was set (YAML line or override), the rule or expected type,
+the value given, and a fix. Cross-field rules only check fields that parsed: a typo causes no cascade.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ def load_config(
     path: str | Path, overrides: Sequence[str] = (), sources: Mapping[str, str] | None = None
 ) -> Config:
     """Read a YAML config, apply `dotted.path=value` overrides and validate; ConfigError lists every problem.
-    `sources` names where an override came from when it was not typed as one (e.g. {"parallelism.tp=3":
-    "--tp 3"}); the others are "command line override '...'"."""
+    `sources`: where overrides not typed as such came from (e.g. {"parallelism.tp=3": "--tp 3"})."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")

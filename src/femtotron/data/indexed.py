@@ -89,11 +89,7 @@ class IndexedDataset:
         bin_path, idx_path = f"{self.path_prefix}.bin", f"{self.path_prefix}.idx"
         if not (os.path.isfile(bin_path) and os.path.isfile(idx_path)):
             raise _missing(self.path_prefix)
-        idx = (
-            np.memmap(idx_path, dtype=np.uint8, mode="r")
-            if os.path.getsize(idx_path)
-            else np.empty(0, np.uint8)
-        )
+        idx = np.memmap(idx_path, np.uint8, "r") if os.path.getsize(idx_path) else np.empty(0, np.uint8)
         if idx.size < _HEADER.size:
             raise _corrupt(idx_path, f"truncated: {idx.size} bytes, shorter than the header")
         magic, version, code, count, doc_count = _HEADER.unpack(idx[: _HEADER.size].tobytes())
@@ -128,9 +124,7 @@ class IndexedDataset:
                 f"= {self.num_tokens * itemsize} bytes",
             )
         # Offsets are checked to be contiguous, so the .bin file *is* the concatenation of all sequences.
-        self._tokens = (
-            np.memmap(bin_path, dtype=_le(self.dtype), mode="r") if bin_size else np.empty(0, self.dtype)
-        )
+        self._tokens = np.memmap(bin_path, _le(self.dtype), "r") if bin_size else np.empty(0, self.dtype)
 
     def _check_index(self, idx_path: str, count: int) -> None:
         lengths, pointers, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
@@ -147,11 +141,9 @@ class IndexedDataset:
                 f"{int(pointers[i])}, expected {int(expected[i]) * self.dtype.itemsize}",
             )
         if docs.size == 0 or docs[0] != 0 or docs[-1] != count:
-            first, last = (int(docs[0]), int(docs[-1])) if docs.size else (None, None)
+            found = f"first={int(docs[0])}, last={int(docs[-1])}" if docs.size else "first=None, last=None"
             raise _corrupt(
-                idx_path,
-                f"document index must run from 0 to the sequence count {count}, found first={first}, "
-                f"last={last}",
+                idx_path, f"document index must run from 0 to the sequence count {count}, found {found}"
             )
         if np.any(np.diff(docs) < 0):
             raise _corrupt(idx_path, "document index is not sorted")
@@ -171,10 +163,7 @@ class IndexedDataset:
 
 class IndexedDatasetWriter:
     """Builds a `.bin`/`.idx` pair; both appear (atomically, by rename) only when `finalize()` runs.
-
-    One `add_document(tokens)` is one document of one sequence. Megatron's shape also works:
-    `add_item(tokens)` any number of times, then `end_document()`.
-    """
+    `add_document(tokens)` is one document of one sequence; or, as Megatron: `add_item`s, `end_document`."""
 
     def __init__(self, path_prefix: str | os.PathLike, dtype: np.dtype | type) -> None:
         self.path_prefix = os.fspath(path_prefix)
@@ -185,12 +174,9 @@ class IndexedDatasetWriter:
             )
         directory = os.path.dirname(self.path_prefix) or "."
         os.makedirs(directory, exist_ok=True)
-        fd, self._tmp_bin = tempfile.mkstemp(
-            dir=directory, prefix=os.path.basename(self.path_prefix), suffix=".bin.tmp"
-        )
+        fd, self._tmp_bin = tempfile.mkstemp(".bin.tmp", os.path.basename(self.path_prefix), directory)
         # mkstemp makes the file private (0600); a dataset should get the usual permissions, like the .idx.
-        umask = os.umask(0)
-        os.umask(umask)
+        os.umask(umask := os.umask(0))  # read the umask: set it, and back
         os.chmod(self._tmp_bin, 0o666 & ~umask)
         self._bin = os.fdopen(fd, "wb")
         self._lengths: list[int] = []
@@ -224,11 +210,9 @@ class IndexedDatasetWriter:
         np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
         header = _HEADER.pack(MAGIC, VERSION, _code(self.dtype), lengths.size, len(self._documents))
         tmp_idx = f"{self._tmp_bin[: -len('.bin.tmp')]}.idx.tmp"
+        documents = np.asarray(self._documents, dtype="<i8")
         with open(tmp_idx, "wb") as f:
-            f.write(header)
-            f.write(lengths.astype("<i4").tobytes())
-            f.write(pointers.tobytes())
-            f.write(np.asarray(self._documents, dtype="<i8").tobytes())
+            f.writelines([header, lengths.astype("<i4").tobytes(), pointers.tobytes(), documents.tobytes()])
         os.replace(self._tmp_bin, f"{self.path_prefix}.bin")
         os.replace(tmp_idx, f"{self.path_prefix}.idx")
 
@@ -253,12 +237,8 @@ def _code(dtype: np.dtype) -> int:
 
 
 def resolve_dataset_prefixes(path: str | os.PathLike) -> list[str]:
-    """Turn a configured dataset entry into checked path prefixes.
-
-    The entry is a prefix (`data/corpus` for `data/corpus.bin` + `data/corpus.idx`; a trailing `.bin` or
-    `.idx` is tolerated) or a directory, which stands for all the pairs in it, sorted. Every pair is opened
-    and checked, so a missing or corrupt dataset stops the run before the model is built.
-    """
+    """Checked prefixes from a dataset entry: a prefix (`data/corpus`; a trailing `.bin`/`.idx` tolerated) or
+    a directory (all its pairs, sorted), each opened: a bad dataset stops the run before the model exists."""
     path = os.fspath(path)
     if os.path.isdir(path):
         prefixes, _ = _scan(path)

@@ -26,15 +26,11 @@ _BLOCK = 1 << 16  # global samples per lazily built blending block
 
 
 class _Blender:
-    """Decides which dataset global sample g comes from, and which of that dataset's samples it is.
-
-    Greedy rule: the next sample goes to the dataset that lags its weight the most, the one whose next
-    sample is due first at `(served + 0.5) / weight` (float64; ties to the lower dataset index). This is the
-    highest-averages (Sainte-Laguë) apportionment, so after g samples each dataset's count stays within
-    about one sample of `weight * g`. Because dataset d's k-th sample is due at `(k + 0.5) / weight_d`
-    whatever the others do, a block of the blend is one vectorised merge of due times, built from the
-    per-dataset counters at its start: O(1) amortised per sample, and a resume replays only counters.
-    """
+    """Which dataset global sample g comes from, and which of its samples it is: the next sample goes to
+    the dataset whose next one is due first at `(served + 0.5) / weight` (float64, ties to the lower index;
+    Sainte-Laguë), so each count stays within about one sample of `weight * g`. Dataset d's k-th sample is
+    due at `(k + 0.5) / weight_d` whatever the others do, so a block is one vectorised merge of due times
+    from the counters at its start: O(1) amortised per sample, and a resume replays only counters."""
 
     def __init__(self, weights: np.ndarray) -> None:
         self.weights = weights
@@ -70,11 +66,9 @@ class _Blender:
 class Nanoset:
     """Samples of `sequence_length + 1` tokens (inputs and targets overlap by one) from blended datasets.
 
-    Within a dataset the documents form one token stream; its sample i is tokens `[i*L, i*L + L + 1)`.
-    The dataset's n samples are visited in a fresh permutation each epoch, drawn from
-    `np.random.default_rng((seed, dataset_index, epoch))`, so `nanoset[g]` exists for every g >= 0.
-    `weights` (normalised) set each dataset's share of the blend; None means proportional to size.
-    """
+    A dataset's documents form one token stream; its sample i is tokens `[i*L, i*L + L + 1)`, visited in a
+    fresh permutation each epoch (`np.random.default_rng((seed, dataset_index, epoch))`), so `nanoset[g]`
+    exists for every g >= 0. `weights` (normalised): each dataset's share; None: proportional to size."""
 
     def __init__(
         self,
@@ -167,9 +161,8 @@ def open_nanoset(folders: str | list[str] | dict[str, float], sequence_length: i
 
 @dataclass
 class MicroBatch:
-    """Token ids and the targets the model predicts from them: the next ids, IGNORE_INDEX where a position
-    does not count in the loss. Both (micro_batch_size, sequence_length), or this cp rank's part of the
-    sequences with where its tokens sit (`placement`, parallel/context_parallel.py; None: whole sequences)."""
+    """Token ids and targets (the next ids; IGNORE_INDEX: not counted), (micro_batch_size, sequence_length),
+    or this cp rank's part with where its tokens sit (`placement`, context_parallel.py; None: whole)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
@@ -195,13 +188,8 @@ class MicroBatch:
 
 
 class MicroBatchIterator:
-    """One data-parallel rank's micro-batches, step by step.
-
-    A step consumes the next `micro_batch_size * batch_accumulation * dp_size` global samples; rank r takes
-    the r-th contiguous chunk and cuts it into `batch_accumulation` micro-batches. The samples a step sees
-    therefore do not depend on dp_size: `step_at(consumed_samples)` gives any step's, so resuming needs only
-    the saved `consumed_samples`.
-    """
+    """One dp rank's micro-batches: a step takes the next `micro_batch_size * batch_accumulation * dp_size`
+    global samples, rank r the r-th chunk: independent of dp_size, resumed from `consumed_samples` alone."""
 
     def __init__(
         self, nanoset: Nanoset, micro_batch_size: int, batch_accumulation: int, dp_rank: int, dp_size: int

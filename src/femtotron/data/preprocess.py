@@ -69,17 +69,12 @@ def preprocess(
     text_key: str = "text",
     progress: bool = True,
 ) -> PreprocessSummary:
-    """Tokenize `input_path` (.jsonl, .jsonl.gz or .txt) into `output_prefix`.bin/.idx.
-
-    The files appear only when every document is written. `workers > 1` tokenizes in a process pool;
-    the output is byte-identical to `workers=1` because chunks are written back in input order.
-    """
+    """Tokenize `input_path` (.jsonl, .jsonl.gz or .txt) into `output_prefix`.bin/.idx, which appear only
+    when every document is written. `workers > 1` tokenizes in a process pool, byte-identically (in order)."""
     tokenizer_path, output_prefix = os.fspath(tokenizer_path), os.fspath(output_prefix)
     encoder = _Encoder(tokenizer_path)  # fails fast on a bad tokenizer, before any worker starts
     chunks = _chunks(iter_documents(input_path, text_key))
-    bar = tqdm(
-        desc=f"preprocess {os.fspath(input_path)}", unit=" docs", file=sys.stderr, disable=not progress
-    )
+    bar = tqdm(desc=f"preprocess {input_path}", unit=" docs", file=sys.stderr, disable=not progress)
     with bar, IndexedDatasetWriter(output_prefix, encoder.dtype) as writer:
         if workers > 1:
             # spawn, not fork: forking a process that already ran Rust thread pools can deadlock.

@@ -25,10 +25,8 @@ def train_tokenizer(
     text_key: str = "text",
     show_progress: bool = False,
 ) -> Tokenizer:
-    """Train byte-level BPE on the documents in `input_paths` and save it (atomically) as tokenizer.json.
-
-    Byte-level means every string is encodable and `decode(encode(s)) == s`; `<|endoftext|>` is id 0.
-    """
+    """Train byte-level BPE (every string encodable, `decode(encode(s)) == s`; `<|endoftext|>` is id 0) on
+    the documents in `input_paths` and save it (atomically) as tokenizer.json."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
         raise UsageError(

@@ -569,7 +569,14 @@ def _working_tps(config: Config) -> list[int]:
         for tp in (2, 4, 8)
         if not rule_problems(
             with_changes(
-                config, {"parallelism.tp": tp, "parallelism.dp": 1, "parallelism.pp": 1, "parallelism.cp": 1}
+                config,
+                {
+                    "parallelism.tp": tp,
+                    "parallelism.dp": 1,
+                    "parallelism.pp": 1,
+                    "parallelism.cp": 1,
+                    "parallelism.ep": 1,
+                },
             )
         )
     ]
@@ -600,7 +607,13 @@ def run_check_tp(
             "float32 or 3e-2 for bfloat16 (the defaults)."
         )
     # Later overrides win, so these pin the layout whatever the config or the user's overrides say.
-    layout = [f"parallelism.tp={tp}", "parallelism.dp=1", "parallelism.pp=1", "parallelism.cp=1"]
+    layout = [
+        f"parallelism.tp={tp}",
+        "parallelism.dp=1",
+        "parallelism.pp=1",
+        "parallelism.cp=1",
+        "parallelism.ep=1",
+    ]
     config = load_config(
         config_path,
         [*overrides, *layout],

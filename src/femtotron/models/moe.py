@@ -1,23 +1,13 @@
-"""Mixture of experts: the MLP of every decoder layer replaced by `num_experts` gated MLPs ("experts"), of
-which a router picks `num_experts_per_tok` (k) per token, and optional shared experts every token takes.
+"""Mixture of experts: each layer's MLP replaced by `num_experts` gated MLPs ("experts"), of which a router
+picks k = `num_experts_per_tok` per token, plus optional shared experts every token takes. Parameter names
+are transformers' (the router is its `mlp.gate`); experts are split over tp along their intermediate size
+and over ep along the experts (parallel/expert_parallel.py).
 
-Parameters (the names of transformers' Mixtral / Qwen2-MoE, but the router's):
-- `mlp.router.weight` (num_experts, hidden): replicated over tp; the logits are computed in fp32.
-- `mlp.experts.gate_up_proj` (num_experts, 2, intermediate, hidden): gate and up of every expert, and
-  `mlp.experts.down_proj` (num_experts, hidden, intermediate): split over tp along intermediate (like the
-  dense MLP) and over ep along the experts (parallel/expert_parallel.py).
-- `mlp.shared_expert.*`: a dense MLP of num_shared_experts * intermediate; `mlp.shared_expert_gate.weight`.
-
-A layer: route each token (on this rank's tokens, before entering tensor parallelism, so that tp ranks do
-not each add the router's gradient), sort the (token, expert) assignments by expert, run every expert on
-its rows with one grouped GEMM per matrix, and add each token's k outputs weighted by its router weights.
-No token is dropped unless `capacity_factor` is set.
-
-Router losses: the load-balancing loss aux = E * sum_e f_e * P_e (f_e: the share of the micro-batch's
-assignments expert e got, P_e: its mean router probability; 1 when balanced) and the z-loss (mean squared
-log-sum-exp of the logits), each averaged over layers and over the micro-batches of the global batch, so
-that any layout gives the same gradients. They are not part of the logged LM loss: their gradient is
-injected in backward (`_AddRouterLoss`), and `RouterStats` records them with the experts' loads.
+The router runs on this rank's tokens before they enter tensor parallelism (so tp ranks do not each add its
+gradient); assignments are sorted by expert and each expert runs on its rows in one grouped GEMM per matrix.
+The router losses (load balancing: E * sum_e f_e * P_e, 1 when balanced; z-loss: mean squared log-sum-exp)
+are averaged over layers and the global batch's micro-batches, so every layout gets the same gradients; they
+are left out of the logged loss and added in backward (`_AddRouterLoss`).
 """
 
 from __future__ import annotations
@@ -32,7 +22,6 @@ from torch import nn
 
 from femtotron.config import LlamaConfig
 from femtotron.errors import ConfigError
-from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.context_parallel import ContextParallel
 from femtotron.parallel.expert_parallel import ExpertParallel
 from femtotron.parallel.tensor_parallel import (
@@ -49,15 +38,14 @@ DROPPED, AUX, Z = range(3)
 
 
 class RouterStats:
-    """What the routers of one rank's MoE layers did during a step, per layer: tokens per expert (of the
-    micro-batches this rank saw; every tp rank sees them all), dropped assignments, and this rank's share of
-    the load-balancing and z losses. Also the weight of the router losses' gradients for this step."""
+    """Per layer, what one rank's routers did in a step: tokens per expert (every tp rank routes all the
+    micro-batch's tokens), dropped assignments, this rank's share of the two losses; and the weight of the
+    losses' gradients, set by the trainer (loss scale / micro-batches per global batch)."""
 
     def __init__(self, cfg: LlamaConfig, device: torch.device) -> None:
         self.experts = cfg.moe.num_experts
         self.values = torch.zeros(cfg.num_hidden_layers, self.experts + 3, device=device)
-        self.gradient_scale = 1.0  # set by the trainer: loss scale / micro-batches per global batch
-        self.replaying = False  # a recomputed forward (recompute_layer) records nothing
+        self.gradient_scale, self.replaying = 1.0, False  # a recomputed forward records nothing
 
     @contextmanager
     def replay(self) -> Iterator[None]:
@@ -67,50 +55,19 @@ class RouterStats:
         finally:
             self.replaying = False
 
+    @torch.compiler.disable
     def record(
         self, layer: int, counts: torch.Tensor, dropped: int, aux: torch.Tensor, z: torch.Tensor
     ) -> None:
-        if self.replaying:
-            return
-        row = self.values[layer]
-        row[: self.experts] += counts
-        row[self.experts + DROPPED] += dropped
-        row[self.experts + AUX] += aux.detach()
-        row[self.experts + Z] += z.detach()
+        if not self.replaying:  # columns: per expert, then DROPPED, AUX, Z
+            self.values[layer, : self.experts] += counts
+            self.values[layer, self.experts :] += torch.stack(
+                [aux.new_tensor(float(dropped)), aux, z]
+            ).detach()
 
     def reset(self, gradient_scale: float) -> None:
-        """Before a step: forget the last one's; the router losses' gradients are multiplied by
-        `gradient_scale` (the loss scale over the micro-batches per global batch)."""
         self.values.zero_()
         self.gradient_scale = gradient_scale
-
-    def step_metrics(
-        self, comm: Comm, groups: list[Group], sp_group: Group | None, micro_batches: int
-    ) -> tuple[dict[str, float], torch.Tensor]:
-        """The step's records summed over `groups` (the dp x cp and pp ranks: every micro-batch and layer),
-        the losses' shares also over `sp_group` (tp under sequence parallelism): metrics.jsonl's `moe/` keys,
-        and the tokens per expert of each layer (layers, experts)."""
-        values = self.values.clone()
-        for group in groups:
-            comm.all_reduce(values, group)
-        if sp_group is not None:
-            values[:, self.experts + AUX :] = comm.all_reduce(
-                values[:, self.experts + AUX :].contiguous(), sp_group
-            )
-        loads, extra = values[:, : self.experts], values[:, self.experts :]
-        layers = len(values)
-        metrics = {
-            "moe/aux_loss": extra[:, AUX].sum().item() / layers / micro_batches,
-            "moe/z_loss": extra[:, Z].sum().item() / layers / micro_batches,
-            "moe/dropped_tokens": extra[:, DROPPED].sum().item(),
-        }
-        for layer, load in enumerate(loads):
-            metrics |= {
-                f"moe/layer{layer}/load_min": load.min().item(),
-                f"moe/layer{layer}/load_max": load.max().item(),
-                f"moe/layer{layer}/load_cv": (load.std(correction=0) / load.mean().clamp(min=1)).item(),
-            }
-        return metrics, loads.cpu()
 
 
 class _AddRouterLoss(torch.autograd.Function):
@@ -127,9 +84,11 @@ class _AddRouterLoss(torch.autograd.Function):
 
 
 class Router(nn.Module):
-    def __init__(self, make, name: str, experts: int, hidden: int) -> None:
+    """A (rows, hidden) weight replicated over tp: the router's, or the shared experts' gate."""
+
+    def __init__(self, make, name: str, rows: int, hidden: int) -> None:
         super().__init__()
-        self.weight = make(f"{name}.weight", (experts, hidden), make.std)  # replicated over tp
+        self.weight = make(f"{name}.weight", (rows, hidden), make.std)
 
 
 class Experts(nn.Module):
@@ -167,7 +126,7 @@ class MoE(nn.Module):
         tp, _, ep = self.tp, self.cp, self.ep = parallel
         self.moe = moe = cfg.moe
         self.layer, self.layers, self.stats = layer, cfg.num_hidden_layers, stats
-        # The config rules (E1) catch these first; a model built by hand must not split experts unevenly.
+        # The config rules catch these first; a model built by hand must not split experts unevenly.
         for what, n, split in (
             ("intermediate_size", moe.intermediate_size, tp),
             ("num_experts", moe.num_experts, ep),
@@ -213,19 +172,20 @@ class MoE(nn.Module):
         loss = (self.moe.aux_loss_coef * aux + self.moe.z_loss_coef * z) / self.layers
         return _AddRouterLoss.apply(out, loss, self.stats.gradient_scale) if loss.requires_grad else out
 
+    # model.compile: the routing's shapes depend on the data, and the losses talk over cp: both run between
+    # the layer's compiled graphs.
+    @torch.compiler.disable
     def routed(
         self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Each token's weighted sum of its experts' outputs (this tp rank's partial sum), the assignments per
         expert (before any are dropped) and how many were dropped."""
-        n, k = chosen.shape
-        experts = self.moe.num_experts
+        (n, k), experts = chosen.shape, self.moe.num_experts
         # The meta device (memory estimates) has shapes but no routing: taken as perfectly balanced.
         flat = torch.arange(n * k) % experts if chosen.is_meta else chosen.flatten()
-        counts = torch.bincount(flat, minlength=experts)
+        counts = kept = torch.bincount(flat, minlength=experts)
         order = flat.argsort(stable=True)
-        kept = counts
-        if self.moe.capacity_factor is not None:
+        if self.moe.capacity_factor is not None:  # an assignment's place among its expert's, in token order
             capacity = math.ceil(self.moe.capacity_factor * n * k / experts)
             place = torch.arange(n * k, device=flat.device) - (counts.cumsum(0) - counts).repeat_interleave(
                 counts
@@ -238,13 +198,12 @@ class MoE(nn.Module):
         combined = tokens.new_zeros(n, tokens.shape[-1]).index_add(0, token, out)
         return combined, counts, n * k - len(order)
 
+    @torch.compiler.disable
     def router_losses(self, logits: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's shares of the micro-batch's load-balancing and z losses (fp32 scalars; the shares of
         the cp ranks, and of the tp ranks under sequence parallelism, add up to the whole)."""
-        zero = logits.new_zeros(())
-        shards = self.cp.size * (self.tp.size if self.tp.sequence_parallel else 1)
-        tokens = len(logits) * shards
-        aux = z = zero
+        aux = z = logits.new_zeros(())
+        tokens = len(logits) * self.cp.size * (self.tp.size if self.tp.sequence_parallel else 1)
         if self.moe.aux_loss_coef:
             assigned = self.cp.comm.all_reduce(counts.float(), self.cp.group)  # the whole micro-batch's
             share = assigned / (tokens * self.moe.num_experts_per_tok)

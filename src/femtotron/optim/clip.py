@@ -14,12 +14,8 @@ def global_grad_norm(
     counted: list[bool] | None = None,
     groups: list[Group] | None = None,
 ) -> torch.Tensor:
-    """L2 norm of all gradients of the model (fp32): squares summed over `groups`, by default the
-    model-parallel group (the tp and pp ranks of one replica); under ZeRO-1 the dp group too.
-
-    `counted[i]` is False where another rank holds the same gradient and counts it (a parameter
-    replicated over tp is counted on tp rank 0 only), so nothing is counted twice.
-    """
+    """L2 norm of the model's gradients (fp32), squares summed over `groups` (default: the tp and pp ranks of
+    one replica; ZeRO-1 adds dp). `counted[i]` False: another rank counts it (tp-replicated: tp rank 0)."""
     mine = grads if counted is None else [g for g, c in zip(grads, counted, strict=True) if c]
     norms = torch._foreach_norm(mine, dtype=torch.float32) if mine else [torch.zeros((), device=ctx.device)]
     # Every rank joins the all-reduce, even one holding no gradients, or the others would wait forever.

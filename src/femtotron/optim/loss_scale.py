@@ -1,11 +1,9 @@
 """Dynamic loss scaling for fp16 training (N1).
 
-fp16 has 5 exponent bits: gradients below ~6e-8 flush to zero and values above 65504 overflow to
-inf. Multiplying the loss by a large scale S before backward lifts the small gradients into fp16's
-range; the fp32 gradients are divided by S again before clipping and the optimizer step. When a
-gradient overflows anyway, that step is skipped and S halved; after `growth_interval` clean steps S
-doubles, so it settles just below the largest scale that fits. bf16 and fp32 have fp32's exponent
-range and need none of this: there the scaler is disabled (scale 1, no checks).
+fp16 gradients below ~6e-8 flush to zero, values above 65504 overflow. The loss is multiplied by a scale S
+before backward, lifting small gradients into range; the fp32 gradients are divided by S before clipping.
+On an overflow the step is skipped and S halved; after `growth_interval` clean steps S doubles, settling
+just below the largest scale that fits. bf16 and fp32 need none of this: the scaler is disabled (scale 1).
 """
 
 from __future__ import annotations
@@ -33,13 +31,8 @@ class DynamicLossScaler:
         self.skipped_steps = 0  # over the whole run
 
     def unscale_(self, grads: list[torch.Tensor], ctx: ParallelContext) -> bool:
-        """Divide the (fp32) gradients by the scale in place; return True when any gradient on any rank is
-        not finite.
-
-        Every rank must take the same decision (skip or step), or the replicas drift apart and the next
-        collective pairs different calls: the flag is agreed by an all-reduce (max) over the
-        model-parallel group and the dp x cp group, which together span every rank.
-        """
+        """Unscale the fp32 gradients in place; return whether any on any rank is not finite. Every rank must
+        decide alike (else replicas drift), so the flag is max-reduced over mp and dp x cp: every rank."""
         if not self.enabled:
             return False
         found_inf = torch.zeros((), device=ctx.device)

@@ -1,7 +1,5 @@
 """Learning rate at a given step: warmup, then cosine / linear / 1-sqrt decay to `min_decay_lr`.
-
-A pure function of the step, so resuming needs nothing but the step number.
-"""
+A pure function of the step, so resuming needs nothing but the step number."""
 
 from __future__ import annotations
 

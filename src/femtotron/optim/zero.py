@@ -1,13 +1,10 @@
 """AdamW over fp32 master weights, sharded over data-parallel ranks with ZeRO-1.
 
-The model may hold bf16 (or fp16) parameters for speed and memory; the optimizer keeps an fp32
-copy (the master weight) of the elements it steps, so small updates are not rounded away, and
-Adam's two moments beside it: 12 bytes per parameter against the model's 2. ZeRO-1 splits those 12
-bytes over the dp ranks: each rank keeps master weights and moments only for the elements it owns
-in parallel/data_parallel.py (1/dp of every bucket), receives their dp-summed gradients by
-reduce-scatter, updates them, and all-gathers the new parameters. Per rank that is
-2 + 4 + 12/dp bytes per parameter (bf16 weights, fp32 gradients) instead of 2 + 4 + 12.
-With fp32 parameters the owned parameter elements are the master weights themselves: 4 + 4 + 8/dp.
+With bf16 (or fp16) parameters the optimizer keeps an fp32 master copy of the elements it steps (so small
+updates are not rounded away) and Adam's two moments: 12 bytes per parameter. Under ZeRO-1 each rank keeps
+them only for the elements it owns in parallel/data_parallel.py (1/dp of every bucket), gets their dp-summed
+gradients by reduce-scatter, and all-gathers the new parameters: 2 + 4 + 12/dp bytes per parameter (bf16
+weights, fp32 gradients) instead of 2 + 4 + 12. fp32 parameters are their own masters: 4 + 4 + 8/dp.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ from femtotron.parallel.data_parallel import DataParallel
 class ZeroAdamW:
     def __init__(self, params: list[nn.Parameter], data_parallel: DataParallel, cfg: Any) -> None:
         """`params` are laid out in `data_parallel`'s buffers; `cfg` is the `optimizer` config section."""
-        self.data_parallel = data_parallel
-        self.pieces = data_parallel.pieces
+        self.data_parallel, self.pieces = data_parallel, data_parallel.pieces
         self.model_pieces = data_parallel.owned(data_parallel.flat_params)
         if data_parallel.flat_params.dtype == torch.float32:
             self.masters = self.model_pieces  # the optimizer updates the model's own storage

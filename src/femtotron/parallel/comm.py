@@ -1,26 +1,17 @@
-"""The one module that calls torch.distributed collectives and point-to-point ops.
+"""The one module that calls torch.distributed collectives and point-to-point ops (process groups are made
+in parallel/context.py, store messages go through parallel/store.py; nothing else touches torch.distributed).
 
-(Process groups are made in parallel/context.py, messages through the rendezvous store travel through
-parallel/store.py; nothing else touches torch.distributed.)
+`Comm` counts calls and bytes sent per (group kind, op kind), times each group kind, and keeps every op until
+it completes, so a hang reads "rank 3 waits in all_reduce on tp[2,3] for a (4, 256) bfloat16 tensor". On
+NCCL a call (and a wait on its work) returns once the op is queued, so a rank waits for its oldest op not yet
+complete, which `unfinished` finds by polling; the host's waits for the device are recorded too (`read`).
 
-Every op goes through `Comm`, which counts the calls and the bytes this rank sends per (group kind, op
-kind) (so tests and benchmarks know the exact communication volume), the time spent per group kind (so the
-trainer can log the share of a step spent in, say, tensor-parallel communication), and keeps each op until
-it has completed, so a hang can be reported as "rank 3 waits in all_reduce on tp[2,3] for a (4, 256)
-bfloat16 tensor". On NCCL a call, and a wait on its work, returns as soon as the op is queued on the GPU:
-what a rank waits for is then not the call it is in but its oldest op not yet complete, which `unfinished`
-finds by polling each op's work without blocking. The points where the host waits for the device (reading
-a loss) are recorded too (`read`, `synchronize`).
+NCCL's semantics on gloo, for tests (`FEMTOTRON_EMULATE_NCCL=1`): a `start_*` op's result reaches its tensor
+only at the wait (NaN until then), and a send completes only once its receive is posted (gloo's own rule;
+NCCL's for large messages), so reading early, or a schedule that would deadlock on GPUs, fails on a CPU too.
 
-NCCL's semantics on gloo, for tests (`FEMTOTRON_EMULATE_NCCL=1`, or `Comm(emulate_nccl=True)`): the
-result of an op started without waiting (`start_*`) reaches its tensor only at the wait, and until then the
-tensor holds NaN, so code that reads a result before waiting for it fails on a CPU as it would on GPUs;
-and a send completes only once its receiver has posted the receive (gloo's own rule, as NCCL's for large
-messages), so a schedule where a rank's send waits on a receive its peer posts later deadlocks on a CPU too.
-
-Byte counts are the volume a ring algorithm sends from this rank: all_reduce 2(n-1)/n of the
-tensor, all_gather and reduce_scatter (n-1)/n of the full tensor, send the tensor itself, all_to_all
-the rows it sends to the other ranks.
+Bytes are what a ring sends from this rank: all_reduce 2(n-1)/n of the tensor, all_gather and reduce_scatter
+(n-1)/n of the full tensor, send the tensor, all_to_all the rows it sends to the other ranks.
 """
 
 from __future__ import annotations
@@ -75,9 +66,8 @@ class OpInFlight:
 
 
 class _Slot:
-    """An issued op, as the work its start returns. Complete on the backend's word, or once waited for on
-    the host (a wait on the CPU blocks until the end; gloo's word can lag), never if it failed. Waited for
-    once only: a second wait on a finished gloo receive blocks."""
+    """An issued op, as its start's work: complete on the backend's word or once waited for on the host (a
+    CPU wait blocks to the end; gloo's word can lag), never if failed. Waited for once (twice can block)."""
 
     def __init__(self, on_host: bool) -> None:
         self.on_host, self.work, self.waited, self.failed = on_host, None, False, False
@@ -227,8 +217,7 @@ class Comm:
         return seconds
 
     def read(self, tensor: torch.Tensor, what: str) -> float:
-        """`tensor.item()`, recorded as a wait of the host for the device: on GPUs this is where a rank whose
-        collectives never complete is blocked."""
+        """`tensor.item()`, recorded as the host waiting for the device (where stuck collectives block)."""
         with self._record(f"wait for the device ({what})", None, tensor):
             return tensor.item()
 

@@ -1,20 +1,18 @@
 """Context parallelism (every sequence split over cp ranks, attention as a ring) and document masking.
 
-Zigzag split: a sequence of S tokens is cut into 2 * cp chunks and cp rank i holds chunks i and 2cp-1-i,
-so under the causal mask every rank has the same work (an early chunk sees few keys, a late one many).
-RoPE uses the global positions, so the model computes exactly what one device would.
+Zigzag split: a sequence is cut into 2 * cp chunks and cp rank i holds chunks i and 2cp-1-i, so under the
+causal mask every rank has the same work. RoPE uses the global positions: the model computes exactly what
+one device would.
 
-Ring attention: each rank's keys and values (its KV heads only: GQA's fewer heads travel) go round the
-ring, one step per cp rank; at each step a rank attends its queries to the block it holds while the next
-block is already on its way. Against the zigzag the blocks are simple: its own block is causal; a block
-from a lower cp rank is seen whole by both local chunks through its first chunk only; one from a higher
-rank is seen whole by the second local chunk only. Block results merge by their log-sum-exp (fp32). The
-backward pass sends the keys and values round again, each with its gradient accumulated so far (fp32):
-after the last step every rank holds the full gradient of its own keys and values.
+Ring attention: each rank's keys and values (KV heads only) go round the ring, one step per cp rank; a rank
+attends its queries to the block it holds while the next is on its way. Its own block is causal; one from a
+lower cp rank is seen whole by both local chunks, through its first chunk only; one from a higher rank is
+seen whole by the second local chunk only. Blocks merge by their log-sum-exp (fp32). Backward sends keys and
+values round again, each with its gradient so far (fp32), which ends on the rank that holds the block.
 
-Document masking (`model.document_masking`): a token attends only to the tokens of its own document in the
-packed sample (documents end at the end-of-document token), and RoPE positions restart at each document.
-The same ring computes it, each block masked by document; a block where no query sees any key is skipped.
+Document masking (`model.document_masking`): a token attends only to its own document in the packed sample
+(documents end at the end-of-document token), and RoPE positions restart at each document. The same ring
+computes it, each block masked by document; a block where no query sees any key is skipped.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ from femtotron.precision import attention_dtype, attention_with_lse, attention_w
 
 @dataclass(frozen=True)
 class ContextParallel:
-    """The cp ring of this rank: its group, its place in it, and the one-way groups to the following and
-    from the preceding rank (None for cp = 1)."""
+    """This rank's cp ring: its group, its place, one-way groups to the next and from the previous rank."""
 
     comm: Comm
     group: Group
@@ -109,8 +106,7 @@ def place_tokens(batch: MicroBatch, cp: int, cp_rank: int, eos_id: int | None) -
     masking). Unchanged when there is nothing to place (cp = 1, no masking)."""
     if cp == 1 and eos_id is None:
         return batch
-    length = batch.inputs.shape[1]
-    local = zigzag_indices(length, cp, cp_rank)
+    local = zigzag_indices(batch.inputs.shape[1], cp, cp_rank)
     if eos_id is None:
         positions, documents = local.expand(batch.inputs.shape[0], -1), None
         visible = (True,) * cp
@@ -206,9 +202,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     """Fold one block's softmax-normalised output into the running one (views, updated in place)."""
     total = torch.logaddexp(lse, block_lse)
     safe = total.masked_fill(total == float("-inf"), 0)  # no key seen yet in either: weights 0, not NaN
-    out.mul_((lse - safe).exp().unsqueeze(-1)).add_(
-        block_out.float() * (block_lse - safe).exp().unsqueeze(-1)
-    )
+    out.mul_((lse - safe).exp()[..., None]).add_(block_out.float() * (block_lse - safe).exp()[..., None])
     lse.copy_(total)
 
 

@@ -1,13 +1,9 @@
-"""Expert parallelism: a layer's experts split over the ep ranks, tokens sent to their experts' ranks.
+"""Expert parallelism: each layer's experts split over the ep ranks, tokens sent to their experts' ranks.
 
-The ep ranks are carved out of the ranks that hold the same dense parameters (dp x cp): ep consecutive
-ones of them form an ep group, each holding num_experts / ep of every layer's experts, and the ranks at
-the same place in the other ep groups (`edp`, dp x cp / ep of them) hold the same experts: an expert's
-gradient is summed, and ZeRO-1 shards its optimizer state, over those.
-
-A layer's step: each rank sorts its tokens' (token, expert) assignments by expert, tells every rank how
-many rows it will get for each of its experts (an all-to-all of counts), sends them (an all-to-all of
-rows of variable size), runs its experts on what it received, and sends the results back the same way.
+The ep ranks are `ep` consecutive ranks of those holding the same dense weights (dp x cp), each holding
+num_experts / ep experts; the ranks at the same place in the other ep groups (`edp`) hold the same experts,
+and an expert's gradient is summed (and ZeRO-1 sharded) over them. A layer exchanges the rows' counts per
+expert (all-to-all), then the rows (all-to-all of variable sizes), and sends the experts' outputs back.
 """
 
 from __future__ import annotations

@@ -44,9 +44,8 @@ class Store:
             self.store.set(f"{self.key_prefix}post/{key}", value)
 
     def collect(self, keys: list[str], timeout: float, remove: bool = False) -> dict[str, str]:
-        """Wait up to `timeout` seconds for every key to be posted; return those that were (all of them,
-        unless the wait timed out: the caller names the missing ones). `remove`: delete them from the store
-        (when only this rank reads them), so a long run does not pile them up."""
+        """Wait up to `timeout` seconds for every key; return those posted (the caller names any missing).
+        `remove`: delete them from the store (only this rank reads them), so they do not pile up."""
         if self.store is None:
             take = self._posted.pop if remove else self._posted.get
             return {k: take(k) for k in keys if k in self._posted}

@@ -1,20 +1,15 @@
 """Tensor parallelism: Megatron-style column/row-parallel layers and the collectives between them.
 
-A column-parallel linear splits its output features over the tp ranks, a row-parallel linear its
-input features; put back to back (attention: qkv -> o, MLP: gate/up -> down) they need one
-collective each way per block. Where that collective happens depends on `tp_mode`:
-
-- ALL_REDUCE: activations are whole on every rank. Entering a column-parallel layer: identity forward,
-  all-reduce of the input gradient backward; leaving a row-parallel layer: all-reduce forward, identity
-  backward.
-- REDUCE_SCATTER (sequence parallel): between blocks, every rank holds 1/tp of the sequence, so
-  norms and residual adds do 1/tp of the work and memory. Entering: all-gather forward, reduce-scatter
-  backward; leaving: reduce-scatter forward, all-gather backward. The same bytes as ALL_REDUCE, since an
-  all-reduce is a reduce-scatter followed by an all-gather.
-
-The vocabulary is split like a column-parallel layer (padded to a multiple of tp), and the
-cross-entropy is computed on the vocab shards without ever gathering the logits.
-With tp = 1 every op below returns its input: the plain model, no extra cost.
+A column-parallel linear splits its output features over the tp ranks, a row-parallel one its input
+features; back to back (attention: qkv -> o, MLP: gate/up -> down) they need one collective each way per
+block, which depends on `tp_mode`:
+- ALL_REDUCE: activations whole on every rank. Entering a column-parallel layer: identity forward,
+  all-reduce backward; leaving a row-parallel layer: all-reduce forward, identity backward.
+- REDUCE_SCATTER (sequence parallel): between blocks each rank holds 1/tp of the sequence (norms and
+  residual adds do 1/tp of the work and memory). Entering: all-gather forward, reduce-scatter backward;
+  leaving: the reverse. The same bytes as ALL_REDUCE (an all-reduce is a reduce-scatter, then an all-gather).
+The vocabulary is split like a column-parallel layer (padded to a multiple of tp); the cross-entropy is
+computed on the vocab shards, never gathering the logits. At tp = 1 every op returns its input.
 """
 
 from __future__ import annotations
@@ -122,23 +117,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ignore_index: int,
         tp: TensorParallel,
     ) -> torch.Tensor:
-        logits_dtype = logits.dtype
-        logits = logits.float()
+        ctx.logits_dtype, logits = logits.dtype, logits.float()
         row_max = logits.max(dim=-1).values
         tp.comm.all_reduce(row_max, tp.group, op="max")
         shifted = logits - row_max.unsqueeze(-1)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
         tp.comm.all_reduce(sum_exp, tp.group)
-        local_targets = targets - vocab_start
-        valid = targets != ignore_index
+        local_targets, valid = targets - vocab_start, targets != ignore_index
         mine = valid & (local_targets >= 0) & (local_targets < logits.shape[-1])
         local_targets = local_targets.masked_fill(~mine, 0)
         target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
         tp.comm.all_reduce(target_logit, tp.group)
         losses = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
         ctx.save_for_backward(exp, sum_exp, local_targets, mine, valid)
-        ctx.logits_dtype = logits_dtype
         return losses.sum()
 
     @staticmethod
@@ -159,11 +151,8 @@ def vocab_parallel_cross_entropy(
     ignore_index: int,
     tp: TensorParallel,
 ) -> torch.Tensor:
-    """Sum of cross-entropy over valid targets, from this rank's logits for [vocab_start, ...).
-
-    Columns past `vocab_size` (the padding that makes the vocabulary divisible by tp) are masked
-    to -inf, so they get probability 0 and no gradient.
-    """
+    """Sum of cross-entropy over valid targets, from this rank's logits for [vocab_start, ...). Columns past
+    `vocab_size` (padding the vocabulary to a multiple of tp) get -inf: probability 0, no gradient."""
     if vocab_start + logits.shape[-1] > vocab_size:  # a tiny vocabulary can leave a shard all padding
         ids = torch.arange(vocab_start, vocab_start + logits.shape[-1], device=logits.device)
         logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
@@ -175,11 +164,8 @@ def vocab_parallel_cross_entropy(
 
 
 def gather_full(tensor: torch.Tensor, dim: int | None, tp: TensorParallel, parts: int = 1) -> torch.Tensor:
-    """This rank's piece of a tensor split along `dim` over tp, gathered back (no gradient).
-
-    With `parts` > 1 the piece is [part 0 | part 1 | ...] along `dim` (see ColumnParallelLinear), and
-    each part is gathered on its own.
-    """
+    """This rank's piece of a tensor split along `dim` over tp, gathered back (no gradient). With `parts` > 1
+    the piece is [part 0 | part 1 | ...] along `dim` (see ColumnParallelLinear): each part gathered alone."""
     if dim is None or tp.size == 1:
         return tensor
     pieces = tensor.detach().chunk(parts, dim=dim)
@@ -196,12 +182,8 @@ def _split(name: str, what: str, n: int, tp: TensorParallel) -> None:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's rows (output features) split over tp; the output stays split.
-
-    `parts` > 1 stores that many (d_out, d_in) matrices as one (parts, d_out, d_in) weight split along
-    d_out (the MLP's gate and up): one matmul computes all of them, and this rank's output is
-    [part 0 | part 1 | ...] of its own features, each part contiguous.
-    """
+    """y = x W^T, W's rows (output features) split over tp, the output too. `parts` > 1: (parts, d_out, d_in),
+    split along d_out (MLP gate, up): one matmul, output [part 0 | part 1 | ...] of this rank's features."""
 
     def __init__(
         self,
@@ -282,8 +264,7 @@ class VocabParallelEmbedding(nn.Module):
 def full_tensor(
     tensor: torch.Tensor, shard: ShardInfo, tp: TensorParallel, ep: Group | None = None
 ) -> torch.Tensor:
-    """A parameter's (or its gradient's) full global tensor, gathered over tp (and experts over the `ep`
-    group), padding removed."""
+    """A parameter's (or its gradient's) global tensor, gathered over tp (experts: over `ep`), unpadded."""
     full = gather_full(tensor.detach(), split_dim(shard), tp)
     if shard.experts and ep is not None:
         full = tp.comm.all_gather(full.contiguous(), ep, dim=0)

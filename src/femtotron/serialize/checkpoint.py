@@ -1,18 +1,15 @@
 """Save and resume training: every rank writes its own slices, rank 0 commits by rename.
 
-Save: rank 0 makes `<checkpoints>/.tmp-step-NNNNNNN`; each rank writes the slices of the global
-tensors it is the one to save (its 1/(dp * cp) of every gradient bucket, parameters every tp rank holds
-whole only on tp rank 0, a tied embedding only on the first stage) and posts a record of them in the
-rendezvous store; rank 0 waits for every record with a timeout that names the ranks that never
-finished (C2), writes the manifest last, renames the directory to `step-NNNNNNN`, then points
-`latest` at it (both atomic) and deletes checkpoints beyond `checkpoints.keep_last_n`.
+Save: in `<checkpoints>/.tmp-step-NNNNNNN` each rank writes the slices it is the one to save (its
+1/(dp * cp) of every gradient bucket; whole-on-every-tp-rank parameters only on tp rank 0, a tied embedding
+only on the first stage) and posts a record in the rendezvous store; rank 0 waits for every record, with a
+timeout naming the ranks that never finished (C2), writes the manifest last, renames the directory to
+`step-NNNNNNN`, points `latest` at it (both atomic) and deletes those beyond `checkpoints.keep_last_n`.
 
-Load: the manifest says where every slice is, so each rank reads exactly the boxes its own layout
-needs; when the mesh changed since the save nothing else has to happen (C1). Weights, master
-weights, Adam moments and step count, the train state (step, consumed samples/tokens, loss scale)
-are restored, and each rank's RNG states when the mesh is unchanged (C3). Which checkpoint: `resume_source`.
-
-Save and load take the pieces they need (`TrainingParts`), never the trainer.
+Load: the manifest says where every slice is, so each rank reads exactly the boxes its layout needs, also
+when the mesh changed (C1): weights, master weights, Adam moments and step count, the train state, and each
+rank's RNG states when the mesh is unchanged (C3). Which checkpoint: `resume_source`. Save and load take the
+pieces they need (`TrainingParts`), never the trainer.
 """
 
 from __future__ import annotations
@@ -54,6 +51,12 @@ LATEST = "latest"
 # The model_config fields that decide the tensors' shapes: a checkpoint only loads into an equal model.
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
 MODEL_FIELDS += ("num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+MODEL_FIELDS += tuple(f"moe.{key}" for key in ("num_experts", "num_experts_per_tok", "intermediate_size"))
+MODEL_FIELDS += (
+    "moe.num_shared_experts",
+    "moe.shared_expert_gate",
+    "moe.router_norm",
+)  # and what they compute
 
 
 def checkpoint_root(config: Config) -> Path:
@@ -86,8 +89,7 @@ def saved_slices(model: RankModel) -> list[SavedSlice]:
     for piece in data_parallel.shard_pieces:
         if not model.counted[piece.param]:
             continue
-        name, param = named[piece.param]
-        offset = data_parallel.offsets[piece.param]
+        (name, param), offset = named[piece.param], data_parallel.offsets[piece.param]
         pieces = data_parallel.pieces
         owner = next(i for i, p in enumerate(pieces) if p.start <= piece.start and piece.end <= p.end)
         shape, low, high = param.shard.global_shape, piece.start - offset, piece.end - offset
@@ -138,14 +140,10 @@ def set_rng_state(reader: CheckpointReader, file: str) -> None:
 
 
 def save(parts: TrainingParts) -> Path:
-    """Write a checkpoint of the current step from every rank; return its directory once committed.
-
-    Any failure on any rank reaches rank 0 as a record in the store, and rank 0's verdict reaches every
-    rank, so all stop together with the reason instead of waiting for a timeout.
-    """
+    """Write a checkpoint of the current step from every rank; return its directory once committed. A
+    rank's failure reaches rank 0 through the store, and rank 0's verdict every rank: all stop, with why."""
     ctx, config, store = parts.ctx, parts.config, parts.ctx.store
-    root = checkpoint_root(config)
-    name = f"step-{parts.state.step:07d}"
+    root, name = checkpoint_root(config), f"step-{parts.state.step:07d}"
     tmp, final = root / f".tmp-{name}", root / name
     key = store.fresh_key("save")
     prepared: Exception | None = None
@@ -210,19 +208,17 @@ def collect_records(store: Store, world: int, key: str, final: Path, timeout: fl
     failed = {r: rec["error"] for r, rec in records.items() if "error" in rec}
     missing = [r for r in range(world) if r not in records]
     if missing or failed:
-        details = "".join(f"\n  rank {r}: {message}" for r, message in failed.items())
+        many, details = len(missing) > 1, "".join(f"\n  rank {r}: {message}" for r, message in failed.items())
+        lost = (
+            f"rank{'s' * many} {', '.join(map(str, missing))} did not finish writing "
+            f"{'their files' if many else 'its file'} within {timeout:g} s "
+            "(parallelism.collective_timeout_seconds): died, or stuck on the file system. "
+        )
         raise CheckpointError(
-            f"checkpoint {final} was not committed: "
-            + (
-                f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} did not finish writing "
-                f"{'their files' if len(missing) > 1 else 'its file'} within {timeout:g} s "
-                "(parallelism.collective_timeout_seconds): died, or stuck on the file system. "
-                if missing
-                else ""
-            )
+            f"checkpoint {final} was not committed: {lost if missing else ''}"
             + (f"Ranks failed to write:{details}\n" if failed else "")
-            + "The previous checkpoint is intact; the half-written "
-            f"{final.parent / ('.tmp-' + final.name)} is ignored on resume."
+            + f"The previous checkpoint is intact; the half-written {final.parent / ('.tmp-' + final.name)} "
+            "is ignored on resume."
         )
     return [records[r] for r in range(world)]
 
@@ -248,9 +244,8 @@ def run_state(parts: TrainingParts) -> dict[str, Any]:
 
 
 def commit(tmp: Path, final: Path, state: dict[str, Any], records: list[dict[str, Any]]) -> None:
-    """Write the manifest into the finished temporary directory, rename it into place and point `latest`
-    at it. A checkpoint of the same step already there (an abandoned run's) is moved aside first and
-    deleted only after the new one is in place. `records`: every rank's file, in rank order, then others."""
+    """Write the manifest into the finished temporary directory, rename it into place, point `latest` at it
+    (a same-step one there is deleted only then). `records`: each rank's file, in rank order, then others."""
     rng = {str(rank): record["file"] for rank, record in enumerate(records) if record.get("rng")}
     write_synced(tmp / MANIFEST, json.dumps(build_manifest({**state, "rng": rng}, records), indent=1))
     fsync_directory(tmp)
@@ -317,9 +312,8 @@ def resolve(path: Path, what: str = "checkpoints.resume_checkpoint_path") -> tup
 
 
 def resume_source(config: Config) -> tuple[Path | None, str, list[str]]:
-    """Where this run starts from: (the checkpoint path to resolve, what names it, warnings), or no path for a
-    start from step 0. An explicit checkpoints.resume_checkpoint_path wins; without it, the run's own newest
-    checkpoint, unless checkpoints.auto_resume is off."""
+    """Where this run starts: (checkpoint path to resolve, what names it, warnings); no path: from step 0.
+    checkpoints.resume_checkpoint_path wins; else the run's newest, unless checkpoints.auto_resume=false."""
     own, given = checkpoint_root(config), config.checkpoints.resume_checkpoint_path
     own_latest = committed_checkpoints(own)[-1:] if own.is_dir() else []
     if given is not None:
@@ -343,9 +337,8 @@ def resume_source(config: Config) -> tuple[Path | None, str, list[str]]:
 
 
 def decided_by_rank_0(ctx: ParallelContext, topic: str, decide: Callable[[], Any]) -> Any:
-    """`decide()` run on rank 0, its JSON result given to every rank: all must take the same decision, and on
-    a shared file system one rank may see a checkpoint that another does not see yet. Rank 0's
-    CheckpointError reaches the others as theirs, at once rather than after a timeout."""
+    """`decide()` on rank 0, its JSON result given to every rank (on a shared file system one rank may see a
+    checkpoint another does not yet). Rank 0's CheckpointError reaches the others as theirs, at once."""
     key = ctx.store.fresh_key("decision")
     if ctx.rank == 0:
         try:
@@ -380,8 +373,7 @@ def already_done(config: Config) -> str | None:
     if path is None or config.checkpoints.resume_checkpoint_path is not None:
         return None
     directory, _ = resolve(path, what)
-    step = int(read_manifest(directory)["step"])
-    train_steps = config.tokens.train_steps
+    step, train_steps = int(read_manifest(directory)["step"]), config.tokens.train_steps
     if step < train_steps or (config.checkpoints.save_final_state and not weights_present(config.run_dir)):
         return None
     return (
@@ -393,22 +385,25 @@ def already_done(config: Config) -> str | None:
 
 def model_differences(saved: dict[str, Any], config: Config, where: str, fields=MODEL_FIELDS) -> list[str]:
     """The model_config fields (by default those that decide the tensors' shapes) that differ, as lines."""
-    current = config.model.model_config_.model_dump(mode="json")
+
+    def flat(values: dict[str, Any]) -> dict[str, Any]:  # moe's keys as moe.KEY
+        return values | {f"moe.{key}": value for key, value in (values.get("moe") or {}).items()}
+
+    saved, current = flat(saved), flat(config.model.model_config_.model_dump(mode="json"))
     return [
-        f"model.model_config.{field}: {where} {saved.get(field)!r}, config {current[field]!r}"
+        f"model.model_config.{field}: {where} {saved.get(field)!r}, config {current.get(field)!r}"
         for field in fields
-        if saved.get(field) != current[field]
+        if saved.get(field) != current.get(field)
     ]
 
 
 def check_model_matches(manifest: dict[str, Any], config: Config, directory: Path) -> None:
     wrong = model_differences(manifest["config"]["model"]["model_config"], config, "checkpoint")
     if wrong:
+        lines = "".join(f"\n  {line}" for line in wrong)
         raise CheckpointError(
-            f"checkpoint {directory} was saved from a different model:\n  "
-            + "\n  ".join(wrong)
-            + f"\nSet these fields as in the checkpoint's config ({directory / MANIFEST}), or "
-            "start a new run from step 0."
+            f"checkpoint {directory} was saved from a different model:{lines}\nSet these fields as in the "
+            f"checkpoint's config ({directory / MANIFEST}), or start a new run from step 0."
         )
 
 
@@ -477,17 +472,15 @@ def load_tensors(model: RankModel, optimizer: ZeroAdamW, reader: CheckpointReade
         optimizer.prepare_state(int(reader.manifest.get("optimizer_steps", 0)))
         for kind in ("master", "exp_avg", "exp_avg_sq"):
             for piece, target in zip(data_parallel.pieces, optimizer.state(kind), strict=True):
-                name, param = named[piece.param]
-                offset = data_parallel.offsets[piece.param]
+                (name, param), offset = named[piece.param], data_parallel.offsets[piece.param]
                 fill(target, param, piece.start - offset, piece.end - offset, reader, source(kind, name))
 
 
 def restore_counters(parts: TrainingParts, reader: CheckpointReader, directory: Path) -> str:
     manifest, state, config = reader.manifest, parts.state, parts.config
     # Only an fp16 run's scale means anything; a bf16 or fp32 one is 1 (and would be fp16's minimum).
-    state.load_state_dict(
-        manifest, loss_scale=state.scaler.enabled and manifest["config"]["model"].get("dtype") == "float16"
-    )
+    fp16 = state.scaler.enabled and manifest["config"]["model"].get("dtype") == "float16"
+    state.load_state_dict(manifest, loss_scale=fp16)
     saved, current = {"cp": 1, "ep": 1} | manifest["mesh"], mesh_of(config)  # saved before cp, ep: 1
     same_layout = saved == current and manifest.get("world_size") == parts.ctx.world_size
     rng_file = manifest.get("rng", {}).get(str(parts.ctx.rank))

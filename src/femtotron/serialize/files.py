@@ -6,9 +6,8 @@
       rank-00000.safetensors   the slices rank 0 wrote, and its RNG states
       ...
 
-Tensor names are `<kind>/<parameter name>`, kind one of `model` (the weights in the model's dtype),
-`master` (fp32 master weights, only when the model is not fp32: fp32 weights are their own masters),
-`exp_avg` and `exp_avg_sq` (Adam's moments, fp32). Nothing here unpickles: safetensors and JSON only.
+Tensor names are `<kind>/<parameter name>`: `model` (weights, the model's dtype), `master` (fp32 masters,
+absent when the model is fp32), `exp_avg` and `exp_avg_sq` (Adam, fp32). Nothing unpickles: safetensors, JSON.
 """
 
 from __future__ import annotations
@@ -109,15 +108,13 @@ def build_manifest(state: dict[str, Any], files: list[dict[str, Any]]) -> dict[s
 
 
 class CheckpointReader:
-    """Reads slices of global tensors from a committed checkpoint directory, checking the size of each file it
-    opens first, and with `verify_all` its sha256 too (in a distributed load each rank `verify`s its share of
-    the files instead, so the checkpoint is hashed once, not once per reader). Use as a context manager."""
+    """Reads slices of global tensors from a committed checkpoint, checking each file's size (`verify_all`:
+    and sha256; a distributed load has each rank `verify` a share instead). Use as a context manager."""
 
     def __init__(self, directory: str | os.PathLike, verify_all: bool = False) -> None:
-        self.directory = Path(directory)
+        self.directory, self.verify_all = Path(directory), verify_all
         self.manifest = read_manifest(self.directory)
         self.tensors: dict[str, Any] = self.manifest["tensors"]
-        self.verify_all = verify_all
         self._open: dict[str, Any] = {}
         self._verified: set[str] = set()
 

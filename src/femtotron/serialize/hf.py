@@ -127,13 +127,13 @@ def _moe_config(hf: dict[str, Any], model_type: str, problems: list[str]) -> dic
             f"moe_intermediate_size={inner}"
         )
     norm = "topk_then_softmax" if hf.get("norm_topk_prob") else "softmax_then_topk"
-    return moe | {
-        "num_experts": hf.get("num_experts", 60),
-        "intermediate_size": inner,
-        "num_shared_experts": shared // inner,
-        "shared_expert_gate": True,
-        "router_norm": norm,
-    }
+    return moe | dict(
+        num_experts=hf.get("num_experts", 60),
+        intermediate_size=inner,
+        num_shared_experts=shared // inner,
+        shared_expert_gate=True,
+        router_norm=norm,
+    )
 
 
 def open_hf(hf_dir: Path) -> tuple[LlamaConfig, dict[str, Any], dict[str, Any]]:
@@ -323,29 +323,20 @@ def _special_tokens(path: Path) -> dict[str, int]:
 def _architecture(cfg: LlamaConfig) -> dict[str, Any]:
     """The transformers class computing `cfg`, and its config.json keys beyond the Llama ones."""
     kind, moe = hf_kind(cfg), cfg.moe
-    names = {"architectures": [next(a for a, t in ARCHITECTURES.items() if t == kind)], "model_type": kind}
+    keys = {"architectures": [next(a for a, t in ARCHITECTURES.items() if t == kind)], "model_type": kind}
+    keys |= ABSENT_IN[kind]  # what femtotron's model does not have, as "not used"
     if moe is None:
-        return names
-    common = names | {
-        "num_experts_per_tok": moe.num_experts_per_tok,
-        "router_aux_loss_coef": moe.aux_loss_coef,
-    }
+        return keys
+    keys |= {"num_experts_per_tok": moe.num_experts_per_tok, "router_aux_loss_coef": moe.aux_loss_coef}
     if kind == "mixtral":
-        return common | {
-            "num_local_experts": moe.num_experts,
-            "intermediate_size": moe.intermediate_size,
-            "router_jitter_noise": 0.0,
-        }
-    return common | {
-        "num_experts": moe.num_experts,
-        "moe_intermediate_size": moe.intermediate_size,
-        "shared_expert_intermediate_size": moe.num_shared_experts * moe.intermediate_size,
-        "norm_topk_prob": moe.router_norm == "topk_then_softmax",
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "qkv_bias": False,
-        "use_sliding_window": False,
-    }
+        return keys | {"num_local_experts": moe.num_experts, "intermediate_size": moe.intermediate_size}
+    shared, norm = moe.num_shared_experts * moe.intermediate_size, moe.router_norm == "topk_then_softmax"
+    return keys | dict(
+        num_experts=moe.num_experts,
+        moe_intermediate_size=moe.intermediate_size,
+        shared_expert_intermediate_size=shared,
+        norm_topk_prob=norm,
+    )
 
 
 def _hf_config(config: Config, cfg: LlamaConfig, dtype: str, tokens: dict[str, int]) -> dict[str, Any]:
@@ -358,8 +349,6 @@ def _hf_config(config: Config, cfg: LlamaConfig, dtype: str, tokens: dict[str, i
         "rope_scaling": {"rope_type": "llama3", **scaling} if scaling else None,
         "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": kind, **scaling},
         "head_dim": cfg.head_dim,
-        "attention_bias": False,
-        "mlp_bias": False,
         "initializer_range": config.model.init_method.std,
         "torch_dtype": dtype,
         "dtype": dtype,

@@ -1,10 +1,9 @@
 """`model.init_from`: a run's first weights from another model, at any mesh and ZeRO stage.
 
 PATH is a Hugging Face Llama directory (config.json), a finished run directory (config.yaml and its
-safetensors), or a checkpoint (a step directory, or a checkpoints directory: its newest). Only the weights
-are read, into this rank's slices (serialize/checkpoint.py `fill`, the same placement code resuming uses):
-the run still starts at step 0, with a fresh optimizer and schedule. Each rank reads only the boxes it
-holds, from any of the three sources.
+safetensors), or a checkpoint (a step directory, or a checkpoints directory: its newest). Each rank reads
+only the weights' boxes it holds (serialize/checkpoint.py `fill`, as resuming does); the run still starts
+at step 0, with a fresh optimizer and schedule.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from safetensors import safe_open
 
 from femtotron.config import Config, LlamaConfig, load_config
 from femtotron.errors import ConfigError
+from femtotron.models.hf_conversion import EXPERT_NAMES, hf_kind
 from femtotron.models.llama import Llama
 from femtotron.serialize.checkpoint import MODEL_FIELDS, fill, model_differences, resolve
 from femtotron.serialize.files import CheckpointReader
@@ -49,7 +49,22 @@ class HFFiles:
     def read(self, name: str, box: Box) -> torch.Tensor:
         (starts, stops), prefix = box, "model." + name.rsplit(".", 2)[0] + "."
         columns = slice(starts[-1], stops[-1])
-        if name.endswith("mlp.gate_up_proj.weight"):  # (2, inner, hidden): gate, then up
+        if ".mlp.experts." in name or ".mlp.router." in name:  # per expert in HF: w1/w3/w2 or gate/up/down
+            block, gate, up, down = EXPERT_NAMES[hf_kind(self.cfg)]
+            layer = f"model.{name.split('.mlp.')[0]}.{block}."
+            if name.endswith("router.weight"):
+                return self._rows(layer + "gate.weight", starts[0], stops[0], columns)
+            each, experts = layer + "experts.{}.{}.weight", range(starts[0], stops[0])
+            if name.endswith("down_proj"):
+                return torch.stack(
+                    [self._rows(each.format(e, down), starts[1], stops[1], columns) for e in experts]
+                )
+            roles = [gate, up][starts[1] : stops[1]]
+            rows = [
+                [self._rows(each.format(e, r), starts[2], stops[2], columns) for r in roles] for e in experts
+            ]
+            return torch.stack([torch.stack(pair) for pair in rows])
+        if name.endswith("gate_up_proj.weight"):  # (2, inner, hidden): gate, then up
             parts = [prefix + "gate_proj.weight", prefix + "up_proj.weight"][starts[0] : stops[0]]
             return torch.stack([self._rows(part, starts[1], stops[1], columns) for part in parts])
         if not name.endswith("self_attn.qkv_proj.weight"):
@@ -124,11 +139,8 @@ def init_weights(model: RankModel, config: Config) -> str:
     fields = (*MODEL_FIELDS, "max_position_embeddings", "rope_theta", "rope_scaling", "rms_norm_eps")
     wrong = model_differences(source_cfg.model_dump(mode="json"), config, "source", fields)
     if wrong:
-        raise ConfigError(
-            f"{WHAT}={path} is another model:\n  - "
-            + "\n  - ".join(wrong)
-            + "\nSet these fields as the source has them."
-        )
+        lines = "".join(f"\n  - {line}" for line in wrong)
+        raise ConfigError(f"{WHAT}={path} is another model:{lines}\nSet these fields as the source has them.")
     with torch.no_grad():
         for name, param in model.named_parameters():
             fill(param.data.view(-1), param, 0, param.numel(), source, name)

@@ -1,12 +1,9 @@
 """Checkpoint tools that run in one process, without a cluster: reshard and consolidate.
 
-`reshard` rewrites a checkpoint as if saved from another mesh: for every rank of the new layout it
-builds that rank's part of the model on the meta device (layout.py: shapes only, no memory), reads
-the slices it would have saved from the old checkpoint, and writes them to that rank's file. A run
-on the new layout then reads only the files of its own dp group: its optimizer state from its own
-file, its weights (saved 1/dp by each rank of the group) from those. Any layout can also load the
-original directly; resharding offline saves that reading at start, and gives a checkpoint whose
-manifest describes the mesh it is used on.
+`reshard` rewrites a checkpoint as if saved from another mesh: for every rank of the new layout it builds
+that rank's model on the meta device (layout.py: shapes only), reads the slices it would have saved, and
+writes them to its file, so a run on that layout reads only its own dp group's files. Any layout can load
+the original too; resharding saves that reading at start, and the manifest describes the mesh in use.
 
 `consolidate` writes every weight at its full shape into one safetensors file, with the config and the
 tokenizer, in the form of a finished run directory (serialize/weights.py; `femtotron generate` reads it).
@@ -71,8 +68,7 @@ def rank_slices(config: Config, rank: int, reader: CheckpointReader) -> list:
 
 def consolidate(source: Path, out: Path, with_optimizer: bool = False) -> Path:
     """A run directory in `out`: full-shape weights (`model.safetensors`), `config.yaml` and the tokenizer;
-    with `with_optimizer` also the fp32 master weights and Adam moments at full shape
-    (`optimizer.safetensors`, keys `<kind>/<name>`)."""
+    `with_optimizer`: also fp32 master weights and Adam moments (`optimizer.safetensors`, `<kind>/<name>`)."""
     directory, _ = resolve(source, SOURCE)
     out.mkdir(parents=True, exist_ok=True)
     with CheckpointReader(directory, verify_all=True) as reader:

@@ -7,8 +7,7 @@
       model-parts.json     which files hold the weights
       tokenizer.json       the tokenizer, so the directory is self-contained
 
-`femtotron train` writes it at the end, `femtotron consolidate` from a checkpoint; `femtotron generate`
-reads it.
+Written by `femtotron train` at the end or `femtotron consolidate`; read by `femtotron generate`.
 """
 
 from __future__ import annotations

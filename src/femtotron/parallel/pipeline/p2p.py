@@ -1,19 +1,16 @@
 """Activations and gradients between neighbouring pipeline stages, through parallel/comm.py.
 
-The executor posts each action's receive before the action ahead of it computes, and starts the send
-of each output once computed (`exchange`); only a receive is ever waited for before computing. Each
-direction between two neighbours has a process group of its own (`PipeLink`, parallel/context.py): NCCL
-ignores tags and pairs a group's transfers between two ranks in the order they are issued, on one stream
-per group, and a large send completes only once its receiver has posted the receive. With one group for both
-directions a send still waiting for its receiver would hold up the receives queued behind it, and the
-interleaved schedule, whose receivers post some receives many actions later, would deadlock. One way per
-group, a send only ever holds up later sends the same way, which the receiver takes in the same order
-(tests/parallel/pipeline/test_schedules.py checks every schedule under that model).
+Each action's receive is posted before the action ahead of it computes, each output's send started once
+computed (`exchange`); only a receive is waited for before computing. Each direction between two neighbours
+has a process group of its own (`PipeLink`, parallel/context.py): NCCL ignores tags, pairs a group's
+transfers in issue order on one stream, and completes a large send only once its receive is posted. With
+one group both ways, a send waiting for its receiver would hold up the receives behind it, and the
+interleaved schedule (some receives posted many actions later) would deadlock; one way per group, a send
+only holds up later sends the same way, taken in the same order (test_schedules.py checks every schedule).
 
-Every transfer has the same shape and dtype: (micro_batch_size, sequence [/ tp], hidden) in the
-model's dtype. At start the ranks exchange that shape with their pipeline neighbours, so ranks built
-from different configs stop with an error naming both ranks and both shapes (P1) before the first
-step, instead of a receive that hangs or fills a buffer with the wrong numbers; a stage that returns
+Every transfer is (micro_batch_size, sequence [/ tp], hidden) in the model's dtype. The ranks exchange that
+with their neighbours at start, so ranks built from different configs stop before the first step with an
+error naming both ranks and shapes (P1), not a hanging receive or wrong numbers; a stage that returns
 another shape is stopped before it sends.
 """
 
@@ -62,8 +59,7 @@ Send = tuple[torch.Tensor, Transfer]  # a tensor to send, and where to
 
 
 class PipelineP2P:
-    """Point-to-point with the neighbouring pp ranks for tensors of one shape and dtype; peers named by pp
-    rank, each reached through its `PipeLink`."""
+    """Point-to-point of one shape and dtype with the neighbouring pp ranks, each through its `PipeLink`."""
 
     def __init__(
         self,

@@ -1,13 +1,10 @@
 """Which decoder layers each pipeline stage holds, balanced by estimated compute.
 
-The embedding always sits on the first stage (it turns token ids into the activations every later
-stage receives) and the final norm + LM head + loss on the last (it needs the targets). Layers are
-split into contiguous runs, at least one per stage, so that the most expensive stage, which sets the
-pace of the whole pipeline, is as cheap as possible. The LM head of a large vocabulary costs about
-as much as a layer, so the last stage often gets fewer layers: `num_hidden_layers % pp` need not be 0.
-
-With interleaving there are pp * v virtual stages; virtual stage s runs on pp rank s % pp, as model
-chunk s // pp of that rank.
+The embedding sits on the first stage, the final norm + LM head + loss on the last (it needs the
+targets). Layers are split into contiguous runs, at least one per stage, so that the most expensive stage
+(it sets the pipeline's pace) is as cheap as possible. A large vocabulary's LM head costs about a layer, so
+the last stage often gets fewer layers: `num_hidden_layers % pp` need not be 0. With interleaving, virtual
+stage s of pp * v runs on pp rank s % pp, as its model chunk s // pp.
 """
 
 from __future__ import annotations
@@ -39,10 +36,8 @@ class Stage:
 
 
 def partition(cfg: LlamaConfig, sequence_length: int, stages: int) -> list[Stage]:
-    """Split the layers over `stages` contiguous stages minimising the largest stage cost.
-
-    Exact dynamic programme over (stages, layers): cheap for any real model (a few hundred layers).
-    """
+    """Split the layers over `stages` contiguous stages minimising the largest stage cost: an exact dynamic
+    programme over (stages, layers), cheap for any real model (a few hundred layers)."""
     n = cfg.num_hidden_layers
     if stages > n:
         raise ValueError(f"{stages} pipeline stages for {n} layers: every stage needs a layer")
@@ -52,8 +47,7 @@ def partition(cfg: LlamaConfig, sequence_length: int, stages: int) -> list[Stage
         return (stop - start) * layer + (head if stop == n else 0.0)
 
     # best[k][i]: the smallest possible maximum cost when the first i layers form k stages.
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    best = [[float("inf")] * (n + 1) for _ in range(stages + 1)]
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0
     for k in range(1, stages + 1):
@@ -67,14 +61,12 @@ def partition(cfg: LlamaConfig, sequence_length: int, stages: int) -> list[Stage
         bounds.append((cut[k][i], i))
         i = cut[k][i]
     bounds.reverse()
-    embedding = cfg.embedding_parameters
+    emb = cfg.embedding_parameters
 
     def parameters(start: int, stop: int) -> int:
         first, last = start == 0, stop == n
         # The last stage: the final norm and the LM head (or the tied copy of the embedding).
-        return (
-            (stop - start) * cfg.layer_parameters + first * embedding + last * (cfg.hidden_size + embedding)
-        )
+        return (stop - start) * cfg.layer_parameters + first * emb + last * (cfg.hidden_size + emb)
 
     return [
         Stage(s, range(a, b), s == 0, s == stages - 1, cost(a, b), parameters(a, b))

@@ -1,12 +1,10 @@
 """Pipeline schedules as lists of actions, and the loop that executes them.
 
-A schedule is, for each pp rank, the order in which it runs forward and backward passes of
-(micro-batch, model chunk). Writing it out as a list makes the schedule readable and testable
-without any communication (tests/parallel/pipeline/test_schedules.py simulates every rank's list).
-The executor then walks the list: a forward receives its input from the previous virtual stage
-(blocking), runs the chunk and sends the output on (without waiting); a backward receives the output
-gradient from the next stage, runs backward and sends the input gradient back. Sends never block, so
-a rank only ever waits for data it needs, and the order of the lists alone decides the schedule.
+A schedule is, per pp rank, the order of its forward and backward passes of (micro-batch, model chunk):
+as a list it is readable and testable without communication (tests/parallel/pipeline/test_schedules.py).
+The executor walks it: a forward receives its input from the previous virtual stage, runs the chunk and
+sends the output on; a backward receives the output gradient and sends the input gradient back. Sends
+never block, so a rank only waits for data it needs, and the lists' order alone decides the schedule.
 
 - `afab`: all forwards, then all backwards (GPipe). Simple; holds every micro-batch's activations.
 - `1f1b`: rank r first runs pp - r - 1 forwards (warm-up), then alternates one forward and one
@@ -87,10 +85,7 @@ def forward_only(micro_batches: int, chunks: int) -> list[Action]:
 
 class Pipeline:
     """Runs one rank's part of a schedule: its model chunks, the transfers, the loss on the last stage.
-
-    Works for pp = 1 as well (one stage: forward and backward per micro-batch, no transfers), so the
-    trainer has a single code path.
-    """
+    At pp = 1 too (forward and backward per micro-batch, no transfers): the trainer has one code path."""
 
     def __init__(self, chunks: list[nn.Module], engine: str, pp: int, pp_rank: int, p2p: PipelineP2P) -> None:
         self.chunks, self.engine, self.pp, self.pp_rank, self.p2p = chunks, engine, pp, pp_rank, p2p
@@ -130,10 +125,7 @@ class Pipeline:
 
     def train_step(self, micro_batches: list[MicroBatch], global_tokens: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns this rank's summed loss (0 off the last stage).
-
-        The last stage divides each micro-batch's summed loss by the global batch's token count before
-        backward, so the gradients are those of the token-weighted mean loss (DESIGN.md).
-        """
+        Backward runs from each loss / the global batch's token count: the token-weighted mean (DESIGN.md)."""
         loss_sum = torch.zeros((), device=global_tokens.device)
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 

@@ -1,13 +1,42 @@
-"""Router collapse: a layer's router sending most tokens to one expert, step after step (the other experts
-then stop learning, and the layer is a dense MLP of one expert's size)."""
+"""A mixture of experts' step as metrics (tokens per expert and layer, router losses, dropped tokens), and
+router collapse: a layer's router sending most tokens to one expert step after step (the other experts then
+stop learning, and the layer is a dense MLP of one expert's size)."""
 
 from __future__ import annotations
 
 import torch
 
 from femtotron.config import LlamaConfig
+from femtotron.models.moe import AUX, DROPPED, RouterStats, Z
+from femtotron.parallel.comm import Comm, Group
 
 COLLAPSE_STEPS = 20  # consecutive steps before the warning
+
+
+def step_metrics(
+    stats: RouterStats, comm: Comm, groups: list[Group], sp_group: Group | None, micro_batches: int
+) -> tuple[dict[str, float], torch.Tensor]:
+    """The step's records summed over `groups` (the dp x cp and pp ranks: every micro-batch and layer), the
+    losses' shares also over `sp_group` (tp under sequence parallelism): metrics.jsonl's `moe/` keys, and the
+    tokens per expert of each layer (layers, experts)."""
+    values = stats.values.clone()
+    for group in groups:
+        comm.all_reduce(values, group)
+    loads, extra = values[:, : stats.experts], values[:, stats.experts :].contiguous()
+    if sp_group is not None:
+        extra[:, AUX:] = comm.all_reduce(extra[:, AUX:].contiguous(), sp_group)
+    per_micro_batch = len(values) * micro_batches  # the losses are means over layers and micro-batches
+    metrics = {
+        "moe/aux_loss": extra[:, AUX].sum().item() / per_micro_batch,
+        "moe/z_loss": extra[:, Z].sum().item() / per_micro_batch,
+        "moe/dropped_tokens": extra[:, DROPPED].sum().item(),
+    }
+    for layer, load in enumerate(loads):
+        cv = load.std(correction=0) / load.mean().clamp(min=1)
+        metrics |= {
+            f"moe/layer{layer}/load_{k}": v for k, v in (("min", load.min()), ("max", load.max()), ("cv", cv))
+        }
+    return {key: float(value) for key, value in metrics.items()}, loads.cpu()
 
 
 class RouterCollapse:
