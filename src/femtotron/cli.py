@@ -128,12 +128,14 @@ def cmd_import_hf(args: argparse.Namespace) -> None:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> None:
+    import json
     from pathlib import Path
 
-    from femtotron.serialize.hf import export_hf
+    from femtotron.serialize.hf import HF_CONFIG, export_hf
 
     out = export_hf(Path(args.source), Path(args.out), args.dtype, _bytes(args.shard_size))
-    print(f"wrote {out}: LlamaForCausalLM.from_pretrained({str(out)!r}) loads it")
+    architecture = json.loads((out / HF_CONFIG).read_text())["architectures"][0]
+    print(f"wrote {out}: {architecture}.from_pretrained({str(out)!r}) loads it")
 
 
 def _bytes(size: str) -> int:
@@ -314,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     exp = verbs.add_parser("export-hf", help="a Hugging Face Llama directory from a run or a checkpoint")
     exp.add_argument("source", help="a run directory, a step-NNNNNNN checkpoint, or a checkpoints directory")
-    exp.add_argument("--out", required=True, help="the directory LlamaForCausalLM.from_pretrained reads")
+    exp.add_argument("--out", required=True, help="the directory transformers' from_pretrained reads")
     exp.add_argument(
         "--dtype", choices=("bfloat16", "float32", "float16"), help="default: the run's model.dtype"
     )

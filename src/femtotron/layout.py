@@ -1,9 +1,6 @@
-"""One rank's part of the model: its pipeline stages, model chunks and parameter buffers.
-
-Built the same way by the trainer (with real process groups) and, on the meta device, by the memory
-estimate and the offline checkpoint tools (shapes and layout without memory or initialisation), so all
-agree on which slices of which tensors each rank of a mesh holds.
-"""
+"""One rank's part of the model: its pipeline stages, model chunks and parameter buffers. Built alike by the
+trainer and, on the meta device, by the memory estimate and offline checkpoint tools, so all agree on which
+slices of which tensors each rank of a mesh holds."""
 
 from __future__ import annotations
 
@@ -82,8 +79,7 @@ def _build(
     replicas: tuple[Replicas, Replicas],
     device: torch.device,
 ) -> RankModel:
-    """`replicas`: the ranks whose gradients are summed (dp x cp) and this rank's place among them; for the
-    experts (dp x cp / ep)."""
+    """`replicas`: the ranks summing gradients (dp x cp; for experts dp x cp / ep), and this rank's place."""
     (tp, cp, ep), (dense, experts) = parallel, replicas
     mcfg, par = config.model.model_config_, config.parallelism
     dtype = DTYPES[config.model.dtype]
@@ -98,10 +94,8 @@ def _build(
     # A tied LM head on the last stage holds a copy of the first stage's embedding: its gradient is summed
     # with the original's, and it is counted (and saved) once.
     tied_copy = [n == "embed_tokens.weight" and par.pp > 1 and mcfg.tie_word_embeddings for n, _ in named]
-    counted = [
-        (tp.rank == 0 or not r) and not (c and pp_rank > 0)
-        for r, c in zip(replicated, tied_copy, strict=True)
-    ]
+    pairs = zip(replicated, tied_copy, strict=True)
+    counted = [(tp.rank == 0 or not r) and not (c and pp_rank > 0) for r, c in pairs]
     data_parallel = DataParallel(
         named,
         bucket_groups(chunks, tied_copy),
@@ -131,9 +125,8 @@ def build_pipeline(config: Config, ctx: ParallelContext, model: RankModel) -> Pi
 
 def bucket_groups(chunks: list[Llama], own_bucket: list[bool]) -> list[list[int]]:
     """Parameter indices in the order backward produces their gradients: each chunk's, last layer first, its
-    experts' in buckets of their own (reduced over other ranks). A tied embedding gets a bucket of its own,
-    laid out alike on the first and last stage, so the gradient pieces each rank owns after the dp reduction
-    match across the embedding group."""
+    experts' in buckets of their own (reduced over other ranks). A tied embedding gets its own bucket, laid
+    out alike on both stages, so the pieces each rank owns after the dp reduction match across them."""
     groups, first = [], 0
     for chunk in chunks:
         params = list(chunk.parameters())

@@ -49,13 +49,9 @@ def on_this_cpu(x: torch.Tensor) -> bool:
 
 
 def emulated_low_precision(x: torch.Tensor) -> bool:
-    """True for bf16/fp16 tensors on a CPU without bf16 matrix units.
-
-    There PyTorch emulates low-precision matmuls: ~70x slower than fp32 for a linear layer and 2-4x
-    for attention (forward + backward, measured on an AVX2 CPU). Computing those in fp32 instead
-    gives what a GPU tensor core computes anyway (low-precision inputs, fp32 accumulation, output
-    rounded back) at fp32 speed.
-    """
+    """True for bf16/fp16 tensors on a CPU without bf16 matrix units. PyTorch emulates their matmuls there
+    (~70x fp32's time for a linear layer, 2-4x for attention, on an AVX2 CPU); fp32 gives what a GPU tensor
+    core computes anyway (low-precision inputs, fp32 accumulation, output rounded back) at fp32 speed."""
     return x.dtype != torch.float32 and on_this_cpu(x) and not native_on_cpu
 
 
@@ -108,10 +104,9 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 def attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, allowed: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block of attention (k, v with the KV heads) and its fp32 log-sum-exp per query, -inf for a query
-    that sees no key; `allowed`: which query sees which key, (batch, 1, queries, keys). On CPUs the flash
-    kernel (its backward, below, takes the output and log-sum-exp of all blocks merged: ring attention);
-    elsewhere the same arithmetic written out in fp32 (`math_attention_with_lse`)."""
+    """One block of attention (k, v with the KV heads) and its fp32 log-sum-exp per query (-inf: sees no key);
+    `allowed`: which query sees which key, (batch, 1, queries, keys). On CPUs the flash kernel (its backward
+    takes the output and lse of all blocks merged: ring attention), elsewhere `math_attention_with_lse`."""
     if on_this_cpu(q):
         mask = None if allowed is None else _additive(allowed, q.dtype)
         out, lse = _CPU_FLASH(q, k, v, 0.0, causal, attn_mask=mask)
@@ -194,8 +189,7 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _visible(
     allowed: torch.Tensor | None, causal: bool, rows: slice, keys: int, device: torch.device
 ) -> torch.Tensor | None:
-    """Which query of `rows` sees which key: `allowed` (None: every one), under the causal mask up to its
-    own position."""
+    """Which query of `rows` sees which key: `allowed` (None: all), causally up to its own position."""
     allowed = None if allowed is None else allowed[..., rows, :]
     if not causal:
         return allowed
@@ -215,8 +209,7 @@ def _probabilities(
     rows: slice,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax probabilities (fp32) of the block's query `rows` (`queries`), normalised by `lse` when given
-    (else their own), and that lse."""
+    """fp32 softmax of `queries` (the block's `rows`), normalised by `lse` (else their own), and that lse."""
     scores = queries.float() @ _grouped(k, queries).float().transpose(-1, -2) * queries.shape[-1] ** -0.5
     allowed = _visible(allowed, causal, rows, k.shape[-2], queries.device)
     if allowed is not None:

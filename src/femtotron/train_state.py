@@ -1,5 +1,4 @@
-"""Where a run is, as data (what a checkpoint records besides the tensors, and what the log needs to go on),
-and the pieces of a run that checkpoints and reports are handed instead of the trainer."""
+"""Where a run is (what a checkpoint records besides tensors), and the parts checkpoints and reports get."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ BASE = (
     "model.model_config.vocab_size=2048",
     "tokens.sequence_length=64",
 )
+MOE = ("model.model_config.moe.num_experts=4", "model.model_config.moe.intermediate_size=128")
 LAYOUTS = {  # (overrides, bf16 path: native or upcast matmuls, None for fp32)
     "one process, fp32": ((), None),
     "one process, bf16 native, recompute": (
@@ -34,6 +35,11 @@ LAYOUTS = {  # (overrides, bf16 path: native or upcast matmuls, None for fp32)
         ("parallelism.cp=2", "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"),
         None,
     ),
+    "mixture of experts, one process": (MOE, None),
+    "mixture of experts, dp=2 ep=2 ZeRO-1": (
+        (*MOE, "parallelism.dp=2", "parallelism.ep=2", "optimizer.zero_stage=1"),
+        None,
+    ),
     "dp=2 ZeRO-1 bf16 upcast": (
         ("parallelism.dp=2", "optimizer.zero_stage=1", "model.dtype=bfloat16"),
         False,
@@ -45,7 +51,7 @@ def measured_and_estimated(rank, config):
     """This rank's real peak during a (second) training step: the model state it holds plus the peak of the
     storage the step allocates; and the estimate for its pipeline position."""
     par = config.parallelism
-    ctx = ParallelContext(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, collective_timeout_seconds=60)
+    ctx = ParallelContext(par.dp, par.tp, par.pp, par.cp, par.ep, collective_timeout_seconds=60)
     trainer = Trainer(config, ctx, log_to_console=False)
     trainer.train_step()  # Adam's moments exist from here on
     with LiveMemory() as memory:

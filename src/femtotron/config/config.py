@@ -1,8 +1,7 @@
 """The typed config schema (nanotron's key names) and the model's numbers (parameters, FLOPs).
 
-Nothing here imports torch or touches the network: a config is checked (config/rules.py) before any
-process exists, so a bad one fails in a second with a message instead of hanging a cluster.
-"""
+No torch, no network: a config is checked (config/rules.py) before any process exists, so a bad one fails
+in a second with a message instead of hanging a cluster."""
 
 from __future__ import annotations
 
@@ -44,9 +43,8 @@ class GeneralArgs(_Section):
 
 
 class RopeScaling(_Section):
-    """Llama 3.1's long-context RoPE (`rope_type: llama3`): frequencies whose wavelength exceeds the original
-    context / low_freq_factor are divided by `factor`, those below original / high_freq_factor kept, a
-    smooth ramp between."""
+    """Llama 3.1's long-context RoPE (`rope_type: llama3`): frequencies of wavelength over original context /
+    low_freq_factor are divided by `factor`, under original / high_freq_factor kept, a smooth ramp between."""
 
     rope_type: Literal["llama3"] = "llama3"
     factor: PositiveFloat = 8.0
@@ -105,8 +103,7 @@ class LlamaConfig(_Section):
 
     @property
     def layer_parameters(self) -> int:
-        """One decoder layer: q and o (hidden x hidden), k and v (hidden x kv heads' dims), the gated MLP's
-        three matrices, or the router, every expert's and the shared experts', and the two RMSNorm weights."""
+        """One decoder layer: q, k, v, o, the gated MLP (or router, experts, shared experts), two RMSNorms."""
         return self._attention_and_norms + self._mlp_parameters(active=False)
 
     @property

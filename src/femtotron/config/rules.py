@@ -56,12 +56,8 @@ def with_changes(cfg: Config, changes: dict[str, Any]) -> Config:
         node[leaf] = value
 
     def apply(model: Any, update: dict[str, Any]) -> Any:
-        return model.model_copy(
-            update={
-                key: apply(getattr(model, key), value) if isinstance(value, dict) else value
-                for key, value in update.items()
-            }
-        )
+        changed = {k: apply(getattr(model, k), v) if isinstance(v, dict) else v for k, v in update.items()}
+        return model.model_copy(update=changed)
 
     return apply(cfg, nested)
 
@@ -103,11 +99,8 @@ def working_tp(cfg: Config) -> list[int]:
     """tp values that split this model's heads, MLP (and sequence, for REDUCE_SCATTER) evenly."""
     m, seq = cfg.model.model_config_, cfg.tokens.sequence_length
     rs = cfg.parallelism.tp_mode == "REDUCE_SCATTER"
-    return [
-        t
-        for t in _divisors(math.gcd(m.num_attention_heads, m.num_key_value_heads))
-        if m.intermediate_size % t == 0 and (not rs or seq % t == 0)
-    ]
+    candidates = _divisors(math.gcd(m.num_attention_heads, m.num_key_value_heads))
+    return [t for t in candidates if m.intermediate_size % t == 0 and (not rs or seq % t == 0)]
 
 
 def heads_split_hidden(cfg: Config) -> Problem | None:
@@ -222,12 +215,11 @@ def enough_layers_for_the_stages(cfg: Config) -> Problem | None:
     no_interleaving = {"parallelism.pp_engine": "1f1b", "parallelism.pp_virtual_stages": 1}
     candidates.append(("pp_engine=1f1b with pp_virtual_stages=1 (no interleaving)", no_interleaving))
     fewer_chunks = fixes_that_hold(cfg, candidates)
+    fix = ", or ".join([*fewer_chunks[:1], f"num_hidden_layers={par.pp * par.pp_virtual_stages} or more"])
     return Problem(
         (M + "num_hidden_layers", "parallelism.pp", "parallelism.pp_virtual_stages"),
         f"num_hidden_layers={layers} must be >= pp * pp_virtual_stages = {par.pp} * {par.pp_virtual_stages} "
-        f"= {par.pp * par.pp_virtual_stages} (every virtual stage needs at least one layer). Fix: "
-        + ", or ".join([*fewer_chunks[:1], f"num_hidden_layers={par.pp * par.pp_virtual_stages} or more"])
-        + ".",
+        f"= {par.pp * par.pp_virtual_stages} (every virtual stage needs at least one layer). Fix: {fix}.",
     )
 
 
@@ -283,9 +275,8 @@ def sequence_fits_the_positions(cfg: Config) -> Problem | None:
         return None
     return Problem(
         ("tokens.sequence_length", M + "max_position_embeddings"),
-        f"sequence_length={sequence} must be <= max_position_embeddings={positions} (RoPE is only set "
-        f"up for that many positions). Fix: sequence_length={positions}, or max_position_embeddings="
-        f"{sequence}.",
+        f"sequence_length={sequence} must be <= max_position_embeddings={positions} (RoPE is only set up for "
+        f"that many positions). Fix: sequence_length={positions}, or max_position_embeddings={sequence}.",
     )
 
 

@@ -1,9 +1,7 @@
-"""model.compile: each decoder layer through torch.compile (TorchInductor: C++ on CPUs, Triton on GPUs): fused
-elementwise work (RMSNorm, rotary, SiLU, residual adds, casts). A layer's tp collectives cut it into compiled
-regions (tensor_parallel._conjugates). At tp = 1 the last stage's norm, LM head and loss are compiled too
-(one fused log-softmax). The rest (embedding, pipeline, dp, ZeRO, recomputation, checkpoints) is eager, with
-the same modules and parameter names. Shapes are static: each compiles at its first call with gradients
-(step 1), once more at its first without (validation), and never again.
+"""model.compile: each decoder layer through torch.compile (TorchInductor: C++ on CPUs, Triton on GPUs),
+fusing its elementwise work; its tp collectives cut it into compiled regions (tensor_parallel._conjugates).
+At tp = 1 so are the last stage's norm, LM head and loss; the rest is eager, with the same modules and
+names. Shapes are static: one compile at the first call with gradients (step 1), one without (validation).
 """
 
 from __future__ import annotations

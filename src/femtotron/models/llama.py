@@ -1,12 +1,9 @@
 """LLaMA: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, on tensor-parallel layers.
 
-Parameter names follow Hugging Face's `LlamaForCausalLM` without its `model.` prefix, except two
-fused weights (one matmul instead of two or three, and a layout any tp splits into contiguous
-per-rank blocks; `models/hf_conversion.py` maps them):
-- `self_attn.qkv_proj`: per key/value head, its group's query heads, then its key, then its value
-  (Megatron's layout), so a tp rank's contiguous rows are whole GQA groups;
-- `mlp.gate_up_proj`: gate and up stacked as one (2, intermediate_size, hidden_size) weight, split
-  over tp along intermediate_size.
+Parameter names are Hugging Face's `LlamaForCausalLM`'s without `model.`, except two fused weights (one
+matmul, and contiguous per-tp-rank blocks; `models/hf_conversion.py` maps them): `self_attn.qkv_proj`, per
+key/value head its group's query heads, then its key, then its value (Megatron's layout: a tp rank's rows
+are whole GQA groups); `mlp.gate_up_proj`, gate and up as one (2, intermediate_size, hidden_size) weight.
 Every parameter is made by `make_param` and carries its `ShardInfo`.
 """
 
@@ -67,18 +64,15 @@ class RMSNorm(nn.Module):
 
 
 class KVCache:
-    """Keys and values of the positions generated so far, per attention module: each new position then costs
-    one position's compute instead of the whole context's."""
+    """Keys and values of the positions so far, per attention module: a new position costs only its own."""
 
     def __init__(self) -> None:
         self.length, self.kv = 0, {}
 
-    def extend(
-        self, attention: nn.Module, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if attention in self.kv:
-            k, v = (torch.cat([old, new], dim=2) for old, new in zip(self.kv[attention], (k, v), strict=True))
-        self.kv[attention] = k, v
+    def extend(self, attn: nn.Module, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if attn in self.kv:
+            k, v = (torch.cat([old, new], dim=2) for old, new in zip(self.kv[attn], (k, v), strict=True))
+        self.kv[attn] = k, v
         return k, v
 
 
@@ -101,8 +95,7 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> torch.Tensor:
-        """x: (batch, heads, seq, head_dim) at `positions`: an int start (start, start + 1, ...), or a
-        (batch, seq) tensor of them."""
+        """x: (batch, heads, seq, head_dim) at `positions`: an int start, or a (batch, seq) tensor of them."""
         if isinstance(positions, int):
             cos, sin = (t[positions : positions + x.shape[-2]] for t in (self.cos, self.sin))
         else:
@@ -199,10 +192,8 @@ class DecoderLayer(nn.Module):
         if cfg.moe is None:
             self.mlp = MLP(make, f"{name}.mlp", hidden, cfg.intermediate_size, out_std, tp)
         else:
-            shared = cfg.moe.num_shared_experts * cfg.moe.intermediate_size
-            shared_mlp = (
-                MLP(make, f"{name}.mlp.shared_expert", hidden, shared, out_std, tp) if shared else None
-            )
+            inner = cfg.moe.num_shared_experts * cfg.moe.intermediate_size
+            shared_mlp = MLP(make, f"{name}.mlp.shared_expert", hidden, inner, out_std, tp) if inner else None
             self.mlp = MoE(make, f"{name}.mlp", index, cfg, out_std, parallel, stats, shared_mlp)
         self.output_split_dim = self.mlp.output_split_dim
 
@@ -214,20 +205,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderLayers(nn.ModuleDict):
-    """A stage's decoder layers, keyed by their index in the whole model, so that parameter names
-    (and with them initialisation, checkpoints, HF conversion) are the same in every pipeline layout."""
+    """A stage's decoder layers, keyed by their index in the whole model: parameter names (so init,
+    checkpoints, HF conversion) are the same in every pipeline layout."""
 
     def __getitem__(self, index: int | str) -> nn.Module:
         return super().__getitem__(str(index))
 
 
 class Llama(nn.Module):
-    """The model, or this rank's part of it: one pipeline stage (a run of layers, with the embedding
-    on the first stage, the final norm and LM head on the last), split over tp.
-
-    `run_stage` maps the stage's input (token ids on the first stage, activations elsewhere) to its
-    output (activations, or the summed loss on the last stage). For the whole model `forward` returns
-    the summed loss and the token count; every tp rank gets the same numbers.
+    """The model, or this rank's part of it: one pipeline stage (layers, with the embedding on the first
+    stage, the final norm and LM head on the last), split over tp; every tp rank gets the same results.
 
     `recompute_layer`: while gradients are enabled each decoder layer keeps only its input and runs its
     forward again in backward (one (batch, sequence, hidden) tensor per layer instead of its intermediates,
@@ -252,20 +239,17 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg, self.recompute_layer = cfg, recompute_layer
         self.tp = tp = tp or TensorParallel.single()
-        self.stage = stage = stage or Stage(
-            0, range(cfg.num_hidden_layers), embedding=True, head=True, cost=0.0
-        )
+        whole = Stage(0, range(cfg.num_hidden_layers), embedding=True, head=True, cost=0.0)
+        self.stage = stage = stage or whole
         make = ParamFactory(std, seed, dtype, device)
         rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.rotary = rotary.to(device)
-        tied = cfg.tie_word_embeddings
+        hidden, vocab, tied = cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings
         if stage.embedding or (stage.head and tied):
             # A tied LM head on a later stage holds its own copy of the embedding (same name, same
             # init); the trainer sums the two copies' gradients so they stay equal.
             tie = "embed_tokens.weight" if tied else None
-            self.embed_tokens = VocabParallelEmbedding(
-                make, "embed_tokens", cfg.vocab_size, cfg.hidden_size, std, tp, tie
-            )
+            self.embed_tokens = VocabParallelEmbedding(make, "embed_tokens", vocab, hidden, std, tp, tie)
         parallel = tp, cp or ContextParallel.single(), ep or ExpertParallel.single()
         # One per rank, shared by its model chunks (the trainer reads it after each step).
         self.router_stats = router_stats or (RouterStats(cfg, device) if cfg.moe else None)
@@ -274,11 +258,9 @@ class Llama(nn.Module):
         }
         self.layers = DecoderLayers(layers)
         if stage.head:
-            self.norm = RMSNorm(make, "norm", cfg.hidden_size, cfg.rms_norm_eps, tp)
+            self.norm = RMSNorm(make, "norm", hidden, cfg.rms_norm_eps, tp)
             if not tied:
-                self.lm_head = ColumnParallelLinear(
-                    make, "lm_head", cfg.hidden_size, cfg.vocab_size, std, tp, pad=True
-                )
+                self.lm_head = ColumnParallelLinear(make, "lm_head", hidden, vocab, std, tp, pad=True)
         self.vocab_start = tp.rank * shard_size(cfg.vocab_size, tp.size)
 
     @property
@@ -317,11 +299,9 @@ class Llama(nn.Module):
     def run_stage(
         self, inputs: torch.Tensor, targets: torch.Tensor, placement: TokenPlacement | None = None
     ) -> torch.Tensor:
-        """This stage's output: activations, or on the last stage the summed loss over valid targets (fp32).
-
-        The sum, not the mean, lets the trainer divide by the token count of the whole global batch,
-        so every micro-batch / dp / cp / pp split gives the same loss.
-        """
+        """The stage's input (token ids on the first stage, else activations) to its output: activations, or
+        on the last stage the summed loss over valid targets (fp32), which the trainer divides by the global
+        batch's token count, so every micro-batch / dp / cp / pp split gives the same loss."""
         x = self.hidden_states(inputs, placement=placement)
         return self.head_loss(x, targets) if self.stage.head else x
 
@@ -330,9 +310,8 @@ class Llama(nn.Module):
         return vocab_parallel_cross_entropy(self.head_logits(x), targets, *vocab, self.tp)
 
     def logits(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Full-vocabulary logits of the whole model (gathered over tp; for evaluation and generation). With
-        `cache`, `input_ids` continue the positions it holds (all of them when it is empty, then one at a
-        time), and it keeps their keys and values."""
+        """Full-vocabulary logits of the whole model (gathered over tp: evaluation, generation). With `cache`,
+        `input_ids` continue its positions (all at first, then one by one) and it keeps their keys/values."""
         logits = gather_full(self.head_logits(self.hidden_states(input_ids, cache)), -1, self.tp)
         return logits[..., : self.cfg.vocab_size]
 

@@ -71,7 +71,7 @@ class RouterStats:
 
 
 class _AddRouterLoss(torch.autograd.Function):
-    """Returns `x`; in backward also gives `loss` the gradient `scale` (the loss, added to the total)."""
+    """Returns `x`; in backward gives `loss` the gradient `scale`, as if it were added to the total loss."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
@@ -127,10 +127,8 @@ class MoE(nn.Module):
         self.moe = moe = cfg.moe
         self.layer, self.layers, self.stats = layer, cfg.num_hidden_layers, stats
         # The config rules catch these first; a model built by hand must not split experts unevenly.
-        for what, n, split in (
-            ("intermediate_size", moe.intermediate_size, tp),
-            ("num_experts", moe.num_experts, ep),
-        ):
+        splits = {"intermediate_size": (moe.intermediate_size, tp), "num_experts": (moe.num_experts, ep)}
+        for what, (n, split) in splits.items():
             if n % split.size:
                 raise ConfigError(
                     f"model.model_config.moe.{what}={n} is not divisible by parallelism.{split.group.kind}="
@@ -187,9 +185,8 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)
         if self.moe.capacity_factor is not None:  # an assignment's place among its expert's, in token order
             capacity = math.ceil(self.moe.capacity_factor * n * k / experts)
-            place = torch.arange(n * k, device=flat.device) - (counts.cumsum(0) - counts).repeat_interleave(
-                counts
-            )
+            first = (counts.cumsum(0) - counts).repeat_interleave(counts)
+            place = torch.arange(n * k, device=flat.device) - first
             order, kept = order[place < capacity], counts.clamp(max=capacity)
         order = order.to(tokens.device)
         token = order // k

@@ -1,9 +1,8 @@
-"""ParallelContext: who this rank is in the (pp, dp, cp, tp) mesh, and the process groups it talks on.
+"""ParallelContext: who this rank is in the (pp, dp, cp, tp) mesh, its process groups, and joining the job.
 
-The layout is written once, here: `rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank`. TP is
-innermost so a TP group is consecutive ranks (the same host, the fastest links), then CP (whose ring
-sends a block of keys and values per step); PP is outermost.
-Joining the job (the rendezvous, with a timeout that names the ranks that never came) is here too.
+The layout, written only here: `rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank`. TP is
+innermost so a TP group is consecutive ranks (one host, the fastest links), then CP (its ring sends a block
+of keys and values per step); PP is outermost.
 """
 
 from __future__ import annotations
@@ -45,12 +44,8 @@ def rank_of(pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int, cp_rank:
 
 
 def coordinates_of(rank: int, dp: int, tp: int, cp: int = 1) -> MeshCoordinates:
-    return MeshCoordinates(
-        pp_rank=rank // (dp * cp * tp),
-        dp_rank=(rank // (cp * tp)) % dp,
-        tp_rank=rank % tp,
-        cp_rank=(rank // tp) % cp,
-    )
+    # pp_rank, dp_rank, tp_rank, cp_rank
+    return MeshCoordinates(rank // (dp * cp * tp), (rank // (cp * tp)) % dp, rank % tp, (rank // tp) % cp)
 
 
 def mesh_groups(dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> dict[str, list[tuple[int, ...]]]:
@@ -129,11 +124,8 @@ def shared_gpus(gpus: list[tuple[str, str]]) -> dict[tuple[str, str], list[int]]
 
 class ParallelContext:
     """Built once per process and passed explicitly to whoever needs a rank or a group; a context manager
-    that closes the process group on exit.
-
-    With a world of one process it needs no launcher and creates no process group: every group
-    has one member and every collective in `Comm` returns at once.
-    """
+    that closes the process group on exit. A world of one process needs no launcher and creates no process
+    group: every group has one member and every collective in `Comm` returns at once."""
 
     def __init__(
         self,
@@ -172,10 +164,8 @@ class ParallelContext:
             host = os.environ.get("MASTER_ADDR", "127.0.0.1")
             port = int(os.environ.get("MASTER_PORT", "29500"))
             timeouts = init_timeout_seconds, collective_timeout_seconds
-            self.hosts, tcp_store = rendezvous(
-                self.rank, self.world_size, host, port, self.device, *timeouts, gpu
-            )
-            self.store = Store(tcp_store, (host, port))
+            self.hosts, tcp = rendezvous(self.rank, self.world_size, host, port, self.device, *timeouts, gpu)
+            self.store = Store(tcp, (host, port))
         at = astuple(coordinates_of(self.rank, dp, tp, cp))
         self.pp_rank, self.dp_rank, self.tp_rank, self.cp_rank = at
         self._build_groups()
@@ -264,22 +254,17 @@ def rendezvous(
     collective_timeout: float,
     gpu: tuple[str, str] = ("", ""),
 ) -> tuple[list[str], dist.Store]:
-    """Join the job and create the default process group; return each rank's hostname, and the store
-    (it stays reachable when collectives are stuck, so it carries what must get through regardless).
-
-    Every rank first checks in under its own key in the rendezvous store, so when somebody never
-    arrives the timeout can say exactly which ranks joined and which did not, instead of hanging.
-    It checks in with its GPU (`gpu`: UUID, "" for none, and how it was chosen): ranks sharing one stop.
-    """
+    """Join the job and create the default process group; return each rank's hostname, and the store (it
+    stays reachable when collectives are stuck, so it carries what must get through regardless). Every rank
+    first checks in under its own key with its GPU (`gpu`: UUID, "" for none, and how it was chosen), so a
+    timeout names exactly the ranks that never arrived instead of hanging, and ranks sharing a GPU stop."""
     backend = BACKENDS[device.type]
     # Under torchrun the agent already serves the store on MASTER_PORT; every worker is a client.
-    is_server = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    server = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     where = f"{host}:{port} (backend {backend}, rank {rank} of {world_size})"
     limit = timedelta(seconds=init_timeout)
     try:
-        store = dist.TCPStore(
-            host, port, world_size, is_master=is_server, timeout=limit, wait_for_workers=False
-        )
+        store = dist.TCPStore(host, port, world_size, is_master=server, timeout=limit, wait_for_workers=False)
     except (RuntimeError, OSError) as e:
         raise DistributedError(
             f"Could not reach the rendezvous store at {where} within {init_timeout:g} s: {e}.\n"
@@ -303,7 +288,7 @@ def rendezvous(
     shared = shared_gpus([(name, uuid) for name, uuid, _ in checked_in])
     if shared:
         store.set(f"{attempt}/read/{rank}", "")
-        if is_server:  # the store's server stays until every rank has read it
+        if server:  # the store's server stays until every rank has read it
             with contextlib.suppress(RuntimeError, OSError):
                 store.wait([f"{attempt}/read/{r}" for r in range(world_size)], limit)
         raise DistributedError(_shared_gpu_message(shared, checked_in))

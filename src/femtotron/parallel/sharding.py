@@ -1,9 +1,8 @@
 """Parameters that know their own sharding.
 
-Every parameter is created at its full, unsharded shape on the rank's own device, from a seed derived
-from (global seed, parameter name), then sliced for this rank. So any (dp, tp, pp) layout starts from
-exactly the single-device weights (on that kind of device: `full_init`), and checkpoints, clipping and
-conversion read the metadata below instead of re-deriving layouts from names.
+Each is created at its full shape on the rank's device from a seed of (global seed, name), then sliced for
+this rank: any layout starts from exactly the single-device weights (on that kind of device: `full_init`),
+and checkpoints, clipping and conversion read the `ShardInfo` instead of re-deriving layouts from names.
 """
 
 from __future__ import annotations
@@ -39,8 +38,7 @@ def full_init(
     name: str, shape: tuple[int, ...], std: float | None, seed: int, device: torch.device = CPU
 ) -> torch.Tensor:
     """The full fp32 tensor every layout slices from: normal(0, std), or ones when std is None. Drawn on
-    `device`: the same values on every device of one kind and model, others on the CPU than on CUDA (and
-    on GPUs with other SM counts: CUDA spreads the draws over the SMs)."""
+    `device`: the values differ on CPU and CUDA, and on GPUs with other SM counts (CUDA spreads the draws)."""
     if device.type == "meta" or std is None:  # meta (offline checkpoint tools): only shapes matter
         return torch.ones(shape, device=device)
     generator = torch.Generator(device).manual_seed(param_seed(seed, name))
@@ -61,11 +59,8 @@ def make_param(
     tie_group: str | None = None,
     experts: tuple[int, int] | None = None,
 ) -> nn.Parameter:
-    """Initialise `name` at full shape on `device` and keep this rank's chunk of `shard_dim` (if any), and
-    with `experts` = (ep rank, ep) its 1/ep of dimension 0.
-
-    Chunks are ceil(n / world) long; where that overshoots n, the last chunks are zero-padded.
-    """
+    """Initialise `name` at full shape and keep this rank's chunk of `shard_dim` (ceil(n / world) long, the
+    last ones zero-padded), and with `experts` = (ep rank, ep) its 1/ep of dimension 0."""
     full = full_init(name, shape, std, seed, device)
     local_slice, local_shape = [slice(0, n) for n in shape], list(shape)
     if shard_dim is not None and world > 1:

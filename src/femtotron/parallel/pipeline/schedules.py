@@ -1,16 +1,14 @@
-"""Pipeline schedules as lists of actions, and the loop that executes them.
+"""Pipeline schedules as lists of actions (readable, testable without communication), and their executor.
 
-A schedule is, per pp rank, the order of its forward and backward passes of (micro-batch, model chunk):
-as a list it is readable and testable without communication (tests/parallel/pipeline/test_schedules.py).
-The executor walks it: a forward receives its input from the previous virtual stage, runs the chunk and
-sends the output on; a backward receives the output gradient and sends the input gradient back. Sends
-never block, so a rank only waits for data it needs, and the lists' order alone decides the schedule.
+A schedule is one pp rank's forward and backward passes of (micro-batch, model chunk), in order. A forward
+receives its input from the previous virtual stage and sends its output on; a backward receives the output
+gradient and sends the input gradient back. Sends never block: the lists' order alone decides the schedule.
 
 - `afab`: all forwards, then all backwards (GPipe). Simple; holds every micro-batch's activations.
-- `1f1b`: rank r first runs pp - r - 1 forwards (warm-up), then alternates one forward and one
-  backward, then drains the backwards. The same bubble, at most pp micro-batches in flight.
-- `interleaved-1f1b`: each rank holds v model chunks (virtual stages r, r + pp, ...); a
-  micro-batch visits the ranks v times, so fill and drain shrink v-fold (Megatron-LM's schedule).
+- `1f1b`: rank r runs pp - r - 1 forwards (warm-up), then alternates one forward and one backward, then
+  drains the backwards. The same bubble, at most pp micro-batches in flight.
+- `interleaved-1f1b`: v model chunks per rank (virtual stages r, r + pp, ...): a micro-batch visits the
+  ranks v times, so fill and drain shrink v-fold (Megatron-LM's schedule).
 """
 
 from __future__ import annotations
@@ -176,10 +174,8 @@ class Pipeline:
         self, action: Action, inputs: torch.Tensor, output: torch.Tensor, received: PendingRecv | None
     ) -> Send | None:
         stage, mb = self.stage_of(action.chunk), action.micro_batch
-        if received is None:  # the last stage starts from its loss
-            output.backward()
-        else:
-            torch.autograd.backward(output, self.p2p.take(received))
+        # The last stage starts from its loss (no gradient received).
+        torch.autograd.backward(output, None if received is None else self.p2p.take(received))
         if stage == 0:
             return None
         to = Transfer((stage - 1) % self.pp, self.tag(mb, stage - 1, gradient=True), "gradients")
