@@ -151,8 +151,9 @@ def test_D4_the_core_stays_small_enough_to_read():
     # parallelism and document masking (issue 16) took it to ~6340; a second review took out ~230 (docstrings
     # to one line, expressions the formatter had split, a few helpers inlined) to ~6105; the written-out
     # attention blocks taken a chunk of rows at a time made it ~6125. Mixture of experts and expert
-    # parallelism (issue 17) added ~610; a third review took out ~260 (docstrings, split expressions, the MoE metrics
-    # moved to diagnostics/expert_load.py), to ~6480: the budget is spent, what comes next finds its room.
+    # parallelism (issue 17) added ~610; a third review took out ~260 (docstrings, split expressions, the
+    # MoE metrics moved to diagnostics/expert_load.py), to ~6480: the budget is spent; what comes next finds
+    # its room.
     assert lines < 6490, lines
 
 
