@@ -12,9 +12,10 @@ from femtotron.diagnostics.plot import plot_runs
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def write_run(run_dir, loss_scale=1.0):
+def write_run(run_dir, loss_scale=1.0, **more):
     records = [
         {
+            **more,
             "step": s,
             "loss": 5.0 * loss_scale / s,
             "lr": 1e-3,
@@ -45,6 +46,12 @@ def test_plot_writes_one_png_per_chart_and_overlays_runs(tmp_path):
     two = plot_runs([one, write_run(tmp_path / "runs" / "b", loss_scale=2.0)], tmp_path / "both")
     assert (tmp_path / "both" / "loss.png").read_bytes() != (one / "plots" / "loss.png").read_bytes()
     assert {p.name for p in two} == CHARTS
+
+
+def test_a_mixture_of_experts_run_also_gets_its_expert_loads_and_router_losses(tmp_path):
+    moe = {"moe/layer0/load_cv": 0.3, "moe/layer1/load_cv": 0.1, "moe/aux_loss": 1.1, "moe/z_loss": 2.0}
+    written = plot_runs([write_run(tmp_path / "moe", **moe)], tmp_path / "plots")
+    assert {p.name for p in written} == CHARTS | {"expert_load.png", "router_losses.png"}
 
 
 def test_plot_from_the_command_line(tmp_path, capsys):

@@ -9,14 +9,17 @@ from typing import Any
 
 from femtotron.errors import FemtotronError, UsageError
 
-# file name -> (y-axis label, the record keys drawn, one line each); memory draws every mem_* key there is.
+# file name -> (y-axis label, the record keys drawn, one line each, or a string: every key containing it).
 CHARTS = {
     "loss": ("loss", ["loss", "val_loss"]),
     "lr": ("learning rate", ["lr"]),
     "grad_norm": ("gradient norm (before clipping)", ["grad_norm"]),
     "tokens_per_sec": ("tokens / s (all ranks)", ["tokens_per_sec"]),
     "mfu": ("model FLOPs utilization", ["mfu"]),
-    "memory": ("GiB", []),
+    "memory": ("GiB", "mem_"),
+    # a mixture of experts: per layer, how unevenly its experts are loaded; the router losses
+    "expert_load": ("tokens per expert: coefficient of variation (0 = balanced)", "/load_cv"),
+    "router_losses": ("router losses (balance: 1 = balanced)", ["moe/aux_loss", "moe/z_loss"]),
 }
 
 
@@ -58,11 +61,12 @@ def plot_runs(run_dirs: list[Path], out_dir: Path) -> list[Path]:
     for name, (ylabel, keys) in CHARTS.items():
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for i, (label, records) in enumerate(runs.items()):
-            drawn = keys or sorted({k for r in records for k in r if k.startswith("mem_")})
+            every = isinstance(keys, str)
+            drawn = sorted({k for r in records for k in r if keys in k}) if every else keys
             for j, key in enumerate(drawn):
                 steps, values = series(records, key)
-                style = "-" if j == 0 or name == "memory" else "--"  # validation loss: dashed, same colour
-                color = f"C{i}" if name != "memory" else f"C{(i * len(drawn) + j) % 10}"
+                style = "-" if j == 0 or every else "--"  # validation loss: dashed, same colour
+                color = f"C{(i * len(drawn) + j) % 10}" if every else f"C{i}"
                 if steps:
                     ax.plot(
                         steps,
