@@ -8,7 +8,9 @@
    weights, fused AdamW) as the baseline: the ratio of the two;
 4. `femtotron doctor`'s per-rank memory estimate against `torch.cuda.max_memory_allocated()` of the run;
 5. both compiled, unless --skip-compile (femtotron with `model.compile: true`, HF with
-   `torch.compile(model)`): the ratios eager and compiled, each against HF eager and compiled.
+   `torch.compile(model)`): the ratios eager and compiled, each against HF eager and compiled;
+6. a mixture of experts (bench/moe.py, bf16): femtotron's grouped-GEMM experts against a loop over them and
+   against transformers' MixtralForCausalLM, forward + backward.
 
 It needs nothing but the GPU (no network, no install) and takes under 8 minutes on an H100/H200. Without
 CUDA every part that needs it is skipped with a line in the report saying so; the report is still written
@@ -28,6 +30,7 @@ import importlib.util
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -370,6 +373,34 @@ def training_sections(
     return ours
 
 
+MOE_SHAPE = dict(
+    hidden_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, vocab_size=32000
+)
+MOE = dict(num_experts=8, num_experts_per_tok=2, intermediate_size=2816, aux_loss_coef=0.0)
+MOE_BATCH = (8, 1024)  # sequences, tokens each
+
+
+def moe_section(report: Report, rounds: int, device: str = "cuda") -> None:
+    """Part 6: bench/moe.py's three variants on the GPU in bf16."""
+    import moe as moe_bench
+
+    (batch, sequence), shape = MOE_BATCH, MOE_SHAPE
+    times = moe_bench.measure(shape, MOE, batch, sequence, rounds, torch.device(device), torch.bfloat16)
+    lines = [
+        f"hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, top-2 of 8 experts of "
+        f"{MOE['intermediate_size']}, {batch} x {sequence} tokens, bf16, {rounds} alternating rounds "
+        "(`bench/moe.py`'s "
+        "`measure`; femtotron's experts are `torch._grouped_mm`):"
+    ]
+    for name, ours, theirs, ratios in moe_bench.ratio_lines(times):
+        label = "a loop over the experts" if name == "loop" else "HF `MixtralForCausalLM`"
+        lines.append(
+            f"- femtotron {ours * 1e3:.1f} ms, {label} {theirs * 1e3:.1f} ms: "
+            f"**{statistics.median(ratios):.2f}x** (min {min(ratios):.2f}, max {max(ratios):.2f})"
+        )
+    report.sections.append(("Mixture of experts: step time against a loop and HF Mixtral", lines))
+
+
 def memory_section(report: Report, config: Config, overrides: Sequence[str], run: Run | None) -> None:
     estimate = worst_stage(config, on_cpu=False)
     state = " + ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in estimate.state.items())
@@ -526,6 +557,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 + " and the measured peak memory (`torch.cuda.max_memory_allocated`)"
             )
         report.attempt("doctor's memory estimate", lambda: memory_section(report, config, args.set, run))
+        if cuda and hf:
+            report.attempt("the mixture of experts", lambda: moe_section(report, 3 if args.quick else 10))
     write_report(args.out, report, time.perf_counter() - start)
     print(
         f"gpu_check: wrote {args.out}"

@@ -178,3 +178,17 @@ def test_pytest_outcomes_are_counted_and_failures_named(tmp_path):
     # JUnit's class name is the module's path from pytest's root: more of it when tmp_path lies near the repo
     assert re.match(r"(\S+\.)?test_some::test_fails: AssertionError: one is not two", fails), fails
     assert re.match(r"(\S+\.)?test_some::test_errors: ", errors) and "the fixture broke" in errors
+
+
+def test_the_mixture_of_experts_part_reports_both_ratios(monkeypatch):
+    """Part 6 on the CPU with a tiny model (on a GPU: bf16 through torch's grouped GEMM)."""
+    monkeypatch.setattr(
+        gpu_check, "MOE_SHAPE", dict(gpu_check.MOE_SHAPE, hidden_size=64, num_hidden_layers=1, vocab_size=256)
+    )
+    monkeypatch.setattr(gpu_check, "MOE", dict(gpu_check.MOE, intermediate_size=64))
+    monkeypatch.setattr(gpu_check, "MOE_BATCH", (2, 64))
+    report = gpu_check.Report("test")
+    gpu_check.moe_section(report, 1, "cpu")
+    ((title, lines),) = report.sections
+    assert title.startswith("Mixture of experts") and len(lines) == 3
+    assert "a loop over the experts" in lines[1] and "HF `MixtralForCausalLM`" in lines[2]
