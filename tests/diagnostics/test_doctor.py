@@ -108,3 +108,10 @@ def test_doctor_counts_each_ranks_experts_and_the_all_to_all(capsys):
     # bf16 weights: 45.1B of the 46.7B parameters are experts, over ep 4 x tp 2 x pp 2; the rest over tp pp
     params = float(out.split("params ")[1].split(" GiB")[0])
     assert 5.6 < params < 6.4, params
+
+
+def test_doctor_offers_more_expert_parallelism_when_experts_do_not_fit(capsys):
+    args = ["doctor", "examples/mixtral_8x7b_gpu.yaml", "--world-size", "32", "--device-memory", "30"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "  parallelism.ep=8 (each rank holds half the experts, no more processes): " in out

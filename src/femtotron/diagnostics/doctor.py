@@ -51,12 +51,15 @@ def fixes(config: Config, budget: float, on_cpu: bool) -> list[str]:
             with_changes(config, {"tokens.sequence_length": tokens.sequence_length // 2}),
         )
     )
-    for key in ("tp", "pp", "cp"):
+    for key in ("tp", "pp", "cp", "ep"):
         bigger = with_changes(config, {f"parallelism.{key}": getattr(par, key) * 2})
-        if not rule_problems(bigger):
-            candidates.append(
-                (f"parallelism.{key}={getattr(par, key) * 2} (twice the processes, or dp halved)", bigger)
+        if not rule_problems(bigger) and (key != "ep" or config.model.model_config_.moe):
+            how = (
+                "each rank holds half the experts, no more processes"
+                if key == "ep"
+                else "twice the processes, or dp halved"
             )
+            candidates.append((f"parallelism.{key}={getattr(par, key) * 2} ({how})", bigger))
     lines = []
     for label, changed in candidates:
         total = worst_stage(changed, on_cpu).total
