@@ -177,3 +177,13 @@ def test_with_long_sequences_the_advice_includes_context_parallelism(tiny_config
     message = str(failures.out_of_memory(error, config, rank, 1, "the forward", {"params": 2**20}))
     assert "parallelism.cp=4 (each rank holds 1/cp of every sequence's activations)" in message
     assert "optimizer.zero_stage=1 (master weights and Adam moments / dp x cp = 4)" in message
+
+
+def test_a_mixture_of_experts_out_of_memory_offers_more_expert_parallelism(tiny_config):
+    from femtotron.diagnostics import failures
+
+    config = tiny_config("model.model_config.moe.num_experts=4", "parallelism.dp=2")
+    rank = SimpleNamespace(rank=0, dp=2, device=torch.device("cpu"))
+    error = RuntimeError("DefaultCPUAllocator: can't allocate memory")
+    message = str(failures.out_of_memory(error, config, rank, 1, "the forward", {"params": 2**20}))
+    assert "parallelism.ep=2 (each rank holds half as many experts; no more processes)" in message

@@ -91,6 +91,9 @@ def out_of_memory(
         tokens.sequence_length >= 4096
     ):  # long sequences: their activations are what context parallelism splits
         fixes.append(f"parallelism.cp={par.cp * 2} (each rank holds 1/cp of every sequence's activations)")
+    moe = config.model.model_config_.moe
+    if moe is not None and moe.num_experts % (par.ep * 2) == 0 and dp % (par.ep * 2) == 0:
+        fixes.append(f"parallelism.ep={par.ep * 2} (each rank holds half as many experts; no more processes)")
     fixes.append(f"parallelism.tp={par.tp * 2} or parallelism.pp={par.pp * 2} (fewer parameters per rank)")
     gap = (
         ""
