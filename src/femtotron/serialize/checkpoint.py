@@ -386,8 +386,9 @@ def already_done(config: Config) -> str | None:
 def model_differences(saved: dict[str, Any], config: Config, where: str, fields=MODEL_FIELDS) -> list[str]:
     """The model_config fields (by default those that decide the tensors' shapes) that differ, as lines."""
 
-    def flat(values: dict[str, Any]) -> dict[str, Any]:  # moe's keys as moe.KEY
-        return values | {f"moe.{key}": value for key, value in (values.get("moe") or {}).items()}
+    def flat(values: dict[str, Any]) -> dict[str, Any]:  # moe's keys as moe.KEY; its dense MLP size is unused
+        moe = {f"moe.{key}": value for key, value in (values.get("moe") or {}).items()}
+        return values | moe | ({"intermediate_size": None} if moe else {})
 
     saved, current = flat(saved), flat(config.model.model_config_.model_dump(mode="json"))
     return [
