@@ -61,14 +61,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+# torch._grouped_mm exists from torch 2.8 (CUDA only), with a CPU kernel from 2.9.
+GROUPED_MM = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 9)
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Rows [ends[g - 1], ends[g]) of `x` times weight[g]^T for each group g (a layer's experts) in one
-    grouped GEMM: on CPUs in any dtype, on GPUs (and the meta device) in bf16, which is what torch's kernel
-    takes there; in other dtypes there (and rows not a multiple of 16 bytes) it is a loop over the groups."""
+    grouped GEMM: on CPUs in any dtype, on Hopper and later GPUs (and the meta device) in bf16, which is what
+    torch's kernel takes there; elsewhere (and for rows not a multiple of 16 bytes) a loop over the groups."""
     if emulated_low_precision(x):
         return grouped_linear(x.float(), weight.float(), ends).to(x.dtype)
     aligned = all(n * x.element_size() % 16 == 0 for n in weight.shape[-2:])  # the kernel's rule
-    if aligned and (on_this_cpu(x) and not x.is_meta or x.dtype == torch.bfloat16):
+    hopper = x.is_meta or x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    if GROUPED_MM and aligned and (x.device.type == "cpu" or x.dtype == torch.bfloat16 and hopper):
         out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends.to(device=x.device, dtype=torch.int32))
         if out.requires_grad:  # its backward takes only a contiguous gradient
             out.register_hook(torch.Tensor.contiguous)

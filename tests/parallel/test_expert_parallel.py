@@ -22,7 +22,8 @@ MOE = (
 
 @pytest.mark.distributed
 def test_expert_parallel_equals_one_process(tiny_config):
-    """ep = 2 over dp = 2 (fp32, bf16 on both CPU paths, ZeRO-1 with recomputation) and ep = 4 over dp = 4."""
+    """ep = 2 over dp = 2 (fp32, bf16 on both CPU paths, ZeRO-1 with recomputation), ep = 4 over dp = 4, and
+    ep = 2 over dp = 4 (without and with ZeRO-1)."""
     check_layouts(
         lambda *overrides: tiny_config(*MOE, *overrides),
         {
@@ -33,6 +34,11 @@ def test_expert_parallel_equals_one_process(tiny_config):
                 ("float32", None, ("optimizer.zero_stage=1", "parallelism.recompute_layer=true")),
             ],
             ("parallelism.dp=4", "parallelism.ep=4"): [("float32", None, ())],
+            # two ranks hold each expert: its gradient reduced, and ZeRO-1 sharded, over them
+            ("parallelism.dp=4", "parallelism.ep=2"): [
+                ("float32", None, ()),
+                ("float32", None, ("optimizer.zero_stage=1",)),
+            ],
         },
     )
 

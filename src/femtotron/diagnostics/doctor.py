@@ -140,14 +140,14 @@ def communication(config: Config, state: dict[str, int], device: str | None, gpu
 
 
 def expert_fraction(config: Config) -> float:
-    """The share of a rank's parameters that are experts (the stage's average; padding ignored)."""
-    mcfg, par = config.model.model_config_, config.parallelism
+    """The share of a rank's parameters that are experts: it holds 1/ep of them (padding ignored)."""
+    mcfg, ep = config.model.model_config_, config.parallelism.ep
     if mcfg.moe is None:
         return 0.0
     experts = (
         mcfg.num_hidden_layers * mcfg.moe.num_experts * 3 * mcfg.hidden_size * mcfg.moe.intermediate_size
     )
-    return experts / mcfg.parameter_count * (1 if par.tp == 1 else 1)
+    return experts / ep / (experts / ep + mcfg.parameter_count - experts)
 
 
 def all_to_all_bytes(config: Config) -> int:

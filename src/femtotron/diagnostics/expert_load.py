@@ -22,21 +22,28 @@ def step_metrics(
     values = stats.values.clone()
     for group in groups:
         comm.all_reduce(values, group)
-    loads, extra = values[:, : stats.experts], values[:, stats.experts :].contiguous()
     if sp_group is not None:
-        extra[:, AUX:] = comm.all_reduce(extra[:, AUX:].contiguous(), sp_group)
+        values[:, stats.experts + AUX :] = comm.all_reduce(
+            values[:, stats.experts + AUX :].contiguous(), sp_group
+        )
+    values = values.cpu()  # one copy from the device, then plain arithmetic
+    loads, extra = values[:, : stats.experts], values[:, stats.experts :].sum(0)
     per_micro_batch = len(values) * micro_batches  # the losses are means over layers and micro-batches
     metrics = {
-        "moe/aux_loss": extra[:, AUX].sum().item() / per_micro_batch,
-        "moe/z_loss": extra[:, Z].sum().item() / per_micro_batch,
-        "moe/dropped_tokens": extra[:, DROPPED].sum().item(),
+        "moe/aux_loss": extra[AUX] / per_micro_batch,
+        "moe/z_loss": extra[Z] / per_micro_batch,
+        "moe/dropped_tokens": extra[DROPPED],
     }
-    for layer, load in enumerate(loads):
-        cv = load.std(correction=0) / load.mean().clamp(min=1)
+    cv = loads.std(dim=1, correction=0) / loads.mean(dim=1).clamp(min=1)
+    for layer, (low, high, spread) in enumerate(
+        zip(loads.min(1).values, loads.max(1).values, cv, strict=True)
+    ):
         metrics |= {
-            f"moe/layer{layer}/load_{k}": v for k, v in (("min", load.min()), ("max", load.max()), ("cv", cv))
+            f"moe/layer{layer}/load_min": low,
+            f"moe/layer{layer}/load_max": high,
+            f"moe/layer{layer}/load_cv": spread,
         }
-    return {key: float(value) for key, value in metrics.items()}, loads.cpu()
+    return {key: float(value) for key, value in metrics.items()}, loads
 
 
 class RouterCollapse:
@@ -44,7 +51,7 @@ class RouterCollapse:
         self.moe = cfg.moe
         self.balanced = self.moe.num_experts_per_tok / self.moe.num_experts  # each expert's share of tokens
         # "Most tokens", and far more than a balanced share (4 experts, top-2: a half is balanced).
-        self.threshold = min(0.9, max(0.5, 3 * self.balanced))
+        self.threshold = min(0.9, max(0.5, 3 * self.balanced)) if self.balanced < 1 else float("inf")
         self.runs: dict[int, int] = {}
 
     def observe(self, loads: torch.Tensor) -> list[str]:

@@ -141,6 +141,9 @@ class MoE(nn.Module):
             self.shared_expert_gate = Router(make, f"{name}.shared_expert_gate", 1, cfg.hidden_size)
         self.output_split_dim = SEQUENCE_DIM if tp.sequence_parallel else None
 
+    # model.compile: routing has data-dependent shapes and talks over tp, cp and ep: the block runs eagerly
+    # between the layer's compiled graphs (the attention's).
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (batch, sequence, hidden), this rank's part of the sequence under sequence parallelism."""
         b, s, h = x.shape
@@ -170,9 +173,6 @@ class MoE(nn.Module):
         loss = (self.moe.aux_loss_coef * aux + self.moe.z_loss_coef * z) / self.layers
         return _AddRouterLoss.apply(out, loss, self.stats.gradient_scale) if loss.requires_grad else out
 
-    # model.compile: the routing's shapes depend on the data, and the losses talk over cp: both run between
-    # the layer's compiled graphs.
-    @torch.compiler.disable
     def routed(
         self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -195,7 +195,6 @@ class MoE(nn.Module):
         combined = tokens.new_zeros(n, tokens.shape[-1]).index_add(0, token, out)
         return combined, counts, n * k - len(order)
 
-    @torch.compiler.disable
     def router_losses(self, logits: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's shares of the micro-batch's load-balancing and z losses (fp32 scalars; the shares of
         the cp ranks, and of the tp ranks under sequence parallelism, add up to the whole)."""

@@ -212,7 +212,7 @@ class ParallelContext:
         self.dp_cp_group = mine("dp_cp") if self.cp > 1 else self.dp_group
         self.dp_cp_rank = self.dp_rank * self.cp + self.cp_rank
         # Expert parallelism splits the dp x cp ranks: ep groups share out the experts, edp groups hold alike.
-        self.ep_group, self.edp_group = mine("ep"), mine("edp")
+        self.ep_group, self.edp_group = mine("ep"), mine("edp") if self.ep > 1 else self.dp_cp_group
         self.ep_rank, self.edp_rank = self.dp_cp_rank % self.ep, self.dp_cp_rank // self.ep
         self.world_group = Group("world", tuple(range(self.world_size)))
         pairs = pipe_links(*mesh) + ring_links(*mesh)

@@ -83,6 +83,8 @@ def llama_config(hf: dict[str, Any], where: Path) -> LlamaConfig:
     model_type = kinds[0] if len(kinds) == 1 and kinds[0] in ABSENT_IN else "llama"
     if kinds != [model_type]:
         problems.append(f"architectures={architectures}: {', '.join(ARCHITECTURES)} are supported")
+    if model_type == "qwen2_moe":  # transformers' default, which Qwen's own config.json files leave implicit
+        hf = {"qkv_bias": True} | hf
     problems += [
         f"{key}={hf[key]!r}: femtotron's model has none (needs {default!r})"
         for key, default in ABSENT_IN[model_type].items()

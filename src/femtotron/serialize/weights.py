@@ -58,12 +58,18 @@ def write_parts(run_dir: Path, parts: list[str]) -> None:
 def save_weights(ctx: ParallelContext, model: RankModel, run_dir: Path, log: RunLog) -> Path:
     """Full-shape weights, gathered over tp (and experts over ep). With pp > 1 each stage writes its own part
     (no stage holds all the weights) and rank 0 lists them in model-parts.json."""
-    named, ep = model.named_parameters(), model.ep.group
-    weights = {n: full_tensor(p, p.shard, model.tp, ep).cpu().contiguous() for n, p in named}
+    writer, weights = ctx.dp_rank == ctx.cp_rank == ctx.tp_rank == 0, {}
+    for (
+        name,
+        param,
+    ) in model.named_parameters():  # every rank takes part in the gathers, the writer keeps them
+        full = full_tensor(param, param.shard, model.tp, model.ep.group)
+        if writer:
+            weights[name] = full.cpu().contiguous()
     parts = [WEIGHTS_FILE]
     if ctx.pp > 1:
         parts = [f"model-pp{p:02d}-of-{ctx.pp:02d}.safetensors" for p in range(ctx.pp)]
-    if ctx.dp_rank == 0 and ctx.tp_rank == 0:
+    if writer:
         with atomic_path(run_dir / parts[ctx.pp_rank if ctx.pp > 1 else 0]) as tmp:
             save_file(weights, tmp)
     ctx.comm.barrier(ctx.mp_group)  # rank 0's model-parallel group holds every writer
