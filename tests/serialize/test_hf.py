@@ -162,6 +162,11 @@ def test_an_export_from_a_checkpoint_saved_at_another_mesh_loads_in_transformers
         ({"attention_bias": True}, "attention_bias=True: femtotron's model has none"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}}, "rope type 'yarn'"),
         ({"architectures": ["MistralForCausalLM"]}, "architectures=['MistralForCausalLM']"),
+        # Qwen's own Qwen2-MoE config.json files leave qkv_bias out: transformers then adds q/k/v biases
+        (
+            {"architectures": ["Qwen2MoeForCausalLM"], "moe_intermediate_size": 48},
+            "qkv_bias=True: femtotron's",
+        ),
     ],
 )
 def test_a_model_femtotron_does_not_compute_is_refused_naming_the_field(tmp_path, change, message):
