@@ -260,7 +260,8 @@ def record_cases(rank, cases) -> list[Steps]:
     """On every rank of one layout (the first config's parallelism), `record_steps` of each (config, bf16
     path) in turn."""
     par = cases[0][0].parallelism
-    ctx = ParallelContext(par.dp, par.tp, par.pp, par.cp, par.ep, collective_timeout_seconds=60)
+    # 8 ranks share 2 cores here: a collective can wait on a descheduled rank for a while
+    ctx = ParallelContext(par.dp, par.tp, par.pp, par.cp, par.ep, collective_timeout_seconds=120)
     out = []
     for config, native in cases:
         with precision_path(native):

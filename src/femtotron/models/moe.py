@@ -55,7 +55,6 @@ class RouterStats:
         finally:
             self.replaying = False
 
-    @torch.compiler.disable
     def record(
         self, layer: int, counts: torch.Tensor, dropped: int, aux: torch.Tensor, z: torch.Tensor
     ) -> None:

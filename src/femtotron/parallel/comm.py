@@ -24,7 +24,7 @@ from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,25 @@ class Group:
     @property
     def name(self) -> str:
         return f"{self.kind}[{('->' if self.one_way else ',').join(map(str, self.ranks))}]"
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    """This rank's place in one group of a parallel dimension (tp, cp, ep: `KIND`), as its layers use it."""
+
+    KIND: ClassVar[str]
+    comm: Comm
+    group: Group
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    @classmethod
+    def single(cls) -> Self:
+        """The dimension at size 1: every collective over it returns at once."""
+        return cls(Comm(), Group(cls.KIND, (0,)), 0)
 
 
 @dataclass

@@ -22,26 +22,16 @@ from dataclasses import dataclass, replace
 import torch
 
 from femtotron.data.nanoset import MicroBatch
-from femtotron.parallel.comm import Comm, Group, Work
+from femtotron.parallel.comm import Group, GroupMember, Work
 from femtotron.precision import attention_dtype, attention_with_lse, attention_with_lse_backward
 
 
 @dataclass(frozen=True)
-class ContextParallel:
+class ContextParallel(GroupMember):
     """This rank's cp ring: its group, its place, one-way groups to the next and from the previous rank."""
 
-    comm: Comm
-    group: Group
-    rank: int
+    KIND = "cp"
     links: tuple[Group, Group] | None = None
-
-    @property
-    def size(self) -> int:
-        return self.group.size
-
-    @staticmethod
-    def single() -> ContextParallel:
-        return ContextParallel(Comm(), Group("cp", (0,)), 0)
 
     def start_shift(self, tensor: torch.Tensor, tag: int) -> tuple[torch.Tensor, Work | None, Work | None]:
         """Start sending `tensor` to the following rank, receiving the preceding rank's into a new buffer."""

@@ -13,22 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from femtotron.parallel.comm import Comm, Group
+from femtotron.parallel.comm import GroupMember
 
 
 @dataclass(frozen=True)
-class ExpertParallel:
-    comm: Comm
-    group: Group
-    rank: int
-
-    @property
-    def size(self) -> int:
-        return self.group.size
-
-    @staticmethod
-    def single() -> ExpertParallel:
-        return ExpertParallel(Comm(), Group("ep", (0,)), 0)
+class ExpertParallel(GroupMember):
+    KIND = "ep"
 
     def run(
         self,

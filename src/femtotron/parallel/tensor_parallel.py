@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from femtotron.errors import ConfigError
-from femtotron.parallel.comm import Comm, Group
+from femtotron.parallel.comm import Group, GroupMember
 from femtotron.parallel.sharding import ShardInfo, split_dim
 from femtotron.precision import linear
 
@@ -29,21 +29,11 @@ SEQUENCE_DIM = 1  # activations are (batch, sequence, hidden)
 
 
 @dataclass(frozen=True)
-class TensorParallel:
+class TensorParallel(GroupMember):
     """What a tensor-parallel layer needs to know: the tp group, this rank in it, and the mode."""
 
-    comm: Comm
-    group: Group
-    rank: int
+    KIND = "tp"
     sequence_parallel: bool = False
-
-    @property
-    def size(self) -> int:
-        return self.group.size
-
-    @staticmethod
-    def single() -> TensorParallel:
-        return TensorParallel(Comm(), Group("tp", (0,)), 0)
 
 
 def shard_size(full: int, tp: int) -> int:

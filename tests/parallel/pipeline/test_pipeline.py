@@ -183,16 +183,6 @@ def test_a_stage_returning_the_wrong_shape_is_stopped_before_it_sends():
         p2p.exchange((torch.zeros(2, 16, 32), Transfer(1, 0, "activations")), None)
 
 
-def _three_d(rank, cases):
-    ctx = ParallelContext(dp=2, tp=2, pp=2, collective_timeout_seconds=120)
-    out = []
-    for config, native in cases:
-        with precision_path(native):
-            out.append(record_steps(config, ctx))
-    ctx.close()
-    return out
-
-
 THREE_D_CASES = [  # (layers, engine, virtual stages, tied, dtype, tp_mode, zero_stage, bf16 path)
     (4, "interleaved-1f1b", 2, True, "float32", "REDUCE_SCATTER", 0, None),
     (5, "1f1b", 1, False, "bfloat16", "ALL_REDUCE", 0, True),
@@ -229,7 +219,7 @@ def test_dp_tp_pp_2x2x2_on_8_ranks_equals_one_process(tiny_config):
                 native,
             )
         )
-    per_rank = run_ranks(_three_d, 8, cases, timeout=600)
+    per_rank = run_ranks(record_cases, 8, cases, timeout=600)
     for index, ((config, _), (reference, exact)) in enumerate(zip(cases, expected, strict=True)):
         for dp_rank in range(2):  # ranks dp_rank*2 + tp_rank + 4*pp_rank: one replica's stages
             replica = [per_rank[pp * 4 + dp_rank * 2][index] for pp in range(2)]
