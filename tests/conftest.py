@@ -36,18 +36,22 @@ BOTH_SEMANTICS = (
 def pytest_generate_tests(metafunc):
     where = metafunc.definition.path.relative_to(metafunc.config.rootpath).as_posix()
     if metafunc.definition.get_closest_marker("distributed") and where.startswith(BOTH_SEMANTICS):
-        metafunc.fixturenames.append("comm_semantics")
         metafunc.parametrize("comm_semantics", ["gloo", "nccl-semantics"], indirect=True)
 
 
-@pytest.fixture
+# Autouse, so that it is in every test's fixture closure before parametrization: a fixture that is only
+# added to `metafunc.fixturenames` in pytest_generate_tests is parametrized but never run (pytest 8+), and
+# every "nccl-semantics" case then ran as plain gloo (tests/parallel/test_comm.py checks it now).
+@pytest.fixture(autouse=True)
 def comm_semantics(request, monkeypatch):
-    """The ranks a test starts (forked or launched) inherit the choice through the environment."""
-    if request.param == "nccl-semantics":
+    """The ranks a test starts (forked or launched) inherit the choice through the environment; tests that
+    run once (not parametrized) keep the environment as it is."""
+    semantics = getattr(request, "param", None)
+    if semantics == "nccl-semantics":
         monkeypatch.setenv(EMULATE_NCCL, "1")
-    else:
+    elif semantics == "gloo":
         monkeypatch.delenv(EMULATE_NCCL, raising=False)
-    return request.param
+    return semantics
 
 
 @pytest.fixture(autouse=True)

@@ -82,6 +82,23 @@ def test_M1_doctor_budgets_the_nccl_communicators_on_gpus_only(tiny_config, tmp_
     assert totals["H100"] - totals["CPU"] == pytest.approx(1536, abs=6)  # shown to 0.01 GiB
 
 
+def test_doctor_counts_the_process_groups_and_the_world_wide_calls_that_make_them(capsys):
+    """examples/cpu_3d.yaml (dp=2 tp=2 pp=2): 14 subgroups of 4 kinds (tp, dp, pp = embedding, mp) and 8
+    one-way links (both ways between the 2 stages of each of the 4 pipelines); on NCCL each split_group and
+    new_group is one ncclCommSplit of the whole world, so the kinds are made one split each."""
+    assert main(["doctor", "examples/cpu_3d.yaml", "--device", "H100"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "  process groups: 14 for collectives, 8 one-way links (the pipeline's, the cp ring's); a rank "
+        in out
+    )
+    assert "is in up to 5 of the first, 2 of the second" in out
+    assert (
+        "  start-up on NCCL: 4 split_group + 8 new_group calls, each one world-wide ncclCommSplit (22 " in out
+    )
+    assert "+ 5 NCCL communicator(s) x 0.50 GiB + 2 one-way link(s) x 64.0 MiB = 2.62 GiB" in out
+
+
 def test_doctor_with_context_parallelism_counts_the_ring_and_offers_more_cp(tiny_config, tmp_path, capsys):
     """cp=2 tp=2: the layout line, the ring's bytes (femtotron.diagnostics.doctor.ring_bytes, tested exactly
     against a run in tests/parallel/test_context_parallel.py), gradients over dp x cp, a warning when tp x cp

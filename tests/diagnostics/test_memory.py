@@ -6,7 +6,14 @@ import pytest
 from distributed import run_ranks
 from helpers import precision_path
 
-from femtotron.diagnostics.memory import NCCL_COMMUNICATOR_BYTES, LiveMemory, communicators, estimate_rank
+from femtotron.diagnostics.memory import (
+    NCCL_COMMUNICATOR_BYTES,
+    NCCL_LINK_BYTES,
+    LiveMemory,
+    communicators,
+    estimate_rank,
+    links,
+)
 from femtotron.parallel.context import ParallelContext
 from femtotron.trainer import Trainer
 
@@ -89,11 +96,15 @@ def test_M1_the_estimate_is_within_10_percent_of_the_measured_peak(tiny_config, 
 
 def test_M1_on_gpus_the_estimate_adds_each_nccl_communicator_the_rank_belongs_to(tiny_config):
     """tp=2 pp=4: every rank has a tp group, a pp group and the default group; the first and last stage share
-    the tied embedding in one more. On this CPU (gloo) none is counted."""
+    the tied embedding in one more; and 4 one-way links, to and from each neighbouring stage (the last and
+    the first are neighbours for the interleaved schedule). On this CPU (gloo) none is counted."""
     config = tiny_config(*BASE, "parallelism.tp=2", "parallelism.pp=4")
     on_gpus = [estimate_rank(config, p) for p in range(4)]
-    assert [e.communicators for e in on_gpus] == [4, 3, 3, 4]
+    assert [e.communicators for e in on_gpus] == [4, 3, 3, 4] and [e.links for e in on_gpus] == [4] * 4
     on_cpu = estimate_rank(config, 0, on_this_cpu=True)
-    assert on_cpu.communicators == 0 and on_gpus[0].total - on_cpu.total == 4 * NCCL_COMMUNICATOR_BYTES
+    assert on_cpu.communicators == on_cpu.links == 0
+    assert on_gpus[0].total - on_cpu.total == 4 * NCCL_COMMUNICATOR_BYTES + 4 * NCCL_LINK_BYTES
     assert communicators(2, 2, 2, 0) == 5  # tp, dp, pp (= embedding), mp, the default group
     assert communicators(8, 1, 1, 3) == 1 and communicators(1, 1, 1, 0) == 0  # dp = the world; alone
+    assert links(2, 2, 2, 0) == 2 and links(1, 1, 1, 0, cp=4) == 2 and links(1, 1, 1, 0, cp=2) == 2
+    assert links(8, 1, 1, 3) == 0

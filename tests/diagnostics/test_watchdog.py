@@ -191,9 +191,19 @@ time.sleep(60)
 @pytest.mark.distributed
 def test_P1_an_op_that_never_completes_is_reported_though_no_call_waits_in_it(tmp_path):
     """On GPUs a collective call (and a wait on its work) returns at once; a mismatch then blocks the host
-    elsewhere (reading a loss), or nowhere yet. The op itself, unfinished past the timeout, is reported."""
+    elsewhere (reading a loss), or nowhere yet. The op itself, unfinished past the timeout, is reported; the
+    other rank is told to end too, and each first writes torch's flight recorder (gloo's here, as NCCL's on
+    GPUs), which NCCL would otherwise write only at its own, later, timeout."""
     port, started = free_port(), time.monotonic()
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    recorder = tmp_path / "nccl_flight_recorder"
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCH_FR_BUFFER_SIZE": "100",
+        "TORCH_FR_DUMP_TEMP_FILE": str(recorder / "rank_"),
+    }
     ranks = [
         subprocess.Popen(
             [sys.executable, "-c", QUEUED],
@@ -205,12 +215,26 @@ def test_P1_an_op_that_never_completes_is_reported_though_no_call_waits_in_it(tm
         for r in range(2)
     ]
     try:
-        _, report = ranks[0].communicate(timeout=50)
+        outputs = [rank.communicate(timeout=50)[1] for rank in ranks]
     finally:
         for rank in ranks:
             rank.kill()
             rank.communicate()
-    assert ranks[0].returncode == 4 and time.monotonic() - started < 50, report
+    report = outputs[0]
+    assert [rank.returncode for rank in ranks] == [4, 4] and time.monotonic() - started < 50, outputs
+    assert (
+        "femtotron: error: rank 1 stops with the job: rank 0 found it stuck (its log says what every rank "
+        "was doing); this rank's flight recorder: " in (outputs[1])
+    )
+    assert (
+        "Every rank's flight recorder (its last collectives and transfers, as torch records them) is "
+        in report
+    )
+    assert (
+        f"written to {recorder}: `python -m torch.distributed.flight_recorder.fr_trace {recorder}`" in report
+    )
+    # torch's own format (a pickle, not read here): rank 0 recorded the all-reduce it started
+    assert b"gloo:all_reduce" in (recorder / "rank_0").read_bytes() and (recorder / "rank_1").stat().st_size
     assert re.search(
         r"hang report from rank 0: rank 0 has waited in all_reduce on dp\[0,1\] for \d+ s "
         r"\(parallelism.hang_timeout_seconds=3\)",

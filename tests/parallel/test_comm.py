@@ -7,9 +7,11 @@ import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import run_ranks
 
-from femtotron.parallel.comm import Comm
+from femtotron.errors import DistributedError
+from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.context import ParallelContext
 
 
@@ -104,6 +106,9 @@ def _finished_ops_let_go(rank):
     ctx = ParallelContext(dp=2, collective_timeout_seconds=30)
     comm, g = ctx.comm, ctx.dp_group
     received = torch.zeros(1)
+    # NCCL blocks a pair's first transfer on a group until the peer posts one (parallel/comm.py): connected
+    # first, so that rank 0's receive below is posted at once while rank 1 is in the all-reduces.
+    comm.connect([ctx.world_group], ctx.device)
     if rank == 0:  # an op on another group that stays unfinished meanwhile
         pending = comm.start_p2p("recv", received, 1, ctx.world_group, tag=9)
     held = []
@@ -132,3 +137,45 @@ def test_finished_ops_are_let_go_with_their_tensors():
     activations under sequence parallelism) must not stay alive with it, even behind an op of another group
     that has not finished."""
     assert run_ranks(_finished_ops_let_go, 2) == [[False] * 3] * 2
+
+
+@pytest.mark.distributed  # so that it runs under both semantics (tests/conftest.py); it starts no process
+def test_the_nccl_semantics_cases_really_emulate_nccl(comm_semantics):
+    """Every distributed test of tests/parallel/ runs twice; the second time the ranks must really behave as
+    NCCL does (the fixture once only parametrized the id, and every "nccl-semantics" case ran as gloo)."""
+    assert comm_semantics in ("gloo", "nccl-semantics")
+    assert Comm().emulate_nccl == (comm_semantics == "nccl-semantics")
+
+
+def _first_transfers(rank, connect_first):
+    ctx = ParallelContext(dp=2, collective_timeout_seconds=30)
+    comm = Comm(emulate_nccl=True, store=ctx.store, connect_timeout=3)
+    # Two one-way groups, as the pipeline's links: rank 0 sends on the first, rank 1 on the second.
+    links = [Group("pp", (0, 1), dist.new_group([0, 1]), one_way=True)]
+    links.append(Group("pp", (1, 0), dist.new_group([0, 1]), one_way=True))
+    if connect_first:
+        comm.connect(links, ctx.device)
+    outgoing, incoming = links[rank], links[1 - rank]
+    received = torch.zeros(2)
+    try:  # both send first, as the pipeline's shape handshake does
+        send = comm.start_p2p("send", torch.full((2,), rank + 1.0), 1 - rank, outgoing, tag=1)
+        comm.wait(comm.start_p2p("recv", received, 1 - rank, incoming, tag=1), incoming, received)
+        comm.wait(send, outgoing, received)
+        return received.tolist()
+    except DistributedError as e:
+        return str(e)
+    finally:
+        ctx.close()
+
+
+@pytest.mark.distributed
+def test_with_nccl_semantics_first_transfers_in_a_cycle_fail_and_connecting_first_fixes_them():
+    """NCCL connects a pair on its first transfer on a communicator, the host blocking until the peer posts
+    one too: two ranks each sending first on its own one-way group wait for each other forever. Emulated,
+    that fails after the connect timeout, naming the rank, group and peer; `Comm.connect` at start-up (as
+    ParallelContext does with the pipeline's and ring's links) makes the same transfers go through."""
+    for rank, message in enumerate(run_ranks(_first_transfers, 2, False)):
+        link = "pp[0->1]" if rank == 0 else "pp[1->0]"
+        assert message.startswith(f"rank {rank}: its first send on {link} waited 3 s for rank {1 - rank}")
+        assert "On NCCL this hangs forever" in message
+    assert run_ranks(_first_transfers, 2, True) == [[2.0, 2.0], [1.0, 1.0]]

@@ -13,6 +13,7 @@ from femtotron.parallel.context import (
     device_index,
     mesh_groups,
     rank_of,
+    refuse_serialized_streams,
     rendezvous,
     ring_links,
     shared_gpus,
@@ -269,3 +270,18 @@ def test_L1_a_local_rank_beyond_the_visible_gpus_wraps_around(monkeypatch):
     ctx = ParallelContext()
     assert ctx.device == torch.device("cuda", 0) and ctx.backend == "nccl"
     ctx.close()
+
+
+def test_cuda_device_max_connections_1_is_refused_with_pp_or_cp(monkeypatch):
+    """One hardware queue starts kernels in issue order: the pipeline's and the ring's receive-then-send on
+    two NCCL streams can deadlock there. Refused on GPUs with pp or cp > 1, naming the variable and fix."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    for pp, cp in ((2, 1), (1, 2)):
+        with pytest.raises(DistributedError, match="unset CUDA_DEVICE_MAX_CONNECTIONS") as info:
+            refuse_serialized_streams(cuda, pp, cp)
+        assert f"CUDA_DEVICE_MAX_CONNECTIONS=1 with parallelism.pp={pp}, cp={cp}" in str(info.value)
+    refuse_serialized_streams(cuda, 1, 1)  # tp and dp only: no transfer waits on another stream
+    refuse_serialized_streams(torch.device("cpu"), 2, 2)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    refuse_serialized_streams(cuda, 2, 2)

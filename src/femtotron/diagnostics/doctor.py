@@ -14,12 +14,16 @@ from femtotron.diagnostics.advice import config_warnings, imbalance_warning, pip
 from femtotron.diagnostics.memory import (
     GIB,
     NCCL_COMMUNICATOR_BYTES,
+    NCCL_LINK_BYTES,
     RankEstimate,
+    communicators,
     device_budget,
     estimate_rank,
     human,
+    links,
 )
 from femtotron.layout import DTYPES
+from femtotron.parallel.context import pipe_links, ring_links, subgroups_by_kind
 from femtotron.parallel.pipeline.partition import partition, stage_map
 
 
@@ -139,6 +143,24 @@ def communication(config: Config, state: dict[str, int], device: str | None, gpu
     return lines or ["  none (one process)"]
 
 
+def process_groups(config: Config) -> list[str]:
+    """The process groups a layout makes (parallel/context.py), and what creating them costs on NCCL: every
+    `split_group` and `new_group` call is one ncclCommSplit of the whole world at start-up."""
+    par = config.parallelism
+    mesh = par.dp, par.tp, par.pp, par.cp
+    kinds = subgroups_by_kind(*mesh, par.ep)
+    one_way = pipe_links(*mesh) + ring_links(*mesh)
+    per_rank = [communicators(*mesh[:3], rank, par.cp, par.ep) for rank in range(par.world_size)]
+    rank_links = [links(*mesh[:3], rank, par.cp) for rank in range(par.world_size)]
+    subgroup_count = sum(len(sets) for sets in kinds.values())
+    return [
+        f"  process groups: {subgroup_count} for collectives, {len(one_way)} one-way links (the pipeline's, "
+        f"the cp ring's); a rank is in up to {max(per_rank)} of the first, {max(rank_links)} of the second",
+        f"  start-up on NCCL: {len(kinds)} split_group + {len(one_way)} new_group calls, each one world-wide "
+        f"ncclCommSplit ({subgroup_count + len(one_way)} with new_group alone)",
+    ]
+
+
 def expert_fraction(config: Config) -> float:
     """The share of a rank's parameters that are experts: it holds 1/ep of them (padding ignored)."""
     mcfg, ep = config.model.model_config_, config.parallelism.ep
@@ -223,6 +245,8 @@ def diagnose(
     estimates = [estimate_rank(config, p, on_cpu) for p in range(par.pp)]
     lines.append("communication per rank:")
     lines += communication(config, estimates[0].state, device, gpus_per_node)
+    if par.world_size > 1:
+        lines += process_groups(config)
     lines.append(f"memory per rank (estimate; device: {where}):")
     for e in estimates:
         state = " + ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in e.state.items())
@@ -231,8 +255,9 @@ def diagnose(
             f"{human(max(e.saved_per_micro_batch))} for its backward and peaks at "
             f"{human(e.micro_batch_peak)}, {e.micro_batches_held} held at most (+{human(e.waiting)})"
             + (
-                f" + {e.communicators} NCCL communicator(s) x {human(NCCL_COMMUNICATOR_BYTES)} = "
-                f"{human(e.communicator_bytes)}"
+                f" + {e.communicators} NCCL communicator(s) x {human(NCCL_COMMUNICATOR_BYTES)}"
+                + (f" + {e.links} one-way link(s) x {human(NCCL_LINK_BYTES)}" if e.links else "")
+                + f" = {human(e.communicator_bytes)}"
                 if e.communicators
                 else ""
             )

@@ -10,7 +10,8 @@ Both count the same thing, the bytes of tensor storage alive at once:
   (its saved activations) and the peak while it runs (activations, logits, their gradients, transient
   buffers); the pipeline schedule says how many micro-batches each stage holds at once;
 - on GPUs, the **NCCL communicators** the rank belongs to (parallel/context.py creates one process group per
-  distinct rank set), at a fixed figure each: NCCL allocates them outside PyTorch's allocator.
+  distinct rank set, and one per one-way link of the pipeline and the cp ring), at a fixed figure each:
+  NCCL allocates them outside PyTorch's allocator.
 
 `LiveMemory` tracks every storage a tensor op creates until it is freed (not the ones that existed
 before, nor outputs that alias an input: views and in-place ops), on real tensors as on meta ones,
@@ -30,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 from femtotron.config import Config
 from femtotron.data.nanoset import MicroBatch
 from femtotron.layout import DTYPES, meta_rank_model
-from femtotron.parallel.context import rank_of, subgroups
+from femtotron.parallel.context import pipe_links, rank_of, ring_links, subgroups
 from femtotron.parallel.context_parallel import place_tokens
 from femtotron.parallel.pipeline.schedules import schedule
 from femtotron.precision import ESTIMATING_FOR_THIS_CPU
@@ -51,6 +52,10 @@ DEVICES = {
 # LL128 ~4.7 MiB; LL 0.5 MiB), and NVLink runs up to 32 channels for rings and as many for trees: 32 x 2 x
 # ~9 MiB. NVLink SHARP (NCCL_NVLS_ENABLE) and send/receive buffers add more; NCCL_MAX_NCHANNELS lowers it.
 NCCL_COMMUNICATOR_BYTES = GIB // 2
+# A one-way link (a 2-rank group carrying the pipeline's or the cp ring's transfers one way) connects only
+# the p2p channels to its one peer: a buffer of NCCL_P2P_*_CHUNKSIZE x NCCL_STEPS (4 MiB) on each of 2-32
+# channels, plus the communicator's own structures. A middle figure, not yet measured on a GPU.
+NCCL_LINK_BYTES = 64 * 2**20
 
 
 class LiveMemory(TorchDispatchMode):
@@ -96,10 +101,11 @@ class RankEstimate:
     waiting: int  # the activations of the other micro-batches held meanwhile (1F1B: up to pp - pp_rank - 1)
     micro_batches_held: int
     communicators: int  # the NCCL communicators it belongs to (none counted on a CPU)
+    links: int = 0  # of which one-way links (2-rank p2p communicators), not in `communicators`
 
     @property
     def communicator_bytes(self) -> int:
-        return self.communicators * NCCL_COMMUNICATOR_BYTES
+        return self.communicators * NCCL_COMMUNICATOR_BYTES + self.links * NCCL_LINK_BYTES
 
     @property
     def total(self) -> int:
@@ -133,8 +139,14 @@ def estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool = False) -> Ra
 
 
 def communicators(dp: int, tp: int, pp: int, rank: int, cp: int = 1, ep: int = 1) -> int:
-    """The NCCL communicators `rank` belongs to: the default group's and every subgroup's holding it."""
+    """The NCCL communicators for collectives `rank` belongs to: the default group's and every subgroup's
+    holding it (its one-way links: `links`)."""
     return (dp * cp * tp * pp > 1) + sum(rank in ranks for ranks in subgroups(dp, tp, pp, cp, ep))
+
+
+def links(dp: int, tp: int, pp: int, rank: int, cp: int = 1) -> int:
+    """The one-way links (each a 2-rank communicator) `rank` sends or receives on."""
+    return sum(rank in pair for pair in pipe_links(dp, tp, pp, cp) + ring_links(dp, tp, pp, cp))
 
 
 def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstimate:
@@ -175,7 +187,8 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
     )
     waiting = held_bytes - max(saved) if held > 1 else 0  # the others, while the largest one runs
     nccl = 0 if on_this_cpu else communicators(par.dp, par.tp, par.pp, rank, par.cp, par.ep)
-    return RankEstimate(pp_rank, state, saved, max(peaks), waiting, held, nccl)
+    one_way = 0 if on_this_cpu else links(par.dp, par.tp, par.pp, rank, par.cp)
+    return RankEstimate(pp_rank, state, saved, max(peaks), waiting, held, nccl, one_way)
 
 
 def human(nbytes: float) -> str:

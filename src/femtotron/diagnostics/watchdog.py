@@ -15,9 +15,10 @@ and where in the step it is (step, pipeline action, micro-batch). It watches:
 
 Then it gathers every rank's state into one report that points at the mismatch ("rank 1 waits in
 recv from rank 0 (micro-batch 3 ...); rank 0 is in all_reduce on dp[0,2] ..."), prints it and ends
-the process, so the launcher ends the job within seconds instead of after the collective timeout. On
-NCCL the report also points at the flight recorder's dumps (`nccl_flight_recorder`): NCCL's own record of
-each rank's last collectives, written when its watchdog times a collective out.
+the process; through the store it tells the other ranks to end too, so the job ends within seconds
+instead of after the collective timeout. Where torch's flight recorder is on (`nccl_flight_recorder`, on
+GPUs), every rank first writes its record of its last collectives and transfers into the run directory:
+NCCL's own watchdog would write it only at the collective timeout, which this report comes before.
 
 The ranks meet at the store before watching starts, so a rank still building its model is not taken for
 a dead one.
@@ -25,6 +26,7 @@ a dead one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -36,10 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from femtotron.errors import DistributedError
-from femtotron.parallel.comm import OpInFlight
+from femtotron.parallel.comm import OpInFlight, write_flight_recorder
 from femtotron.parallel.context import ParallelContext
 
 EXIT_CODE = 4  # a distributed error, as DistributedError
+# How long the reporting rank waits for the others to write their flight recorders before it ends.
+DUMP_SECONDS = 10.0
 
 
 def nccl_flight_recorder(run_dir: Path) -> None:
@@ -73,11 +77,16 @@ class Watchdog:
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="femtotron-watchdog", daemon=True)
         self.keys = [f"{ctx.store.key_prefix}state/{r}" for r in range(ctx.world_size)]
-        self.flight_recorder = (
-            Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"]).parent
-            if ctx.backend == "nccl" and "TORCH_FR_DUMP_TEMP_FILE" in os.environ
-            else None
+        # Set by the rank that reports, read by every other: end now. Each answers once its record is out.
+        self.stop_key = f"{ctx.store.key_prefix}watchdog/stop"
+        self.dumped_keys = [f"{ctx.store.key_prefix}watchdog/dumped/{r}" for r in range(ctx.world_size)]
+        self.backend = ctx.backend
+        recording = any(
+            os.environ.get(name) for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
         )
+        prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+        # Named as torch's own dumps are, the prefix then the rank, so that fr_trace reads them alike.
+        self.flight_recorder = Path(f"{prefix}{self.rank}") if recording and prefix else None
         self.store: Any = None
 
     def start(self) -> Watchdog:
@@ -128,6 +137,8 @@ class Watchdog:
             self.beats += 1
             try:
                 self.store.set(self.keys[self.rank], json.dumps(self.state()))
+                if self.store.check([self.stop_key]):
+                    self._stop_as_told()
                 states = self._states() if self.rank == 0 else None
             except (RuntimeError, OSError) as e:  # the store is gone: whoever served it has died
                 if not self.stopped.is_set():
@@ -207,15 +218,46 @@ class Watchdog:
             "the usual cause; its own log says more. The job is stopped rather than left waiting."
         )
         if self.flight_recorder is not None:
+            folder = self.flight_recorder.parent
             lines.append(
-                f"NCCL's flight recorder dumps each rank's last collectives into {self.flight_recorder} when "
-                "NCCL times one out: `python -m torch.distributed.flight_recorder.fr_trace "
-                f"{self.flight_recorder}` lines them up across ranks."
+                f"Every rank's flight recorder (its last collectives and transfers, as torch records them) "
+                f"is written to {folder}: `python -m torch.distributed.flight_recorder.fr_trace {folder}` "
+                "lines them up across ranks."
             )
         return "\n".join(lines)
 
     def _end(self, report: str) -> None:
+        """Write this rank's flight recorder, print the report, and tell every rank to end."""
+        self._write_flight_recorder()
         print(f"femtotron: error: {report}", file=sys.stderr, flush=True)
+        with contextlib.suppress(RuntimeError, OSError):  # the store may be what failed
+            self.store.set(self.stop_key, str(self.rank))
+        self._exit_with_the_others()
+
+    def _stop_as_told(self) -> None:
+        reporter = self.store.get(self.stop_key).decode()
+        self._write_flight_recorder()
+        print(
+            f"femtotron: error: rank {self.rank} stops with the job: rank {reporter} found it stuck (its "
+            "log says what every rank was doing)"
+            + (f"; this rank's flight recorder: {self.flight_recorder}" if self.flight_recorder else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        self._exit_with_the_others()
+
+    def _write_flight_recorder(self) -> None:
+        with contextlib.suppress(RuntimeError, OSError):  # a record lost must not stop the report
+            if self.flight_recorder is not None:
+                write_flight_recorder(self.flight_recorder, self.backend)
+            self.store.set(self.dumped_keys[self.rank], "")
+
+    def _exit_with_the_others(self) -> None:
+        """End once every rank has written its flight recorder, or after DUMP_SECONDS (a frozen rank never
+        does): a launcher kills the whole job when its first process ends, and a record half written is
+        lost."""
+        with contextlib.suppress(RuntimeError, OSError):
+            self.store.wait(self.dumped_keys, timedelta(seconds=DUMP_SECONDS))
         os._exit(EXIT_CODE)
 
 

@@ -7,8 +7,10 @@ NCCL a call (and a wait on its work) returns once the op is queued, so a rank wa
 complete, which `unfinished` finds by polling; the host's waits for the device are recorded too (`read`).
 
 NCCL's semantics on gloo, for tests (`FEMTOTRON_EMULATE_NCCL=1`): a `start_*` op's result reaches its tensor
-only at the wait (NaN until then), and a send completes only once its receive is posted (gloo's own rule;
-NCCL's for large messages), so reading early, or a schedule that would deadlock on GPUs, fails on a CPU too.
+only at the wait (NaN until then), a send completes only once its receive is posted (gloo's own rule;
+NCCL's for large messages), and a rank's first transfer with a peer on a group blocks until the peer posts
+its own first transfer on that group (`_connect`: NCCL connects a pair lazily, per communicator), so
+reading early, or a schedule or start-up that would deadlock on GPUs, fails on a CPU too.
 
 Bytes are what a ring sends from this rank: all_reduce 2(n-1)/n of the tensor, all_gather and reduce_scatter
 (n-1)/n of the full tensor, send the tensor, all_to_all the rows it sends to the other ranks.
@@ -24,15 +26,22 @@ from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Self
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import torch
 import torch.distributed as dist
 
+from femtotron.atomic import atomic_path
 from femtotron.errors import DistributedError, is_out_of_memory
+
+if TYPE_CHECKING:
+    from femtotron.parallel.store import Store
 
 Work = Any  # what an op started without waiting returns: a torch.distributed Work, or one of the below
 EMULATE_NCCL = "FEMTOTRON_EMULATE_NCCL"
+# The tag of a link's first transfer (`Comm.connect`), apart from the pipeline's and the ring's.
+CONNECT_TAG = 2**31 - 1
 # On CUDA, collectives are timed (two events per op, which cost host time) on one step in this many.
 CUDA_TIMING_EVERY = 10
 
@@ -122,10 +131,16 @@ class _Delayed:
 
 
 class Comm:
-    """Collectives over `Group`s. A group of one rank is a no-op, so a world of 1 needs no init."""
+    """Collectives over `Group`s. A group of one rank is a no-op, so a world of 1 needs no init. `store`: the
+    rendezvous store, through which the NCCL emulation makes a pair's first transfer wait for the peer's,
+    for at most `connect_timeout` seconds (then it raises, where NCCL would hang)."""
 
-    def __init__(self, emulate_nccl: bool | None = None) -> None:
+    def __init__(
+        self, emulate_nccl: bool | None = None, store: Store | None = None, connect_timeout: float = 600.0
+    ) -> None:
         self.emulate_nccl = os.environ.get(EMULATE_NCCL) == "1" if emulate_nccl is None else emulate_nccl
+        self.store, self.connect_timeout = store, connect_timeout
+        self._connected: set[tuple[str, int]] = set()  # (communicator, peer) pairs already connected
         self.bytes_sent: Counter[tuple[str, str]] = Counter()  # (group kind, op kind) -> bytes
         self.calls: Counter[tuple[str, str]] = Counter()
         self._seconds: Counter[str] = Counter()  # group kind -> seconds in collectives
@@ -340,9 +355,54 @@ class Comm:
         start_one = dist.isend if kind == "send" else dist.irecv
 
         def launch(out: torch.Tensor, _: None) -> Work:
+            if self.emulate_nccl:
+                self._connect(kind, group, peer)
             return start_one(out, peer, group=group.handle, tag=tag)
 
         return self._issue(kind, group, tensor, _nbytes(tensor) * (kind == "send"), launch, peer=peer)
+
+    def connect(self, links: list[Group], device: torch.device) -> None:
+        """Make the first transfer of every one-way link this rank is on, in the order of `links`: the order
+        every rank created them in. NCCL connects a pair on its first transfer on a communicator, the host
+        blocking until the peer posts one too; walked in one order, the earliest link not yet connected always
+        has both its ranks at it, so this cannot deadlock, and no later transfer waits for a connection, in
+        whatever order the schedules post them. The tokens sent are not counted as traffic."""
+        if not links:
+            return
+        me = dist.get_rank()
+        for link in links:
+            if me not in link.ranks:
+                continue
+            sender, receiver = link.ranks
+            kind = "send" if me == sender else "recv"
+            peer = receiver if me == sender else sender
+            token = torch.zeros(1, device=device)
+            self.wait(self.start_p2p(kind, token, peer, link, CONNECT_TAG), link, token, peer, kind)
+        self.bytes_sent.clear()
+        self.calls.clear()
+
+    def _connect(self, kind: str, group: Group, peer: int) -> None:
+        """NCCL emulation: NCCL connects two ranks on their first transfer on a communicator, and the host
+        blocks in that set-up until the peer posts its own first transfer on the same communicator
+        (NVIDIA/nccl#783). So first transfers posted in a cycle (every stage sending first, each on its own
+        one-way group) hang on GPUs: here they raise after `connect_timeout`, naming the pair and group."""
+        # Per communicator: kinds with equal ranks share one (parallel/context.py); torch names it alike on
+        # every rank.
+        communicator = (group.handle or dist.group.WORLD).group_name
+        if self.store is None or (communicator, peer) in self._connected:
+            return
+        me = dist.get_rank()
+        self.store.post(f"nccl-connect/{communicator}/{me}-{peer}", "")
+        key = f"nccl-connect/{communicator}/{peer}-{me}"
+        if key not in self.store.collect([key], self.connect_timeout):
+            raise DistributedError(
+                f"rank {me}: its first {kind} on {group.name} waited {self.connect_timeout:g} s for rank "
+                f"{peer} to post a transfer on that group too. On NCCL this hangs forever: NCCL connects two "
+                "ranks on their first transfer on a communicator, and the host blocks until both have posted "
+                "one. Every rank must make its first transfer on each group in an order that cannot form a "
+                "cycle: ParallelContext connects the pipeline's and the cp ring's links at start-up for this."
+            )
+        self._connected.add((communicator, peer))
 
     def wait(
         self,
@@ -368,6 +428,20 @@ class Comm:
             return dist.barrier(group=group.handle, async_op=True)
 
         self._issue("barrier", group, torch.empty(0), 0, launch, wait=True)
+
+
+def write_flight_recorder(path: Path, backend: str) -> bool:
+    """Write this rank's flight recorder (torch's record of its last collectives and transfers, kept when
+    TORCH_FR_BUFFER_SIZE is set) to `path`, in the format NCCL's own watchdog dumps on a timeout (which
+    `python -m torch.distributed.flight_recorder.fr_trace` reads). False: torch has none for `backend`."""
+    dump = getattr(
+        torch._C._distributed_c10d, "_dump_nccl_trace" if backend == "nccl" else "_dump_fr_trace", None
+    )
+    if dump is None:
+        return False
+    with atomic_path(path) as tmp:
+        Path(tmp).write_bytes(dump())
+    return True
 
 
 def collective_failed(op: OpInFlight, error: Exception) -> DistributedError:

@@ -73,11 +73,25 @@ def mesh_groups(dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> dict[str
     return groups
 
 
+def subgroups_by_kind(
+    dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1
+) -> dict[str, list[tuple[int, ...]]]:
+    """The rank sets needing a process group (with NCCL, a communicator and its GPU memory) of their own, by
+    kind in creation order: each distinct set once, under the first kind that has it; none of one rank, none
+    of the whole world (the default group). A kind's sets are disjoint, so one split creates them all."""
+    created: set[tuple[int, ...]] = set()
+    by_kind = {}
+    for kind, groups in mesh_groups(dp, tp, pp, cp, ep).items():
+        fresh = [ranks for ranks in groups if 1 < len(ranks) < dp * tp * pp * cp and ranks not in created]
+        created.update(fresh)
+        if fresh:
+            by_kind[kind] = fresh
+    return by_kind
+
+
 def subgroups(dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> list[tuple[int, ...]]:
-    """The rank sets needing a process group (with NCCL, a communicator and its GPU memory) of their own, in
-    creation order: each distinct set once, none of one rank, none of the whole world (the default group)."""
-    sets = (ranks for groups in mesh_groups(dp, tp, pp, cp, ep).values() for ranks in groups)
-    return [ranks for ranks in dict.fromkeys(sets) if 1 < len(ranks) < dp * tp * pp * cp]
+    """`subgroups_by_kind`'s sets, in creation order."""
+    return [ranks for sets in subgroups_by_kind(dp, tp, pp, cp, ep).values() for ranks in sets]
 
 
 def pipe_links(dp: int, tp: int, pp: int, cp: int = 1) -> list[tuple[int, int]]:
@@ -106,6 +120,20 @@ class PipeLink:
     rank: int
     outgoing: Group
     incoming: Group
+
+
+def refuse_serialized_streams(device: torch.device, pp: int, cp: int) -> None:
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 (which Megatron recipes export for their tensor-parallel overlap) gives
+    the GPU one hardware queue: kernels of different streams then start in issue order. The pipeline and the
+    cp ring each have a receive on one NCCL stream waiting for a peer's send on another; issued in that
+    order on every rank, the sends can never start."""
+    if device.type == "cuda" and max(pp, cp) > 1 and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        raise DistributedError(
+            f"CUDA_DEVICE_MAX_CONNECTIONS=1 with parallelism.pp={pp}, cp={cp}: with one hardware queue the "
+            "GPU starts kernels of different streams in issue order, and the pipeline's (or the cp ring's) "
+            "transfers, each waiting for a peer on its own NCCL stream, can deadlock. femtotron does not "
+            "need it: unset CUDA_DEVICE_MAX_CONNECTIONS (or set it to 8 or more) in the job's environment."
+        )
 
 
 def device_index(local_rank: int, visible: int) -> int:
@@ -157,7 +185,7 @@ class ParallelContext:
         self.collective_timeout_seconds = collective_timeout_seconds
         self.device, gpu = self._pick_device()
         self.backend = BACKENDS[self.device.type]
-        self.comm = Comm()
+        refuse_serialized_streams(self.device, pp, cp)
         self.store = Store()
         self.hosts = [socket.gethostname()]
         if self.world_size > 1:
@@ -166,6 +194,7 @@ class ParallelContext:
             timeouts = init_timeout_seconds, collective_timeout_seconds
             self.hosts, tcp = rendezvous(self.rank, self.world_size, host, port, self.device, *timeouts, gpu)
             self.store = Store(tcp, (host, port))
+        self.comm = Comm(store=self.store, connect_timeout=collective_timeout_seconds)
         at = astuple(coordinates_of(self.rank, dp, tp, cp))
         self.pp_rank, self.dp_rank, self.tp_rank, self.cp_rank = at
         self._build_groups()
@@ -199,7 +228,9 @@ class ParallelContext:
         equal ranks share a process group. Subgroups do not inherit init_process_group's timeout: passed."""
         timeout = timedelta(seconds=self.collective_timeout_seconds)
         mesh = self.dp, self.tp, self.pp, self.cp
-        handles = {ranks: dist.new_group(list(ranks), timeout=timeout) for ranks in subgroups(*mesh, self.ep)}
+        handles = {}
+        for kind, sets in subgroups_by_kind(*mesh, self.ep).items():
+            handles |= self._new_groups(kind, sets, timeout)
         groups = mesh_groups(*mesh, self.ep)
 
         def mine(kind: str) -> Group:
@@ -215,23 +246,39 @@ class ParallelContext:
         self.ep_group, self.edp_group = mine("ep"), mine("edp") if self.ep > 1 else self.dp_cp_group
         self.ep_rank, self.edp_rank = self.dp_cp_rank % self.ep, self.dp_cp_rank // self.ep
         self.world_group = Group("world", tuple(range(self.world_size)))
-        pairs = pipe_links(*mesh) + ring_links(*mesh)
-        links = {pair: dist.new_group(sorted(pair), timeout=timeout) for pair in pairs}
-
-        def one_way(kind: str, pair: tuple[int, int]) -> Group:
-            return Group(kind, pair, links[pair], one_way=True)
-
+        kinds = {pair: "pp" for pair in pipe_links(*mesh)} | {pair: "cp" for pair in ring_links(*mesh)}
+        # One new_group each: split_group names a group by its ranks, and a link's reverse has the same ones.
+        links = {
+            pair: Group(
+                kind, pair, dist.new_group(sorted(pair), timeout=timeout, group_desc=kind), one_way=True
+            )
+            for pair, kind in kinds.items()
+        }
         self.pp_links = {  # by the neighbour's pp rank
-            p: PipeLink(peer, one_way("pp", (self.rank, peer)), one_way("pp", (peer, self.rank)))
+            p: PipeLink(peer, links[self.rank, peer], links[peer, self.rank])
             for p, peer in enumerate(self.pp_group.ranks)
             if (self.rank, peer) in links
         }
         ring, c = self.cp_group.ranks, self.cp_rank
         following, preceding = ring[(c + 1) % self.cp], ring[(c - 1) % self.cp]
         # The cp ring: a one-way group to the following rank and one from the preceding (p2p.py: why).
-        self.cp_links = None
-        if self.cp > 1:
-            self.cp_links = one_way("cp", (self.rank, following)), one_way("cp", (preceding, self.rank))
+        self.cp_links = (links[self.rank, following], links[preceding, self.rank]) if self.cp > 1 else None
+        # Connected now, in creation order: the first transfers the schedules make would form a cycle (every
+        # stage sends first, every ring rank receives first), and NCCL's lazy connection set-up hangs on one.
+        self.comm.connect(list(links.values()), self.device)
+
+    def _new_groups(
+        self, kind: str, sets: list[tuple[int, ...]], timeout: timedelta
+    ) -> dict[tuple[int, ...], dist.ProcessGroup]:
+        """Process groups for disjoint rank sets, by rank set (this rank's at least). Each `new_group` is a
+        world-wide ncclCommSplit when NCCL was initialised eagerly (rendezvous passes device_id), so on NCCL
+        one `split_group` makes them all, as torch's DeviceMesh does (hundreds of calls fewer at scale)."""
+        if self.backend != "nccl":
+            return {ranks: dist.new_group(list(ranks), timeout=timeout, group_desc=kind) for ranks in sets}
+        handle = dist.split_group(
+            split_ranks=[list(ranks) for ranks in sets], timeout=timeout, group_desc=kind
+        )
+        return {ranks: handle for ranks in sets if self.rank in ranks}
 
     @property
     def log_prefix(self) -> str:

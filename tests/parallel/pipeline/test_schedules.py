@@ -29,7 +29,8 @@ class Message:
 class SimResult:
     status: str  # "ok", "deadlock" or "error" (out-of-order channel head, backward before forward, ...)
     detail: str = ""
-    blocked: dict[int, tuple[Action, Message]] = field(default_factory=dict)  # rank -> (action, awaited)
+    # rank (with several pipelines: (pipeline, rank)) -> (action, awaited message; None: in the all-to-all)
+    blocked: dict = field(default_factory=dict)
     finish: list[int] = field(default_factory=list)  # per-rank tick at which its last action ended
 
     @property
@@ -37,7 +38,9 @@ class SimResult:
         return max(self.finish)
 
 
-def simulate(lists: list[list[Action]], pp: int, chunks: int) -> SimResult:
+def simulate(
+    lists: list[list[Action]], pp: int, chunks: int, others: tuple[list[list[Action]], ...] = ()
+) -> SimResult:
     """Run every pp rank's action list as the executor would and report how it ends.
 
     Rules: the virtual stage of (rank, chunk) is chunk * pp + rank, of S = pp * chunks. A forward
@@ -49,6 +52,13 @@ def simulate(lists: list[list[Action]], pp: int, chunks: int) -> SimResult:
     receive takes the channel's head, which must be exactly the awaited message (NCCL matches
     point-to-point operations in order), otherwise that is an error.
 
+    `others`: the action lists of more pipelines (data-parallel replicas, each with channels of its own)
+    whose ranks at a stage share a mixture of experts' all-to-all with that stage's rank of `lists`
+    (expert parallelism over dp). In every action (forward, and backward: recomputation reruns the forward)
+    the host then blocks at the all-to-all's split read (parallel/expert_parallel.py) until every
+    pipeline's rank at that stage has begun the same action; the action ends at the latest begin among them
+    plus its cost.
+
     Ranks are stepped round-robin, each for as long as it can progress. Since every rank's list and
     every channel's order are fixed, the outcome does not depend on that order. If no rank can
     progress while some have actions left, the result is a deadlock naming each rank's blocked action.
@@ -57,10 +67,14 @@ def simulate(lists: list[list[Action]], pp: int, chunks: int) -> SimResult:
     its input has arrived (sent at the sender's finish tick, no latency). `finish` is each rank's end.
     """
     S = pp * chunks
-    channels: dict[tuple[int, int], deque[tuple[Message, int]]] = {}
-    pc = [0] * pp
-    clock = [0] * pp
-    forwarded: list[set[tuple[int, int]]] = [set() for _ in range(pp)]
+    pipelines = [lists, *others]
+    ranks = [(d, rank) for d in range(len(pipelines)) for rank in range(pp)]
+    channels: dict[tuple[int, int, int], deque[tuple[Message, int]]] = {}  # (pipeline, src, dst)
+    pc = dict.fromkeys(ranks, 0)
+    clock = dict.fromkeys(ranks, 0)
+    begun: set[tuple[int, int]] = set()  # ranks whose current action has its input: in its all-to-all
+    meetings: dict[tuple[int, int], dict[int, int]] = {}  # (rank, action index) -> pipeline -> begin tick
+    forwarded: dict[tuple[int, int], set[tuple[int, int]]] = {key: set() for key in ranks}
 
     def awaited(rank: int, a: Action) -> tuple[Message, int] | None:
         s = a.chunk * pp + rank
@@ -70,54 +84,73 @@ def simulate(lists: list[list[Action]], pp: int, chunks: int) -> SimResult:
             return Message("grad", a.micro_batch, s + 1, s), (s + 1) % pp
         return None
 
+    def name(d: int, rank: int) -> str:
+        return f"rank {rank}" if len(pipelines) == 1 else f"pipeline {d} rank {rank}"
+
     progress = True
     while progress:
         progress = False
-        for rank in range(pp):
-            while pc[rank] < len(lists[rank]):
-                a = lists[rank][pc[rank]]
+        for d, rank in ranks:
+            actions = pipelines[d][rank]
+            while pc[d, rank] < len(actions):
+                a = actions[pc[d, rank]]
                 s = a.chunk * pp + rank
-                if a.kind not in ("F", "B") or not 0 <= a.chunk < chunks:
-                    return SimResult("error", f"rank {rank}: bad action {a!r}")
-                if a.kind == "B" and (a.micro_batch, a.chunk) not in forwarded[rank]:
-                    return SimResult("error", f"rank {rank}: {a!r} runs before its forward")
-                start = clock[rank]
-                need = awaited(rank, a)
-                if need is not None:
-                    msg, src = need
-                    queue = channels.get((src, rank))
-                    if not queue:
-                        break  # blocked: try the other ranks
-                    head, sent_at = queue[0]
-                    if head != msg:
-                        return SimResult(
-                            "error",
-                            f"rank {rank}: {a!r} awaits {msg!r} from rank {src} "
-                            f"but the channel's head is {head!r}",
-                        )
-                    queue.popleft()
-                    start = max(start, sent_at)
-                clock[rank] = start + (F_COST if a.kind == "F" else B_COST)
+                if (d, rank) not in begun:
+                    if a.kind not in ("F", "B") or not 0 <= a.chunk < chunks:
+                        return SimResult("error", f"{name(d, rank)}: bad action {a!r}")
+                    if a.kind == "B" and (a.micro_batch, a.chunk) not in forwarded[d, rank]:
+                        return SimResult("error", f"{name(d, rank)}: {a!r} runs before its forward")
+                    start = clock[d, rank]
+                    need = awaited(rank, a)
+                    if need is not None:
+                        msg, src = need
+                        queue = channels.get((d, src, rank))
+                        if not queue:
+                            break  # blocked: try the other ranks
+                        head, sent_at = queue[0]
+                        if head != msg:
+                            return SimResult(
+                                "error",
+                                f"{name(d, rank)}: {a!r} awaits {msg!r} from rank {src} "
+                                f"but the channel's head is {head!r}",
+                            )
+                        queue.popleft()
+                        start = max(start, sent_at)
+                    begun.add((d, rank))
+                    meetings.setdefault((rank, pc[d, rank]), {})[d] = start
+                meeting = meetings[rank, pc[d, rank]]
+                if len(meeting) < len(pipelines):
+                    break  # in the all-to-all: another pipeline's rank at this stage has not begun it
+                begun.discard((d, rank))
+                clock[d, rank] = max(meeting.values()) + (F_COST if a.kind == "F" else B_COST)
                 if a.kind == "F":
-                    forwarded[rank].add((a.micro_batch, a.chunk))
+                    forwarded[d, rank].add((a.micro_batch, a.chunk))
                     out = Message("act", a.micro_batch, s, s + 1) if s < S - 1 else None
                 else:
                     out = Message("grad", a.micro_batch, s, s - 1) if s > 0 else None
                 if out is not None:
-                    channels.setdefault((rank, out.dst_stage % pp), deque()).append((out, clock[rank]))
-                pc[rank] += 1
+                    channels.setdefault((d, rank, out.dst_stage % pp), deque()).append((out, clock[d, rank]))
+                pc[d, rank] += 1
                 progress = True
 
-    if any(pc[r] < len(lists[r]) for r in range(pp)):
-        blocked = {
-            r: (lists[r][pc[r]], awaited(r, lists[r][pc[r]])[0]) for r in range(pp) if pc[r] < len(lists[r])
-        }
-        detail = "; ".join(f"rank {r} blocked at {a!r} awaiting {m!r}" for r, (a, m) in blocked.items())
-        return SimResult("deadlock", detail, blocked, clock)
+    finish = [clock[key] for key in ranks]
+    stuck = [(d, rank) for d, rank in ranks if pc[d, rank] < len(pipelines[d][rank])]
+    if stuck:
+        blocked = {}
+        for d, rank in stuck:
+            a = pipelines[d][rank][pc[d, rank]]
+            need = None if (d, rank) in begun else awaited(rank, a)[0]
+            blocked[rank if len(pipelines) == 1 else (d, rank)] = (a, need)
+        detail = "; ".join(
+            f"{name(*key) if isinstance(key, tuple) else f'rank {key}'} blocked at {a!r} "
+            + (f"awaiting {m!r}" if m is not None else "in the all-to-all")
+            for key, (a, m) in blocked.items()
+        )
+        return SimResult("deadlock", detail, blocked, finish)
     leftover = {k: [m for m, _ in q] for k, q in channels.items() if q}
     if leftover:
-        return SimResult("error", f"messages never received: {leftover}", finish=clock)
-    return SimResult("ok", finish=clock)
+        return SimResult("error", f"messages never received: {leftover}", finish=finish)
+    return SimResult("ok", finish=finish)
 
 
 def lists_for(engine: str, pp: int, m: int, v: int) -> list[list[Action]]:
@@ -274,6 +307,34 @@ def test_interleaving_shrinks_the_bubble(pp):
         for v in (2, 3, 4):
             # Each chunk is 1/v of a stage, so in plain 1F1B units the step takes makespan / v.
             assert simulate(lists_for("interleaved-1f1b", pp, m, v), pp, v).makespan / v < plain, (pp, m, v)
+
+
+# 4b. Expert parallelism over dp: a MoE layer's host blocks in every action until the ep peers (the other
+# replicas' ranks at the same stage) reach the same all-to-all. Every engine still completes, in the same
+# time: the replicas run the same schedule, so they meet at each all-to-all as they arrive.
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+def test_a_host_blocked_in_every_moe_layer_completes_every_schedule(engine, pp):
+    failures = []
+    for m, v in cases(engine, pp, m_max=8):
+        lists = lists_for(engine, pp, m, v)
+        alone = simulate(lists, pp, v)
+        result = simulate(lists, pp, v, others=(lists_for(engine, pp, m, v),) * 3)  # ep = 4 replicas
+        if result.status != "ok" or result.makespan != alone.makespan:
+            failures.append(f"pp={pp} m={m} v={v}: {result.status}: {result.detail}")
+    assert not failures, "\n".join(failures)
+
+
+def test_the_all_to_all_model_can_deadlock():
+    """A replica built from another config (4 micro-batches per step against 2) runs twice the all-to-alls:
+    its ranks wait in their fifth for peers that have none, as hosts would on GPUs. Reported as a deadlock,
+    naming the all-to-all."""
+    result = simulate(lists_for("1f1b", 2, 4, 1), 2, 1, others=(lists_for("1f1b", 2, 2, 1),))
+    assert result.status == "deadlock", result
+    assert "pipeline 0 rank 0 blocked at" in result.detail and "in the all-to-all" in result.detail
+    assert result.blocked[0, 0][1] is None and (1, 0) not in result.blocked  # the other replica finished
 
 
 # 5. Interleaving needs whole groups of pp micro-batches.
