@@ -39,8 +39,10 @@ bench: $(BIN)/femtotron
 	$(BIN)/python bench/run_all.py $(BENCH_ARGS)
 
 # On one CUDA GPU: the CUDA-marked tests, a ~1B Llama against HF transformers, doctor's memory estimate against
-# the measured peak; writes docs/benchmarks-gpu.md (bench/gpu_check.py). No venv or install step, so it runs on
-# a GPU machine without network: .venv's python where there is one, else $(PYTHON), importing femtotron from src.
+# the measured peak, a mixture of experts, the compiled runs; within --budget seconds (default 420), each part in
+# its own process, docs/benchmarks-gpu.md rewritten after every part (bench/gpu_check.py). No venv or install
+# step, so it runs on a GPU machine without network: .venv's python where there is one, else $(PYTHON),
+# importing femtotron from src.
 GPU_CHECK_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 GPU_CHECK_ARGS ?=
 gpu-check:

@@ -15,7 +15,11 @@ For cp = 1, 2, 4 the same fp32 model trains on the same samples (a long sequence
 Document masking: the same model at cp = 1 on data with a document end every ~100 tokens, masked (the ring's
 blocks with a mask) against unmasked (causal SDPA).
 
-    python bench/context_parallel.py [--sequence 2048] [--steps 4] [--quick]
+`--placement`: only the host work document masking adds per micro-batch (`place_tokens`: each token's
+document and position, and which ring blocks any query sees), in CPU seconds per cp rank, for a micro-batch
+of 4 x 16384 tokens in documents of about 1000 tokens, at cp = 1, 2 and 4.
+
+    python bench/context_parallel.py [--sequence 2048] [--steps 4] [--quick] [--placement]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from common import DEBUG_SHAPE, headline, shape_config, spawn_ranks
 from tokenizers import Tokenizer, models
 
 from femtotron.data.indexed import IndexedDatasetWriter
+from femtotron.data.nanoset import MicroBatch
 from femtotron.diagnostics.memory import LiveMemory, estimate_rank
 from femtotron.parallel import context_parallel
 from femtotron.parallel.context import ParallelContext
@@ -93,6 +98,19 @@ def measure(trainer: Trainer, steps: int) -> dict:
     return {"peak": live.peak, "step": statistics.median(times), "waits": waits, "ring": timer.seconds}
 
 
+def placement_seconds(sequence: int, micro_batch: int, cp: int, document: int = 1000) -> float:
+    """CPU seconds of `place_tokens` for one micro-batch, per cp rank (the mean over the ranks)."""
+    rng = np.random.default_rng(0)
+    tokens = torch.from_numpy(rng.integers(1, 2048, (micro_batch, sequence + 1)))
+    tokens[torch.from_numpy(rng.random((micro_batch, sequence + 1)) < 1 / document)] = EOS
+    batch = MicroBatch.from_tokens(tokens)
+    context_parallel.place_tokens(batch, cp, 0, EOS)  # warm-up: torch's first calls set themselves up
+    start = time.process_time()
+    for rank in range(cp):
+        context_parallel.place_tokens(batch, cp, rank, EOS)
+    return (time.process_time() - start) / cp
+
+
 def rank_fn(ctx, cases, args, report) -> None:
     for index, config in enumerate(cases):
         report(index, measure(Trainer(config, ctx, log_to_console=False), args.steps))
@@ -104,7 +122,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per layout")
     parser.add_argument("--quick", action="store_true", help="a 1024-token sequence and 2 timed steps")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--placement", action="store_true", help="only document masking's host work")
     args = parser.parse_args()
+    if args.placement:
+        for cp in (1, 2, 4):
+            seconds = placement_seconds(16384, 4, cp)
+            print(f"  place_tokens, 4 x 16384 tokens, cp={cp}: {seconds:.3f} CPU s per rank", flush=True)
+        return
     if args.quick:
         args.sequence, args.steps = 1024, 2
     shape = {**DEBUG_SHAPE, "sequence_length": args.sequence, "micro_batch_size": 2}

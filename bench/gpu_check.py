@@ -1,35 +1,49 @@
 """`make gpu-check`: what one CUDA GPU shows about femtotron, written to docs/benchmarks-gpu.md.
 
-1. the CUDA-marked tests (`python -m pytest -q -m cuda`): pass/fail counts and the failures' names;
+The parts, the most valuable first (a budget that runs out cuts the least):
+1. the CUDA-marked tests (`python -m pytest -v -m cuda` over the test files that hold them): pass/fail counts,
+   the failures' names, and the modules that could not be collected, on their own line;
 2. the model of examples/llama_1b_gpu.yaml (~1.2B parameters) at dp = tp = pp = 1 in bf16, trained by
    femtotron's Trainer for a few dozen steps on random tokens: tokens/s, and MFU against the GPU's bf16
    data-sheet peak and against a measured bf16 GEMM of the model's largest matmul;
 3. the same shape and batch in HF transformers' `LlamaForCausalLM` (sdpa attention, bf16 autocast over fp32
    weights, fused AdamW) as the baseline: the ratio of the two;
 4. `femtotron doctor`'s per-rank memory estimate against `torch.cuda.max_memory_allocated()` of the run;
-5. both compiled, unless --skip-compile (femtotron with `model.compile: true`, HF with
-   `torch.compile(model)`): the ratios eager and compiled, each against HF eager and compiled;
-6. a mixture of experts (bench/moe.py, bf16): femtotron's grouped-GEMM experts against a loop over them and
-   against transformers' MixtralForCausalLM, forward + backward.
+5. a mixture of experts (bench/moe.py, bf16): femtotron's grouped-GEMM experts against a loop over them and
+   against transformers' MixtralForCausalLM, forward + backward;
+6. both compiled, unless --skip-compile (femtotron with `model.compile: true`, HF with
+   `torch.compile(model)`): the ratios eager and compiled, each against HF eager and compiled.
 
-It needs nothing but the GPU (no network, no install) and takes under 8 minutes on an H100/H200. Without
-CUDA every part that needs it is skipped with a line in the report saying so; the report is still written
-and the exit code is 0. The exit code is 1 when a CUDA-marked test failed or a part broke (the report says
-which), 2 for a bad argument.
+A GPU is lent rarely and briefly, so no part can lose the others' figures: each runs in a process of its own
+(its own CUDA context: a sticky CUDA error or a segfault ends that part only) that returns its result as
+JSON, in a session of its own, stopped with every process it started when it passes its timeout; the report
+is rewritten (atomically) after every part and each finished section printed at once; `--budget` seconds
+cover everything, and a part whose expected time no longer fits is skipped, saying so. This process imports
+neither torch nor the measurements, the parts do (in functions, below): it never starts CUDA, and a part
+that needs no torch (the tests' fake ones) starts in a fraction of a second.
 
-    python bench/gpu_check.py [--steps 30] [--quick] [--skip-tests] [--skip-hf] [--skip-compile] [--out PATH]
+It needs nothing but the GPU (no network, no install). Without CUDA every part that needs it is skipped with
+a line in the report saying so; the report is still written and the exit code is 0. The exit code is 1 when
+a CUDA-marked test failed or a part broke, timed out or was stopped (the report says which), 2 for a bad
+argument.
+
+    python bench/gpu_check.py [--steps 30] [--quick] [--budget 420] [--skip-tests] [--skip-hf]
+                              [--skip-compile] [--out PATH] [--logs DIR]
                               [--set KEY=VALUE ...]   (config overrides, e.g. tokens.micro_batch_size=2)
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.metadata
 import importlib.util
+import inspect
+import json
 import os
 import platform
+import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -37,53 +51,401 @@ import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ElementTree
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
-from typing import Any
-
-import torch
-from common import write_random_tokens
+from typing import TYPE_CHECKING, Any
 
 from femtotron.atomic import atomic_path
 from femtotron.config import Config, load_config
-from femtotron.diagnostics.doctor import worst_stage
-from femtotron.diagnostics.memory import human
 from femtotron.errors import ConfigError
-from femtotron.metrics import matmul_flops_rate, peak_flops
-from femtotron.parallel.context import ParallelContext
-from femtotron.trainer import Trainer
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "examples/llama_1b_gpu.yaml"
 # The example's model and micro-batch on one GPU, one micro-batch per step.
 ONE_GPU = ("parallelism.dp=1", "tokens.batch_accumulation_per_replica=1")
-PYTEST = ("-m", "pytest", "-q", "-m", "cuda")
-PYTEST_TIMEOUT = 300  # seconds: the tests' share of the 8 minutes
+PYTEST = ("-m", "pytest", "-v", "-m", "cuda")  # -v: the log names each test as it starts (a hung one too)
+CUDA_MARK = "mark.cuda"  # how a test file marks CUDA tests (`@pytest.mark.cuda`, `pytestmark = ...`)
+DEFAULT_BUDGET = 420  # seconds: a lent GPU's 15 minutes less its start-up and the transfers
+STOP_GRACE_SECONDS = 5.0  # between a part's SIGINT (it says where it was) and its group's SIGKILL
+TAIL_LINES = 25  # of a failed part's output, quoted in the report
+PART_FLAG = "--part"  # `gpu_check.py --part FILE:FUNCTION SETTINGS RESULT`: how a part's process starts
+FAILURES = "failures"  # a result's lines for the report's "Failed" list
 
 
-class Skipped(Exception):
-    """A part that cannot run here; the message is the report's line."""
+class PartFailed(Exception):
+    """A part that crashed, timed out or wrote no result; `tail` is the end of its output."""
+
+    def __init__(self, message: str, tail: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.tail = list(tail)
+
+
+class Stopped(BaseException):
+    """This check was sent SIGTERM or SIGHUP: the running part is stopped and the report written (a
+    BaseException, as KeyboardInterrupt is, so that no part's error handling takes it for the part's)."""
+
+
+@dataclass
+class Settings:
+    """What every part's process is given (as JSON)."""
+
+    overrides: list[str]  # --set, over the example config on one GPU
+    workdir: str  # the random tokens, the runs' folders, the parts' files
+    steps: int
+    warmup: int
+    gemm_seconds: float
+    moe_rounds: int
+    report: str  # the report's path (rewritten after every part)
+    command: str  # this check's command line, as the report quotes it
+    earlier: dict[str, dict[str, Any]] = field(default_factory=dict)  # the finished parts' results, by key
+
+
+@dataclass(frozen=True)
+class Part:
+    key: str  # its result's name in Report.results, and its log's
+    what: str  # how the report names it
+    estimate_seconds: float  # expected on an H100/H200: skipped when less of the budget is left
+    limit_seconds: float  # its timeout (at most what is left of the budget)
+
+    def run(self, settings: Settings, log: Path, timeout: float) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} must define run()")
+
+
+@dataclass(frozen=True)
+class FunctionPart(Part):
+    """`function(settings)` in a process of its own; its result is the dict it returns (JSON)."""
+
+    function: Callable[[Settings], dict[str, Any]]
+
+    def run(self, settings: Settings, log: Path, timeout: float) -> dict[str, Any]:
+        settings_file = Path(settings.workdir) / f"{self.key}.settings.json"
+        result_file = Path(settings.workdir) / f"{self.key}.json"
+        settings_file.write_text(json.dumps(asdict(settings)))
+        result_file.unlink(missing_ok=True)
+        command = [sys.executable, str(Path(__file__).resolve()), PART_FLAG, function_target(self.function)]
+        finished = run_in_own_session([*command, str(settings_file), str(result_file)], log, timeout)
+        tail = log_tail(log)
+        if finished.timed_out:
+            raise PartFailed(f"timed out after {timeout:.0f} s (stopped with its process group)", tail)
+        if finished.returncode != 0:
+            last = f": {tail[-1]}" if tail else ""
+            raise PartFailed(f"{finished.ending()} after {finished.seconds:.0f} s{last}", tail)
+        if not result_file.is_file():
+            raise PartFailed(
+                f"exited with code 0 after {finished.seconds:.0f} s without writing {result_file}"
+            )
+        return json.loads(result_file.read_text())
+
+
+@dataclass(frozen=True)
+class PytestPart(Part):
+    """pytest over `files`, selecting the CUDA-marked tests, counted from its JUnit XML."""
+
+    files: tuple[str, ...]
+
+    def run(self, settings: Settings, log: Path, timeout: float) -> dict[str, Any]:
+        tests = run_pytest(self.files, log, timeout)
+        failures = []
+        if tests.failed:
+            failures.append(f"{len(tests.failed)} CUDA-marked test(s) failed (listed above)")
+        if tests.not_collected:
+            failures.append(
+                f"{len(tests.not_collected)} test module(s) with CUDA-marked tests could not be collected "
+                "(listed above)"
+            )
+        if tests.timed_out:
+            failures.append(
+                f"{self.what}: timed out after {tests.seconds:.0f} s in `{tests.last_test}` (quoted above)"
+            )
+        return {**asdict(tests), FAILURES: failures}
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    render: Callable[[dict[str, dict[str, Any]]], list[str] | None]  # the results -> its lines, or None
+
+
+@dataclass
+class Failure:
+    line: str
+    tail: list[str] = field(default_factory=list)  # the end of the part's output
 
 
 @dataclass
 class Report:
     command: str
-    sections: list[tuple[str, list[str]]] = field(default_factory=list)
+    sections: list[Section] = field(default_factory=list)
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)  # by part key
     skipped: list[str] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    times: list[str] = field(default_factory=list)  # each part's seconds, against its estimate
+    started: float = field(default_factory=time.monotonic)
+    printed: dict[str, list[str]] = field(default_factory=dict)  # the sections as last printed
 
-    def attempt(self, what: str, part: Callable[[], Any]) -> Any:
-        """`part()`, or None when it is skipped (noted) or breaks (a failure noted, traceback on stderr)."""
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def skip(self, line: str) -> None:
+        self.skipped.append(line)
+        print(f"gpu_check: skipped: {line}", flush=True)
+
+    def fail(self, line: str, tail: Sequence[str] = ()) -> None:
+        self.failures.append(Failure(line, list(tail)))
+        print(f"gpu_check: failed: {line}", flush=True)
+
+    def rendered_sections(self) -> list[tuple[str, list[str]]]:
+        sections = []
+        for section in self.sections:
+            try:
+                lines = section.render(self.results)
+            except Exception as e:  # a result of an unexpected shape must not lose the other sections
+                lines = [f"(not rendered: {type(e).__name__}: {e})"]
+            if lines:
+                sections.append((section.title, lines))
+        return sections
+
+    def text(self, finished: bool) -> str:
+        date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        if finished:
+            when = f"in {self.elapsed():.0f} s:"
+        else:
+            when = f"{self.elapsed():.0f} s into the check (unfinished: rewritten after every part):"
+        lines = [
+            "# GPU check",
+            "",
+            f"Written by `bench/gpu_check.py` (`make gpu-check`) on {date} {when}",
+            f"`{self.command}`.",
+            "",
+            *self.environment_lines(),
+        ]
+        for title, body in self.rendered_sections():
+            lines += ["", f"## {title}", "", *body]
+        lines += ["", "## Skipped", "", *([f"- {line}" for line in self.skipped] or ["Nothing."])]
+        if self.failures:
+            lines += ["", "## Failed", ""]
+            for failure in self.failures:
+                lines.append(f"- {failure.line}")
+                if failure.tail:
+                    lines += ["", "  ```", *(f"  {line}" for line in failure.tail), "  ```", ""]
+        if self.times:
+            lines += ["", "## Time per part", "", *(f"- {line}" for line in self.times)]
+        return "\n".join(lines).rstrip("\n") + "\n"
+
+    def environment_lines(self) -> list[str]:
+        return self.results.get("environment", {}).get("lines") or [
+            "- GPU: unknown (no result from the probe of the device, the first part)",
+            f"- Python {platform.python_version()}, transformers {package_version('transformers')}",
+        ]
+
+    def write(self, path: Path, finished: bool) -> None:
+        """The report at `path` (atomically), and each section that changed since the last write on stdout,
+        so that a run stopped from outside still shows what it measured."""
+        with atomic_path(path) as tmp:
+            Path(tmp).write_text(self.text(finished))
+        environment = [("Environment", self.environment_lines())] if "environment" in self.results else []
+        for title, lines in [*environment, *self.rendered_sections()]:
+            if self.printed.get(title) != lines:
+                print("\n".join(["", f"## {title}", "", *lines, ""]), flush=True)
+                self.printed[title] = lines
+
+
+@dataclass
+class Check:
+    """The parts in order within `budget` seconds, the report rewritten after each."""
+
+    report: Report
+    settings: Settings
+    budget: float
+    logs: Path  # one log per part
+    running: Part | None = None
+
+    def run_all(self, parts: Iterable[Part]) -> None:
+        """Every part in order (`parts` is read as they run: a part may depend on the results before it).
+        Stopped from outside (Ctrl-C; SIGTERM or SIGHUP under stop_on_signals), the running part is stopped
+        with its processes and the report says so."""
+        self.write()
         try:
-            return part()
-        except Skipped as skip:
-            self.skipped.append(str(skip))
-        except Exception as e:  # one broken part must not lose the others' figures
+            for part in parts:
+                self.run(part)
+        except (Stopped, KeyboardInterrupt) as stop:
+            reason = str(stop) or "this check was interrupted"
+            where = f"during {self.running.what}" if self.running else "between parts"
+            self.report.fail(f"{reason} {where}: the parts after it did not run")
+        self.write(finished=True)
+
+    def run(self, part: Part) -> None:
+        left = self.budget - self.report.elapsed()
+        if part.estimate_seconds > left:
+            self.report.skip(
+                f"{part.what}: skipped, {left:.0f} s of the {self.budget:.0f} s budget (`--budget`) left "
+                f"and it takes about {part.estimate_seconds:.0f} s"
+            )
+            self.write()
+            return
+        timeout = max(1.0, min(part.limit_seconds, left - STOP_GRACE_SECONDS))
+        print(
+            f"gpu_check: {part.what}: about {part.estimate_seconds:.0f} s, timeout {timeout:.0f} s, "
+            f"{left:.0f} s of the budget left",
+            flush=True,
+        )
+        start = time.monotonic()
+        self.running = part
+        try:
+            result = part.run(
+                replace(self.settings, earlier=dict(self.report.results)), self.log(part), timeout
+            )
+        except PartFailed as failure:
+            self.report.fail(f"{part.what}: {failure}", failure.tail)
+        except Exception as e:  # this script's own error about one part must not lose the others
             traceback.print_exc()
-            self.failures.append(f"{what}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
-        return None
+            self.report.fail(f"{part.what}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+        else:
+            self.report.results[part.key] = result
+            for line in result.get(FAILURES, []):
+                self.report.fail(line)
+        self.running = None
+        self.report.times.append(
+            f"{part.what}: {time.monotonic() - start:.0f} s (about {part.estimate_seconds:.0f} s "
+            f"expected, timeout {timeout:.0f} s)"
+        )
+        self.write()
+
+    def log(self, part: Part) -> Path:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        return self.logs / f"{part.key}.log"
+
+    def write(self, finished: bool = False) -> None:
+        self.report.write(Path(self.settings.report), finished)
+
+
+@dataclass
+class Finished:
+    returncode: int | None  # negative: the signal that ended it; None: it outlived even SIGKILL
+    seconds: float
+    timed_out: bool  # stopped at its timeout
+
+    def ending(self) -> str:
+        if self.returncode is None:
+            return f"did not exit {STOP_GRACE_SECONDS:.0f} s after SIGKILL (stuck in the kernel or driver)"
+        if self.returncode >= 0:
+            return f"exited with code {self.returncode}"
+        try:
+            return f"was killed by {signal.Signals(-self.returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-self.returncode}"
+
+
+def signal_group(group: int, signal_number: int) -> None:
+    try:
+        os.killpg(group, signal_number)
+    except (ProcessLookupError, PermissionError):  # the group is gone (or only a reaped leader is left)
+        pass
+
+
+def stop_process_group(process: subprocess.Popen) -> None:
+    """SIGINT to the process's group first (pytest still writes its JUnit XML, Python prints where it was),
+    SIGKILL to the whole group STOP_GRACE_SECONDS later (a process stuck in a CUDA call)."""
+    signal_group(process.pid, signal.SIGINT)
+    try:
+        process.wait(STOP_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        pass
+    signal_group(process.pid, signal.SIGKILL)
+    try:
+        process.wait(STOP_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:  # in the GPU driver, SIGKILL can take long: the next part goes on
+        print(f"gpu_check: process {process.pid} did not exit after SIGKILL; going on", flush=True)
+
+
+def run_in_own_session(command: Sequence[str], log: Path, timeout: float) -> Finished:
+    """`command` in the repository in a session of its own, its output streamed to `log`: at `timeout` it is
+    stopped with every process it started; when it ends, whatever it left running in its group is killed."""
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}  # a killed process's last lines are in the log
+    start = time.monotonic()
+    with open(log, "wb") as output:
+        process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            start_new_session=True,
+        )
+        timed_out = False
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            stop_process_group(process)
+        except BaseException:  # this check itself is stopped: no part may outlive it on the GPU
+            stop_process_group(process)
+            raise
+        signal_group(process.pid, signal.SIGKILL)
+    return Finished(process.returncode, time.monotonic() - start, timed_out)
+
+
+def log_tail(log: Path, lines: int = TAIL_LINES) -> list[str]:
+    """The last `lines` non-empty lines of `log`, each cut at 300 characters."""
+    try:
+        with open(log, "rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - 64 * 1024))
+            text = file.read().decode(errors="replace")
+    except FileNotFoundError:
+        return []
+    return [line[:300] for line in text.splitlines() if line.strip()][-lines:]
+
+
+def function_target(function: Callable[..., Any]) -> str:
+    """FILE:NAME of a module-level function, which a part's process imports and calls."""
+    if "<" in function.__qualname__:
+        raise ValueError(
+            f"a part's function must be defined at the top level of its module (its process imports it "
+            f"from there): {function.__module__}.{function.__qualname__} is not"
+        )
+    return f"{inspect.getfile(function)}:{function.__qualname__}"
+
+
+def load_function(target: str) -> Callable[[Settings], dict[str, Any]]:
+    file, name = target.rsplit(":", 1)
+    path = Path(file).resolve()
+    if path == Path(__file__).resolve():
+        return globals()[name]
+    sys.path.insert(0, str(path.parent))  # the module's own imports of its neighbours
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not a Python module: give a part's function as FILE.py:NAME")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def part_main(argv: Sequence[str]) -> int:
+    """One part in this process: the function's result written (atomically) as JSON."""
+    parser = argparse.ArgumentParser(
+        prog=f"gpu_check.py {PART_FLAG}",
+        description="run one part of the GPU check (how the check starts it)",
+    )
+    parser.add_argument(
+        "target", help="FILE:NAME of a module-level function taking Settings, returning a dict"
+    )
+    parser.add_argument("settings", type=Path, help="the Settings as JSON")
+    parser.add_argument("result", type=Path, help="where its result is written as JSON")
+    args = parser.parse_args(argv)
+    settings = Settings(**json.loads(args.settings.read_text()))
+    result = load_function(args.target)(settings)
+    with atomic_path(args.result) as tmp:
+        Path(tmp).write_text(json.dumps(result))
+    return 0
 
 
 @dataclass
@@ -106,6 +468,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=positive, help="timed steps per run (default 30, 5 with --quick)")
     parser.add_argument("--quick", action="store_true", help="5 timed steps after 1 warm-up, short GEMM")
+    parser.add_argument(
+        "--budget",
+        type=positive,
+        default=DEFAULT_BUDGET,
+        help=f"seconds for the whole check (default {DEFAULT_BUDGET}): a part that no longer fits is skipped",
+    )
     parser.add_argument("--skip-tests", action="store_true", help="do not run the CUDA-marked tests")
     parser.add_argument("--skip-hf", action="store_true", help="no Hugging Face transformers baseline")
     parser.add_argument("--skip-compile", action="store_true", help="no compiled runs (femtotron nor HF)")
@@ -117,6 +485,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help=f"a dotted override of {CONFIG}, e.g. tokens.micro_batch_size=2 (repeatable)",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks-gpu.md", help="the report")
+    parser.add_argument(
+        "--logs", type=Path, help="keep each part's output here (default: a temporary folder, removed)"
+    )
     args = parser.parse_args(argv)
     args.steps = args.steps or (5 if args.quick else 30)
     args.warmup = 1 if args.quick else 3
@@ -124,27 +495,37 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def gpu_config(overrides: Sequence[str], workdir: Path) -> Config:
-    """The example config on one GPU with `overrides`, training on random tokens written under `workdir`."""
-    prefix = workdir / "random"
-    config = load_config(
+    """The example config on one GPU with `overrides`, training on random tokens under `workdir` (written by
+    `with_random_tokens`)."""
+    return load_config(
         ROOT / CONFIG,
         [
             *ONE_GPU,
             *overrides,
-            f"data.dataset_folder={prefix}",
+            f"data.dataset_folder={workdir / 'random'}",
             f"logging.output_dir={workdir / 'runs'}",
             "tokenizer.tokenizer_name_or_path=null",
             "checkpoints.save_final_state=false",
         ],
     )
+
+
+def with_random_tokens(config: Config) -> Config:
+    from common import write_random_tokens
+
     tokens = config.tokens
     # uint16 tokens hold ids below 2^16 only: a larger vocabulary is trained on its first 65535 ids.
     vocab = min(config.model.model_config_.vocab_size, 2**16 - 1)
-    write_random_tokens(prefix, vocab, 8 * (tokens.micro_batch_size + 1) * (tokens.sequence_length + 1))
+    count = 8 * (tokens.micro_batch_size + 1) * (tokens.sequence_length + 1)
+    write_random_tokens(Path(config.data.dataset_folder), vocab, count)
     return config
 
 
 def free_memory() -> None:
+    import gc
+
+    import torch
+
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -153,6 +534,8 @@ def free_memory() -> None:
 def timed(step: Callable[[], Any], steps: int, warmup: int, device: torch.device) -> tuple[float, list, int]:
     """Seconds of `steps` calls of `step` after `warmup` (GPU work included), their results, and the peak
     of allocated CUDA memory meanwhile (0 elsewhere)."""
+    import torch
+
     for _ in range(warmup):
         step()
     cuda = device.type == "cuda"
@@ -167,6 +550,11 @@ def timed(step: Callable[[], Any], steps: int, warmup: int, device: torch.device
 
 
 def run_femtotron(config: Config, steps: int, warmup: int) -> Run:
+    import torch
+
+    from femtotron.parallel.context import ParallelContext
+    from femtotron.trainer import Trainer
+
     with ParallelContext() as ctx:
         cuda = ctx.device.type == "cuda"
         before = torch.cuda.memory_allocated(ctx.device) if cuda else 0
@@ -188,6 +576,7 @@ class HFTraining:
     def __init__(
         self, config: Config, device: torch.device, micro_batch: int, accumulation: int, compiled: bool
     ) -> None:
+        import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
         shape, self.sequence = config.model.model_config_, config.tokens.sequence_length
@@ -218,6 +607,8 @@ class HFTraining:
         self.forward = torch.compile(self.model) if compiled else self.model
 
     def step(self) -> torch.Tensor:
+        import torch
+
         shape = (self.micro_batch, self.sequence)
         total = torch.zeros((), device=self.device)
         for _ in range(self.accumulation):
@@ -234,6 +625,8 @@ class HFTraining:
 
 def run_hf(config: Config, device: torch.device, steps: int, warmup: int, compiled: bool = False) -> Run:
     """The HF baseline on the same batch; out of memory, the micro-batch is halved and accumulated twice."""
+    import torch
+
     micro_batch, accumulation = config.tokens.micro_batch_size, 1
     while True:
         try:
@@ -260,6 +653,13 @@ def run_hf(config: Config, device: torch.device, steps: int, warmup: int, compil
         micro_batch, accumulation = micro_batch // 2, accumulation * 2
 
 
+def attention_share(config: Config) -> float:
+    """How much lower femtotron's MFU reads than with causal attention counted whole (torchtitan's count)."""
+    shape, sequence = config.model.model_config_, config.tokens.sequence_length
+    ours = shape.flops_per_token(sequence)
+    return 1 - ours / (ours + 6 * shape.num_hidden_layers * sequence * shape.hidden_size)
+
+
 def largest_matmul(config: Config) -> tuple[tuple[int, int, int], str]:
     """(m, n, k) of the model's largest matmul for one micro-batch, and what it is."""
     shape, tokens = config.model.model_config_, config.tokens
@@ -281,96 +681,94 @@ def describe_shape(config: Config) -> str:
     )
 
 
-def training_sections(
-    report: Report,
-    config: Config,
-    steps: int,
-    warmup: int,
-    hf: bool,
-    gemm_seconds: float,
-    compiled: bool = False,
-) -> Run | None:
-    """Parts 2, 3 and 5 into `report` (on the device ParallelContext picks); femtotron's run, for part 4."""
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    ours = report.attempt("the femtotron run", lambda: run_femtotron(config, steps, warmup))
-    theirs = (
-        report.attempt("the HF transformers baseline", lambda: run_hf(config, device, steps, warmup))
-        if hf
-        else None
-    )
-    ours_compiled = theirs_compiled = None
-    if compiled:  # compiling happens in the warm-up steps (at least one), which are not timed
-        with_compile = config.model_copy(update={"model": config.model.model_copy(update={"compile": True})})
-        ours_compiled = report.attempt(
-            "the femtotron run with model.compile", lambda: run_femtotron(with_compile, steps, max(warmup, 1))
-        )
-        theirs_compiled = (
-            report.attempt(
-                "the HF transformers baseline compiled",
-                lambda: run_hf(config, device, steps, max(warmup, 1), compiled=True),
-            )
-            if hf
-            else None
-        )
-    (m, n, k), what = largest_matmul(config)
-    gemm = matmul_flops_rate(m, n, k, torch.bfloat16, device, seconds=gemm_seconds)
-    peak, peak_source = (
-        peak_flops(device, torch.bfloat16, (m, n, k))
-        if device.type == "cuda"
-        else (None, "no GPU: no data sheet")
-    )
-    flops_per_token = config.model.model_config_.flops_per_token(config.tokens.sequence_length)
-    rows = [("femtotron (synchronised wall clock)", ours and ours.tokens_per_second)]
-    rows.append(("femtotron as it logs it (its own `step_seconds`)", ours and ours.logged_tokens_per_second))
-    rows.append(("HF transformers `LlamaForCausalLM`", theirs and theirs.tokens_per_second))
-    rows.append(
-        ("femtotron compiled (`model.compile: true`)", ours_compiled and ours_compiled.tokens_per_second)
-    )
-    rows.append(
-        ("HF transformers compiled (`torch.compile`)", theirs_compiled and theirs_compiled.tokens_per_second)
-    )
+def training_device() -> torch.device:
+    import torch
+
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def environment_part(settings: Settings) -> dict[str, Any]:
+    """Part: the GPU and the versions, the report's first lines; whether CUDA is there at all."""
+    import torch
+
+    available = torch.cuda.is_available()
+    if available:
+        props = torch.cuda.get_device_properties(0)
+        capability = f"{props.major}.{props.minor}"
+        gpu = f"{props.name} ({props.total_memory / 2**30:.1f} GiB, compute capability {capability})"
+    else:
+        gpu = "none (`torch.cuda.is_available()` is False)"
     lines = [
-        f"`{report.command}`: the model of `{CONFIG}` at dp = tp = pp = 1 in bf16 "
-        f"({describe_shape(config)}), random tokens, {steps} timed steps after {warmup} warm-up step(s), "
-        "the clock read after `torch.cuda.synchronize()`.",
-        "",
-        "| run | tokens/s | MFU against the data-sheet peak | model FLOP/s / measured GEMM |",
-        "|---|---|---|---|",
+        f"- GPU: {gpu}",
+        f"- torch {torch.__version__}, CUDA {torch.version.cuda or 'none (a CPU build of torch)'}, Python "
+        f"{platform.python_version()}, transformers {package_version('transformers')}",
     ]
-    for label, rate in rows:
-        if rate is not None:
-            mfu = f"{rate * flops_per_token / peak:.1%}" if peak else "-"
-            lines.append(f"| {label} | {rate:,.0f} | {mfu} | {rate * flops_per_token / gemm:.2f} |")
-    lines += [
-        "",
-        f"- Model FLOPs per token: {flops_per_token / 1e9:.3g} GFLOP (`LlamaConfig.flops_per_token`).",
-        f"- Peak: {f'{peak / 1e12:,.0f} TFLOP/s' if peak else 'none'} ({peak_source}; `metrics.peak_flops`).",
-        f"- Measured GEMM: bf16 {m}x{k} -> {n} ({what}), {gemm / 1e12:.3g} TFLOP/s "
-        "(`metrics.matmul_flops_rate`, best of 3 trials).",
+    return {"cuda_available": available, "lines": lines}
+
+
+def femtotron_part(settings: Settings) -> dict[str, Any]:
+    """Part: femtotron eager, then what its MFU is measured against: the data-sheet peak, a measured GEMM of
+    the model's largest matmul."""
+    import torch
+
+    from femtotron.metrics import matmul_flops_rate, peak_flops
+
+    config = with_random_tokens(gpu_config(settings.overrides, Path(settings.workdir)))
+    run = run_femtotron(config, settings.steps, settings.warmup)
+    device = training_device()
+    (m, n, k), _ = largest_matmul(config)
+    gemm = matmul_flops_rate(m, n, k, torch.bfloat16, device, seconds=settings.gemm_seconds)
+    if device.type == "cuda":
+        peak, peak_source = peak_flops(device, torch.bfloat16, (m, n, k))
+    else:
+        peak, peak_source = None, "no GPU: no data sheet"
+    return {"run": asdict(run), "gemm_flops": gemm, "peak_flops": peak, "peak_source": peak_source}
+
+
+def femtotron_compiled_part(settings: Settings) -> dict[str, Any]:
+    """Part: femtotron with `model.compile: true`, compiling in the warm-up steps (at least one, untimed)."""
+    config = with_random_tokens(
+        gpu_config([*settings.overrides, "model.compile=true"], Path(settings.workdir))
+    )
+    return {"run": asdict(run_femtotron(config, settings.steps, max(settings.warmup, 1)))}
+
+
+def hf_part(settings: Settings) -> dict[str, Any]:
+    """Part: the HF transformers baseline, eager; its peak memory as the report writes it."""
+    from femtotron.diagnostics.memory import human
+
+    config = gpu_config(settings.overrides, Path(settings.workdir))
+    run = run_hf(config, training_device(), settings.steps, settings.warmup)
+    return {"run": asdict(run), "peak_allocated": human(run.peak_bytes) if run.peak_bytes else None}
+
+
+def hf_compiled_part(settings: Settings) -> dict[str, Any]:
+    """Part: the HF transformers baseline through `torch.compile`, compiling in the untimed warm-up."""
+    config = gpu_config(settings.overrides, Path(settings.workdir))
+    warmup = max(settings.warmup, 1)
+    return {"run": asdict(run_hf(config, training_device(), settings.steps, warmup, compiled=True))}
+
+
+def memory_part(settings: Settings) -> dict[str, Any]:
+    """Part: doctor's estimate (no GPU needed), against the femtotron run's measured peak where it ran."""
+    from femtotron.diagnostics.doctor import worst_stage
+    from femtotron.diagnostics.memory import human
+
+    estimate = worst_stage(gpu_config(settings.overrides, Path(settings.workdir)), on_cpu=False)
+    state = " + ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in estimate.state.items())
+    doctor = shlex.join(["femtotron", "doctor", CONFIG, *ONE_GPU, *settings.overrides])
+    lines = [
+        f"`{doctor}`: {human(estimate.total)} per rank = {state} + the activations' peak "
+        f"{human(estimate.micro_batch_peak)} (`diagnostics.doctor.worst_stage`).",
     ]
-    for name, a, b in (
-        ("femtotron / HF", ours, theirs),
-        ("femtotron compiled / HF", ours_compiled, theirs),
-        ("femtotron compiled / HF compiled", ours_compiled, theirs_compiled),
-    ):
-        if a and b:
-            lines.append(f"- **{name}: {a.tokens_per_second / b.tokens_per_second:.2f}x** tokens/s.")
-    if theirs:
+    measured = settings.earlier.get("femtotron", {}).get("run", {}).get("peak_bytes")
+    if measured:
         lines.append(
-            f"- HF baseline: transformers {package_version('transformers')}, sdpa attention, fp32 weights "
-            "under bf16 autocast, `torch.optim.AdamW(fused=True)`, gradient clipping at 1.0; micro-batch "
-            f"{theirs.micro_batch} x {theirs.accumulation} per step"
-            + (" (halved after running out of memory)" if theirs.accumulation > 1 else "")
-            + (f"; peak allocated {human(theirs.peak_bytes)}" if theirs.peak_bytes else "")
-            + "."
+            f"`{settings.command}`: `torch.cuda.max_memory_allocated()` over the timed steps of the "
+            f"femtotron run, less what was allocated before its Trainer: {human(measured)}; **estimate / "
+            f"measured = {estimate.total / measured:.3f}**."
         )
-    for name, run in (("femtotron", ours), ("HF", theirs)):
-        if run:
-            lines.append(
-                f"- {name} loss, first and last timed step: {run.losses[0]:.3f}, {run.losses[1]:.3f}."
-            )
-    report.sections.append(("Training throughput: femtotron against HF transformers", lines))
-    return ours
+    return {"lines": lines, "estimate_bytes": estimate.total}
 
 
 MOE_SHAPE = dict(
@@ -380,11 +778,13 @@ MOE = dict(num_experts=8, num_experts_per_tok=2, intermediate_size=2816, aux_los
 MOE_BATCH = (8, 1024)  # sequences, tokens each
 
 
-def moe_section(report: Report, rounds: int, device: str = "cuda") -> None:
-    """Part 6: bench/moe.py's three variants on the GPU in bf16."""
+def measure_moe(rounds: int, device: str) -> dict[str, Any]:
+    """bench/moe.py's three variants on `device` in bf16: the section's lines."""
     import moe as moe_bench
+    import torch
 
-    (batch, sequence), shape = MOE_BATCH, MOE_SHAPE
+    batch, sequence = MOE_BATCH
+    shape = MOE_SHAPE
     times = moe_bench.measure(shape, MOE, batch, sequence, rounds, torch.device(device), torch.bfloat16)
     lines = [
         f"hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, top-2 of 8 experts of "
@@ -398,80 +798,238 @@ def moe_section(report: Report, rounds: int, device: str = "cuda") -> None:
             f"- femtotron {ours * 1e3:.1f} ms, {label} {theirs * 1e3:.1f} ms: "
             f"**{statistics.median(ratios):.2f}x** (min {min(ratios):.2f}, max {max(ratios):.2f})"
         )
-    report.sections.append(("Mixture of experts: step time against a loop and HF Mixtral", lines))
+    return {"lines": lines}
 
 
-def memory_section(report: Report, config: Config, overrides: Sequence[str], run: Run | None) -> None:
-    estimate = worst_stage(config, on_cpu=False)
-    state = " + ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in estimate.state.items())
-    doctor = shlex.join(["femtotron", "doctor", CONFIG, *ONE_GPU, *overrides])
-    lines = [
-        f"`{doctor}`: {human(estimate.total)} per rank = {state} + the activations' peak "
-        f"{human(estimate.micro_batch_peak)} (`diagnostics.doctor.worst_stage`).",
-    ]
-    if run is not None and run.peak_bytes:
-        lines.append(
-            f"`{report.command}`: `torch.cuda.max_memory_allocated()` over the timed steps of the femtotron "
-            f"run, less what was allocated before its Trainer: {human(run.peak_bytes)}; **estimate / "
-            f"measured = {estimate.total / run.peak_bytes:.3f}**."
-        )
-    report.sections.append(("Memory: doctor's estimate against the measured peak", lines))
+def moe_part(settings: Settings) -> dict[str, Any]:
+    """Part: the mixture of experts on the GPU."""
+    return measure_moe(settings.moe_rounds, "cuda")
+
+
+@dataclass
+class Outcomes:
+    passed: int = 0
+    failed: list[str] = field(default_factory=list)  # "name: first line of the message"
+    skipped: int = 0
+    not_collected: list[str] = field(default_factory=list)  # "module: the import's error"
 
 
 @dataclass
 class TestRun:
+    command: str  # as the report quotes it
     passed: int
-    failed: list[str]  # "name: first line of the message"
+    failed: list[str]
     skipped: int
+    not_collected: list[str]
+    counted: bool  # False: pytest was killed before writing its JUnit XML
     seconds: float
+    timed_out: bool
+    last_test: str | None  # the last test pytest started: the hung one after a timeout
+    tail: list[str]  # the log's last lines, after a timeout
 
 
-def run_pytest(args: Sequence[str], timeout: float = PYTEST_TIMEOUT) -> TestRun:
-    """`python -m pytest ARGS` in the repository, counted from its JUnit XML."""
-    with tempfile.TemporaryDirectory() as tmp:
-        xml = Path(tmp) / "junit.xml"
-        start = time.perf_counter()
-        # a test module that cannot be imported here is counted as an error; the others still run
-        options = ["--continue-on-collection-errors", f"--junitxml={xml}", "-p", "no:cacheprovider"]
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", *args, *options],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if not xml.is_file():
-            raise RuntimeError(
-                f"pytest exited {done.returncode} without a report: {(done.stdout + done.stderr)[-500:]}"
+def junit_outcomes(xml: Path) -> Outcomes | None:
+    """The outcomes in pytest's JUnit XML; None when there is none or only part of one (pytest killed)."""
+    try:
+        root = ElementTree.parse(xml).getroot()
+    except (FileNotFoundError, ElementTree.ParseError):
+        return None
+    outcomes = Outcomes()
+    for case in root.iter("testcase"):
+        name = case.get("name")
+        if not name:  # the test a SIGINT interrupted: pytest writes an empty <testcase/> for it
+            continue
+        children = {child.tag: child for child in case}
+        problem = children.get("failure", children.get("error"))
+        if problem is not None and problem.get("message") == "collection failure":
+            outcomes.not_collected.append(f"{name}: {error_line(problem.text or '')}")
+        elif problem is not None:
+            message = problem.get("message") or ""
+            outcomes.failed.append(
+                f"{case.get('classname')}::{name}: {(message.splitlines() or [''])[0][:300]}"
             )
-        cases = list(ElementTree.parse(xml).getroot().iter("testcase"))
-    passed = skipped = 0
-    failed = []
-    for case in cases:
-        outcome = {child.tag: child.get("message") or "" for child in case}
-        name = f"{case.get('classname')}::{case.get('name')}"
-        problem = outcome.get("failure", outcome.get("error"))
-        if problem is not None:
-            failed.append(f"{name}: {(problem.splitlines() or [''])[0][:300]}")
-        elif "skipped" in outcome:
-            skipped += 1
+        elif "skipped" in children:
+            outcomes.skipped += 1
         else:
-            passed += 1
-    return TestRun(passed, failed, skipped, time.perf_counter() - start)
+            outcomes.passed += 1
+    return outcomes
 
 
-def tests_section(report: Report) -> None:
-    if importlib.util.find_spec("pytest") is None:
-        raise Skipped(f"pytest is not installed for {sys.executable}: skipped the CUDA-marked tests")
-    result = run_pytest(PYTEST[2:])
-    lines = [
-        f"`python {shlex.join(PYTEST)}`: {result.passed} passed, {len(result.failed)} failed, "
-        f"{result.skipped} skipped ({result.seconds:.0f} s)."
+def error_line(text: str) -> str:
+    """The error of a traceback pytest printed: its last `E   ` line, else its last line."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    errors = [line[1:].strip() for line in lines if line.startswith("E ")]
+    return (errors or lines or [""])[-1][:300]
+
+
+TEST_ID = re.compile(r"^(\S+\.py::\S+)")
+
+
+def last_started_test(log: Path) -> str | None:
+    """The node id of the last test `pytest -v` started (it prints the id before running the test)."""
+    tests = [match.group(1) for line in log_tail(log, 10_000) if (match := TEST_ID.match(line))]
+    return tests[-1] if tests else None
+
+
+def cuda_test_files(folder: Path = ROOT / "tests") -> list[Path]:
+    """The test files under `folder` that hold CUDA-marked tests: only these are collected, so a module that
+    cannot be imported on the GPU machine and has no CUDA test is no concern of the check."""
+    return sorted(path for path in folder.rglob("test_*.py") if CUDA_MARK in path.read_text())
+
+
+def pytest_command(files: Sequence[str | Path], xml: Path, timeout: float) -> list[str]:
+    return [
+        sys.executable,
+        *PYTEST,
+        *(os.path.relpath(file, ROOT) for file in files),
+        # a module that cannot be imported is reported as such; the others still run
+        "--continue-on-collection-errors",
+        f"--junitxml={xml}",
+        "-p",
+        "no:cacheprovider",
+        # a test stuck past (nearly) the whole timeout prints every thread's stack into the log
+        "-o",
+        f"faulthandler_timeout={max(1, int(timeout - STOP_GRACE_SECONDS))}",
     ]
-    if result.failed:
-        report.failures.append(f"{len(result.failed)} CUDA-marked test(s) failed (listed above)")
-        lines += ["", "Failed:", *(f"- `{failure}`" for failure in result.failed)]
-    report.sections.append(("CUDA-marked tests", lines))
+
+
+def run_pytest(files: Sequence[str | Path], log: Path, timeout: float) -> TestRun:
+    """pytest over `files` (the CUDA-marked tests), streamed to `log`, counted from its JUnit XML."""
+    xml = log.with_suffix(".xml")
+    xml.unlink(missing_ok=True)
+    command = pytest_command(files, xml, timeout)
+    finished = run_in_own_session(command, log, timeout)
+    outcomes = junit_outcomes(xml)
+    if outcomes is None and not finished.timed_out:
+        raise PartFailed(f"pytest {finished.ending()} without writing its JUnit XML", log_tail(log))
+    shown = shlex.join(["python", *command[1 : len(PYTEST) + 1 + len(files)]])
+    return TestRun(
+        command=shown,
+        **asdict(outcomes or Outcomes()),
+        counted=outcomes is not None,
+        seconds=finished.seconds,
+        timed_out=finished.timed_out,
+        last_test=last_started_test(log),
+        tail=log_tail(log) if finished.timed_out else [],
+    )
+
+
+def tests_lines(results: dict[str, dict[str, Any]]) -> list[str] | None:
+    tests = results.get("tests")
+    if tests is None:
+        return None
+    if tests["counted"]:
+        counts = f"{tests['passed']} passed, {len(tests['failed'])} failed, {tests['skipped']} skipped"
+    else:
+        counts = "no counts (pytest was killed before writing its JUnit XML)"
+    lines = [f"`{tests['command']}`: {counts} ({tests['seconds']:.0f} s)."]
+    if tests["timed_out"]:
+        lines += [
+            "",
+            f"**Timed out after {tests['seconds']:.0f} s**, stopped with its process group, in "
+            f"`{tests['last_test']}` (the last test it started)"
+            + ("; the counts are of the tests before it" if tests["counted"] else "")
+            + ". The end of its output:",
+            "",
+            "```",
+            *tests["tail"],
+            "```",
+        ]
+    if tests["not_collected"]:
+        lines += [
+            "",
+            "Not collected (the module could not be imported here: its CUDA-marked tests did not run, and "
+            "are not counted above):",
+            *(f"- `{module}`" for module in tests["not_collected"]),
+        ]
+    if tests["failed"]:
+        lines += ["", "Failed:", *(f"- `{failure}`" for failure in tests["failed"])]
+    return lines
+
+
+TRAINING_RUNS = (
+    ("femtotron", "femtotron (synchronised wall clock)"),
+    ("hf", "HF transformers `LlamaForCausalLM`"),
+    ("femtotron_compiled", "femtotron compiled (`model.compile: true`)"),
+    ("hf_compiled", "HF transformers compiled (`torch.compile`)"),
+)
+
+
+def throughput_lines(
+    config: Config, command: str, steps: int, warmup: int, results: dict[str, dict[str, Any]]
+) -> list[str] | None:
+    """Parts 2, 3 and 6 in one table, rewritten as each of them finishes."""
+    runs = {key: Run(**results[key]["run"]) for key, _ in TRAINING_RUNS if key in results}
+    if not runs:
+        return None
+    ours = runs.get("femtotron")
+    theirs = runs.get("hf")
+    yardstick = results.get("femtotron", {})
+    gemm = yardstick.get("gemm_flops")
+    peak = yardstick.get("peak_flops")
+    flops_per_token = config.model.model_config_.flops_per_token(config.tokens.sequence_length)
+    rows = [(label, runs[key].tokens_per_second) for key, label in TRAINING_RUNS if key in runs]
+    if ours:
+        rows.insert(1, ("femtotron as it logs it (its own `step_seconds`)", ours.logged_tokens_per_second))
+    lines = [
+        f"`{command}`: the model of `{CONFIG}` at dp = tp = pp = 1 in bf16 "
+        f"({describe_shape(config)}), random tokens, {steps} timed steps after {warmup} warm-up step(s), "
+        "the clock read after `torch.cuda.synchronize()`.",
+        "",
+        "| run | tokens/s | MFU against the data-sheet peak | model FLOP/s / measured GEMM |",
+        "|---|---|---|---|",
+    ]
+    for label, rate in rows:
+        if rate is not None:
+            mfu = f"{rate * flops_per_token / peak:.1%}" if peak else "-"
+            against_gemm = f"{rate * flops_per_token / gemm:.2f}" if gemm else "-"
+            lines.append(f"| {label} | {rate:,.0f} | {mfu} | {against_gemm} |")
+    (m, n, k), what = largest_matmul(config)
+    lines += [
+        "",
+        f"- Model FLOPs per token: {flops_per_token / 1e9:.3g} GFLOP (`LlamaConfig.flops_per_token`). "
+        "Causal attention counts as half of full attention (the FLOPs a flash kernel does); torchtitan and "
+        "Megatron count it whole, so this MFU reads lower than theirs would for the same run "
+        f"({attention_share(config):.0%} here; docs/training.md, Model FLOPs).",
+    ]
+    if gemm:
+        lines += [
+            f"- Peak: {f'{peak / 1e12:,.0f} TFLOP/s' if peak else 'none'} ({yardstick['peak_source']}; "
+            "`metrics.peak_flops`).",
+            f"- Measured GEMM: bf16 {m}x{k} -> {n} ({what}), {gemm / 1e12:.3g} TFLOP/s "
+            "(`metrics.matmul_flops_rate`, best of 3 trials).",
+        ]
+    else:
+        lines.append("- No peak nor measured GEMM: the femtotron run measures them, and it did not finish.")
+    compiled = runs.get("femtotron_compiled")
+    for name, a, b in (
+        ("femtotron / HF", ours, theirs),
+        ("femtotron compiled / HF", compiled, theirs),
+        ("femtotron compiled / HF compiled", compiled, runs.get("hf_compiled")),
+    ):
+        if a and b:
+            lines.append(f"- **{name}: {a.tokens_per_second / b.tokens_per_second:.2f}x** tokens/s.")
+    if theirs:
+        peak_allocated = results["hf"].get("peak_allocated")
+        peak_memory = f"; peak allocated {peak_allocated}" if peak_allocated else ""
+        lines.append(
+            f"- HF baseline: transformers {package_version('transformers')}, sdpa attention, fp32 weights "
+            "under bf16 autocast, `torch.optim.AdamW(fused=True)`, gradient clipping at 1.0; micro-batch "
+            f"{theirs.micro_batch} x {theirs.accumulation} per step"
+            + (" (halved after running out of memory)" if theirs.accumulation > 1 else "")
+            + f"{peak_memory}."
+        )
+    for name, run in (("femtotron", ours), ("HF", theirs)):
+        if run:
+            lines.append(
+                f"- {name} loss, first and last timed step: {run.losses[0]:.3f}, {run.losses[1]:.3f}."
+            )
+    return lines
+
+
+def part_lines(key: str, results: dict[str, dict[str, Any]]) -> list[str] | None:
+    """The lines a part wrote for its own section."""
+    return results.get(key, {}).get("lines")
 
 
 def package_version(name: str) -> str:
@@ -481,45 +1039,98 @@ def package_version(name: str) -> str:
         return "not installed"
 
 
-def environment() -> list[str]:
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        memory, capability = props.total_memory / 2**30, f"{props.major}.{props.minor}"
-        gpu = f"{props.name} ({memory:.1f} GiB, compute capability {capability})"
+# Seconds each part is expected to take on an H100/H200 and the most it may run: estimates until a GPU run
+# measures them (the report's "Time per part").
+ENVIRONMENT_PART = FunctionPart("environment", "the probe of the device", 15, 90, environment_part)
+FEMTOTRON_PART = FunctionPart("femtotron", "the femtotron run", 45, 150, femtotron_part)
+HF_PART = FunctionPart("hf", "the HF transformers baseline", 45, 150, hf_part)
+MEMORY_PART = FunctionPart("memory", "doctor's memory estimate", 15, 90, memory_part)
+MOE_PART = FunctionPart("moe", "the mixture of experts", 30, 120, moe_part)
+FEMTOTRON_COMPILED_PART = FunctionPart(
+    "femtotron_compiled", "the femtotron run with model.compile", 90, 240, femtotron_compiled_part
+)
+HF_COMPILED_PART = FunctionPart(
+    "hf_compiled", "the HF transformers baseline compiled", 90, 240, hf_compiled_part
+)
+
+
+def cuda_tests_part() -> PytestPart:
+    files = tuple(os.path.relpath(path, ROOT) for path in cuda_test_files())
+    return PytestPart("tests", "the CUDA-marked tests", 90, 180, files)
+
+
+def plan(args: argparse.Namespace, cuda: bool, hf: bool, skip: Callable[[str], None]) -> list[Part]:
+    """The parts after the probe of the device, in order; what is left out is passed to `skip`."""
+    no_cuda = "no CUDA device: skipped"
+    parts: list[Part] = []
+    if args.skip_tests:
+        skip("--skip-tests: skipped the CUDA-marked tests")
+    elif not cuda:
+        skip(f"{no_cuda} the CUDA-marked tests (`python {shlex.join(PYTEST)}`)")
+    elif importlib.util.find_spec("pytest") is None:
+        skip(f"pytest is not installed for {sys.executable}: skipped the CUDA-marked tests")
     else:
-        gpu = "none (`torch.cuda.is_available()` is False)"
+        parts.append(cuda_tests_part())
+    if args.skip_hf:
+        skip("--skip-hf: skipped the HF transformers baseline")
+    elif not hf:
+        skip("transformers is not installed: skipped the HF transformers baseline")
+    if cuda:
+        parts += [FEMTOTRON_PART, HF_PART] if hf else [FEMTOTRON_PART]
+    else:
+        skip(
+            f"{no_cuda} the femtotron run (tokens/s, MFU against the data-sheet peak and a measured GEMM)"
+            + (", the HF transformers baseline" if hf else "")
+            + " and the measured peak memory (`torch.cuda.max_memory_allocated`)"
+        )
+    parts.append(MEMORY_PART)
+    if not cuda:
+        skip(f"{no_cuda} the mixture of experts (`bench/moe.py` in bf16)")
+    elif not hf:
+        skip("no HF transformers: skipped the mixture of experts (it compares with `MixtralForCausalLM`)")
+    else:
+        parts.append(MOE_PART)
+    if args.skip_compile:
+        skip("--skip-compile: skipped the compiled runs")
+    elif not cuda:
+        skip(f"{no_cuda} the compiled runs (`model.compile: true`, `torch.compile`)")
+    else:
+        parts += [FEMTOTRON_COMPILED_PART, HF_COMPILED_PART] if hf else [FEMTOTRON_COMPILED_PART]
+    return parts
+
+
+def check_sections(config: Config, args: argparse.Namespace, command: str) -> list[Section]:
     return [
-        f"- GPU: {gpu}",
-        f"- torch {torch.__version__}, CUDA {torch.version.cuda or 'none (a CPU build of torch)'}, Python "
-        f"{platform.python_version()}, transformers {package_version('transformers')}",
+        Section("CUDA-marked tests", tests_lines),
+        Section(
+            "Training throughput: femtotron against HF transformers",
+            partial(throughput_lines, config, command, args.steps, args.warmup),
+        ),
+        Section("Memory: doctor's estimate against the measured peak", partial(part_lines, "memory")),
+        Section("Mixture of experts: step time against a loop and HF Mixtral", partial(part_lines, "moe")),
     ]
 
 
-def write_report(path: Path, report: Report, seconds: float) -> None:
-    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
-        "# GPU check",
-        "",
-        f"Written by `bench/gpu_check.py` (`make gpu-check`) on {date} in {seconds:.0f} s:",
-        f"`{report.command}`.",
-        "",
-        *environment(),
-    ]
-    for title, body in report.sections:
-        lines += ["", f"## {title}", "", *body]
-    lines += ["", "## Skipped", "", *([f"- {line}" for line in report.skipped] or ["Nothing."])]
-    if report.failures:
-        lines += ["", "## Failed", "", *(f"- {line}" for line in report.failures)]
-    with atomic_path(path) as tmp:
-        Path(tmp).write_text("\n".join(lines) + "\n")
+def raise_stopped(signal_number: int, frame: Any) -> None:
+    raise Stopped(f"this check was sent {signal.Signals(signal_number).name}")
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise Stopped meanwhile (a part's processes are in sessions of their own: only
+    this check can stop them)."""
+    handlers = {number: signal.signal(number, raise_stopped) for number in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    start, cuda = time.perf_counter(), torch.cuda.is_available()
-    report = Report(shlex.join(["python", "bench/gpu_check.py", *argv]))
-    no_cuda = "no CUDA device: skipped"
+    command = shlex.join(["python", "bench/gpu_check.py", *argv])
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as workdir:
         try:
             config = gpu_config(args.set, Path(workdir))
@@ -527,45 +1138,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"gpu_check: error in --set: {e}", file=sys.stderr)
             return 2
         if config.general.cuda_expandable_segments:  # as `femtotron train` does, before CUDA starts (M2)
-            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        if args.skip_tests:
-            report.skipped.append("--skip-tests: skipped the CUDA-marked tests")
-        elif not cuda:
-            report.skipped.append(f"{no_cuda} the CUDA-marked tests (`python {shlex.join(PYTEST)}`)")
-        else:
-            report.attempt("the CUDA-marked tests", lambda: tests_section(report))
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # for the parts
+        settings = Settings(
+            overrides=list(args.set),
+            workdir=workdir,
+            steps=args.steps,
+            warmup=args.warmup,
+            gemm_seconds=0.1 if args.quick else 0.3,
+            moe_rounds=3 if args.quick else 10,
+            report=str(args.out),
+            command=command,
+        )
+        report = Report(command, check_sections(config, args, command))
+        check = Check(report, settings, args.budget, args.logs or Path(workdir) / "logs")
         hf = not args.skip_hf and package_version("transformers") != "not installed"
-        if args.skip_hf:
-            report.skipped.append("--skip-hf: skipped the HF transformers baseline")
-        elif not hf:
-            report.skipped.append("transformers is not installed: skipped the HF transformers baseline")
-        run = None
-        if args.skip_compile:
-            report.skipped.append("--skip-compile: skipped the compiled runs")
-        if cuda:
-            gemm_seconds = 0.1 if args.quick else 0.3
-            run = report.attempt(
-                "the training measurements",
-                lambda: training_sections(
-                    report, config, args.steps, args.warmup, hf, gemm_seconds, not args.skip_compile
-                ),
-            )
-        else:
-            report.skipped.append(
-                f"{no_cuda} the femtotron run (tokens/s, MFU against the data-sheet peak and a measured GEMM)"
-                + (", the HF transformers baseline" if hf else "")
-                + " and the measured peak memory (`torch.cuda.max_memory_allocated`)"
-            )
-        report.attempt("doctor's memory estimate", lambda: memory_section(report, config, args.set, run))
-        if cuda and hf:
-            report.attempt("the mixture of experts", lambda: moe_section(report, 3 if args.quick else 10))
-    write_report(args.out, report, time.perf_counter() - start)
+
+        def parts() -> Iterator[Part]:
+            yield ENVIRONMENT_PART
+            # a probe that broke says nothing about CUDA: the parts run, and each says what breaks
+            cuda = report.results.get("environment", {}).get("cuda_available", True)
+            yield from plan(args, cuda, hf, report.skip)
+
+        with stop_on_signals():
+            check.run_all(parts())
     print(
         f"gpu_check: wrote {args.out}"
-        + (f"; failed: {'; '.join(report.failures)}" if report.failures else "")
+        + (f"; failed: {'; '.join(failure.line for failure in report.failures)}" if report.failures else "")
     )
     return 1 if report.failures else 0
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == [PART_FLAG]:
+        sys.exit(part_main(sys.argv[2:]))
     sys.exit(main())

@@ -19,7 +19,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+import transformers
 from common import headline
+from packaging.version import Version
 from safetensors.torch import save_file
 from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -32,6 +34,9 @@ SHAPE = dict(
     hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, vocab_size=2048
 )
 MOE = dict(num_experts=8, num_experts_per_tok=2, intermediate_size=1024, aux_loss_coef=0.0)
+# from_pretrained's keyword for the weights' dtype: transformers 4.56 renamed torch_dtype to dtype, and before
+# it ignores dtype= (the model stays in fp32).
+DTYPE_KEYWORD = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
 
 def loop_over_experts(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -61,7 +66,15 @@ def measure(
         hf_config.save_pretrained(tmp)
         weights = to_hf({n: p.detach().cpu() for n, p in ours.named_parameters()}, cfg)
         save_file(weights, f"{tmp}/model.safetensors")
-        hf = MixtralForCausalLM.from_pretrained(tmp, dtype=dtype).to(device)
+        hf = MixtralForCausalLM.from_pretrained(tmp, **{DTYPE_KEYWORD: dtype}).to(device)
+    loaded = sorted({str(p.dtype) for p in hf.parameters()})
+    if loaded != [str(dtype)]:
+        raise RuntimeError(
+            f"HF MixtralForCausalLM's parameters are in {', '.join(loaded)}, not the requested {dtype}: "
+            f"transformers {transformers.__version__} did not apply from_pretrained({DTYPE_KEYWORD}=...), so "
+            "the comparison would be against another dtype: set DTYPE_KEYWORD in bench/moe.py to the keyword "
+            "this version takes"
+        )
     ids = torch.randint(0, cfg.vocab_size, (batch, sequence), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
     with torch.no_grad():  # the same model: the same logits (bf16: within its rounding)

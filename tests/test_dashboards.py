@@ -4,7 +4,6 @@ import json
 import math
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from femtotron.dashboards import tag
 from femtotron.errors import ConfigError
@@ -27,12 +26,17 @@ def test_record_keys_are_grouped_by_what_they_measure():
 
 
 def board(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     return events
 
 
 def test_tensorboard_gets_every_record_and_a_resumed_run_continues_the_same_curves(tiny_config, tiny_dataset):
+    pytest.importorskip(
+        "tensorboard", reason="logging.tensorboard needs tensorboard: `pip install tensorboard`"
+    )
     overrides = [
         "logging.tensorboard=true",
         "checkpoints.checkpoint_interval=2",

@@ -6,6 +6,7 @@ Every test here is `distributed`: TorchInductor starts the C++ compiler in proce
 from __future__ import annotations
 
 import functools
+import importlib.util
 import re
 
 import pytest
@@ -20,6 +21,7 @@ from helpers import (
     record_steps,
 )
 
+from femtotron.diagnostics.compile_check import c_compiler_for_triton, require_gpu_compilers
 from femtotron.errors import ConfigError
 from femtotron.parallel.context import ParallelContext
 from femtotron.trainer import Trainer
@@ -111,6 +113,28 @@ def test_without_a_cpp_compiler_the_error_names_the_key(tiny_config):
     message = str(info.value)
     assert "model.compile=true needs a C++ compiler" in message and "/nonexistent/g++" in message
     assert "set model.compile=false" in message
+
+
+def test_on_a_gpu_triton_and_a_c_compiler_are_required_before_any_work(monkeypatch, tmp_path):
+    """On CUDA, Inductor's kernels are Triton's, and Triton builds their launchers with a C compiler: each
+    missing one is named with its fix before the model is built, not at the first step inside torch."""
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither gcc nor clang
+    assert c_compiler_for_triton() is None
+    cc = tmp_path / "cc"
+    cc.write_text("")
+    monkeypatch.setenv("CC", str(cc))
+    assert c_compiler_for_triton() == str(cc)
+    if importlib.util.find_spec("triton") is None:  # this machine: a CPU build of torch, no Triton
+        with pytest.raises(
+            ConfigError, match=r"model.compile=true on a GPU needs Triton .* set model.compile"
+        ):
+            require_gpu_compilers()
+    else:
+        require_gpu_compilers()
+        monkeypatch.delenv("CC")
+        with pytest.raises(ConfigError, match=r"needs a C compiler .*neither gcc nor clang is on PATH"):
+            require_gpu_compilers()
 
 
 LAYOUTS = {  # world size: cases of (parallelism and dtype overrides, bf16 path)

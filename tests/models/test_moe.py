@@ -1,7 +1,8 @@
-"""The mixture-of-experts layer on one process: the grouped GEMM against a loop over experts, routing,
-capacity, the router losses' gradients against autograd of the written-out loss, recomputation, the
+"""The mixture-of-experts layer on one process: the grouped GEMM against a loop over experts (and where GPUs
+take it), the router's logits and what backward keeps of them, routing, capacity, that routing reads nothing
+back to the host, the router losses' gradients against autograd of the written-out loss, recomputation, the
 parameter and FLOP counts, and router-collapse warnings. (Against transformers: tests/serialize/test_hf.py;
-layouts: tests/parallel/test_expert_parallel.py.)"""
+layouts: tests/parallel/test_expert_parallel.py; on a GPU: tests/test_cuda.py.)"""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import BF16_PATHS, BF16_ROUNDOFF, build_llama, llama_config, precision_path, random_batch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from femtotron.diagnostics.expert_load import COLLAPSE_STEPS, RouterCollapse
-from femtotron.models.moe import AUX, MoE
-from femtotron.precision import grouped_linear
+from femtotron.models.moe import AUX, MoE, RouterLogits
+from femtotron.precision import grouped_linear, grouped_mm_on_gpu
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32)
 
@@ -44,6 +46,57 @@ def test_the_grouped_gemm_equals_a_loop_over_experts_with_empty_experts(dtype, n
     assert weight.grad[1].abs().max() == 0 and weight.grad[3].abs().max() == 0
 
 
+def test_torchs_grouped_gemm_is_taken_on_gpus_only_where_it_is_right_and_sync_free():
+    """bf16 on sm90; not on sm100 (experts without rows get gradients: pytorch#172439), nor where torch runs
+    its own loop with three host syncs (sm80, sm120), nor in fp32."""
+    assert grouped_mm_on_gpu(torch.bfloat16, (9, 0))
+    assert not any(grouped_mm_on_gpu(torch.bfloat16, capability) for capability in [(8, 0), (10, 0), (12, 0)])
+    assert not grouped_mm_on_gpu(torch.float32, (9, 0))
+
+
+def _saved_for_backward(function, *args):
+    """What `function(*args)` returns, and the tensors autograd saves for backward while it runs."""
+    saved = []
+
+    def keep(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        return function(*args), saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_router_logits_are_fp32s_but_backward_keeps_the_hidden_states_in_their_dtype(dtype):
+    """The logits and gradients of autograd through F.linear on fp32 copies, within fp32 rounding; without
+    the fp32 copy of the (tokens, hidden) states kept for backward."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(14, 64, generator=generator).to(dtype)
+    weight = torch.randn(4, 64, generator=generator).to(dtype)
+    grad = torch.randn(14, 4, generator=generator)
+    results = []
+    for logits_of in (RouterLogits.apply, lambda x, w: F.linear(x.float(), w.float())):
+        inputs = [x.clone().requires_grad_(), weight.clone().requires_grad_()]
+        logits, saved = _saved_for_backward(logits_of, *inputs)
+        logits.backward(grad)
+        results.append((logits, *(t.grad for t in inputs), [(t.dtype, t.shape) for t in saved]))
+    (*got, saved), (*exact, _) = results
+    assert got[0].dtype == torch.float32 and got[1].dtype == got[2].dtype == dtype
+    for mine, autograds in zip(got, exact, strict=True):
+        torch.testing.assert_close(mine, autograds)
+    assert [held for held in saved if held[1] == x.shape] == [(dtype, x.shape)]
+
+
+def test_a_bf16_layer_saves_its_hidden_states_for_backward_in_bf16_only():
+    cfg = moe_config()
+    x = torch.randn(2, 7, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    layer = _moe_layers(build_llama(cfg, torch.bfloat16))[0]
+    with precision_path(True):  # the upcast path's matmuls save fp32 copies, by design
+        _, saved = _saved_for_backward(layer, x.requires_grad_())
+    hidden_states = [t for t in saved if t.shape[-1] == cfg.hidden_size and t.numel() >= x.numel()]
+    assert hidden_states and all(t.dtype == torch.bfloat16 for t in hidden_states)
+
+
 def _moe_layers(model):
     return [m for m in model.modules() if isinstance(m, MoE)]
 
@@ -72,6 +125,38 @@ def test_each_token_gets_its_top_k_experts_weighted_as_the_router_says(router_no
     torch.testing.assert_close(got, expected.view_as(x) + shared, rtol=1e-5, atol=1e-6)
 
 
+class _HostReads(TorchDispatchMode):
+    """The ops run that, on a GPU, make the host wait for the device: outputs sized by the data (a boolean
+    mask's selection included), values read back, and repeat_interleave when not told its output's size."""
+
+    SIZED_BY_DATA = {"bincount", "nonzero", "masked_select", "unique", "_unique2", "_local_scalar_dense"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            self.seen.append("index by a mask")
+        elif name in self.SIZED_BY_DATA or name == "repeat_interleave" and kwargs.get("output_size") is None:
+            self.seen.append(name)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_routing_reads_nothing_back_to_the_host_unless_a_capacity_drops_assignments(capacity_factor):
+    """What tests/test_cuda.py checks with CUDA's sync debug mode, seen on the CPU: the counts, the dropped
+    count and the router losses stay on the device through forward and backward; a capacity makes the kept
+    rows' number the data's, which the host must know (one boolean mask)."""
+    layer = _moe_layers(build_llama(moe_config(capacity_factor=capacity_factor, z_loss_coef=0.01)))[0]
+    x = torch.randn(2, 7, layer.router.weight.shape[1], generator=torch.Generator().manual_seed(3))
+    with _HostReads() as reads:
+        layer(x.requires_grad_()).square().sum().backward()
+    assert reads.seen == ([] if capacity_factor is None else ["index by a mask"])
+
+
 def test_a_capacity_drops_the_assignments_past_it_in_token_order_and_counts_them():
     cfg = moe_config(capacity_factor=0.5)
     layer = _moe_layers(build_llama(cfg))[0]
@@ -80,7 +165,7 @@ def test_a_capacity_drops_the_assignments_past_it_in_token_order_and_counts_them
     weights = torch.full((8, 2), 0.5)
     capacity = 2  # ceil(0.5 * 8 tokens * 2 / 4 experts)
     out, counts, dropped = layer.routed(tokens, chosen, weights)
-    assert counts.tolist() == [6, 6, 2, 2] and dropped == 2 * (6 - capacity)
+    assert counts.tolist() == [6, 6, 2, 2] and dropped.item() == 2 * (6 - capacity)
     assert out[capacity:6].abs().max() == 0  # tokens 2-5 lost both their experts
     assert out[:capacity].abs().min() > 0 and out[6:].abs().min() > 0
 

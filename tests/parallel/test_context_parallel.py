@@ -25,10 +25,11 @@ from femtotron.diagnostics.doctor import ring_bytes
 from femtotron.diagnostics.start_report import cp_host_warnings
 from femtotron.errors import ConfigError
 from femtotron.parallel.context import ParallelContext, mesh_groups
-from femtotron.parallel.context_parallel import documents_of, place_tokens, zigzag_indices
+from femtotron.parallel.context_parallel import _block_of, documents_of, place_tokens, zigzag_indices
 from femtotron.precision import (
     attention_with_lse,
     attention_with_lse_backward,
+    block_kernel,
     math_attention_with_lse,
     math_attention_with_lse_backward,
 )
@@ -54,40 +55,119 @@ def test_documents_end_with_their_end_token_and_positions_restart_after_it():
     assert positions.tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
 
 
-def _qkv(dtype=torch.float32, rows=12, cols=12):
+def _qkv(dtype=torch.float32, rows=12, cols=12, device="cpu"):
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, rows, 8, generator=generator).to(dtype)
     k, v = (torch.randn(2, 2, cols, 8, generator=generator).to(dtype) for _ in range(2))
-    return q, k, v
+    return q.to(device), k.to(device), v.to(device)
 
 
-@pytest.mark.parametrize("kind", ["causal", "full", "masked", "masked causal"])
-@pytest.mark.parametrize("implementation", ["cpu kernel", "written out"])
-def test_two_blocks_merged_by_log_sum_exp_are_attention_over_all_keys(kind, implementation, monkeypatch):
-    """Queries against keys in two blocks (GQA: 2 KV heads for 4 query heads): each block's output and
-    log-sum-exp, merged, and each block's backward from the merged output and log-sum-exp, give the output
-    and the q, k, v gradients of plain softmax attention over all the keys (autograd). The written-out
-    blocks take their 12 query rows 5 at a time (as at long sequences, to bound their scores' memory)."""
-    monkeypatch.setattr(precision, "SCORES_PER_CHUNK", 2 * 4 * 12 * 5)
-    forward, backward = {
-        "cpu kernel": (attention_with_lse, attention_with_lse_backward),
-        "written out": (math_attention_with_lse, math_attention_with_lse_backward),
-    }[implementation]
+def _fake_flash(q, k, v, dropout_p, is_causal):
+    """CUDA's flash kernel as its callers see it (GQA; the lse (batch, heads, queries)), by the CPU's."""
+    assert q.shape[1] % k.shape[1] == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    out, lse = precision._CPU_FLASH(q, k, v, dropout_p, is_causal)
+    rng_state, unused = torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64)
+    return out, lse, None, None, q.shape[-2], k.shape[-2], rng_state, unused, torch.empty(0)
+
+
+def _fake_flash_backward(grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, causal, *rng):
+    """Its backward: it reads the lse as a contiguous fp32 array and takes no cumulative lengths (dense)."""
+    assert lse.is_contiguous() and lse.shape == q.shape[:-1] and lse.dtype == torch.float32
+    assert cum_q is None and cum_k is None and (max_q, max_k) == (q.shape[-2], k.shape[-2])
+    assert out.dtype == grad_out.dtype == q.dtype and len(rng) == 2
+    return precision._CPU_FLASH_BACKWARD(grad_out, q, k, v, out, lse, dropout_p, causal)
+
+
+def _check_bias(bias, q, k):
+    """The efficient kernel's rules for its bias: q's dtype, (batch, heads, queries, keys), rows aligned."""
+    assert bias.dtype == q.dtype and bias.shape == (*q.shape[:3], k.shape[-2]) and bias.stride(-1) == 1
+    assert all(stride % 8 == 0 for stride in bias.stride()[:-1])
+
+
+def _fake_efficient(q, k, v, bias, compute_log_sumexp, dropout_p=0.0, is_causal=False):
+    """CUDA's memory-efficient kernel: no GQA, an lse padded with +inf to a multiple of 32 queries, and (at
+    worst) NaN for a query whose every key is masked."""
+    assert q.shape[1] == k.shape[1] == v.shape[1] and compute_log_sumexp
+    _check_bias(bias, q, k)
+    out, lse = precision._CPU_FLASH(q, k, v, dropout_p, is_causal, attn_mask=bias)
+    unseen = (bias == float("-inf")).all(-1)
+    rows = q.shape[-2]
+    padding = torch.full((*lse.shape[:-1], -rows % 32), float("inf"))
+    lse = torch.cat([lse.masked_fill(unseen, float("nan")), padding], dim=-1)
+    return out.masked_fill(unseen.unsqueeze(-1), float("nan")), lse, torch.empty(()), torch.empty(())
+
+
+def _fake_efficient_backward(grad_out, q, k, v, bias, out, lse, seed, offset, dropout_p, computed, causal):
+    """Its backward: the lse as the forward pads it, and the output in the forward's (batch, queries, heads,
+    head_dim) layout, which the kernel assumes."""
+    assert q.shape[1] == k.shape[1] == v.shape[1] and list(computed) == [True, True, True, False]
+    _check_bias(bias, q, k)
+    lse, padding = lse[..., : q.shape[-2]], lse[..., q.shape[-2] :]
+    assert (lse.shape[-1] + padding.shape[-1]) % 32 == 0
+    assert bool((padding == float("inf")).all()) and out.transpose(1, 2).is_contiguous()
+    grads = precision._CPU_FLASH_BACKWARD(grad_out, q, k, v, out, lse, dropout_p, causal, attn_mask=bias)
+    return (*grads, None)
+
+
+def _run_as(kernel, monkeypatch):
+    """Every block runs `kernel`; CUDA's kernels are the fakes above (which check what they are given)."""
+    monkeypatch.setattr(precision, "_kernel_of", lambda q, masked: kernel)
+    for name, fake in {
+        "_FLASH": _fake_flash,
+        "_FLASH_BACKWARD": _fake_flash_backward,
+        "_EFFICIENT": _fake_efficient,
+        "_EFFICIENT_BACKWARD": _fake_efficient_backward,
+    }.items():
+        monkeypatch.setattr(precision, name, fake)
+
+
+def _block_documents(rows=12, cols=24):
+    """Random documents of queries and keys (in 0-3), with one query (3) whose document (4) no key of the
+    first 12 has; the second 12 keys include every document, so that every query sees some key."""
+    generator = torch.Generator().manual_seed(1)
+    query_documents = torch.randint(0, 4, (2, rows), generator=generator)
+    key_documents = torch.randint(0, 4, (2, cols), generator=generator)
+    query_documents[:, 3] = 4
+    key_documents[:, 12:17] = torch.arange(5)
+    return query_documents, key_documents
+
+
+BLOCK_CASES = [
+    *[("cpu flash", kind) for kind in ("causal", "full", "masked", "masked causal")],
+    *[("written out", kind) for kind in ("causal", "full", "masked", "masked causal")],
+    ("flash", "causal"),
+    ("flash", "full"),
+    ("efficient", "masked"),
+    ("efficient", "masked causal"),
+]
+
+
+@pytest.mark.parametrize("kernel, kind", BLOCK_CASES)
+def test_two_blocks_merged_by_log_sum_exp_are_attention_over_all_keys(kernel, kind, monkeypatch):
+    """Queries against keys in two blocks (GQA: 2 KV heads for 4 query heads), through each kernel
+    (precision.block_kernel; CUDA's emulated on the CPU with their contracts checked): each block's output
+    and log-sum-exp, merged, and each block's backward from the merged output and log-sum-exp, give the
+    output and the q, k, v gradients of plain softmax attention over all the keys (autograd). The kernels
+    with a per-row buffer take their 12 query rows in chunks (as at long sequences, to bound its memory):
+    the written-out one a row at a time, the efficient one 5 at a time."""
+    monkeypatch.setattr(precision, "SCORES_PER_CHUNK", 2 * 12 * 5)
+    _run_as(kernel, monkeypatch)
     q, k, v = _qkv(cols=24)
+    query_documents, key_documents = _block_documents()
     allowed = torch.ones(2, 1, 12, 24, dtype=torch.bool)
     if kind == "causal":  # the first block is the queries' own (causal), the second is earlier keys
         allowed[..., :12] = torch.ones(12, 12, dtype=torch.bool).tril()
     if kind.startswith("masked"):
-        allowed = torch.rand(2, 1, 12, 24, generator=torch.Generator().manual_seed(1)) < 0.4
-        allowed[..., 3, :12] = False  # a query that sees no key of the first block
-        allowed[..., :, 12] = True  # ... but some key
+        allowed = (query_documents[:, :, None] == key_documents[:, None, :]).unsqueeze(1)
     blocks = [(slice(0, 12), kind.endswith("causal")), (slice(12, 24), False)]
-    masks = [allowed[..., cols] if kind.startswith("masked") else None for cols, _ in blocks]
+    documents = [
+        (query_documents, key_documents[:, cols]) if kind.startswith("masked") else None for cols, _ in blocks
+    ]
     if kind == "masked causal":  # the mask and the causal mask together: the own block under document masking
         allowed[..., :12] &= torch.ones(12, 12, dtype=torch.bool).tril()
     results = [
-        forward(q, k[:, :, cols], v[:, :, cols], causal, mask)
-        for (cols, causal), mask in zip(blocks, masks, strict=True)
+        attention_with_lse(q, k[:, :, cols], v[:, :, cols], causal, block_documents)
+        for (cols, causal), block_documents in zip(blocks, documents, strict=True)
     ]
     lse = torch.logaddexp(results[0][1], results[1][1])
     out = sum(o * (block_lse - lse).exp().unsqueeze(-1) for o, block_lse in results)
@@ -101,12 +181,73 @@ def test_two_blocks_merged_by_log_sum_exp_are_attention_over_all_keys(kind, impl
     grad_out = torch.randn_like(out)
     expected = torch.autograd.grad((grad_out * reference).sum(), inputs)
     grads = [
-        backward(grad_out, q, k[:, :, cols], v[:, :, cols], out, lse, causal, mask)
-        for (cols, causal), mask in zip(blocks, masks, strict=True)
+        attention_with_lse_backward(
+            grad_out, q, k[:, :, cols], v[:, :, cols], out, lse, causal, block_documents
+        )
+        for (cols, causal), block_documents in zip(blocks, documents, strict=True)
     ]
     torch.testing.assert_close(grads[0][0] + grads[1][0], expected[0])
     torch.testing.assert_close(torch.cat([grads[0][1], grads[1][1]], dim=2), expected[1])
     torch.testing.assert_close(torch.cat([grads[0][2], grads[1][2]], dim=2), expected[2])
+
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.mark.parametrize(
+    "device, dtype, capability, head_dim, masked, kernel",
+    [
+        ("cpu", BF16, None, 64, True, "cpu flash"),
+        ("cpu", FP32, None, 64, False, "cpu flash"),
+        ("cuda", BF16, (9, 0), 128, False, "flash"),
+        ("cuda", BF16, (9, 0), 128, True, "efficient"),
+        ("cuda", FP16, (8, 0), 64, False, "flash"),
+        ("cuda", BF16, (10, 0), 256, True, "efficient"),
+        ("cuda", BF16, (12, 1), 64, False, "flash"),
+        ("cuda", FP32, (9, 0), 128, False, "written out"),  # no fused kernel for fp32 here
+        ("cuda", FP32, (9, 0), 128, True, "written out"),
+        ("cuda", BF16, (7, 5), 64, False, "written out"),  # before Ampere
+        ("cuda", BF16, (13, 0), 64, False, "written out"),  # past torch 2.13's flash range
+        ("cuda", BF16, (9, 0), 60, False, "written out"),  # not a multiple of 8
+        ("cuda", BF16, (9, 0), 264, True, "written out"),  # over 256
+        ("cuda", BF16, (9, 0), 200, False, "flash"),
+        ("cuda", BF16, (8, 6), 200, False, "written out"),  # flash's backward lacks the shared memory there
+        ("cuda", BF16, (12, 0), 224, True, "written out"),
+        ("cuda", BF16, (8, 9), 232, False, "flash"),
+        ("mps", BF16, None, 64, False, "written out"),
+    ],
+)
+def test_the_kernel_of_a_block_follows_dtype_capability_head_dim_and_mask(
+    device, dtype, capability, head_dim, masked, kernel
+):
+    assert block_kernel(device, dtype, capability, head_dim, masked) == kernel
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["flash", "efficient"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_cuda_kernels_are_called_as_torch_declares_them(causal, masked):
+    """On the meta device (a GPU's memory estimate) the blocks take CUDA's kernels: torch's own shape
+    functions of the same ops check the calls, forward and backward; a block's tensors keep their shapes,
+    its lse and gradients with the KV heads come back as the ring merges them."""
+    q, k, v = _qkv(torch.bfloat16, rows=40, cols=40, device="meta")
+    documents = (torch.zeros(2, 40, dtype=torch.long, device="meta"),) * 2 if masked else None
+    assert precision._kernel_of(q, masked) == ("efficient" if masked else "flash")
+    out, lse = attention_with_lse(q, k, v, causal, documents)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, q.shape[:-1], torch.float32)
+    grads = attention_with_lse_backward(torch.empty_like(out), q, k, v, out, lse, causal, documents)
+    assert [(g.shape, g.dtype) for g in grads] == [(t.shape, t.dtype) for t in (q, k, v)]
+
+
+def test_the_written_out_blocks_repeat_the_kv_heads_once_per_block(monkeypatch):
+    """K and V are repeated to the query heads once per block, forward and backward, not per row chunk."""
+    monkeypatch.setattr(precision, "SCORES_PER_CHUNK", 2 * 4 * 12)  # a row at a time: 12 chunks
+    repeats = []
+    grouped = precision._grouped
+    monkeypatch.setattr(precision, "_grouped", lambda kv, q: repeats.append(kv.shape) or grouped(kv, q))
+    q, k, v = _qkv()
+    out, lse = math_attention_with_lse(q, k, v, True, None)
+    math_attention_with_lse_backward(torch.randn_like(out), q, k, v, out, lse, True, None)
+    assert len(repeats) == 4
 
 
 def _documents_batch(length=32, rows=3, seed=0) -> MicroBatch:
@@ -265,6 +406,40 @@ def test_some_ring_blocks_are_skipped_under_document_masking():
     placed = place_tokens(MicroBatch.from_tokens(inputs), 4, 3, EOS)
     assert placed.placement.visible == (False, False, True, True)
     assert place_tokens(MicroBatch.from_tokens(inputs), 4, 3, None).placement.visible == (True,) * 4
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_which_blocks_are_seen_and_their_masks_are_the_brute_force_ones(cp):
+    """On random layouts (documents of one token to longer than the sequence, spanning chunks and ranks):
+    `visible` (the first query against the last key) says whether any query of the rank sees any key of the
+    other causally within its document, and each block's rows, columns and documents mark exactly the pairs
+    that do (none outside them)."""
+    rng = np.random.default_rng(cp)
+    seen = []
+    for _ in range(100):
+        chunk = int(rng.integers(1, 6))
+        length = 2 * cp * chunk
+        tokens = torch.from_numpy(rng.integers(1, 9, (3, length + 1)))
+        tokens[torch.from_numpy(rng.random(tokens.shape) < rng.choice([0.0, 0.05, 0.2, 0.5, 0.9]))] = EOS
+        batch = MicroBatch.from_tokens(tokens)
+        documents, _ = documents_of(batch.inputs, EOS)
+        for rank in range(cp):
+            placement = place_tokens(batch, cp, rank, EOS).placement
+            queries = zigzag_indices(length, cp, rank)
+            for source in range(cp):
+                keys = zigzag_indices(length, cp, source)
+                same = documents[:, queries, None] == documents[:, None, keys]
+                sees = same & (queries[:, None] >= keys[None, :])
+                assert placement.visible[source] == bool(sees.any())
+                if source != rank:
+                    seen.append(placement.visible[source])
+                rows, cols, causal, block_documents = _block_of(rank, source, 2 * chunk, placement.documents)
+                block = torch.zeros_like(sees)
+                shape = (len(range(2 * chunk)[rows]), len(range(2 * chunk)[cols]))
+                visible = precision._visible(block_documents, causal, slice(0, shape[0]), shape[1], "cpu")
+                block[:, rows, cols] = visible.squeeze(1)
+                assert torch.equal(block, sees)
+    assert any(seen) and not all(seen)  # some blocks are seen, some not: either answer can be wrong
 
 
 def test_document_masking_without_a_tokenizer_says_which_key_to_set(tiny_config):

@@ -153,12 +153,17 @@ def process_groups(config: Config) -> list[str]:
     per_rank = [communicators(*mesh[:3], rank, par.cp, par.ep) for rank in range(par.world_size)]
     rank_links = [links(*mesh[:3], rank, par.cp) for rank in range(par.world_size)]
     subgroup_count = sum(len(sets) for sets in kinds.values())
-    return [
-        f"  process groups: {subgroup_count} for collectives, {len(one_way)} one-way links (the pipeline's, "
-        f"the cp ring's); a rank is in up to {max(per_rank)} of the first, {max(rank_links)} of the second",
-        f"  start-up on NCCL: {len(kinds)} split_group + {len(one_way)} new_group calls, each one world-wide "
-        f"ncclCommSplit ({subgroup_count + len(one_way)} with new_group alone)",
+    lines = [
+        f"  process groups: the default one + {subgroup_count} for collectives ({len(kinds)} kinds) + "
+        f"{len(one_way)} one-way links (the pipeline's, the cp ring's); each rank is in up to "
+        f"{max(per_rank)} communicators for collectives and {max(rank_links)} links"
     ]
+    if subgroup_count or one_way:
+        lines.append(
+            f"  start-up on NCCL: {len(kinds)} split_group + {len(one_way)} new_group calls, each one "
+            f"world-wide ncclCommSplit ({subgroup_count + len(one_way)} with new_group alone)"
+        )
+    return lines
 
 
 def expert_fraction(config: Config) -> float:

@@ -9,13 +9,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from femtotron.diagnostics.compile_check import require_cpp_compiler
+from femtotron.diagnostics.compile_check import require_cpp_compiler, require_gpu_compilers
 
 
 def compile_layers(chunks: list[nn.Module], device: torch.device) -> None:
     """Mark each decoder layer of this rank's model chunks for compiling at its first call."""
     if device.type == "cpu":
         require_cpp_compiler()
+    elif device.type == "cuda":
+        require_gpu_compilers()
     for chunk in chunks:
         for layer in chunk.layers.values():
             layer.compile(dynamic=False)

@@ -56,13 +56,11 @@ class RouterStats:
             self.replaying = False
 
     def record(
-        self, layer: int, counts: torch.Tensor, dropped: int, aux: torch.Tensor, z: torch.Tensor
+        self, layer: int, counts: torch.Tensor, dropped: torch.Tensor, aux: torch.Tensor, z: torch.Tensor
     ) -> None:
         if not self.replaying:  # columns: per expert, then DROPPED, AUX, Z
             self.values[layer, : self.experts] += counts
-            self.values[layer, self.experts :] += torch.stack(
-                [aux.new_tensor(float(dropped)), aux, z]
-            ).detach()
+            self.values[layer, self.experts :] += torch.stack([dropped.to(aux.dtype), aux, z]).detach()
 
     def reset(self, gradient_scale: float) -> None:
         self.values.zero_()
@@ -80,6 +78,21 @@ class _AddRouterLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, grad.new_full((), ctx.scale, dtype=torch.float32), None
+
+
+class RouterLogits(torch.autograd.Function):
+    """fp32 logits x @ weight^T, keeping `x` for backward in its own dtype (autograd of F.linear on fp32
+    copies would keep an fp32 copy of the layer's hidden states)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        return (grad @ weight.float()).to(x.dtype), (grad.T @ x.float()).to(weight.dtype)
 
 
 class Router(nn.Module):
@@ -147,7 +160,7 @@ class MoE(nn.Module):
         """x: (batch, sequence, hidden), this rank's part of the sequence under sequence parallelism."""
         b, s, h = x.shape
         k, tp = self.moe.num_experts_per_tok, self.tp
-        logits = F.linear(x.reshape(-1, h).float(), self.router.weight.float())
+        logits = RouterLogits.apply(x.reshape(-1, h), self.router.weight)
         if self.moe.router_norm == "topk_then_softmax":
             top, chosen = logits.topk(k, dim=-1)
             weights = top.softmax(dim=-1)
@@ -174,25 +187,27 @@ class MoE(nn.Module):
 
     def routed(
         self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each token's weighted sum of its experts' outputs (this tp rank's partial sum), the assignments per
-        expert (before any are dropped) and how many were dropped."""
+        expert (before any are dropped) and how many were dropped (device tensors: the host reads neither)."""
         (n, k), experts = chosen.shape, self.moe.num_experts
         # The meta device (memory estimates) has shapes but no routing: taken as perfectly balanced.
         flat = torch.arange(n * k) % experts if chosen.is_meta else chosen.flatten()
-        counts = kept = torch.bincount(flat, minlength=experts)
+        # Not torch.bincount: on CUDA it reads the largest index back to the host to size its output.
+        counts = kept = flat.new_zeros(experts).index_add_(0, flat, torch.ones_like(flat))
         order = flat.argsort(stable=True)
         if self.moe.capacity_factor is not None:  # an assignment's place among its expert's, in token order
             capacity = math.ceil(self.moe.capacity_factor * n * k / experts)
-            first = (counts.cumsum(0) - counts).repeat_interleave(counts)
+            first = (counts.cumsum(0) - counts).repeat_interleave(counts, output_size=n * k)
             place = torch.arange(n * k, device=flat.device) - first
+            # How many are kept is the data's: the mask reads it back to the host (dropless routing does not).
             order, kept = order[place < capacity], counts.clamp(max=capacity)
         order = order.to(tokens.device)
         token = order // k
         out = self.ep.run(tokens[token], kept, self.experts)
         out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
         combined = tokens.new_zeros(n, tokens.shape[-1]).index_add(0, token, out)
-        return combined, counts, n * k - len(order)
+        return combined, counts, (counts - kept).sum()
 
     def router_losses(self, logits: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's shares of the micro-batch's load-balancing and z losses (fp32 scalars; the shares of

@@ -13,6 +13,9 @@ values round again, each with its gradient so far (fp32), which ends on the rank
 Document masking (`model.document_masking`): a token attends only to its own document in the packed sample
 (documents end at the end-of-document token), and RoPE positions restart at each document. The same ring
 computes it, each block masked by document; a block where no query sees any key is skipped.
+
+Kernels per block: precision.attention_with_lse (CPU flash; on GPUs flash for the mask-free blocks,
+memory-efficient attention for the masked ones, written out in fp32 where neither applies).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 
 from femtotron.data.nanoset import MicroBatch
 from femtotron.parallel.comm import Group, GroupMember, Work
-from femtotron.precision import attention_dtype, attention_with_lse, attention_with_lse_backward
+from femtotron.precision import Documents, attention_dtype, attention_with_lse, attention_with_lse_backward
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,8 @@ def zigzag_indices(length: int, cp: int, rank: int, device: torch.device | None 
     if cp == 1:
         return torch.arange(length, device=device)
     chunk = length // (2 * cp)
-    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
-    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)]).to(device)
+    starts = (rank * chunk, (2 * cp - 1 - rank) * chunk)
+    return torch.cat([torch.arange(start, start + chunk, device=device) for start in starts])
 
 
 @dataclass
@@ -71,7 +74,9 @@ class TokenPlacement:
     """Where a micro-batch's local tokens sit: what attention needs beyond the tokens themselves."""
 
     positions: torch.Tensor  # (batch, local sequence): RoPE positions
-    documents: torch.Tensor | None  # (batch, sequence): each token's document, whole sequence (masking)
+    # Masking: (cp, batch, local sequence), the document of each token that each cp rank holds (here the
+    # queries are [cp rank], a block from cp rank r has the keys [r]).
+    documents: torch.Tensor | None
     visible: tuple[bool, ...]  # per cp rank: whether any query here sees any of its keys
 
     def to(self, device: torch.device) -> TokenPlacement:
@@ -96,25 +101,37 @@ def place_tokens(batch: MicroBatch, cp: int, cp_rank: int, eos_id: int | None) -
     masking). Unchanged when there is nothing to place (cp = 1, no masking)."""
     if cp == 1 and eos_id is None:
         return batch
-    local = zigzag_indices(batch.inputs.shape[1], cp, cp_rank)
+    length = batch.inputs.shape[1]
+    local = zigzag_indices(length, cp, cp_rank)
     if eos_id is None:
         positions, documents = local.expand(batch.inputs.shape[0], -1), None
         visible = (True,) * cp
     else:
-        documents, within = documents_of(batch.inputs, eos_id)
+        whole, within = documents_of(batch.inputs, eos_id)
         positions = within[:, local]
-        blocks = [_block_of(cp_rank, source, cp, len(local), documents) for source in range(cp)]
-        # Its own block: every token sees itself. Another's: seen if any query shares a document with a key.
-        visible = tuple(causal or bool(allowed.any()) for *_, causal, allowed in blocks)
+        documents = torch.stack([whole[:, zigzag_indices(length, cp, rank)] for rank in range(cp)])
+        visible = tuple(_sees_any_key(cp_rank, source, documents) for source in range(cp))
     placement = TokenPlacement(positions.contiguous(), documents, visible)
     return replace(batch, inputs=batch.inputs[:, local], targets=batch.targets[:, local], placement=placement)
 
 
+def _sees_any_key(rank: int, source: int, documents: torch.Tensor) -> bool:
+    """Whether a query of cp rank `rank` shares a document with a key of `source`'s block (`documents` as in
+    `TokenPlacement`): its own block always (every token sees itself). In another's every key precedes every
+    query, and document ids only grow along the sequence, so the only document a key and a query can share
+    is the last key's, if it is the first query's: one comparison per sample."""
+    if source == rank:
+        return True
+    *_, (queries, keys) = _block_of(rank, source, documents.shape[-1], documents)
+    return bool((queries[:, 0] == keys[:, -1]).any())
+
+
 def _block_of(
-    rank: int, source: int, cp: int, local_length: int, documents: torch.Tensor | None
-) -> tuple[slice, slice, bool, torch.Tensor | None]:
+    rank: int, source: int, local_length: int, documents: torch.Tensor | None
+) -> tuple[slice, slice, bool, Documents | None]:
     """Which local queries see which keys of cp rank `source` (rows, columns), whether causally, and under
-    document masking which query shares a document with which key, (batch, 1, rows, columns)."""
+    document masking the documents of those queries and keys (precision.Documents). Both are in sequence
+    order (a rank's two chunks are)."""
     chunk = local_length // 2
     if source == rank:
         rows, cols, causal = slice(None), slice(None), True
@@ -124,9 +141,7 @@ def _block_of(
         rows, cols, causal = slice(chunk, None), slice(None), False
     if documents is None:
         return rows, cols, causal, None
-    queries = zigzag_indices(documents.shape[1], cp, rank, documents.device)[rows]
-    keys = zigzag_indices(documents.shape[1], cp, source, documents.device)[cols]
-    return rows, cols, causal, (documents[:, queries, None] == documents[:, None, keys]).unsqueeze(1)
+    return rows, cols, causal, (documents[rank][:, rows], documents[source][:, cols])
 
 
 class _RingAttention(torch.autograd.Function):
@@ -141,9 +156,9 @@ class _RingAttention(torch.autograd.Function):
             if step < cp.size - 1:
                 shifts.append(cp.start_shift(kv, step))
             if placement.visible[source]:
-                rows, cols, causal, allowed = _block_of(cp.rank, source, cp.size, length, placement.documents)
+                rows, cols, causal, documents = _block_of(cp.rank, source, length, placement.documents)
                 keys = [t[:, :, cols] for t in kv]
-                block_out, block_lse = attention_with_lse(q[:, :, rows], *keys, causal, allowed)
+                block_out, block_lse = attention_with_lse(q[:, :, rows], *keys, causal, documents)
                 _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if step < cp.size - 1:
                 kv = cp.finish_shift(shifts[-1])
@@ -165,9 +180,9 @@ class _RingAttention(torch.autograd.Function):
                 shifts.append(cp.start_shift(kv, 2 * step))
             grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             if placement.visible[source]:
-                rows, cols, causal, allowed = _block_of(cp.rank, source, cp.size, length, placement.documents)
+                rows, cols, causal, documents = _block_of(cp.rank, source, length, placement.documents)
                 queries, keys = [t[:, :, rows] for t in (grad_out, q, out, lse)], [t[:, :, cols] for t in kv]
-                dq, dk, dv = attention_with_lse_backward(*queries[:2], *keys, *queries[2:], causal, allowed)
+                dq, dk, dv = attention_with_lse_backward(*queries[:2], *keys, *queries[2:], causal, documents)
                 grad_q[:, :, rows] += dq
                 grad_kv[0][:, :, cols] += dk
                 grad_kv[1][:, :, cols] += dv

@@ -35,11 +35,13 @@ class ExpertParallel(GroupMember):
         # taken as balanced: what this rank sends)
         ones, sent = [1] * self.size, counts.view(self.size, local)
         received = sent if rows.is_meta else self.comm.all_to_all(sent, self.group, ones, ones)
-        sent_rows, received_rows = sent.sum(1).tolist(), received.sum(1).tolist()
+        # The layer's one host read: NCCL takes the split sizes as lists, both read at once.
+        sent_rows, received_rows = torch.stack([sent.sum(1), received.sum(1)]).tolist()
         arrived = _exchange(rows, self, sent_rows, received_rows)
         # Arrived by (source rank, expert); the experts want them by (expert, source rank).
         place = torch.arange(self.size * local, device=rows.device).view(local, self.size).T.flatten()
-        order = torch.argsort(place.repeat_interleave(received.flatten()), stable=True)
+        row_place = place.repeat_interleave(received.flatten(), output_size=sum(received_rows))
+        order = torch.argsort(row_place, stable=True)
         outputs = experts(arrived[order], received.sum(0))
         return _exchange(outputs[order.argsort()], self, received_rows, sent_rows)
 
