@@ -139,7 +139,8 @@ class Comm:
         self, emulate_nccl: bool | None = None, store: Store | None = None, connect_timeout: float = 600.0
     ) -> None:
         self.emulate_nccl = os.environ.get(EMULATE_NCCL) == "1" if emulate_nccl is None else emulate_nccl
-        self.store, self.connect_timeout = store, connect_timeout
+        self.store = store
+        self.connect_timeout = connect_timeout
         self._connected: set[tuple[str, int]] = set()  # (communicator, peer) pairs already connected
         self.bytes_sent: Counter[tuple[str, str]] = Counter()  # (group kind, op kind) -> bytes
         self.calls: Counter[tuple[str, str]] = Counter()
