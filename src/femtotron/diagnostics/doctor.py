@@ -8,6 +8,8 @@ fit, the usual fixes, each with the estimate it gives.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from femtotron.config import Config, check_world_size
 from femtotron.config.rules import rule_problems, with_changes
 from femtotron.diagnostics.advice import config_warnings, imbalance_warning, pipeline_bubble
@@ -16,11 +18,9 @@ from femtotron.diagnostics.memory import (
     NCCL_COMMUNICATOR_BYTES,
     NCCL_LINK_BYTES,
     RankEstimate,
-    communicators,
     device_budget,
     estimate_rank,
     human,
-    links,
 )
 from femtotron.layout import DTYPES
 from femtotron.parallel.context import pipe_links, ring_links, subgroups_by_kind
@@ -150,13 +150,15 @@ def process_groups(config: Config) -> list[str]:
     mesh = par.dp, par.tp, par.pp, par.cp
     kinds = subgroups_by_kind(*mesh, par.ep)
     one_way = pipe_links(*mesh) + ring_links(*mesh)
-    per_rank = [communicators(*mesh[:3], rank, par.cp, par.ep) for rank in range(par.world_size)]
-    rank_links = [links(*mesh[:3], rank, par.cp) for rank in range(par.world_size)]
+    # Counted in one pass over the groups (memory.communicators per rank would take world size squared).
+    in_subgroups = Counter(rank for sets in kinds.values() for ranks in sets for rank in ranks)
+    on_links = Counter(rank for pair in one_way for rank in pair)
+    most_communicators = 1 + max(in_subgroups.values(), default=0)  # and the default group
     subgroup_count = sum(len(sets) for sets in kinds.values())
     lines = [
         f"  process groups: the default one + {subgroup_count} for collectives ({len(kinds)} kinds) + "
         f"{len(one_way)} one-way links (the pipeline's, the cp ring's); each rank is in up to "
-        f"{max(per_rank)} communicators for collectives and {max(rank_links)} links"
+        f"{most_communicators} communicators for collectives and {max(on_links.values(), default=0)} links"
     ]
     if subgroup_count or one_way:
         lines.append(
