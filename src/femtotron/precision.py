@@ -146,7 +146,7 @@ def block_kernel(
     # Flash's backward lacks the shared memory for head_dim 193-224 on sm86-89 and sm120-121 (torch's check).
     small_shared_memory = (8, 6) <= capability <= (8, 9) or (12, 0) <= capability
     flash_takes = (8, 0) <= capability <= (12, 1) and head_dim % 8 == 0 and head_dim <= 256
-    if not flash_takes or small_shared_memory and 192 < head_dim <= 224:
+    if not flash_takes or (small_shared_memory and 192 < head_dim <= 224):
         return "written out"
     return "efficient" if masked else "flash"
 

@@ -140,7 +140,9 @@ class _HostReads(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1]):
             self.seen.append("index by a mask")
-        elif name in self.SIZED_BY_DATA or name == "repeat_interleave" and kwargs.get("output_size") is None:
+        elif name in self.SIZED_BY_DATA:
+            self.seen.append(name)
+        elif name == "repeat_interleave" and kwargs.get("output_size") is None:
             self.seen.append(name)
         return func(*args, **kwargs)
 

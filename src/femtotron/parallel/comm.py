@@ -107,7 +107,7 @@ class _Slot:
         return True
 
     def is_completed(self) -> bool:
-        done = self.waited and self.on_host or (self.work is not None and self.work.is_completed())
+        done = (self.waited and self.on_host) or (self.work is not None and self.work.is_completed())
         return done and not self.failed
 
 
