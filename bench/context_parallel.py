@@ -35,8 +35,8 @@ import torch
 from common import DEBUG_SHAPE, headline, shape_config, spawn_ranks
 from tokenizers import Tokenizer, models
 
+from femtotron.batch import MicroBatch
 from femtotron.data.indexed import IndexedDatasetWriter
-from femtotron.data.nanoset import MicroBatch
 from femtotron.diagnostics.memory import LiveMemory, estimate_rank
 from femtotron.parallel import context_parallel
 from femtotron.parallel.context import ParallelContext

@@ -52,7 +52,7 @@ def memory_rank(ctx, cases, args, report) -> None:
         with LiveMemory() as live:
             trainer.train_step()
         plan = trainer.data_parallel.model_state_bytes()
-        params = sum(p.numel() for _, p in trainer.named_parameters())
+        params = sum(p.numel() for _, p in trainer.model.named_parameters())
         estimate = estimate_rank(config, ctx.pp_rank, on_this_cpu=True).total
         report(index, (sum(plan.values()), sum(plan.values()) + live.peak, estimate, params))
 

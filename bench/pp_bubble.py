@@ -54,8 +54,8 @@ import torch
 from common import headline, spawn_ranks
 from torch import nn
 
+from femtotron.batch import MicroBatch
 from femtotron.config import load_config
-from femtotron.data.nanoset import MicroBatch
 from femtotron.diagnostics.advice import pipeline_bubble
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.pipeline.p2p import PipelineP2P

@@ -70,7 +70,8 @@ def bench_case(name: str, rounds: int) -> None:
             generator=torch.Generator().manual_seed(0),
         )
         saved = {
-            on: saved_activation_bytes(run.chunks[0], ids[:, :-1], ids[:, 1:]) for on, run in runs.items()
+            on: saved_activation_bytes(run.model.chunks[0], ids[:, :-1], ids[:, 1:])
+            for on, run in runs.items()
         }
         layer_input = tokens_per_step * shape["hidden_size"] * 4
         per_layer_off = (saved[False] - saved[True]) / shape["num_hidden_layers"] + layer_input

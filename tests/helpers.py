@@ -20,11 +20,12 @@ import yaml
 from distributed import run_ranks
 
 import femtotron.precision as precision_module
+from femtotron.batch import IGNORE_INDEX, MicroBatch
 from femtotron.config import LlamaConfig, load_config_dict
 from femtotron.data.indexed import IndexedDatasetWriter
-from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch
 from femtotron.diagnostics.check_tp import full_gradients
 from femtotron.models.llama import Llama
+from femtotron.optim.zero import ZeroAdamW
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.tensor_parallel import TensorParallel, full_tensor
 from femtotron.trainer import Trainer
@@ -239,7 +240,7 @@ def record_steps(config, ctx, steps: int = 3, prepare=None) -> Steps:
     trainer = Trainer(config, ctx, log_to_console=False)
     if prepare is not None:
         prepare(trainer)
-    named = trainer.named_parameters()
+    named = trainer.model.named_parameters()
 
     def full(tensors):
         return {
@@ -250,9 +251,9 @@ def record_steps(config, ctx, steps: int = 3, prepare=None) -> Steps:
     loss, _, pieces = trainer.compute_gradients()
     grads = full(trainer.data_parallel.full(pieces))  # per parameter, whole (assembled over dp under ZeRO-1)
     trainer.optimizer.zero_grad()
-    initial = full(trainer.optimizer.full_masters())
+    initial = full(full_masters(trainer.optimizer))
     results = [trainer.train_step() for _ in range(steps)]
-    updates = {n: w - initial[n] for n, w in full(trainer.optimizer.full_masters()).items()}
+    updates = {n: w - initial[n] for n, w in full(full_masters(trainer.optimizer)).items()}
     return Steps(loss, grads, [r.loss for r in results], [r.grad_norm for r in results], updates)
 
 
@@ -383,3 +384,8 @@ def assert_steps_match(got: Steps, reference: Steps, exact: Steps | None = None,
     ]
     for what, ours, ref, fp32, rel in pairs:
         assert_close_to_reference(ours, ref, fp32, fp32_rel=rel, label=f"{label}: {what}")
+
+
+def full_masters(optimizer: ZeroAdamW) -> list[torch.Tensor]:
+    """Per parameter, its whole fp32 master weight (gathered over dp under ZeRO-1)."""
+    return optimizer.data_parallel.full([m.detach().float() for m in optimizer.masters])

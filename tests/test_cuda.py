@@ -30,8 +30,8 @@ from helpers import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from femtotron.batch import MicroBatch
 from femtotron.config import LlamaConfig
-from femtotron.data.nanoset import MicroBatch
 from femtotron.diagnostics.doctor import worst_stage
 from femtotron.errors import OutOfMemory
 from femtotron.models.llama import Llama
@@ -120,7 +120,7 @@ def test_bf16_runs_in_bf16_without_upcasts_and_its_loss_is_fp32s_within_rounding
 
 
 def test_document_masking_on_cuda_equals_the_cpu_kernel(fp32_without_tf32):
-    """On GPUs each block of ring attention is written out in fp32 (precision.math_attention_with_lse): with
+    """On GPUs each block of ring attention is written out in fp32 (attention.math_attention_with_lse): with
     document masking (one block at cp = 1, masked) its loss and gradients are the CPU flash kernel's."""
     cfg = llama_config(max_position_embeddings=64)
     tokens = torch.randint(1, cfg.vocab_size, (3, 33), generator=torch.Generator().manual_seed(0))
@@ -384,8 +384,8 @@ def _ring_blocks_on(device, q, k, v, grad_out, blocks):
     merged in fp32 (context_parallel._merge), then each block's backward from the merged output (in q's
     dtype) and lse, the gradients summed in fp32. `blocks`: (rows, columns, causal, documents). Returns the
     output, the lse and the q, k, v gradients in fp32 on the CPU."""
+    from femtotron.attention import attention_with_lse, attention_with_lse_backward
     from femtotron.parallel.context_parallel import _merge
-    from femtotron.precision import attention_with_lse, attention_with_lse_backward
 
     q, k, v, grad_out = (t.to(device) for t in (q, k, v, grad_out))
     blocks = [
@@ -434,15 +434,15 @@ def test_ring_attention_blocks_on_cuda_equal_attention_over_all_keys_on_the_cpu(
 ):
     """A cp rank's blocks at cp = 3 (rank 1: its own causal block, a lower rank's first chunk seen by every
     local query, a higher rank's whole block seen by the second local chunk), each through the kernel
-    precision.block_kernel picks on this GPU (bf16: flash mask-free, memory-efficient under document
+    attention.block_kernel picks on this GPU (bf16: flash mask-free, memory-efficient under document
     masking; fp32 and odd head_dims: written out), merged by log-sum-exp, each block's backward from the
     merged output and lse: the output, lse and q, k, v gradients equal softmax attention over all the keys
     in fp32 on the CPU (autograd) from the same values, within bf16's rounding (fp32: 1e-4). 150 local
     queries (not a multiple of 32, the efficient kernel's lse rows), chunks of 32 of them per kernel call
     (8 written out), GQA 4 to 2 heads, and under masking a query that sees no key in either other block."""
-    from femtotron import precision
+    from femtotron import attention
 
-    monkeypatch.setattr(precision, "SCORES_PER_CHUNK", 2 * 150 * 32)
+    monkeypatch.setattr(attention, "SCORES_PER_CHUNK", 2 * 150 * 32)
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 150, head_dim, generator=generator).to(dtype)
     k, v = (torch.randn(2, 2, 375, head_dim, generator=generator).to(dtype) for _ in range(2))
@@ -478,7 +478,7 @@ def test_ring_attention_blocks_on_cuda_equal_attention_over_all_keys_on_the_cpu(
             results = _ring_blocks_on(CUDA, q, k, v, grad_out, blocks)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    kernel = precision.block_kernel("cuda", dtype, torch.cuda.get_device_capability(CUDA), head_dim, masked)
+    kernel = attention.block_kernel("cuda", dtype, torch.cuda.get_device_capability(CUDA), head_dim, masked)
     expected = {
         "flash": {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"},
         "efficient": {
@@ -504,7 +504,7 @@ def test_document_masking_on_cuda_in_bf16_runs_the_efficient_kernel_without_host
     sync debug mode sees waits), forward or backward."""
     import warnings
 
-    from femtotron import precision
+    from femtotron import attention
 
     cfg = llama_config(max_position_embeddings=64)
     tokens = torch.randint(1, cfg.vocab_size, (3, 65), generator=torch.Generator().manual_seed(0))
@@ -529,11 +529,11 @@ def test_document_masking_on_cuda_in_bf16_runs_the_efficient_kernel_without_host
         f"{w.filename}:{w.lineno}"
         for w in caught
         if "synchronizing CUDA operation" in str(w.message)
-        and w.filename.endswith(("precision.py", "context_parallel.py"))
+        and w.filename.endswith(("attention.py", "context_parallel.py"))
     ]
     assert waits == []
     capability = torch.cuda.get_device_capability(CUDA)
-    kernel = precision.block_kernel("cuda", torch.bfloat16, capability, cfg.head_dim, True)
+    kernel = attention.block_kernel("cuda", torch.bfloat16, capability, cfg.head_dim, True)
     assert ("_scaled_dot_product_efficient_attention" in ops.inputs) == (kernel == "efficient"), kernel
     exact_sum, exact_count = reference(batch.inputs, batch.targets, batch.placement)
     assert_within_bf16_rounding((loss_sum / count).item(), model, exact_sum / exact_count, reference)

@@ -95,7 +95,9 @@ def wandb_attempts(run_dir):
     for path in sorted(
         (run_dir / "wandb").glob("offline-run-*/run-*.wandb"), key=lambda p: p.stat().st_mtime
     ):
-        store, run, history = datastore.DataStore(), None, {}
+        store = datastore.DataStore()
+        run = None
+        history = {}
         store.open_for_scan(str(path))
         while (data := store.scan_data()) is not None:
             record = wandb_internal_pb2.Record()

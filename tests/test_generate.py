@@ -53,9 +53,11 @@ def test_greedy_decoding_equals_transformers_generate_token_for_token(tmp_path):
 
 def uncached_greedy(model, ids, new):
     """The loop without a cache: the whole (cropped) context through the model for every token."""
-    ids, window = list(ids), model.cfg.max_position_embeddings
+    ids = list(ids)
+    window = model.cfg.max_position_embeddings
     for _ in range(new):
-        ids.append(int(model.logits(torch.tensor([ids[-window:]]))[0, -1].argmax()))
+        context = torch.tensor([ids[-window:]])
+        ids.append(int(model.logits(context)[0, -1].argmax()))
     return ids
 
 

@@ -166,9 +166,9 @@ def test_more_processes_than_gpus_is_a_config_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,3")  # what hides the others is named
-    check_local_devices(2, 1, 1)
+    check_local_devices(dp=2, tp=1, pp=1)
     with pytest.raises(ConfigError) as raised:
-        check_local_devices(4, 1, 1)
+        check_local_devices(dp=4, tp=1, pp=1)
     message = str(raised.value)
     for expected in (
         "parallelism.dp=4",

@@ -47,7 +47,8 @@ def test_the_mfu_yardstick_is_the_fastest_matmul_ever_measured_on_this_machine(t
     cache = tmp_path / "peak_flops.json"
     rates = iter([4e11, 1e11, 9e11])
     monkeypatch.setattr(femtotron.metrics, "matmul_flops_rate", lambda *a, **k: next(rates))
-    cpu, shape = torch.device("cpu"), (64, 256, 64)
+    cpu = torch.device("cpu")
+    shape = (64, 256, 64)
     assert peak_flops(cpu, torch.float32, shape, cache)[0] == 4e11
     second, source = peak_flops(cpu, torch.float32, shape, cache)
     assert second == 4e11  # measured 1e11 while busy: the earlier, faster measurement stands
@@ -101,11 +102,10 @@ class RecordingCuda:
         self.calls = []
 
     def use(self, allocated, reserved):
-        self.allocated, self.reserved = allocated, reserved
-        self.peak_allocated, self.peak_reserved = (
-            max(self.peak_allocated, allocated),
-            max(self.peak_reserved, reserved),
-        )
+        self.allocated = allocated
+        self.reserved = reserved
+        self.peak_allocated = max(self.peak_allocated, allocated)
+        self.peak_reserved = max(self.peak_reserved, reserved)
 
     def max_memory_allocated(self, device):
         self.calls.append("max_memory_allocated")
@@ -121,11 +121,13 @@ class RecordingCuda:
 
     def reset_peak_memory_stats(self, device):
         self.calls.append("reset_peak_memory_stats")
-        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+        self.peak_allocated = self.allocated
+        self.peak_reserved = self.reserved
 
 
 def test_memory_gib_on_cuda_is_each_record_s_peak_and_the_free_memory():
-    cuda, gpu = RecordingCuda(), torch.device("cuda", 0)
+    cuda = RecordingCuda()
+    gpu = torch.device("cuda", 0)
     cuda.use(10 * 2**30, 12 * 2**30)  # step 1 peaks high ...
     cuda.use(2 * 2**30, 12 * 2**30)  # ... and ends low
     assert memory_gib(gpu, cuda) == {
@@ -148,6 +150,7 @@ def test_memory_gib_on_a_real_gpu_reports_the_peak_since_the_last_read():
     memory_gib(gpu)
     scratch = torch.empty(2**28, dtype=torch.uint8, device=gpu)  # 0.25 GiB
     del scratch
-    first, second = memory_gib(gpu), memory_gib(gpu)
+    first = memory_gib(gpu)
+    second = memory_gib(gpu)  # nothing allocated since the first read: its peak is lower
     assert first["mem_peak_allocated_gib"] - second["mem_peak_allocated_gib"] > 0.24
     assert 0 < first["mem_free_gib"] < first["mem_total_gib"]

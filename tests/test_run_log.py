@@ -71,7 +71,16 @@ def test_a_logged_step_records_the_gpu_s_peak_and_free_memory_and_shows_them(tmp
     }
     monkeypatch.setattr(run_log, "memory_gib", lambda device: memory)  # what metrics.memory_gib reads on CUDA
     log = RunLog("[rank 0]", tmp_path, is_main=True)
-    logger = StepLogger(log, 10, 1, 1, torch.device("cuda", 0), 1e9, 1e15, "a data sheet")
+    logger = StepLogger(
+        log=log,
+        train_steps=10,
+        interval=1,
+        world_size=1,
+        device=torch.device("cuda", 0),
+        flops_per_token=1e9,
+        peak_flops=1e15,
+        peak_source="a data sheet",
+    )
     logger(1, StepResult(loss=5.0, grad_norm=1.0, lr=1e-4, tokens=1000, seconds=0.5, comm_seconds={}))
     record = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert {k: v for k, v in record.items() if k.startswith("mem_")} == memory

@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import BF16_PATHS, assert_steps_match, mask_unevenly, precision_path, record_steps
+from helpers import BF16_PATHS, assert_steps_match, full_masters, mask_unevenly, precision_path, record_steps
 
-from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch
+from femtotron.batch import IGNORE_INDEX, MicroBatch
 from femtotron.errors import ConfigError, DataError, TrainingDiverged
 from femtotron.parallel.context import ParallelContext
 from femtotron.trainer import Trainer
@@ -43,7 +43,7 @@ def loss_and_grads(config, ctx=None):
     trainer = Trainer(config, ctx or ParallelContext(), log_to_console=False)
     loss, _, pieces = trainer.compute_gradients()
     grads = trainer.data_parallel.full(pieces)  # per parameter, whole (assembled over dp under ZeRO-1)
-    names = [n for n, _ in trainer.named_parameters()]
+    names = [n for n, _ in trainer.model.named_parameters()]
     return loss, dict(zip(names, [g.clone() for g in grads], strict=True)), trainer
 
 
@@ -83,9 +83,9 @@ def test_data_parallel_matches_single_process(tiny_config):
 def test_bf16_parameters_train_with_fp32_master_weights(tiny_config, native):
     with precision_path(native):
         trainer, results = train(tiny_config("model.dtype=bfloat16", "tokens.train_steps=4"))
-    assert all(p.dtype == torch.bfloat16 for p in trainer.chunks[0].parameters())
-    assert all(m.dtype == torch.float32 for m in trainer.optimizer.full_masters())
-    for p, m in zip(trainer.chunks[0].parameters(), trainer.optimizer.full_masters(), strict=True):
+    assert all(p.dtype == torch.bfloat16 for p in trainer.model.chunks[0].parameters())
+    assert all(m.dtype == torch.float32 for m in full_masters(trainer.optimizer))
+    for p, m in zip(trainer.model.chunks[0].parameters(), full_masters(trainer.optimizer), strict=True):
         assert torch.equal(p, m.to(torch.bfloat16))
     assert results[-1].loss < results[0].loss
 
@@ -94,7 +94,7 @@ def test_N2_non_finite_loss_stops_with_history_and_advice(tiny_config):
     trainer = Trainer(tiny_config("tokens.train_steps=5"), ParallelContext(), log_to_console=False)
     trainer.train_step()
     with torch.no_grad():
-        trainer.chunks[0].norm.weight.fill_(float("nan"))
+        trainer.model.chunks[0].norm.weight.fill_(float("nan"))
     with pytest.raises(TrainingDiverged) as info:
         trainer.train_step()
     message = str(info.value)
@@ -194,8 +194,8 @@ def test_a_mixture_of_experts_logs_its_loads_and_warns_of_a_collapsed_router(
 
 
 def weights(trainer):
-    return [p.detach().clone() for _, p in trainer.named_parameters()] + [
-        m.detach().clone() for m in trainer.optimizer.full_masters()
+    return [p.detach().clone() for _, p in trainer.model.named_parameters()] + [
+        m.detach().clone() for m in full_masters(trainer.optimizer)
     ]
 
 
@@ -204,7 +204,7 @@ def test_N1_fp16_overflow_skips_the_step_and_lowers_the_loss_scale(tiny_config, 
     trainer = Trainer(config, ParallelContext())
     assert trainer.scaler.enabled and trainer.scaler.scale == 2.0**16
     # One fp16 parameter gradient overflows during backward (as a too-large loss scale makes it do).
-    _, param = trainer.named_parameters()[3]
+    _, param = trainer.model.named_parameters()[3]
     assert param.dtype == torch.float16
     hook = param.register_hook(lambda grad: torch.full_like(grad, math.inf))
     before = weights(trainer)

@@ -27,7 +27,9 @@ class Dashboards:
     """Built on every rank (a missing extra fails before training); opened on rank 0 (RunLog.start_at)."""
 
     def __init__(self, config: Config) -> None:
-        self.config, self.board, self.wandb_run = config, None, None
+        self.config = config
+        self.board = None  # a TensorBoard SummaryWriter once open() ran
+        self.wandb_run = None
         self.wanted = [name for name in ("tensorboard", "wandb") if getattr(config.logging, name)]
         for name in self.wanted:
             if importlib.util.find_spec(name) is None:
@@ -38,7 +40,8 @@ class Dashboards:
 
     def open(self, step: int) -> None:
         """The run (re)starts after `step`: what an earlier attempt logged beyond it is superseded."""
-        run_dir, general = self.config.run_dir, self.config.general
+        run_dir = self.config.run_dir
+        general = self.config.general
         if "tensorboard" in self.wanted:
             from torch.utils.tensorboard import SummaryWriter
 

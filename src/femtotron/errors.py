@@ -41,6 +41,8 @@ class TrainingDiverged(FemtotronError):
 
 
 class OutOfMemory(FemtotronError):
+    """A rank ran out of memory; the message gives its model state, its memory, and what to lower first."""
+
     exit_code = 8
 
 

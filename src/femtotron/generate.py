@@ -21,8 +21,14 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[Config, Llama]:
         config, weights = read_as_run(run_dir)
     else:
         config, weights = load_weights(run_dir, device)
-    cfg, std, seed = config.model.model_config_, config.model.init_method.std, config.general.seed
-    model = Llama(cfg, std=std, seed=seed, dtype=torch.float32, device=torch.device(device))
+    # The init's std and seed are only used to build the model; every weight is then loaded over it.
+    model = Llama(
+        config.model.model_config_,
+        std=config.model.init_method.std,
+        seed=config.general.seed,
+        dtype=torch.float32,
+        device=torch.device(device),
+    )
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as e:
@@ -45,13 +51,19 @@ def sample(
 ) -> list[int]:
     """Autoregressive sampling (temperature 0: greedy) with a key/value cache; when the context outgrows the
     model's max_position_embeddings it is cropped to that and the cache rebuilt."""
-    generator, ids = torch.Generator().manual_seed(seed), list(prompt_ids)
-    window, device = model.cfg.max_position_embeddings, model.embed_tokens.weight.device
-    cache, feed = KVCache(), ids[-window:]
+    generator = torch.Generator().manual_seed(seed)
+    ids = list(prompt_ids)
+    window = model.cfg.max_position_embeddings
+    device = model.embed_tokens.weight.device
+    cache = KVCache()
+    feed = ids[-window:]  # the tokens the model has not seen yet
     for _ in range(max_new_tokens):
         if cache.length + len(feed) > window:
-            cache, feed = KVCache(), ids[-window:]
-        logits = model.logits(torch.tensor([feed], device=device), cache)[0, -1].float().cpu()
+            # RoPE knows no positions beyond the window: start again on its last tokens.
+            cache = KVCache()
+            feed = ids[-window:]
+        inputs = torch.tensor([feed], device=device)
+        logits = model.logits(inputs, cache)[0, -1].float().cpu()
         if temperature <= 0:
             next_id = int(logits.argmax())
         else:
@@ -89,5 +101,13 @@ def generate_text(
     eos = eos_token_id(tokenizer)
     # Documents were separated by EOS in training, so EOS is also how a fresh document begins.
     prompt_ids = [eos] + tokenizer.encode(prompt, add_special_tokens=False).ids
-    new_ids = sample(model, prompt_ids, max_new_tokens, temperature, top_k, seed, stop_id=eos)
+    new_ids = sample(
+        model,
+        prompt_ids,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        stop_id=eos,
+    )
     return prompt + tokenizer.decode(new_ids)

@@ -1,9 +1,13 @@
 """Start a multi-process run's local processes when `femtotron train` is run without a launcher.
 
-So that `femtotron train CONFIG parallelism.dp=2` works on one machine as plainly as dp=1, this process runs
-torch.distributed.run (the code behind `torchrun`): one `python -m femtotron <same arguments>` per rank, on a
-free port, all stopped when one fails; the children take exactly the path they take under torchrun.
-Several machines need torchrun on each node, or srun with one task per process (adopt_slurm_environment).
+`femtotron train CONFIG parallelism.dp=2` should work on one machine as plainly as a dp=1 run, without the
+user having to learn torchrun first. Rather than manage processes itself, femtotron runs
+torch.distributed.run (the code behind `torchrun`) inside this process. It picks a free port, starts one
+`python -m femtotron <same arguments>` per rank with RANK, WORLD_SIZE, MASTER_ADDR and the rest set, and
+stops the others when one fails. The children therefore take exactly the path they take under torchrun.
+
+Several machines need torchrun on each node, or srun with one task per process: then
+`adopt_slurm_environment` turns Slurm's variables into torchrun's, and no local launcher runs.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import re
 import signal
 import sys
 from collections.abc import MutableMapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -26,15 +30,34 @@ _FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
 
 def adopt_slurm_environment(env: MutableMapping[str, str]) -> bool:
-    """Under `srun` (a task per process, else each starts its own), set torchrun's variables from Slurm's;
-    return whether it did. Task 0's node hosts the store, on a port from the job id (jobs share nodes)."""
-    if "WORLD_SIZE" in env or "SLURM_PROCID" not in env or int(env.get("SLURM_NTASKS", "1")) <= 1:
+    """Under `srun` with one task per process, set what torchrun would have set, from Slurm's variables.
+
+    Without this, every task of `srun python -m femtotron train ...` would see no launcher (no WORLD_SIZE)
+    and start its own local processes: as many copies of the whole run as there are tasks. So each task
+    becomes one rank: SLURM_PROCID is its RANK, SLURM_NTASKS the WORLD_SIZE, and SLURM_LOCALID its
+    LOCAL_RANK, the GPU it takes on its node.
+
+    Task 0 runs on the first node of the job step, so that node hosts the rendezvous store (MASTER_ADDR).
+    The port (MASTER_PORT) is derived from the job id, so that every task computes the same one without
+    talking to the others, and two jobs sharing a node do not collide. A MASTER_ADDR or MASTER_PORT
+    already set is kept.
+
+    Nothing changes when WORLD_SIZE is set (a launcher such as torchrun, started by srun once per node,
+    has set the variables already) or when the step has a single task (it is a one-process run, or starts
+    its local processes as on any machine). Returns whether it set anything.
+    """
+    already_launched = "WORLD_SIZE" in env
+    under_srun = "SLURM_PROCID" in env
+    several_tasks = int(env.get("SLURM_NTASKS", "1")) > 1
+    if already_launched or not under_srun or not several_tasks:
         return False
-    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
     env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
     env.setdefault("MASTER_ADDR", first_host(nodelist))
-    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    port = 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+    env.setdefault("MASTER_PORT", str(port))
     return True
 
 
@@ -45,7 +68,10 @@ def first_host(nodelist: str) -> str:
 
 
 def launched_by_torchrun() -> bool:
-    """True under torchrun (or any launcher that sets WORLD_SIZE, which is what ParallelContext reads)."""
+    """True inside a process started by torchrun (or any launcher that sets WORLD_SIZE).
+
+    WORLD_SIZE is what ParallelContext reads, so keying on it keeps the two from ever disagreeing.
+    """
     return "WORLD_SIZE" in os.environ
 
 
@@ -55,7 +81,8 @@ def check_local_devices(dp: int, tp: int, pp: int, cp: int = 1) -> None:
 
     from femtotron.errors import ConfigError
 
-    processes, gpus = dp * cp * tp * pp, torch.cuda.device_count()
+    processes = dp * cp * tp * pp
+    gpus = torch.cuda.device_count()
     if torch.cuda.is_available() and processes > gpus:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
@@ -68,7 +95,15 @@ def check_local_devices(dp: int, tp: int, pp: int, cp: int = 1) -> None:
 
 
 def launch_local(nprocs: int, argv: list[str], what: str = "this run") -> int:
-    """Run `python -m femtotron *argv` as `nprocs` local ranks; 0, or the first failed rank's exit code."""
+    """Run `python -m femtotron *argv` as `nprocs` ranks on this machine; return the exit code to exit with.
+
+    The code is 0 when every rank finished. When one failed, torch stops the others, and the code is that
+    of the rank that failed first, so that a script sees the same code as under torchrun: the code its
+    femtotron error carries (errors.py; 2 for a bad config, 7 for a run stopped by SIGTERM or SIGUSR1
+    after saving a checkpoint), 1 for a traceback, or 128 + the signal for a rank killed without a
+    message. A signal that reached this launcher and made torch stop the ranks (Ctrl-C, say) also gives
+    128 + that signal. `what` names the layout for the message.
+    """
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -105,8 +140,17 @@ def launch_local(nprocs: int, argv: list[str], what: str = "this run") -> int:
 
 
 def _forward_stop_signals() -> dict[int, object]:
-    """SIGTERM and SIGUSR1 go on to the ranks, which save a checkpoint and exit 7, passed on (torch's agent
-    would kill them, exit 143; SIGUSR1 would kill the launcher). Needs /proc to find the ranks."""
+    """Pass SIGTERM and SIGUSR1 on to the ranks; return the handlers they replaced, to restore.
+
+    A scheduler sends these two ("stop soon") to the process it started, which is this launcher. Passed
+    on, they reach the ranks' own handlers (stop_signals.py): the ranks finish the step, save a checkpoint
+    and exit 7, and the launcher passes that 7 on, as each rank does under torchrun or srun. Left to
+    torch's agent, SIGTERM would kill the ranks without a checkpoint (exit 143), and SIGUSR1 would kill the
+    launcher outright.
+
+    The ranks are found through /proc; where there is none, nothing is forwarded and torch's handling
+    stays.
+    """
     if not os.path.isdir("/proc/self"):
         return {}
 
@@ -120,21 +164,32 @@ def _forward_stop_signals() -> dict[int, object]:
 
 def _child_processes() -> list[int]:
     """This process's children, from /proc (the ranks torch started, each in a session of its own)."""
-    me, children = os.getpid(), []
+    me = os.getpid()
+    children = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             # a process gone meanwhile is skipped
             with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{entry}/stat") as f:
                 # pid (comm) state ppid ...: comm may hold spaces, so split after its closing parenthesis
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                after_comm = f.read().rsplit(")", 1)[1]
+                parent = int(after_comm.split()[1])
+                if parent == me:
                     children.append(int(entry))
     return children
 
 
 def _first_failure_code(error: ChildFailedError) -> int:
-    """The exit code of the rank that failed first (the others were stopped because of it). Failure times
-    have one-second resolution: among ties, a rank that exited on its own, not one killed with a signal."""
-    rank, failure = min(error.failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode < 0, kv[0]))
+    """The exit code of the rank that failed first: the others were stopped because of it.
+
+    Failure times have one-second resolution, so among ties a rank that exited on its own is preferred over
+    one the launcher then killed with a signal (a negative exit code), and then the lowest rank.
+    """
+
+    def first(item: tuple[int, Any]) -> tuple[float, bool, int]:
+        rank, failure = item
+        return (failure.timestamp, failure.exitcode < 0, rank)
+
+    rank, failure = min(error.failures.items(), key=first)
     if failure.exitcode >= 0:
         return failure.exitcode  # the rank printed its own message (a femtotron error or a traceback)
     sig = -failure.exitcode

@@ -13,10 +13,12 @@ from femtotron.config import Config
 from femtotron.models.llama import Llama
 from femtotron.models.moe import RouterStats
 from femtotron.parallel.comm import Comm, Group
-from femtotron.parallel.context import ParallelContext, coordinates_of
+from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.context_parallel import ContextParallel
 from femtotron.parallel.data_parallel import DataParallel, Replicas
 from femtotron.parallel.expert_parallel import ExpertParallel
+from femtotron.parallel.members import Parallel
+from femtotron.parallel.mesh import Mesh
 from femtotron.parallel.pipeline.p2p import PipelineP2P
 from femtotron.parallel.pipeline.partition import Stage, partition
 from femtotron.parallel.pipeline.schedules import Pipeline
@@ -26,7 +28,7 @@ from femtotron.parallel.tensor_parallel import TensorParallel
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RankModel:
     stages: list[Stage]  # every virtual stage of the pipeline (this rank runs stage chunk * pp + pp_rank)
     chunks: list[Llama]  # this rank's model chunks (one unless interleaved)
@@ -51,43 +53,65 @@ def tensor_parallel(config: Config, comm: Comm, group: Group, rank: int) -> Tens
 
 def build_rank_model(config: Config, ctx: ParallelContext) -> RankModel:
     """This process's part of the model, on its device, talking over its groups."""
-    tp = tensor_parallel(config, ctx.comm, ctx.tp_group, ctx.tp_rank)
-    cp = ContextParallel(ctx.comm, ctx.cp_group, ctx.cp_rank, ctx.cp_links)
-    ep = ExpertParallel(ctx.comm, ctx.ep_group, ctx.ep_rank)
-    replicas = Replicas(ctx.dp_cp_group, ctx.dp_cp_rank), Replicas(ctx.edp_group, ctx.edp_rank)
-    return _build(config, (tp, cp, ep), ctx.pp_rank, ctx.comm, replicas, ctx.device)
+    parallel = Parallel(
+        tp=tensor_parallel(config, ctx.comm, ctx.tp_group, ctx.tp_rank),
+        cp=ContextParallel(ctx.comm, ctx.cp_group, ctx.cp_rank, ctx.cp_links),
+        ep=ExpertParallel(ctx.comm, ctx.ep_group, ctx.ep_rank),
+    )
+    return _build(
+        config,
+        parallel,
+        pp_rank=ctx.pp_rank,
+        comm=ctx.comm,
+        dense=Replicas(ctx.dp_cp_group, ctx.dp_cp_rank),
+        experts=Replicas(ctx.edp_group, ctx.edp_rank),
+        device=ctx.device,
+    )
 
 
 def meta_rank_model(config: Config, rank: int) -> RankModel:
     """Rank `rank` of the config's mesh on the meta device, no process group: shapes and layout only."""
     par = config.parallelism
-    at = coordinates_of(rank, par.dp, par.tp, par.cp)
-    tp = tensor_parallel(config, Comm(), Group("tp", tuple(range(par.tp))), at.tp_rank)
-    cp = ContextParallel(Comm(), Group("cp", tuple(range(par.cp))), at.cp_rank)
+    at = Mesh.of(par).coordinates_of(rank)
     replica = at.dp_rank * par.cp + at.cp_rank
-    ep = ExpertParallel(Comm(), Group("ep", tuple(range(par.ep))), replica % par.ep)
-    dense = Replicas(Group("dp", tuple(range(par.dp * par.cp))), replica)
-    experts = Replicas(Group("edp", tuple(range(par.dp * par.cp // par.ep))), replica // par.ep)
-    return _build(config, (tp, cp, ep), at.pp_rank, Comm(), (dense, experts), torch.device("meta"))
+    parallel = Parallel(
+        tp=tensor_parallel(config, Comm(), Group("tp", tuple(range(par.tp))), at.tp_rank),
+        cp=ContextParallel(Comm(), Group("cp", tuple(range(par.cp))), at.cp_rank),
+        ep=ExpertParallel(Comm(), Group("ep", tuple(range(par.ep))), replica % par.ep),
+    )
+    return _build(
+        config,
+        parallel,
+        pp_rank=at.pp_rank,
+        comm=Comm(),
+        dense=Replicas(Group("dp", tuple(range(par.dp * par.cp))), replica),
+        experts=Replicas(Group("edp", tuple(range(par.dp * par.cp // par.ep))), replica // par.ep),
+        device=torch.device("meta"),
+    )
 
 
 def _build(
     config: Config,
-    parallel: tuple[TensorParallel, ContextParallel, ExpertParallel],
+    parallel: Parallel,
+    *,
     pp_rank: int,
     comm: Comm,
-    replicas: tuple[Replicas, Replicas],
+    dense: Replicas,
+    experts: Replicas,
     device: torch.device,
 ) -> RankModel:
-    """`replicas`: the ranks summing gradients (dp x cp; for experts dp x cp / ep), and this rank's place."""
-    (tp, cp, ep), (dense, experts) = parallel, replicas
-    mcfg, par = config.model.model_config_, config.parallelism
+    """`dense`: the ranks summing the gradients of the dense parameters (dp x cp) and this rank's place among
+    them; `experts`: the same for the experts' (dp x cp / ep)."""
+    tp = parallel.tp
+    ep = parallel.ep
+    mcfg = config.model.model_config_
+    par = config.parallelism
     dtype = DTYPES[config.model.dtype]
     # Virtual stage s runs on pp rank s % pp as its chunk s // pp (one chunk unless interleaved).
     stages = partition(mcfg, config.tokens.sequence_length, par.pp * par.pp_virtual_stages)
     common = dict(std=config.model.init_method.std, seed=config.general.seed, dtype=dtype, device=device)
     stats = RouterStats(mcfg, device) if mcfg.moe else None
-    common |= dict(tp=tp, cp=cp, ep=ep, recompute_layer=par.recompute_layer, router_stats=stats)
+    common |= dict(tp=tp, cp=parallel.cp, ep=ep, recompute_layer=par.recompute_layer, router_stats=stats)
     chunks = [Llama(mcfg, **common, stage=stages[c * par.pp + pp_rank]) for c in range(par.pp_virtual_stages)]
     named = [item for chunk in chunks for item in chunk.named_parameters()]
     replicated = [split_dim(p.shard) is None for _, p in named]
@@ -108,13 +132,23 @@ def _build(
         sharded=config.optimizer.zero_stage == 1,
         expert_replicas=experts if ep.size > 1 else None,
     )
-    tied = tied_copy.index(True) if any(tied_copy) else None
-    return RankModel(stages, chunks, tp, data_parallel, replicated, counted, tied, ep, stats)
+    return RankModel(
+        stages=stages,
+        chunks=chunks,
+        tp=tp,
+        data_parallel=data_parallel,
+        replicated=replicated,
+        counted=counted,
+        tied_embedding=tied_copy.index(True) if any(tied_copy) else None,
+        ep=ep,
+        router_stats=stats,
+    )
 
 
 def build_pipeline(config: Config, ctx: ParallelContext, model: RankModel) -> Pipeline:
     """The schedule executor over this rank's chunks; it checks the transfer shape with its neighbours."""
-    tokens, hidden = config.tokens, config.model.model_config_.hidden_size
+    tokens = config.tokens
+    hidden = config.model.model_config_.hidden_size
     sequence = tokens.sequence_length // ctx.cp // (ctx.tp if model.tp.sequence_parallel else 1)
     shape = (tokens.micro_batch_size, sequence, hidden)
     p2p = PipelineP2P(ctx.comm, ctx.pp_links, ctx.pp_rank, ctx.device, shape, DTYPES[config.model.dtype])
@@ -127,7 +161,8 @@ def bucket_groups(chunks: list[Llama], own_bucket: list[bool]) -> list[list[int]
     """Parameter indices in the order backward produces their gradients: each chunk's, last layer first, its
     experts' in buckets of their own (reduced over other ranks). A tied embedding gets its own bucket, laid
     out alike on both stages, so the pieces each rank owns after the dp reduction match across them."""
-    groups, first = [], 0
+    groups = []
+    first = 0
     for chunk in chunks:
         params = list(chunk.parameters())
         backward_order = list(range(first + len(params) - 1, first - 1, -1))

@@ -61,11 +61,13 @@ def matmul_flops_rate(
 ) -> float:
     """Measured FLOP/s of an (m×k)·(k×n) matmul, the yardstick for MFU where no peak is known: the best of
     a few short trials (a busy machine only ever makes a trial slower)."""
-    a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
     a @ b  # warm-up: first call pays for kernel selection
     best = 0.0
     for _ in range(trials):
-        iterations, start = 0, time.perf_counter()
+        iterations = 0
+        start = time.perf_counter()
         while time.perf_counter() - start < seconds:
             a @ b
             iterations += 1
@@ -100,10 +102,17 @@ def peak_flops(
         known = json.loads(cache.read_text()) if cache.is_file() else {}
         cached = float(known.get(key, 0.0))
     except (OSError, ValueError, TypeError, AttributeError):  # unreadable or mangled: measure afresh
-        known, cached = None, 0.0
+        known = None
+        cached = 0.0
     # With a rate on record, one short trial more is enough (0.05 s): the record only ever rises.
-    trials, seconds = (1, 0.05) if cached else (3, 0.3)
-    best = max(matmul_flops_rate(m, n, k, dtype=dtype, device=device, seconds=seconds, trials=trials), cached)
+    if cached:
+        trials = 1
+        seconds = 0.05
+    else:
+        trials = 3
+        seconds = 0.3
+    measured = matmul_flops_rate(m, n, k, dtype=dtype, device=device, seconds=seconds, trials=trials)
+    best = max(measured, cached)
     unusable = (best, f"{what}, measured now: no cache at {cache}")
     if known is None:
         return unusable

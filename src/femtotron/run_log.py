@@ -19,6 +19,7 @@ from femtotron.config import Config
 from femtotron.dashboards import Dashboards
 from femtotron.metrics import describe_memory, memory_gib, peak_flops
 from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.mesh import NAMED
 
 
 class RunLog:
@@ -28,9 +29,12 @@ class RunLog:
     dashboards: Dashboards | None = None
 
     def __init__(
-        self, prefix: str, run_dir: Path, is_main: bool, console: bool = True, level: str = "info"
+        self, prefix: str, run_dir: Path, *, is_main: bool, console: bool = True, level: str = "info"
     ) -> None:
-        self.prefix, self.is_main, self.console, self.level = prefix, is_main, console, level
+        self.prefix = prefix
+        self.is_main = is_main
+        self.console = console
+        self.level = level
         self.metrics_path = run_dir / "metrics.jsonl"
 
     def start_at(self, step: int) -> None:
@@ -71,7 +75,7 @@ class RunLog:
             self.dashboards.close()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepResult:
     loss: float
     grad_norm: float
@@ -84,7 +88,7 @@ class StepResult:
     moe: dict[str, float] = field(default_factory=dict)  # a mixture of experts' `moe/` metrics
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepLogger:
     """Turns a step's result into its metrics.jsonl record and console line, every `interval` steps (and the
     first and last step: the first loss should be near ln(vocab_size), a quick check the data is sane)."""
@@ -103,13 +107,21 @@ class StepLogger:
         cls, config: Config, ctx: ParallelContext, log: RunLog, matmul_dtype: torch.dtype
     ) -> StepLogger:
         """MFU against the peak of the matmul the model runs most: its largest weight times a micro-batch."""
-        tokens, mcfg = config.tokens, config.model.model_config_
+        tokens = config.tokens
+        mcfg = config.model.model_config_
         rows = tokens.micro_batch_size * tokens.sequence_length
         columns = max(mcfg.intermediate_size, mcfg.vocab_size)
         peak, source = peak_flops(ctx.device, matmul_dtype, (rows, columns, mcfg.hidden_size))
-        flops = mcfg.flops_per_token(tokens.sequence_length)
-        interval = config.logging.iteration_step_info_interval
-        return cls(log, tokens.train_steps, interval, ctx.world_size, ctx.device, flops, peak, source)
+        return cls(
+            log=log,
+            train_steps=tokens.train_steps,
+            interval=config.logging.iteration_step_info_interval,
+            world_size=ctx.world_size,
+            device=ctx.device,
+            flops_per_token=mcfg.flops_per_token(tokens.sequence_length),
+            peak_flops=peak,
+            peak_source=source,
+        )
 
     @property
     def yardstick(self) -> str:
@@ -138,10 +150,12 @@ class StepLogger:
         if skipped_steps is not None:
             record.update(loss_scale=result.loss_scale, skipped_steps=skipped_steps)
         self.log.record(record)
+        # The console names the time in each dimension's collectives (dp_cp's counts as dp's), not in the
+        # groups that are only bookkeeping (mp, embedding, edp).
         comm = "".join(
-            f" | {k.removesuffix('_comm_share')} comm {v:.0%}"
-            for k, v in record.items()
-            if k.endswith("_comm_share") and k[:2] in ("tp", "cp", "dp", "pp", "ep")
+            f" | {kind} comm {seconds / result.seconds:.0%}"
+            for kind, seconds in result.comm_seconds.items()
+            if kind.split("_")[0] in NAMED
         )
         if result.moe:
             comm += f" | moe aux {result.moe['moe/aux_loss']:.3f}"

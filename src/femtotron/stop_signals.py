@@ -39,4 +39,6 @@ class StopSignals:
     def agreed(self, ctx: ParallelContext) -> int:
         """The signal any rank received (0: none). Every rank calls this at the same point of every step."""
         flag = torch.tensor(float(self.received or 0), device=ctx.device)
-        return int(ctx.comm.read(ctx.comm.all_reduce(flag, ctx.world_group, op="max"), "stop signal"))
+        # Signal numbers are positive, so the max over the ranks is 0 only when no rank was signalled.
+        reduced = ctx.comm.all_reduce(flag, ctx.world_group, op="max")
+        return int(ctx.comm.read(reduced, "stop signal"))

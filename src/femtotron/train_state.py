@@ -17,7 +17,7 @@ from femtotron.parallel.context import ParallelContext
 from femtotron.run_log import RunLog
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainState:
     scaler: DynamicLossScaler  # fp16's dynamic loss scale (disabled, scale 1, for bf16 and fp32)
     step: int = 0  # optimizer steps done (skipped ones included: the schedule and the data moved on)
@@ -51,7 +51,7 @@ class TrainState:
             self.scaler.load_state_dict(state["loss_scale"])
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainingParts:
     """What a checkpoint saves and restores and the start report describes, handed over by whoever trains."""
 

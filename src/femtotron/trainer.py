@@ -13,17 +13,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from femtotron.batch import IGNORE_INDEX, MicroBatch
 from femtotron.config import Config
 from femtotron.dashboards import Dashboards
-from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch, MicroBatchIterator
+from femtotron.data.nanoset import MicroBatchIterator
+from femtotron.data.run_data import check_batch_token_ids, document_end_id, open_run_data
 from femtotron.diagnostics import failures, start_report
 from femtotron.diagnostics.compile_check import compile_report
-from femtotron.diagnostics.data_check import (
-    check_batch_token_ids,
-    document_end_id,
-    first_loss_warning,
-    open_run_data,
-)
+from femtotron.diagnostics.data_check import first_loss_warning
 from femtotron.diagnostics.expert_load import RouterCollapse, step_metrics
 from femtotron.diagnostics.loss_spikes import LossSpikes
 from femtotron.diagnostics.nan_origin import locate
@@ -49,22 +46,35 @@ from femtotron.train_state import TrainingParts, TrainState
 
 class Trainer:
     def __init__(self, config: Config, ctx: ParallelContext, log_to_console: bool = True) -> None:
-        self.config, self.ctx, self.run_dir = config, ctx, config.run_dir
-        level, tokens = config.logging.log_level, config.tokens
-        self.log = RunLog(ctx.log_prefix, self.run_dir, ctx.rank == 0, log_to_console, level)
+        self.config = config
+        self.ctx = ctx
+        self.run_dir = config.run_dir
+        self.log = RunLog(
+            ctx.log_prefix,
+            self.run_dir,
+            is_main=ctx.rank == 0,
+            console=log_to_console,
+            level=config.logging.log_level,
+        )
         self.log.dashboards = Dashboards(config)  # a missing extra fails here, before any work
         self.profiler = StepProfiler(config, ctx, self.log)
         # Data first: a wrong dataset path must fail before minutes go into building the model.
         self.train_data, self.val_data, self.tokenizer = open_run_data(config)
         self.eos_id = document_end_id(config, self.tokenizer) if config.model.document_masking else None
-        size, accumulation = tokens.micro_batch_size, tokens.batch_accumulation_per_replica
-        self.batches = MicroBatchIterator(self.train_data, size, accumulation, ctx.dp_rank, ctx.dp)
+        self.batches = MicroBatchIterator(
+            self.train_data,
+            micro_batch_size=config.tokens.micro_batch_size,
+            batch_accumulation=config.tokens.batch_accumulation_per_replica,
+            dp_rank=ctx.dp_rank,
+            dp_size=ctx.dp,
+        )
         self.model = build_rank_model(config, ctx)
         if config.model.compile:
             compile_layers(self.model.chunks, ctx.device)
         if config.model.init_from:  # before the optimizer copies the weights into its master weights
             self.log.info(init_weights(self.model, config))
-        self.tp, self.chunks, self.data_parallel = self.model.tp, self.model.chunks, self.model.data_parallel
+        self.tp = self.model.tp
+        self.data_parallel = self.model.data_parallel
         self.pipeline = build_pipeline(config, ctx, self.model)
         dtype = DTYPES[config.model.dtype]
         tf32_for_fp32(ctx.device, dtype)  # before the MFU yardstick: it reads whether fp32 runs as TF32
@@ -72,23 +82,28 @@ class Trainer:
         self.scaler = DynamicLossScaler(
             **config.optimizer.loss_scale.model_dump(), enabled=dtype == torch.float16
         )
-        self.state = TrainState(self.scaler)
-        params = [p for _, p in self.named_parameters()]
+        self.state = TrainState(scaler=self.scaler)
+        params = [p for _, p in self.model.named_parameters()]
         self.optimizer = ZeroAdamW(params, self.data_parallel, config.optimizer)
-        # The grad norm sums the pieces this rank owns over the model-parallel group, and under ZeRO-1,
-        # where each dp rank owns different pieces, over dp too; so does it under expert parallelism, where
-        # the ep ranks hold different experts (each piece then counts on one of its replicas).
+        # Under expert parallelism the ep ranks hold different experts: each piece counts in the grad norm
+        # on one of its replicas only.
         once = self.data_parallel.counted_once() if ctx.ep > 1 else [True] * len(self.data_parallel.pieces)
         counted = [self.model.counted[piece.param] for piece in self.data_parallel.pieces]
         self.counted_pieces = [c and o for c, o in zip(counted, once, strict=True)]
-        over_dp = self.data_parallel.sharded or ctx.ep > 1
-        self.norm_groups = [ctx.mp_group] + ([ctx.dp_cp_group] if over_dp else [])
+        self.norm_groups = ctx.norm_groups(replicas_differ=self.data_parallel.sharded or ctx.ep > 1)
         # Under sequence parallelism each rank saw only its part of the sequence: the gradients of the
         # weights every tp rank holds whole (the norms) are summed over tp.
         sequence_parallel = self.tp.sequence_parallel and ctx.tp > 1
         self.summed_over_tp = {i for i, r in enumerate(self.model.replicated) if r and sequence_parallel}
         self.parts = TrainingParts(
-            config, ctx, self.model, self.optimizer, self.state, self.train_data, self.log, self.tokenizer
+            config=config,
+            ctx=ctx,
+            model=self.model,
+            optimizer=self.optimizer,
+            state=self.state,
+            data=self.train_data,
+            log=self.log,
+            tokenizer=self.tokenizer,
         )
         self.last_checkpoint: Path | None = None
         self.spikes = LossSpikes()
@@ -98,10 +113,6 @@ class Trainer:
         # MFU against the matmul the hardware runs: fp32 on a CPU without bf16 units (precision.py).
         fp32 = ctx.device.type == "cpu" and not CPU_MULTIPLIES_BF16
         self.step_logger = StepLogger.for_run(config, ctx, self.log, torch.float32 if fp32 else dtype)
-
-    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """This rank's parameters over all its model chunks, by their names in the whole model."""
-        return self.model.named_parameters()
 
     def train(self) -> list[StepResult]:
         par = self.config.parallelism
@@ -122,11 +133,13 @@ class Trainer:
 
     def whereabouts(self) -> str:
         """Where this rank is in training, for hang reports (read from the watchdog thread)."""
-        action, step = self.pipeline.current, self.state.step + 1
+        action = self.pipeline.current
+        step = self.state.step + 1
         return f"step {step}, pipeline {action.describe()} on stage {self.pipeline.stage_of(action.chunk)}"
 
     def train_until_done(self) -> list[StepResult]:
-        ckpt, train_steps = self.config.checkpoints, self.config.tokens.train_steps
+        ckpt = self.config.checkpoints
+        train_steps = self.config.tokens.train_steps
         path, what, warnings = checkpoint.agreed_resume_source(self.config, self.ctx)
         for warning in warnings:
             self.log.warn(warning)
@@ -195,7 +208,8 @@ class Trainer:
         """Some rank got SIGTERM or SIGUSR1: save a checkpoint (unless this step's is saved), then stop."""
         if last_saved != self.state.step:
             self.save_checkpoint()
-        path, name = self.last_checkpoint, signal.Signals(signum).name
+        path = self.last_checkpoint
+        name = signal.Signals(signum).name
         raise TrainingInterrupted(
             f"{name} received: stopped after step {self.state.step} and saved checkpoint {path}. Run the "
             "same command again to resume from it (checkpoints.auto_resume); another run resumes it with "
@@ -209,12 +223,15 @@ class Trainer:
         except (RuntimeError, MemoryError) as e:
             if not is_out_of_memory(e):
                 raise
-            action, plan = self.pipeline.current, self.data_parallel.model_state_bytes()
+            action = self.pipeline.current
+            plan = self.data_parallel.model_state_bytes()
             where = f"the {action.describe()}, pipeline stage {self.pipeline.stage_of(action.chunk)}"
             raise failures.out_of_memory(e, self.config, self.ctx, self.state.step + 1, where, plan) from None
 
     def one_step(self) -> StepResult:
-        start, state, comm = time.perf_counter(), self.state, self.ctx.comm
+        start = time.perf_counter()
+        state = self.state
+        comm = self.ctx.comm
         comm.new_step(state.step + 1)
         loss, tokens, grads = self.compute_gradients()
         moe = self.router_metrics()
@@ -238,20 +255,31 @@ class Trainer:
         state.step += 1
         state.consumed_tokens += tokens
         comm.synchronize(self.ctx.device)  # the optimizer and ZeRO's all-gather are part of the step's time
-        seconds, scale = time.perf_counter() - start, self.scaler.scale if self.scaler.enabled else None
-        skipped = math.isinf(grad_norm)
-        return StepResult(loss, grad_norm, lr, tokens, seconds, comm.take_seconds(), scale, skipped, moe)
+        return StepResult(
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=tokens,
+            seconds=time.perf_counter() - start,
+            comm_seconds=comm.take_seconds(),
+            loss_scale=self.scaler.scale if self.scaler.enabled else None,
+            skipped=math.isinf(grad_norm),
+            moe=moe,
+        )
 
     def router_metrics(self) -> dict[str, float]:
         """A mixture of experts' step: its loads and router losses over every rank (metrics.jsonl), and a
         warning for a layer whose router collapsed."""
-        stats, ctx = self.model.router_stats, self.ctx
+        stats = self.model.router_stats
         if stats is None:
             return {}
-        micro_batches = self.config.tokens.batch_accumulation_per_replica * ctx.dp
-        sp_group = ctx.tp_group if self.tp.sequence_parallel else None
-        groups = [ctx.dp_cp_group, ctx.pp_group]
-        metrics, loads = step_metrics(stats, ctx.comm, groups, sp_group, micro_batches)
+        metrics, loads = step_metrics(
+            stats,
+            self.ctx.comm,
+            groups=self.ctx.routing_groups(),
+            sp_group=self.ctx.tp_group if self.tp.sequence_parallel else None,
+            micro_batches=self.config.tokens.batch_accumulation_per_replica * self.ctx.dp,
+        )
         for warning in self.router_collapse.observe(loads):
             self.log.warn(f"step {self.state.step + 1}: {warning}")
         return metrics
@@ -263,7 +291,8 @@ class Trainer:
         origin = locate(self.pipeline, self.last_inputs, self.ctx)
         self.data_parallel.finish_reduction()  # the re-run's buckets, dropped with zero_grad after the step
         where = origin.describe() if origin else "no module produced it when the step was run again"
-        step, state = self.state.step + 1, self.state
+        step = self.state.step + 1
+        state = self.state
         if self.config.optimizer.on_non_finite == "stop":
             raise failures.diverged(self.config, step, loss, grad_norm, where, state.recent)
         state.non_finite_skips += 1
@@ -271,7 +300,8 @@ class Trainer:
 
     def skip_fp16_step(self, loss: float) -> None:
         """fp16 gradients overflowed: drop them, lower the loss scale, leave the weights as they are."""
-        step, scale = self.state.step + 1, self.scaler.scale
+        step = self.state.step + 1
+        scale = self.scaler.scale
         if self.scaler.at_minimum:
             raise failures.fp16_overflow_at_minimum(step, self.scaler, loss)
         self.scaler.update(overflow=True)
@@ -284,7 +314,8 @@ class Trainer:
         """Forward and backward over this step's micro-batches; returns loss, tokens and fp32 grads (with fp16
         still multiplied by the loss scale: `one_step` unscales them). Every rank of a dp replica reads the
         same micro-batches: the first pipeline stage needs the inputs, the last the targets, all the count."""
-        ctx, step = self.ctx, self.state.step + 1
+        ctx = self.ctx
+        step = self.state.step + 1
         whole = self.batches.step_at(self.state.consumed_samples)
         self.state.consumed_samples += self.config.global_batch_size
         check_batch_token_ids(whole, self.config.model.model_config_.vocab_size, ctx, step)
@@ -316,8 +347,9 @@ class Trainer:
         over dp and cp (the buckets), then over tp for `summed_over_tp` and over the embedding group for a
         tied embedding (the loss is divided by the global token count already, so sums are right)."""
         self.data_parallel.finish_reduction()
-        grads, pieces, comm = self.optimizer.grads(), self.data_parallel.pieces, self.ctx.comm
-        by_param = [(p.param, g) for p, g in zip(pieces, grads, strict=True)]
+        grads = self.optimizer.grads()
+        comm = self.ctx.comm
+        by_param = [(piece.param, g) for piece, g in zip(self.data_parallel.pieces, grads, strict=True)]
         comm.all_reduce_many([g for param, g in by_param if param in self.summed_over_tp], self.ctx.tp_group)
         tied = self.model.tied_embedding
         comm.all_reduce_many([g for param, g in by_param if param == tied], self.ctx.embedding_group)
@@ -326,8 +358,14 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> float:
         """The loss over the first `limit_val_batches` micro-batches of the validation data, logged."""
-        ctx, size, limit = self.ctx, self.config.tokens.micro_batch_size, self.config.tokens.limit_val_batches
-        batches = MicroBatchIterator(self.val_data, size, limit, ctx.dp_rank, ctx.dp).step_at(0)
+        ctx = self.ctx
+        batches = MicroBatchIterator(
+            self.val_data,
+            micro_batch_size=self.config.tokens.micro_batch_size,
+            batch_accumulation=self.config.tokens.limit_val_batches,
+            dp_rank=ctx.dp_rank,
+            dp_size=ctx.dp,
+        ).step_at(0)
         micro_batches: list[MicroBatch] = [
             place_tokens(batch, ctx.cp, ctx.cp_rank, self.eos_id).to(ctx.device) for batch in batches
         ]

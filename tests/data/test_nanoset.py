@@ -2,9 +2,10 @@ import numpy as np
 import pytest
 import torch
 
+from femtotron.batch import MicroBatch
 from femtotron.data import nanoset as nanoset_module
 from femtotron.data.indexed import IndexedDatasetWriter
-from femtotron.data.nanoset import MicroBatch, MicroBatchIterator, Nanoset
+from femtotron.data.nanoset import MicroBatchIterator, Nanoset
 from femtotron.errors import DataError
 
 L = 8  # sequence length in these tests
@@ -123,7 +124,7 @@ def test_micro_batches_shape_and_resume(tmp_path):
     assert all(mb.dtype == torch.int64 and mb.shape == (2, L + 1) for step in steps for mb in step)
 
     resumed_ns = Nanoset(prefixes, [1, 1], L, seed=5)  # a new process after a restart
-    resumed = MicroBatchIterator(resumed_ns, 2, 3, dp_rank=0, dp_size=1)
+    resumed = MicroBatchIterator(resumed_ns, micro_batch_size=2, batch_accumulation=3, dp_rank=0, dp_size=1)
     for expected, got in zip(steps[2:], _steps(resumed, 4, global_batch=6, consumed=2 * 6), strict=True):
         for a, b in zip(expected, got, strict=True):
             assert torch.equal(a, b)
@@ -133,7 +134,10 @@ def test_union_of_a_step_does_not_depend_on_dp(tmp_path):
     prefix, _ = _dataset(tmp_path / "d", 40, seed=0)
     ns = Nanoset([prefix], None, L, seed=2)
     single = MicroBatchIterator(ns, micro_batch_size=2, batch_accumulation=4, dp_rank=0, dp_size=1)
-    ranks = [MicroBatchIterator(ns, 2, 2, dp_rank=r, dp_size=2) for r in range(2)]
+    ranks = [
+        MicroBatchIterator(ns, micro_batch_size=2, batch_accumulation=2, dp_rank=r, dp_size=2)
+        for r in range(2)
+    ]
     for consumed in (0, 8, 16):
         expected = torch.cat([_samples(mb) for mb in single.step_at(consumed)])
         got = torch.cat([_samples(mb) for rank in ranks for mb in rank.step_at(consumed)])
@@ -160,7 +164,9 @@ def test_bad_weights_and_float_data(tmp_path, one):
 
 def test_a_micro_batch_predicts_the_next_token_and_step_at_needs_no_state(tmp_path):
     prefix, _ = _dataset(tmp_path / "d", 40, seed=0)
-    batches = MicroBatchIterator(Nanoset([prefix], None, L, seed=2), 2, 2, dp_rank=0, dp_size=1)
+    batches = MicroBatchIterator(
+        Nanoset([prefix], None, L, seed=2), micro_batch_size=2, batch_accumulation=2, dp_rank=0, dp_size=1
+    )
     later = batches.step_at(8)
     batches.step_at(0)  # asking for another step changes nothing
     for a, b in zip(later, batches.step_at(8), strict=True):

@@ -48,9 +48,8 @@ MODULES = [
 
 
 def tp_model(config, ctx: ParallelContext) -> Llama:
-    tp = TensorParallel(
-        ctx.comm, ctx.tp_group, ctx.tp_rank, sequence_parallel=config.parallelism.tp_mode == "REDUCE_SCATTER"
-    )
+    sequence_parallel = config.parallelism.tp_mode == "REDUCE_SCATTER"
+    tp = TensorParallel(ctx.comm, ctx.tp_group, ctx.tp_rank, sequence_parallel=sequence_parallel)
     return Llama(
         config.model.model_config_,
         std=config.model.init_method.std,

@@ -24,7 +24,7 @@ def raise_oom(module, inputs, output):
 
 def test_M1_an_out_of_memory_error_says_where_what_the_state_takes_and_the_fixes(tiny_config):
     trainer = Trainer(tiny_config("tokens.micro_batch_size=4"), ParallelContext(), log_to_console=False)
-    dict(trainer.chunks[0].named_modules())["layers.1.mlp"].register_forward_hook(raise_oom)
+    dict(trainer.model.chunks[0].named_modules())["layers.1.mlp"].register_forward_hook(raise_oom)
     with pytest.raises(OutOfMemory) as info:
         trainer.train_step()
     message = str(info.value)
@@ -72,7 +72,7 @@ def test_M1_running_out_of_memory_on_the_cpu_is_the_same_report(tiny_config):
             "tried to allocate 2147483648 bytes. Error code 12 (Cannot allocate memory)"
         )
 
-    dict(trainer.chunks[0].named_modules())["layers.0.mlp"].register_full_backward_hook(
+    dict(trainer.model.chunks[0].named_modules())["layers.0.mlp"].register_full_backward_hook(
         lambda module, grad_in, grad_out: cpu_allocation_fails(module, grad_in, grad_out)
     )
     with pytest.raises(OutOfMemory) as info:
@@ -115,7 +115,7 @@ def test_M1_a_real_cpu_allocation_failure_exits_8_with_the_report_not_a_tracebac
 def _oom_with_dp(rank, config):
     ctx = ParallelContext(dp=2, collective_timeout_seconds=30)
     trainer = Trainer(config, ctx, log_to_console=False)
-    dict(trainer.chunks[0].named_modules())["layers.0"].register_forward_hook(raise_oom)
+    dict(trainer.model.chunks[0].named_modules())["layers.0"].register_forward_hook(raise_oom)
     try:
         trainer.train_step()
     except OutOfMemory as e:

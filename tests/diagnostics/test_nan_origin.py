@@ -15,7 +15,7 @@ from femtotron.trainer import Trainer
 
 def poison_forward(trainer, name):
     """From now on, module `name` (if this rank holds it) outputs NaN."""
-    for chunk in trainer.chunks:
+    for chunk in trainer.model.chunks:
         for module_name, module in chunk.named_modules():
             if module_name == name:
                 module.register_forward_hook(lambda m, i, output: output * float("nan"))
@@ -29,7 +29,7 @@ def test_N1_an_injected_nan_in_one_layers_output_is_reported_with_that_layers_na
     )
     trainer.train_step()
     poison_forward(trainer, "layers.1.mlp.down_proj")
-    before = [p.detach().clone() for _, p in trainer.named_parameters()]
+    before = [p.detach().clone() for _, p in trainer.model.named_parameters()]
     with pytest.raises(TrainingDiverged) as info:
         trainer.train_step()
     message = str(info.value)
@@ -38,7 +38,7 @@ def test_N1_an_injected_nan_in_one_layers_output_is_reported_with_that_layers_na
         "finite; micro-batch 0, pipeline stage 0, rank 0)"
     ) in message
     assert "step 2: loss nan" in message and "Recent steps: step 1: lr" in message  # N2: the history
-    assert all(torch.equal(a, p) for a, (_, p) in zip(before, trainer.named_parameters(), strict=True))
+    assert all(torch.equal(a, p) for a, (_, p) in zip(before, trainer.model.named_parameters(), strict=True))
 
 
 def test_N1_a_gradient_that_breaks_in_backward_is_traced_there(tiny_config):
@@ -47,7 +47,7 @@ def test_N1_a_gradient_that_breaks_in_backward_is_traced_there(tiny_config):
     def break_gradient(module, inputs, output):  # its output's gradient turns NaN; forward stays finite
         output.register_hook(lambda grad: grad * float("nan"))
 
-    for name, module in trainer.chunks[0].named_modules():
+    for name, module in trainer.model.chunks[0].named_modules():
         if name == "layers.0.self_attn.o_proj":
             module.register_forward_hook(break_gradient)
     with pytest.raises(TrainingDiverged) as info:
@@ -93,13 +93,13 @@ def test_N1_with_pipeline_stages_the_report_names_the_stage_and_rank_that_broke(
 def test_N1_on_non_finite_skip_drops_the_step_and_training_goes_on(tiny_config, capsys):
     trainer = Trainer(tiny_config("tokens.train_steps=3", "optimizer.on_non_finite=skip"), ParallelContext())
     handle = None
-    for name, module in trainer.chunks[0].named_modules():
+    for name, module in trainer.model.chunks[0].named_modules():
         if name == "layers.0.mlp":
             handle = module.register_forward_hook(lambda m, i, output: output * float("nan"))
-    before = [p.detach().clone() for _, p in trainer.named_parameters()]
+    before = [p.detach().clone() for _, p in trainer.model.named_parameters()]
     skipped = trainer.train_step()
     handle.remove()
     assert skipped.skipped and trainer.state.non_finite_skips == 1
-    assert all(torch.equal(a, p) for a, (_, p) in zip(before, trainer.named_parameters(), strict=True))
+    assert all(torch.equal(a, p) for a, (_, p) in zip(before, trainer.model.named_parameters(), strict=True))
     assert "step skipped (optimizer.on_non_finite=skip; 1 skipped so far)" in capsys.readouterr().out
     assert not trainer.train_step().skipped

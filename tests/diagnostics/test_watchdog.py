@@ -194,7 +194,8 @@ def test_P1_an_op_that_never_completes_is_reported_though_no_call_waits_in_it(tm
     elsewhere (reading a loss), or nowhere yet. The op itself, unfinished past the timeout, is reported; the
     other rank is told to end too, and each first writes torch's flight recorder (gloo's here, as NCCL's on
     GPUs), which NCCL would otherwise write only at its own, later, timeout."""
-    port, started = free_port(), time.monotonic()
+    port = free_port()
+    started = time.monotonic()
     recorder = tmp_path / "nccl_flight_recorder"
     env = {
         **os.environ,

@@ -21,8 +21,8 @@ from helpers import (
     record_steps,
 )
 
-from femtotron.diagnostics.compile_check import c_compiler_for_triton, require_gpu_compilers
 from femtotron.errors import ConfigError
+from femtotron.models.compile import c_compiler_for_triton, require_gpu_compilers
 from femtotron.parallel.context import ParallelContext
 from femtotron.trainer import Trainer
 

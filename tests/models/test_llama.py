@@ -2,8 +2,9 @@ import pytest
 import torch
 from helpers import BF16_PATHS, build_llama, hf_llama, llama_config, precision_path
 
+from femtotron.attention import fused_kernel_takes_kv_groups
 from femtotron.models.hf_conversion import from_hf
-from femtotron.precision import fused_kernel_takes_kv_groups, tf32_for_fp32
+from femtotron.precision import tf32_for_fp32
 
 
 def tiny_config(**overrides):
@@ -145,7 +146,7 @@ def test_kv_heads_are_repeated_where_the_fused_kernel_would_not_take_groups(
 def test_repeated_kv_heads_give_the_same_attention_and_gradients_as_enable_gqa(monkeypatch):
     """The path for CUDA without flash (fp32, or before sm80), run on the CPU: query head i reads K/V head
     i // (heads / kv_heads), as with enable_gqa."""
-    import femtotron.precision as precision
+    import femtotron.attention as attention
 
     generator = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, heads, 12, 16, generator=generator) for heads in (8, 2, 2))
@@ -155,14 +156,14 @@ def test_repeated_kv_heads_give_the_same_attention_and_gradients_as_enable_gqa(m
         seen.append((k.shape[1], kw["enable_gqa"]))
         return sdpa(q, k, v, **kw)
 
-    monkeypatch.setattr(precision.F, "scaled_dot_product_attention", recording_sdpa)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording_sdpa)
     results = []
     for takes_groups in (True, False):
         monkeypatch.setattr(
-            precision, "fused_kernel_takes_kv_groups", lambda *args, takes=takes_groups: takes
+            attention, "fused_kernel_takes_kv_groups", lambda *args, takes=takes_groups: takes
         )
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = precision.causal_attention(*inputs)
+        out = attention.causal_attention(*inputs)
         out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
         results.append((out.detach(), *(t.grad for t in inputs)))
     assert seen == [(2, True), (8, False)]
@@ -192,7 +193,7 @@ def test_fp32_on_cuda_multiplies_in_tf32_unless_nvidia_tf32_override_is_0(monkey
 def test_gqa_attention_on_cuda_runs_in_a_fused_kernel_not_the_math_one(dtype):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from femtotron.precision import causal_attention
+    from femtotron.attention import causal_attention
 
     q, k, v = (torch.randn(2, heads, 256, 64, device="cuda", dtype=dtype) for heads in (8, 2, 2))
     fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]

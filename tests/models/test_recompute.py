@@ -133,7 +133,7 @@ def test_trainer_passes_the_switch_and_trains_identically(tiny_config):
     for recompute in (False, True):
         config = tiny_config(f"parallelism.recompute_layer={recompute}", f"general.run=recompute-{recompute}")
         trainer = Trainer(config, ParallelContext(), log_to_console=False)
-        assert all(chunk.recompute_layer is recompute for chunk in trainer.chunks)
+        assert all(chunk.recompute_layer is recompute for chunk in trainer.model.chunks)
         runs.append([(r.loss, r.grad_norm) for r in (trainer.train_step() for _ in range(2))])
     assert runs[0] == runs[1]
 

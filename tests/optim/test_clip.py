@@ -75,7 +75,8 @@ def test_no_grads_give_a_zero_norm(ctx):
 def _norm_on_two_tp_ranks(rank: int):
     """A split matrix (each rank its half) and a norm weight every tp rank holds whole (counted on rank 0)."""
     ctx = ParallelContext(tp=2, collective_timeout_seconds=60)
-    full_matrix, replicated = torch.arange(24.0).view(4, 6) / 10, torch.tensor([3.0, -4.0])
+    full_matrix = torch.arange(24.0).view(4, 6) / 10
+    replicated = torch.tensor([3.0, -4.0])
     grads = [full_matrix[2 * rank : 2 * rank + 2].clone(), replicated.clone()]
     norm = global_grad_norm(grads, ctx, counted=[True, rank == 0]).item()
     ctx.close()

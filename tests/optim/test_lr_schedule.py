@@ -6,7 +6,8 @@ from femtotron.config import load_config_dict
 from femtotron.config.config import LRSchedulerArgs
 from femtotron.optim.lr_schedule import lr_at
 
-PEAK, FLOOR = 1e-3, 1e-4
+PEAK = 1e-3
+FLOOR = 1e-4
 
 
 def schedule(train_steps: int, **scheduler):
@@ -41,7 +42,9 @@ def test_constant_warmup_holds_the_peak():
 
 
 # Warm-up steps 0-1, decay over steps 2-10: the midpoint of the decay is step 6.
-WARMUP, TRAIN_STEPS, MID = 2, 11, 6
+WARMUP = 2
+TRAIN_STEPS = 11
+MID = 6
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 import pytest
 import torch
 from distributed import run_ranks
+from helpers import full_masters
 
 from femtotron.config import load_config_dict
 from femtotron.errors import FemtotronError
@@ -9,7 +10,10 @@ from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.data_parallel import DataParallel
 
-LR, WEIGHT_DECAY, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
+LR = 1e-2
+WEIGHT_DECAY = 0.1
+BETAS = (0.9, 0.95)
+EPS = 1e-8
 STEP_LRS = [1e-2, 5e-3, 2e-3]
 
 
@@ -126,7 +130,7 @@ def test_fp32_decaying_every_tensor_would_be_caught():
 def test_bf16_grads_accumulate_in_fp32_masters_and_params_follow_the_masters():
     params = make_params(torch.bfloat16)
     optimizer = single_process_optimizer(params, optimizer_section(), micro_batches=4)
-    for param, master in zip(params, optimizer.full_masters(), strict=True):
+    for param, master in zip(params, full_masters(optimizer), strict=True):
         assert master.dtype == torch.float32 and torch.equal(master, param.float())
 
     expected = [torch.zeros_like(p, dtype=torch.float32) for p in params]
@@ -146,7 +150,7 @@ def test_bf16_grads_accumulate_in_fp32_masters_and_params_follow_the_masters():
         assert grad.dtype == torch.float32
         torch.testing.assert_close(grad, total, rtol=1e-6, atol=1e-6)
 
-    reference = [m.detach().clone().requires_grad_() for m in optimizer.full_masters()]
+    reference = [m.detach().clone().requires_grad_() for m in full_masters(optimizer)]
     for ref, total in zip(reference, expected, strict=True):
         ref.grad = total.clone()
     torch_adamw = torch.optim.AdamW(
@@ -158,10 +162,10 @@ def test_bf16_grads_accumulate_in_fp32_masters_and_params_follow_the_masters():
         betas=BETAS,
         eps=EPS,
     )
-    before = optimizer.full_masters()
+    before = full_masters(optimizer)
     optimizer.step(LR)
     torch_adamw.step()
-    for param, master, ref, start in zip(params, optimizer.full_masters(), reference, before, strict=True):
+    for param, master, ref, start in zip(params, full_masters(optimizer), reference, before, strict=True):
         assert not torch.equal(master, start)
         torch.testing.assert_close(master, ref, rtol=0, atol=1e-6)
         assert param.dtype == torch.bfloat16
@@ -184,7 +188,7 @@ def test_bf16_without_fp32_accumulation_still_hands_out_fp32_grads():
     assert all(grad.dtype == torch.float32 for grad in grads) and all(p.grad is None for p in params)
     assert torch.equal(torch.cat(grads), torch.cat([e.flatten() for e in expected]).float())
     optimizer.step(LR)
-    for param, master in zip(params, optimizer.full_masters(), strict=True):
+    for param, master in zip(params, full_masters(optimizer), strict=True):
         assert torch.equal(param, master.bfloat16())
 
 

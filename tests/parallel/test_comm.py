@@ -17,10 +17,14 @@ from femtotron.parallel.context import ParallelContext
 
 def _along_dimensions(rank):
     ctx = ParallelContext(dp=2, collective_timeout_seconds=30)
-    g, comm = ctx.dp_group, ctx.comm
+    g = ctx.dp_group
+    comm = ctx.comm
     x = torch.arange(24.0).view(2, 3, 4) + 100 * rank  # (batch, sequence, hidden), as sequence parallelism
     out = {dim: comm.all_gather(x, g, dim=dim) for dim in (0, 1, -1)}
-    scattered = {dim: comm.reduce_scatter(torch.cat([x, x + 1], dim=dim), g, dim=dim) for dim in (0, 1, -1)}
+    scattered = {}
+    for dim in (0, 1, -1):
+        doubled = torch.cat([x, x + 1], dim=dim)
+        scattered[dim] = comm.reduce_scatter(doubled, g, dim=dim)
     ctx.close()
     return x, out, scattered
 
@@ -41,17 +45,20 @@ def test_all_gather_and_reduce_scatter_along_any_dimension():
 
 def _started_ops_land_at_their_wait(rank):
     ctx = ParallelContext(dp=2, collective_timeout_seconds=30)
-    comm, g = Comm(emulate_nccl=True), ctx.dp_group
+    comm = Comm(emulate_nccl=True)
+    g = ctx.dp_group
     seen = {}
     summed = torch.full((4,), rank + 1.0)
     work = comm.start_all_reduce(summed, g)
     seen["all_reduce"] = (summed.isnan().all().item(), work, summed)
     flat = torch.arange(4.0) + rank
-    work = comm.start_reduce_scatter(flat[2 * rank : 2 * rank + 2], flat, g)
-    seen["reduce_scatter"] = (flat.isnan().all().item(), work, flat[2 * rank : 2 * rank + 2])
+    own = flat[2 * rank : 2 * rank + 2]  # this rank's part of the sum
+    work = comm.start_reduce_scatter(own, flat, g)
+    seen["reduce_scatter"] = (flat.isnan().all().item(), work, own)
     gathered = torch.zeros(4)
-    gathered[2 * rank : 2 * rank + 2] = rank + 1.0
-    work = comm.start_all_gather(gathered, gathered[2 * rank : 2 * rank + 2], g)
+    shard = gathered[2 * rank : 2 * rank + 2]
+    shard.fill_(rank + 1.0)
+    work = comm.start_all_gather(gathered, shard, g)
     seen["all_gather"] = (gathered.isnan().all().item(), work, gathered)
     received = torch.zeros(3)
     send = comm.start_p2p("send", torch.full((3,), 7.0 + rank), 1 - rank, g, tag=5)
@@ -81,14 +88,20 @@ def test_with_nccl_semantics_a_started_op_s_result_arrives_only_at_its_wait():
 
 def _late_peer(rank):
     ctx = ParallelContext(dp=2, collective_timeout_seconds=30)
-    comm, g = ctx.comm, ctx.dp_group
+    comm = ctx.comm
+    g = ctx.dp_group
     if rank == 1:
         time.sleep(2)  # rank 0's op cannot complete before rank 1 joins it
     work = comm.start_all_reduce(torch.ones(4), g)
     waiting = [(op.kind, op.group) for op in comm.unfinished()]
     comm.wait(work, g, torch.ones(4))
     comm.read(torch.ones(()), "loss")
-    out = waiting, comm.unfinished(), comm.last_op.kind, comm.last_op.group
+    out = {
+        "waiting": waiting,
+        "unfinished": comm.unfinished(),
+        "last_kind": comm.last_op.kind,
+        "last_group": comm.last_op.group,
+    }
     ctx.close()
     return out
 
@@ -97,14 +110,19 @@ def _late_peer(rank):
 def test_unfinished_lists_the_ops_a_rank_waits_for_until_they_complete():
     """What the hang report reads on NCCL, where a call returns once its op is queued: the op, until its work
     says it is complete; then nothing. A read of a result on the host is recorded as a wait for the device."""
-    waiting, unfinished, last_kind, last_group = run_ranks(_late_peer, 2)[0]
+    out = run_ranks(_late_peer, 2)[0]
+    waiting = out["waiting"]
+    unfinished = out["unfinished"]
+    last_kind = out["last_kind"]
+    last_group = out["last_group"]
     assert waiting == [("all_reduce", "dp[0,1]")]
     assert unfinished == [] and (last_kind, last_group) == ("wait for the device (loss)", None)
 
 
 def _finished_ops_let_go(rank):
     ctx = ParallelContext(dp=2, collective_timeout_seconds=30)
-    comm, g = ctx.comm, ctx.dp_group
+    comm = ctx.comm
+    g = ctx.dp_group
     received = torch.zeros(1)
     # NCCL blocks a pair's first transfer on a group until the peer posts one (parallel/comm.py): connected
     # first, so that rank 0's receive below is posted at once while rank 1 is in the all-reduces.
@@ -124,7 +142,8 @@ def _finished_ops_let_go(rank):
         time.sleep(0.01)
     alive = [ref() is not None for ref in held]
     if rank == 1:
-        comm.wait(comm.start_p2p("send", torch.ones(1), 0, ctx.world_group, tag=9), ctx.world_group, received)
+        send = comm.start_p2p("send", torch.ones(1), 0, ctx.world_group, tag=9)
+        comm.wait(send, ctx.world_group, received)
     else:
         comm.wait(pending, ctx.world_group, received)
     ctx.close()
@@ -155,11 +174,13 @@ def _first_transfers(rank, connect_first):
     links.append(Group("pp", (1, 0), dist.new_group([0, 1]), one_way=True))
     if connect_first:
         comm.connect(links, ctx.device)
-    outgoing, incoming = links[rank], links[1 - rank]
+    outgoing = links[rank]
+    incoming = links[1 - rank]
     received = torch.zeros(2)
     try:  # both send first, as the pipeline's shape handshake does
         send = comm.start_p2p("send", torch.full((2,), rank + 1.0), 1 - rank, outgoing, tag=1)
-        comm.wait(comm.start_p2p("recv", received, 1 - rank, incoming, tag=1), incoming, received)
+        receive = comm.start_p2p("recv", received, 1 - rank, incoming, tag=1)
+        comm.wait(receive, incoming, received)
         comm.wait(send, outgoing, received)
         return received.tolist()
     except DistributedError as e:

@@ -9,32 +9,11 @@ from distributed import run_ranks
 from femtotron.errors import DistributedError
 from femtotron.parallel.context import (
     ParallelContext,
-    coordinates_of,
     device_index,
-    mesh_groups,
-    rank_of,
     refuse_serialized_streams,
     rendezvous,
-    ring_links,
     shared_gpus,
-    subgroups,
 )
-
-
-def test_T3_rank_layout_is_tp_innermost_pp_outermost():
-    dp, tp, pp = 2, 2, 2
-    assert [rank_of(0, 0, t, dp, tp) for t in range(tp)] == [0, 1]
-    assert [rank_of(0, d, 0, dp, tp) for d in range(dp)] == [0, 2]
-    assert [rank_of(p, 0, 0, dp, tp) for p in range(pp)] == [0, 4]
-    for rank in range(dp * tp * pp):
-        c = coordinates_of(rank, dp, tp)
-        assert rank_of(c.pp_rank, c.dp_rank, c.tp_rank, dp, tp) == rank
-    cp = 2  # between tp and dp
-    assert [rank_of(0, 0, 0, dp, tp, c, cp) for c in range(cp)] == [0, 2]
-    assert rank_of(0, 1, 0, dp, tp, 0, cp) == 4 and rank_of(1, 0, 0, dp, tp, 0, cp) == 8
-    for rank in range(dp * tp * pp * cp):
-        c = coordinates_of(rank, dp, tp, cp)
-        assert rank_of(c.pp_rank, c.dp_rank, c.tp_rank, dp, tp, c.cp_rank, cp) == rank
 
 
 def test_D2_world_of_one_needs_no_launcher(monkeypatch):
@@ -180,7 +159,16 @@ def _check_in_with(rank, uuids):
     gpu = (uuids[rank], f"cuda:0 of 1 visible, LOCAL_RANK={rank}, CUDA_VISIBLE_DEVICES=unset")
     port = int(os.environ["MASTER_PORT"])
     try:
-        hosts, _store = rendezvous(rank, len(uuids), "127.0.0.1", port, torch.device("cpu"), 30, 30, gpu)
+        hosts, _store = rendezvous(
+            rank=rank,
+            world_size=len(uuids),
+            host="127.0.0.1",
+            port=port,
+            device=torch.device("cpu"),
+            init_timeout=30,
+            collective_timeout=30,
+            gpu=gpu,
+        )
     except DistributedError as e:
         return str(e)
     dist.destroy_process_group()
@@ -200,39 +188,6 @@ def test_L1_two_ranks_on_one_gpu_are_refused_at_the_rendezvous_on_every_rank():
     for fix in ("CUDA_VISIBLE_DEVICES", "--nproc-per-node", "--gpus-per-task=1", "--gpu-bind"):
         assert fix in message
     assert run_ranks(_check_in_with, 2, ["GPU-7f3a", "GPU-00b1"], timeout=60)[0] == [socket.gethostname()] * 2
-
-
-LAYOUTS = {  # (dp, tp, pp, cp) -> process groups created: before (one per group of every kind), now
-    (8, 1, 1, 1): (8 + 8 + 1 + 1 + 8 + 8 + 8, 0),  # dp = dp_cp is the world: the default group
-    (1, 8, 1, 1): (1 + 8 + 8 + 8 + 8 + 1 + 8, 0),  # tp = mp = the world
-    (1, 1, 2, 1): (2 + 2 + 2 + 2 + 1 + 1 + 1, 0),  # pp = mp = embedding = the world
-    (2, 2, 1, 1): (2 + 4 + 2 + 2 + 4 + 2 + 4, 4),  # mp = tp; the pp and embedding groups have one rank
-    (2, 2, 2, 1): (4 + 8 + 4 + 4 + 4 + 2 + 4, 14),  # embedding = pp
-    (1, 2, 4, 1): (4 + 8 + 8 + 8 + 2 + 1 + 2, 8),  # mp = the world; embedding: first and last stage
-    (1, 1, 1, 2): (2 + 1 + 2 + 1 + 2 + 2 + 2, 0),  # cp = dp_cp is the world
-    (2, 2, 2, 2): (8 + 8 + 8 + 4 + 8 + 4 + 8, 40),  # tp, cp, dp, dp_cp, pp (= embedding), mp
-}
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_each_distinct_rank_set_gets_one_process_group(layout):
-    before, now = LAYOUTS[layout]
-    groups = mesh_groups(*layout)
-    created = subgroups(*layout)
-    assert sum(len(of_kind) for of_kind in groups.values()) == before and len(created) == now
-    assert len(set(created)) == len(created)
-    world = layout[0] * layout[1] * layout[2] * layout[3]
-    for of_kind in groups.values():  # every group of several ranks has a handle: its own, or the default
-        assert all(ranks in created or len(ranks) in (1, world) for ranks in of_kind)
-
-
-def test_the_cp_ring_is_the_ranks_of_one_sequence_and_its_links_go_one_way_round():
-    dp, tp, pp, cp = 2, 2, 1, 4
-    groups = mesh_groups(dp, tp, pp, cp)
-    assert groups["cp"][0] == (0, 2, 4, 6)  # tp innermost, then cp
-    assert groups["dp"][0] == (0, 8) and groups["dp_cp"][0] == (0, 2, 4, 6, 8, 10, 12, 14)
-    assert ring_links(dp, tp, pp, cp)[:4] == [(0, 2), (2, 4), (4, 6), (6, 0)]
-    assert ring_links(dp, tp, pp, 2)[:2] == [(0, 2), (2, 0)] and ring_links(dp, tp, pp) == []
 
 
 def _shared_handles(rank):

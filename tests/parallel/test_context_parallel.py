@@ -18,21 +18,22 @@ from helpers import (
 )
 from tokenizers import Tokenizer, models
 
-from femtotron import precision
-from femtotron.data.indexed import IndexedDatasetWriter
-from femtotron.data.nanoset import MicroBatch
-from femtotron.diagnostics.doctor import ring_bytes
-from femtotron.diagnostics.start_report import cp_host_warnings
-from femtotron.errors import ConfigError
-from femtotron.parallel.context import ParallelContext, mesh_groups
-from femtotron.parallel.context_parallel import _block_of, documents_of, place_tokens, zigzag_indices
-from femtotron.precision import (
+from femtotron import attention
+from femtotron.attention import (
     attention_with_lse,
     attention_with_lse_backward,
     block_kernel,
     math_attention_with_lse,
     math_attention_with_lse_backward,
 )
+from femtotron.batch import MicroBatch
+from femtotron.data.indexed import IndexedDatasetWriter
+from femtotron.diagnostics.doctor import ring_bytes
+from femtotron.diagnostics.start_report import cp_host_warnings
+from femtotron.errors import ConfigError
+from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.context_parallel import _block_of, documents_of, place_tokens, zigzag_indices
+from femtotron.parallel.mesh import Mesh
 from femtotron.trainer import Trainer
 
 EOS = 0
@@ -65,7 +66,7 @@ def _qkv(dtype=torch.float32, rows=12, cols=12, device="cpu"):
 def _fake_flash(q, k, v, dropout_p, is_causal):
     """CUDA's flash kernel as its callers see it (GQA; the lse (batch, heads, queries)), by the CPU's."""
     assert q.shape[1] % k.shape[1] == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-    out, lse = precision._CPU_FLASH(q, k, v, dropout_p, is_causal)
+    out, lse = attention._CPU_FLASH(q, k, v, dropout_p, is_causal)
     rng_state, unused = torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64)
     return out, lse, None, None, q.shape[-2], k.shape[-2], rng_state, unused, torch.empty(0)
 
@@ -75,7 +76,7 @@ def _fake_flash_backward(grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k
     assert lse.is_contiguous() and lse.shape == q.shape[:-1] and lse.dtype == torch.float32
     assert cum_q is None and cum_k is None and (max_q, max_k) == (q.shape[-2], k.shape[-2])
     assert out.dtype == grad_out.dtype == q.dtype and len(rng) == 2
-    return precision._CPU_FLASH_BACKWARD(grad_out, q, k, v, out, lse, dropout_p, causal)
+    return attention._CPU_FLASH_BACKWARD(grad_out, q, k, v, out, lse, dropout_p, causal)
 
 
 def _check_bias(bias, q, k):
@@ -89,7 +90,7 @@ def _fake_efficient(q, k, v, bias, compute_log_sumexp, dropout_p=0.0, is_causal=
     worst) NaN for a query whose every key is masked."""
     assert q.shape[1] == k.shape[1] == v.shape[1] and compute_log_sumexp
     _check_bias(bias, q, k)
-    out, lse = precision._CPU_FLASH(q, k, v, dropout_p, is_causal, attn_mask=bias)
+    out, lse = attention._CPU_FLASH(q, k, v, dropout_p, is_causal, attn_mask=bias)
     unseen = (bias == float("-inf")).all(-1)
     rows = q.shape[-2]
     padding = torch.full((*lse.shape[:-1], -rows % 32), float("inf"))
@@ -105,20 +106,20 @@ def _fake_efficient_backward(grad_out, q, k, v, bias, out, lse, seed, offset, dr
     lse, padding = lse[..., : q.shape[-2]], lse[..., q.shape[-2] :]
     assert (lse.shape[-1] + padding.shape[-1]) % 32 == 0
     assert bool((padding == float("inf")).all()) and out.transpose(1, 2).is_contiguous()
-    grads = precision._CPU_FLASH_BACKWARD(grad_out, q, k, v, out, lse, dropout_p, causal, attn_mask=bias)
+    grads = attention._CPU_FLASH_BACKWARD(grad_out, q, k, v, out, lse, dropout_p, causal, attn_mask=bias)
     return (*grads, None)
 
 
 def _run_as(kernel, monkeypatch):
     """Every block runs `kernel`; CUDA's kernels are the fakes above (which check what they are given)."""
-    monkeypatch.setattr(precision, "_kernel_of", lambda q, masked: kernel)
+    monkeypatch.setattr(attention, "_kernel_of", lambda q, masked: kernel)
     for name, fake in {
         "_FLASH": _fake_flash,
         "_FLASH_BACKWARD": _fake_flash_backward,
         "_EFFICIENT": _fake_efficient,
         "_EFFICIENT_BACKWARD": _fake_efficient_backward,
     }.items():
-        monkeypatch.setattr(precision, name, fake)
+        monkeypatch.setattr(attention, name, fake)
 
 
 def _block_documents(rows=12, cols=24):
@@ -145,12 +146,12 @@ BLOCK_CASES = [
 @pytest.mark.parametrize("kernel, kind", BLOCK_CASES)
 def test_two_blocks_merged_by_log_sum_exp_are_attention_over_all_keys(kernel, kind, monkeypatch):
     """Queries against keys in two blocks (GQA: 2 KV heads for 4 query heads), through each kernel
-    (precision.block_kernel; CUDA's emulated on the CPU with their contracts checked): each block's output
+    (attention.block_kernel; CUDA's emulated on the CPU with their contracts checked): each block's output
     and log-sum-exp, merged, and each block's backward from the merged output and log-sum-exp, give the
     output and the q, k, v gradients of plain softmax attention over all the keys (autograd). The kernels
     with a per-row buffer take their 12 query rows in chunks (as at long sequences, to bound its memory):
     the written-out one a row at a time, the efficient one 5 at a time."""
-    monkeypatch.setattr(precision, "SCORES_PER_CHUNK", 2 * 12 * 5)
+    monkeypatch.setattr(attention, "SCORES_PER_CHUNK", 2 * 12 * 5)
     _run_as(kernel, monkeypatch)
     q, k, v = _qkv(cols=24)
     query_documents, key_documents = _block_documents()
@@ -231,7 +232,7 @@ def test_the_cuda_kernels_are_called_as_torch_declares_them(causal, masked):
     its lse and gradients with the KV heads come back as the ring merges them."""
     q, k, v = _qkv(torch.bfloat16, rows=40, cols=40, device="meta")
     documents = (torch.zeros(2, 40, dtype=torch.long, device="meta"),) * 2 if masked else None
-    assert precision._kernel_of(q, masked) == ("efficient" if masked else "flash")
+    assert attention._kernel_of(q, masked) == ("efficient" if masked else "flash")
     out, lse = attention_with_lse(q, k, v, causal, documents)
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, q.shape[:-1], torch.float32)
     grads = attention_with_lse_backward(torch.empty_like(out), q, k, v, out, lse, causal, documents)
@@ -240,10 +241,10 @@ def test_the_cuda_kernels_are_called_as_torch_declares_them(causal, masked):
 
 def test_the_written_out_blocks_repeat_the_kv_heads_once_per_block(monkeypatch):
     """K and V are repeated to the query heads once per block, forward and backward, not per row chunk."""
-    monkeypatch.setattr(precision, "SCORES_PER_CHUNK", 2 * 4 * 12)  # a row at a time: 12 chunks
+    monkeypatch.setattr(attention, "SCORES_PER_CHUNK", 2 * 4 * 12)  # a row at a time: 12 chunks
     repeats = []
-    grouped = precision._grouped
-    monkeypatch.setattr(precision, "_grouped", lambda kv, q: repeats.append(kv.shape) or grouped(kv, q))
+    grouped = attention._grouped
+    monkeypatch.setattr(attention, "_grouped", lambda kv, q: repeats.append(kv.shape) or grouped(kv, q))
     q, k, v = _qkv()
     out, lse = math_attention_with_lse(q, k, v, True, None)
     math_attention_with_lse_backward(torch.randn_like(out), q, k, v, out, lse, True, None)
@@ -433,11 +434,11 @@ def test_which_blocks_are_seen_and_their_masks_are_the_brute_force_ones(cp):
                 assert placement.visible[source] == bool(sees.any())
                 if source != rank:
                     seen.append(placement.visible[source])
-                rows, cols, causal, block_documents = _block_of(rank, source, 2 * chunk, placement.documents)
+                of = _block_of(rank, source, 2 * chunk, placement.documents)
                 block = torch.zeros_like(sees)
-                shape = (len(range(2 * chunk)[rows]), len(range(2 * chunk)[cols]))
-                visible = precision._visible(block_documents, causal, slice(0, shape[0]), shape[1], "cpu")
-                block[:, rows, cols] = visible.squeeze(1)
+                shape = (len(range(2 * chunk)[of.rows]), len(range(2 * chunk)[of.cols]))
+                visible = attention._visible(of.documents, of.causal, slice(0, shape[0]), shape[1], "cpu")
+                block[:, of.rows, of.cols] = visible.squeeze(1)
                 assert torch.equal(block, sees)
     assert any(seen) and not all(seen)  # some blocks are seen, some not: either answer can be wrong
 
@@ -485,7 +486,7 @@ def test_the_ring_sends_exactly_the_analytic_bytes(tiny_config, cp, recompute):
 
 
 def test_a_ring_across_hosts_is_a_start_warning_that_says_what_to_watch():
-    rings = mesh_groups(dp=1, tp=2, pp=1, cp=2)["cp"]  # (0, 2) and (1, 3)
+    rings = Mesh(dp=1, tp=2, pp=1, cp=2).groups()["cp"]  # (0, 2) and (1, 3)
     assert cp_host_warnings(rings, ["a", "a", "a", "a"]) == []
     (warning,) = cp_host_warnings(rings, ["a", "a", "b", "b"])
     assert warning.startswith("2 context-parallel ring(s) span several hosts, e.g. ranks 0, 2 on a, b")

@@ -9,6 +9,7 @@ from distributed import run_ranks
 from helpers import (
     SMOOTH_ADAM,
     assert_close_to_reference,
+    full_masters,
     precision_path,
     tiny_config_maker,
     write_patterned_tokens,
@@ -45,9 +46,9 @@ def _layout(dp, sharded):
         DataParallel(
             [(f"p{i}", p) for i, p in enumerate(params)],
             [[3, 2, 1, 0]],
-            Comm(),
-            Group("dp", tuple(range(dp))),
-            rank,
+            comm=Comm(),
+            dp_group=Group("dp", tuple(range(dp))),
+            dp_rank=rank,
             micro_batches=1,
             bucket_mb=0.002,
             grad_dtype=torch.float32,
@@ -96,25 +97,33 @@ def train_and_record(config, ctx):
     arrived when each bucket's reduction started."""
     trainer = Trainer(config, ctx, log_to_console=False)
     data_parallel = trainer.data_parallel
-    launches, launch = [], data_parallel._launch
-    data_parallel._launch = lambda bucket: (launches.append(sum(data_parallel.arrivals)), launch(bucket))
-    names = [n for n, _ in trainer.named_parameters()]
-    initial = [m.clone() for m in trainer.optimizer.full_masters()]
+    launches = []  # per bucket: the gradients arrived when its reduction started
+    launch = data_parallel._launch
+
+    def counted_launch(bucket):
+        launches.append(sum(data_parallel.arrivals))
+        launch(bucket)
+
+    data_parallel._launch = counted_launch
+    names = [n for n, _ in trainer.model.named_parameters()]
+    initial = [m.clone() for m in full_masters(trainer.optimizer)]
     results = [trainer.train_step()]
     data_parallel._launch = launch
     results.append(trainer.train_step())
-    bytes_before, calls_before = dict(ctx.comm.bytes_sent), dict(ctx.comm.calls)
+    bytes_before = dict(ctx.comm.bytes_sent)
+    calls_before = dict(ctx.comm.calls)
     results.append(trainer.train_step())
-    traffic = {
-        op: (n - bytes_before.get((kind, op), 0), ctx.comm.calls[kind, op] - calls_before.get((kind, op), 0))
-        for (kind, op), n in ctx.comm.bytes_sent.items()
-        if kind == "dp"
-    }
+    traffic = {}  # op -> (bytes, calls) of the last step over dp
+    for (kind, op), n in ctx.comm.bytes_sent.items():
+        if kind == "dp":
+            sent = n - bytes_before.get((kind, op), 0)
+            calls = ctx.comm.calls[kind, op] - calls_before.get((kind, op), 0)
+            traffic[op] = (sent, calls)
     updates = {
         n: after - before
-        for n, after, before in zip(names, trainer.optimizer.full_masters(), initial, strict=True)
+        for n, after, before in zip(names, full_masters(trainer.optimizer), initial, strict=True)
     }
-    params = {n: p.detach().float().clone() for n, p in trainer.named_parameters()}
+    params = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
     return {
         "losses": [r.loss for r in results],
         "norms": [r.grad_norm for r in results],
@@ -214,15 +223,14 @@ def test_dp_bytes_per_step_equal_the_analytic_count(dp_results, index):
     largest token id and loss (one fp32 number each), and under ZeRO-1 the grad norm's sum of squares."""
     configs, _, per_rank = dp_results
     dtype, zero, _ = CASES[index]
-    got, n = per_rank[0][index], 2
-    elements, buckets = got["elements"], len(got["buckets"])
+    got = per_rank[0][index]
+    n = 2
+    elements = got["elements"]
+    buckets = len(got["buckets"])
     scalars = 3 + zero
-    expected = {
-        "all_reduce": (
-            2 * (n - 1) / n * 4 * (scalars + (elements if zero == 0 else 0)),
-            scalars + (buckets if zero == 0 else 0),
-        )
-    }
+    reduced_elements = scalars + (elements if zero == 0 else 0)
+    reductions = scalars + (buckets if zero == 0 else 0)
+    expected = {"all_reduce": (2 * (n - 1) / n * 4 * reduced_elements, reductions)}
     if zero == 1:
         expected["reduce_scatter"] = ((n - 1) / n * 4 * elements, buckets)
         expected["all_gather"] = ((n - 1) / n * (2 if dtype == "bfloat16" else 4) * elements, buckets)
@@ -236,9 +244,10 @@ def held_bytes(trainer):
     moments (each storage counted once, however many views point into it)."""
 
     def total(tensors):
-        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+        sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(sizes.values())
 
-    params = [p for _, p in trainer.named_parameters()]
+    params = [p for _, p in trainer.model.named_parameters()]
     optimizer = trainer.optimizer
     assert all(p.grad is None for p in params)  # no low-precision gradient is left behind
     param_storages = {p.untyped_storage().data_ptr() for p in params}
@@ -265,7 +274,7 @@ def _memory(rank, configs):
                 trainer.data_parallel.model_state_bytes(),
                 data_parallel.flat_params.numel(),
                 data_parallel.padding,
-                sum(p.numel() for _, p in trainer.named_parameters()),
+                sum(p.numel() for _, p in trainer.model.named_parameters()),
             )
         )
     ctx.close()
@@ -289,7 +298,8 @@ def test_bytes_held_per_rank_match_the_analytic_formula(tiny_config, dp):
     ]
     per_rank = [_memory(0, configs)] if dp == 1 else run_ranks(_memory, dp, configs)
     for index, config in enumerate(configs):
-        bf16, zero = config.model.dtype == "bfloat16", config.optimizer.zero_stage
+        bf16 = config.model.dtype == "bfloat16"
+        zero = config.optimizer.zero_stage
         owned = []
         for rank in per_rank:
             held, plan, elements, padding, params = rank[index]
@@ -328,9 +338,9 @@ def _step_with_a_bias_used_once(comm, group, dp_rank, micro_batches, bucket_mb, 
     data_parallel = DataParallel(
         [("weight", params[0]), ("bias", params[1])],
         [[1, 0]],
-        comm,
-        group,
-        dp_rank,
+        comm=comm,
+        dp_group=group,
+        dp_rank=dp_rank,
         micro_batches=micro_batches,
         bucket_mb=bucket_mb,
         grad_dtype=torch.float32,
@@ -351,7 +361,9 @@ def _step_with_a_bias_used_once(comm, group, dp_rank, micro_batches, bucket_mb, 
 
 def _unused_parameter(rank, sharded, bucket_mb):
     with ParallelContext(dp=2, collective_timeout_seconds=60) as ctx:
-        return _step_with_a_bias_used_once(ctx.comm, ctx.dp_group, ctx.dp_rank, 2, bucket_mb, sharded)
+        return _step_with_a_bias_used_once(
+            ctx.comm, ctx.dp_group, ctx.dp_rank, micro_batches=2, bucket_mb=bucket_mb, sharded=sharded
+        )
 
 
 @pytest.mark.distributed
@@ -362,7 +374,7 @@ def test_a_parameter_without_a_gradient_on_some_rank_is_still_reduced_over_dp(sh
     during backward on either rank, so finish_reduction must reduce it; both ranks then hold the dp sum, and
     the step equals one process accumulating all four micro-batches."""
     expected_grads, expected_weights = _step_with_a_bias_used_once(
-        Comm(), Group("dp", (0,)), 0, 4, bucket_mb, sharded=False
+        Comm(), Group("dp", (0,)), 0, micro_batches=4, bucket_mb=bucket_mb, sharded=False
     )
     assert expected_grads[1].abs().sum() > 0  # the bias really has a gradient, from one micro-batch
     for grads, weights in run_ranks(_unused_parameter, 2, sharded, bucket_mb):

@@ -68,10 +68,13 @@ def test_expert_parallel_with_tp_cp_and_pp_equals_one_process(tiny_config):
 
 def _all_to_all_bytes(rank, config):
     par = config.parallelism
-    ctx = ParallelContext(par.dp, par.tp, par.pp, par.cp, par.ep, collective_timeout_seconds=60)
+    ctx = ParallelContext(
+        dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, collective_timeout_seconds=60
+    )
     trainer = Trainer(config, ctx, log_to_console=False)
     trainer.train_step()
-    sent, loads = dict(ctx.comm.bytes_sent), trainer.model.router_stats.values[:, :4].clone()
+    sent = dict(ctx.comm.bytes_sent)
+    loads = trainer.model.router_stats.values[:, :4].clone()  # rows routed to each of the 4 experts
     ctx.close()
     return sent, loads, ctx.ep_rank
 
@@ -90,7 +93,9 @@ def test_the_all_to_all_sends_exactly_the_routed_rows(tiny_config, dp, ep, recom
     )
     mcfg = config.model.model_config_
     row = mcfg.hidden_size * {"bfloat16": 2, "float32": 4}[config.model.dtype]
-    local, forwards, exchanges = 4 // ep, 2 if recompute else 1, mcfg.num_hidden_layers * 2
+    local = 4 // ep  # experts per rank
+    forwards = 2 if recompute else 1
+    exchanges = mcfg.num_hidden_layers * 2  # layers times micro-batches
     results = run_ranks(_all_to_all_bytes, dp, config, timeout=120)[:ep]  # the first ep group
     loads = {me: rank_loads for _, rank_loads, me in results}
     for sent, mine, me in results:

@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import (
 )
 from transformers import LlamaForCausalLM
 
-from femtotron.data.nanoset import IGNORE_INDEX
+from femtotron.batch import IGNORE_INDEX
 from femtotron.diagnostics.check_tp import full_gradients
 from femtotron.models.hf_conversion import to_hf
 from femtotron.models.llama import Llama
@@ -93,7 +93,8 @@ def parallelize_hf(hf: LlamaForCausalLM, sequence_parallel: bool) -> None:
     # HF's attention infers the head count from the local q/k/v width (view with -1 heads); its
     # repeat_kv factor (query heads per kv head) must still match the local shards: 4 q heads, 1 kv head.
     attn = hf.model.layers[0].self_attn
-    local_q, local_k = attn.q_proj.weight.to_local().shape[0], attn.k_proj.weight.to_local().shape[0]
+    local_q = attn.q_proj.weight.to_local().shape[0]
+    local_k = attn.k_proj.weight.to_local().shape[0]
     assert local_q == local_k * attn.num_key_value_groups == hf.config.hidden_size // TP
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from distributed import RankFailed, run_ranks
-from helpers import precision_path, tiny_config_maker, write_patterned_tokens, write_yaml
+from helpers import full_masters, precision_path, tiny_config_maker, write_patterned_tokens, write_yaml
 
 from femtotron.cli import main
 from femtotron.parallel.context import ParallelContext
@@ -54,11 +54,11 @@ def train(config, ctx):
     """Train; return the losses, every parameter gathered to full shape (from this rank's stages), and the
     samples each step read on this rank (as token rows, to check none is skipped or repeated)."""
     trainer = Trainer(config, ctx, log_to_console=False)
-    seen, step_at = [], trainer.batches.step_at
+    seen = []
+    step_at = trainer.batches.step_at
 
-    def recording(
-        consumed_samples,
-    ):  # every tp and pp rank of a replica reads the same samples: count them once
+    # Every tp, pp and cp rank of a replica reads the same samples: count them once.
+    def recording(consumed_samples):
         batches = step_at(consumed_samples)
         if ctx.tp_rank == 0 and ctx.pp_rank == 0 and ctx.cp_rank == 0:
             seen.append((trainer.state.step, [row.tolist() for batch in batches for row in batch.inputs]))
@@ -68,11 +68,12 @@ def train(config, ctx):
     losses = [r.loss for r in trainer.train()]
     ep = trainer.model.ep.group
     weights = {
-        n: full_tensor(p, p.shard, trainer.tp, ep).float().clone() for n, p in trainer.named_parameters()
+        n: full_tensor(p, p.shard, trainer.tp, ep).float().clone()
+        for n, p in trainer.model.named_parameters()
     }
     masters = {
         n: full_tensor(m, p.shard, trainer.tp, ep).clone()
-        for (n, p), m in zip(trainer.named_parameters(), trainer.optimizer.full_masters(), strict=True)
+        for (n, p), m in zip(trainer.model.named_parameters(), full_masters(trainer.optimizer), strict=True)
     }
     return {"losses": losses, "weights": weights, "masters": masters, "seen": seen}
 
@@ -88,7 +89,9 @@ def ranks_train(rank, configs):
 
 def merged(per_rank, index):
     """One run's results over all ranks: losses (rank 0's), weights by name, samples per step."""
-    weights, masters, seen = {}, {}, {}
+    weights = {}
+    masters = {}
+    seen = {}
     for rank in per_rank:
         weights.update(rank[index]["weights"])
         masters.update(rank[index]["masters"])
@@ -186,7 +189,8 @@ def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4_on_the_same_samples(ti
     """Saved at cp=2 with ZeRO-1 (its optimizer state sharded over the two cp ranks): 3 more steps at cp=1
     and at cp=4 have the uninterrupted run's losses and read exactly its samples."""
     first = make(tiny_config, "cp-first", "checkpoints.checkpoint_interval=3", cp=2, zero=1, steps=3)
-    whole, saved = make(tiny_config, "cp-whole", cp=2, zero=1), first.run_dir / "checkpoints"
+    whole = make(tiny_config, "cp-whole", cp=2, zero=1)
+    saved = first.run_dir / "checkpoints"
     per_rank = run_ranks(ranks_train, 2, [whole, first], timeout=300)
     whole_losses, whole_weights, _, whole_seen = merged(per_rank, 0)
     for cp in (1, 4):
@@ -210,7 +214,8 @@ def test_experts_saved_at_ep2_resume_at_ep1_and_ep4_on_the_same_samples(tiny_con
     first = make(
         tiny_config, "ep-first", *MOE, "checkpoints.checkpoint_interval=3", dp=2, ep=2, zero=1, steps=3
     )
-    whole, saved = make(tiny_config, "ep-whole", *MOE, dp=2, ep=2, zero=1), first.run_dir / "checkpoints"
+    whole = make(tiny_config, "ep-whole", *MOE, dp=2, ep=2, zero=1)
+    saved = first.run_dir / "checkpoints"
     per_rank = run_ranks(ranks_train, 2, [whole, first], timeout=300)
     whole_losses, whole_weights, _, _ = merged(per_rank, 0)
     manifest = json.loads((saved / "step-0000003" / MANIFEST).read_text())
@@ -335,7 +340,12 @@ def _slow_rank(rank, config):
         from femtotron.serialize import checkpoint as module
 
         real = module.write_rank_file
-        module.write_rank_file = lambda *a: (time.sleep(8), real(*a))[1]
+
+        def slow_write(*args, **kwargs):
+            time.sleep(8)
+            return real(*args, **kwargs)
+
+        module.write_rank_file = slow_write
     try:
         checkpoint.save(trainer.parts)
     finally:
@@ -470,7 +480,11 @@ def _failing_write(rank, config):
     ctx = ParallelContext(dp=2, collective_timeout_seconds=60)
     trainer = Trainer(config, ctx, log_to_console=False)
     if rank == 1:  # as safetensors reports a full disk: not an OSError
-        checkpoint.write_rank_file = lambda *a: (_ for _ in ()).throw(Exception("No space left on device"))
+
+        def full_disk(*args, **kwargs):
+            raise Exception("No space left on device")
+
+        checkpoint.write_rank_file = full_disk
     try:
         checkpoint.save(trainer.parts)
     finally:
@@ -628,12 +642,18 @@ def test_C3_a_same_layout_resume_restores_the_torch_numpy_and_python_rng_states(
     config = make(tiny_config, "rng", "checkpoints.checkpoint_interval=2", steps=4)
     trainer = Trainer(config, ParallelContext(), log_to_console=False)
     trainer.train_step()
-    random.seed(11), np.random.seed(12), torch.manual_seed(13)
+    random.seed(11)
+    np.random.seed(12)
+    torch.manual_seed(13)
     saved = (random.getstate(), np.random.get_state(), torch.get_rng_state())
     path = checkpoint.save(trainer.parts)
-    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
     checkpoint.load(Trainer(config, ParallelContext(), log_to_console=False).parts, path)
-    python_state, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    python_state = random.getstate()
+    numpy_state = np.random.get_state()
+    torch_state = torch.get_rng_state()
     assert python_state == saved[0]
     assert numpy_state[0] == saved[1][0] and np.array_equal(numpy_state[1], saved[1][1])
     assert numpy_state[2:] == saved[1][2:]

@@ -28,7 +28,7 @@ def test_flat_ranges_split_into_contiguous_boxes_in_order():
 
 def test_placements_map_a_padded_shard_into_its_global_tensor_and_drop_the_padding():
     # Rows 6..9 of a (10, 3) global tensor on a rank whose local tensor has 5 rows: the last is padding.
-    shard = ShardInfo("w", (10, 3), (slice(6, 10), slice(0, 3)))
+    shard = ShardInfo(name="w", global_shape=(10, 3), local_slice=(slice(6, 10), slice(0, 3)))
     local = torch.zeros(5, 3)
     local[:4] = torch.arange(18, 30, dtype=torch.float32).view(4, 3)  # global rows 6..9 hold 18..29
     covered = []

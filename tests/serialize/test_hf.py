@@ -59,7 +59,8 @@ def test_an_imported_model_gives_transformers_logits_and_exports_back_bit_identi
         main(["export-hf", str(tmp_path / "run"), "--out", str(tmp_path / "back"), "--shard-size", "30KB"])
         == 0
     )
-    original, exported = _tensors(tmp_path / "hf"), _tensors(tmp_path / "back")
+    original = _tensors(tmp_path / "hf")
+    exported = _tensors(tmp_path / "back")
     assert original.keys() == exported.keys()
     assert all(torch.equal(original[name], exported[name]) for name in original)
 
@@ -119,7 +120,8 @@ def test_mixture_of_experts_models_give_transformers_logits_in_and_out(tmp_path,
     with torch.no_grad():
         logits_close(ours.logits(ids), hf(ids).logits)
         logits_close(back(ids).logits, hf(ids).logits)
-    original, exported = _tensors(tmp_path / "hf"), _tensors(tmp_path / "back")
+    original = _tensors(tmp_path / "hf")
+    exported = _tensors(tmp_path / "back")
     assert original.keys() == exported.keys()
     assert all(torch.equal(original[name], exported[name]) for name in original)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from distributed import run_ranks
@@ -10,7 +12,8 @@ from safetensors.torch import load_file
 from femtotron.cli import main
 from femtotron.data.tokenizer import train_tokenizer
 from femtotron.generate import generate_text, load_run
-from femtotron.parallel.context import ParallelContext, coordinates_of, rank_of
+from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.mesh import Mesh
 from femtotron.serialize import files
 from femtotron.serialize.files import rank_file
 from femtotron.trainer import Trainer
@@ -88,11 +91,17 @@ def test_C1_reshard_then_consolidate_gives_the_same_tensors(saved, tmp_path):
 
 def _resume_and_record_files(rank, resumed):
     ctx = ParallelContext(dp=2, tp=2, pp=2, collective_timeout_seconds=60)
-    opened, read = set(), files.CheckpointReader.read
+    opened = set()
+    read = files.CheckpointReader.read
 
     def recording(self, tensor, box):  # which files each kind of tensor is read from
         real_file = self._file
-        self._file = lambda name: (opened.add((tensor.split("/")[0], name)), real_file(name))[1]
+
+        def noting_file(name):
+            opened.add((tensor.split("/")[0], name))
+            return real_file(name)
+
+        self._file = noting_file
         try:
             return read(self, tensor, box)
         finally:
@@ -128,9 +137,10 @@ def test_a_resharded_checkpoint_resumes_on_its_mesh_reading_its_optimizer_state_
     per_rank = run_ranks(_resume_and_record_files, 8, resumed, timeout=300)
     for rank, (rank_losses, opened) in enumerate(per_rank):
         assert rank_losses == pytest.approx(losses[2:], rel=1e-2)  # bf16, another summation order
-        at = coordinates_of(rank, dp=2, tp=2)
+        mesh = Mesh(dp=2, tp=2, pp=2)
+        at = mesh.coordinates_of(rank)
         savers = {
-            rank_file(rank_of(pp, at.dp_rank, tp, dp=2, tp=2))
+            rank_file(mesh.rank_of(replace(at, pp_rank=pp, tp_rank=tp)))
             for pp in {at.pp_rank, 0}
             for tp in {at.tp_rank, 0}
         }

@@ -1,4 +1,5 @@
-"""Typed training config: schema (`config.py`), rules and warnings (`rules.py`), YAML loading (`load.py`)."""
+"""Typed training config: sections (`sections.py`), the checked whole (`config.py`), rules and warnings
+(`rules.py`), YAML loading (`load.py`)."""
 
 from femtotron.config.config import Config, LlamaConfig
 from femtotron.config.load import load_config, load_config_dict

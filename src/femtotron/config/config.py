@@ -1,335 +1,75 @@
-"""The typed config schema (nanotron's key names) and the model's numbers (parameters, FLOPs).
+"""The typed config (nanotron's key names): `Config`, the sections of sections.py checked by the rules.
 
 No torch, no network: a config is checked (config/rules.py) before any process exists, so a bad one fails
-in a second with a message instead of hanging a cluster."""
+in a second with a message instead of hanging a cluster.
+
+The section models and the root's fields live in config/sections.py, so that the rules can be typed
+without importing this module, which calls them. The section classes are named here too, for the code that
+imports them from here.
+"""
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    NonNegativeFloat,
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import ValidationInfo, model_validator
 
 from femtotron.config.rules import rule_problems
+from femtotron.config.sections import (
+    AdamWArgs,
+    CheckpointsArgs,
+    ConfigFields,
+    DataArgs,
+    DatasetSpec,
+    GeneralArgs,
+    InitMethod,
+    LlamaConfig,
+    LoggingArgs,
+    LossScaleArgs,
+    LRSchedulerArgs,
+    ModelArgs,
+    MoEConfig,
+    OptimizerArgs,
+    ParallelismArgs,
+    ProfilingArgs,
+    RopeScaling,
+    TokenizerArgs,
+    TokensArgs,
+)
+
+__all__ = [
+    "SKIP_RULES",
+    "AdamWArgs",
+    "CheckpointsArgs",
+    "Config",
+    "ConfigFields",
+    "DataArgs",
+    "DatasetSpec",
+    "GeneralArgs",
+    "InitMethod",
+    "LRSchedulerArgs",
+    "LlamaConfig",
+    "LoggingArgs",
+    "LossScaleArgs",
+    "ModelArgs",
+    "MoEConfig",
+    "OptimizerArgs",
+    "ParallelismArgs",
+    "ProfilingArgs",
+    "RopeScaling",
+    "TokenizerArgs",
+    "TokensArgs",
+]
 
 # Validation context flag: the loader checks the rules itself so it can report them next to field errors.
 SKIP_RULES = "femtotron_skip_rules"
 
 
-class _Section(BaseModel):
-    # A misspelled key must be an error, never a silently ignored setting.
-    model_config = ConfigDict(extra="forbid")
+class Config(ConfigFields):
+    """A whole training run. Loading one builds nothing.
 
-
-class GeneralArgs(_Section):
-    project: str = "femtotron"
-    run: str = "run"
-    seed: NonNegativeInt = 42
-    # M2: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless that variable is set already
-    cuda_expandable_segments: bool = True
-
-
-class RopeScaling(_Section):
-    """Llama 3.1's long-context RoPE (`rope_type: llama3`): frequencies of wavelength over original context /
-    low_freq_factor are divided by `factor`, under original / high_freq_factor kept, a smooth ramp between."""
-
-    rope_type: Literal["llama3"] = "llama3"
-    factor: PositiveFloat = 8.0
-    low_freq_factor: PositiveFloat = 1.0
-    high_freq_factor: PositiveFloat = 4.0
-    original_max_position_embeddings: PositiveInt = 8192
-
-
-class MoEConfig(_Section):
-    """A mixture of experts in place of every layer's MLP (models/moe.py). Dropless unless capacity_factor."""
-
-    num_experts: PositiveInt = 8
-    num_experts_per_tok: PositiveInt = 2  # top-k
-    intermediate_size: PositiveInt = 14336  # each expert's FFN size
-    # Experts every token goes through, fused into one MLP of num_shared_experts * intermediate_size
-    # (DeepSeek); shared_expert_gate scales its output by sigmoid(x . w) per token (Qwen2-MoE).
-    num_shared_experts: NonNegativeInt = 0
-    shared_expert_gate: bool = False
-    # topk_then_softmax: softmax over the k chosen logits (Mixtral, Qwen3-MoE; = softmax then top-k
-    # renormalised); softmax_then_topk: the chosen experts' probabilities of a softmax over all experts
-    # (Qwen2-MoE, DeepSeek-V2).
-    router_norm: Literal["topk_then_softmax", "softmax_then_topk"] = "topk_then_softmax"
-    aux_loss_coef: NonNegativeFloat = 0.01  # load balancing (Switch): 1 when balanced, E / k when collapsed
-    z_loss_coef: NonNegativeFloat = 0.0  # router z-loss (ST-MoE): mean squared log-sum-exp of the logits
-    # None: dropless. Else each expert takes at most ceil(factor * tokens * k / num_experts) of a rank's
-    # tokens per micro-batch, in token order; the rest skip it (counted as dropped).
-    capacity_factor: PositiveFloat | None = None
-
-
-class LlamaConfig(_Section):
-    vocab_size: PositiveInt = 32000
-    hidden_size: PositiveInt = 4096
-    intermediate_size: PositiveInt = 11008
-    num_hidden_layers: PositiveInt = 32
-    num_attention_heads: PositiveInt = 32
-    num_key_value_heads: PositiveInt | None = None  # None: one KV head per query head (no GQA)
-    max_position_embeddings: PositiveInt = 2048
-    rope_theta: PositiveFloat = 10000.0
-    rope_scaling: RopeScaling | None = None
-    rms_norm_eps: PositiveFloat = 1e-6
-    tie_word_embeddings: bool = False
-    hidden_act: Literal["silu"] = "silu"
-    moe: MoEConfig | None = None  # None: a dense Llama
-
-    @model_validator(mode="after")
-    def _resolve_kv_heads(self) -> LlamaConfig:
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        return self
-
-    # The model's numbers, computed here once: the model, the pipeline partition, MFU and the rules use them.
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def layer_parameters(self) -> int:
-        """One decoder layer: q, k, v, o, the gated MLP (or router, experts, shared experts), two RMSNorms."""
-        return self._attention_and_norms + self._mlp_parameters(active=False)
-
-    @property
-    def active_layer_parameters(self) -> int:
-        """The parameters one token goes through in a layer: with experts, k of them (and the shared)."""
-        return self._attention_and_norms + self._mlp_parameters(active=True)
-
-    @property
-    def _attention_and_norms(self) -> int:
-        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
-        return 2 * h * h + 2 * h * kv + 2 * h
-
-    def _mlp_parameters(self, active: bool) -> int:
-        h, moe = self.hidden_size, self.moe
-        if moe is None:
-            return 3 * h * self.intermediate_size
-        experts = moe.num_experts_per_tok if active else moe.num_experts
-        shared = 3 * h * moe.num_shared_experts * moe.intermediate_size + h * moe.shared_expert_gate
-        return h * moe.num_experts + experts * 3 * h * moe.intermediate_size + shared
-
-    @property
-    def embedding_parameters(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def parameter_count(self) -> int:
-        """Every parameter: embedding, layers, final norm and LM head (the embedding itself when tied)."""
-        heads = 1 if self.tie_word_embeddings else 2
-        layers = self.num_hidden_layers * self.layer_parameters
-        return heads * self.embedding_parameters + layers + self.hidden_size
-
-    @property
-    def active_parameter_count(self) -> int:
-        """The parameters one token goes through (all of them in a dense model)."""
-        inactive = self.num_hidden_layers * (self.layer_parameters - self.active_layer_parameters)
-        return self.parameter_count - inactive
-
-    def layer_flops(self, sequence_length: int) -> float:
-        """Forward FLOPs per token of one decoder layer: 2 per matmul weight it goes through, and causal
-        attention's scores and weighted sum (4 * sequence * hidden in full, halved by the causal mask)."""
-        matmuls = self.active_layer_parameters - 2 * self.hidden_size
-        return 2.0 * matmuls + 2.0 * sequence_length * self.hidden_size
-
-    @property
-    def head_flops(self) -> float:
-        """Forward FLOPs per token of the LM head (also when tied: the matmul is done either way)."""
-        return 2.0 * self.embedding_parameters
-
-    def flops_per_token(self, sequence_length: int) -> float:
-        """Forward + backward FLOPs per trained token: backward costs twice the forward."""
-        return 3.0 * (self.num_hidden_layers * self.layer_flops(sequence_length) + self.head_flops)
-
-
-class InitMethod(_Section):
-    std: PositiveFloat = 0.02
-
-
-class ModelArgs(_Section):
-    # `model_config` is pydantic's own class attribute, so the field is `model_config_` in Python
-    # and `model_config` in YAML, exactly as in nanotron.
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    model_config_: LlamaConfig = Field(default_factory=LlamaConfig, alias="model_config")
-    init_method: InitMethod = Field(default_factory=InitMethod)
-    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    compile: bool = False  # torch.compile each decoder layer (models/compile.py)
-    # Attention stops at each end-of-document token of a packed sample and RoPE positions restart there.
-    document_masking: bool = False
-    # The first weights: a Hugging Face Llama directory, a run directory or a checkpoint (serialize/init.py).
-    init_from: str | None = None
-
-
-class TokenizerArgs(_Section):
-    tokenizer_name_or_path: str | None = None  # path to a tokenizer.json
-
-
-class ParallelismArgs(_Section):
-    dp: PositiveInt = 1
-    tp: PositiveInt = 1
-    pp: PositiveInt = 1
-    cp: PositiveInt = 1  # context parallel: each sequence split over cp ranks, attention as a ring
-    # expert parallel: each MoE layer's experts split over ep of the dp x cp ranks (ep divides dp * cp)
-    ep: PositiveInt = 1
-    pp_engine: Literal["1f1b", "afab", "interleaved-1f1b"] = "1f1b"
-    pp_virtual_stages: PositiveInt = 1  # model chunks per pp rank; > 1 only with interleaved-1f1b
-    tp_mode: Literal["ALL_REDUCE", "REDUCE_SCATTER"] = "ALL_REDUCE"
-    recompute_layer: bool = False  # recompute each decoder layer's forward in backward (less memory)
-    dp_bucket_size_mb: PositiveFloat = 25  # gradients reduced over dp in buckets of about this size
-    init_timeout_seconds: PositiveFloat = 300
-    collective_timeout_seconds: PositiveFloat = 600
-    # an op in flight this long on any rank: every rank's state is gathered into one report and the job stops
-    hang_timeout_seconds: PositiveFloat = 600
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
-
-
-class TokensArgs(_Section):
-    sequence_length: PositiveInt = 2048
-    micro_batch_size: PositiveInt = 1
-    batch_accumulation_per_replica: PositiveInt = 1
-    train_steps: PositiveInt = Field(description="number of optimizer steps, an integer >= 1")
-    val_check_interval: NonNegativeInt = 0  # 0: no validation
-    limit_val_batches: PositiveInt = 8
-
-
-class LRSchedulerArgs(_Section):
-    learning_rate: PositiveFloat = 3e-4
-    lr_warmup_steps: NonNegativeInt = 0
-    lr_warmup_style: Literal["linear", "constant"] = "linear"
-    lr_decay_style: Literal["cosine", "linear", "1-sqrt", "constant"] = "cosine"
-    lr_decay_steps: NonNegativeInt | None = None  # None: decay until the last step
-    lr_decay_starting_step: NonNegativeInt | None = None  # None: right after warm-up
-    min_decay_lr: NonNegativeFloat = 0.0
-
-
-class AdamWArgs(_Section):
-    name: Literal["adamW"] = "adamW"
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    adam_beta2: float = Field(0.95, ge=0, lt=1)
-    adam_eps: PositiveFloat = 1e-8
-    torch_adam_is_fused: bool = True
-
-
-class LossScaleArgs(_Section):
-    """Dynamic loss scaling, used only with model.dtype=float16 (optim/loss_scale.py)."""
-
-    initial_scale: PositiveFloat = 2.0**16
-    growth_factor: float = Field(2.0, gt=1)
-    backoff_factor: float = Field(0.5, gt=0, lt=1)
-    growth_interval: PositiveInt = 1000  # clean steps before the scale grows
-    min_scale: PositiveFloat = 1.0  # an overflow at this scale stops the run
-
-
-class OptimizerArgs(_Section):
-    zero_stage: NonNegativeInt = 0  # 0 or 1; 2 and 3 are refused by a rule
-    weight_decay: NonNegativeFloat = 0.01
-    clip_grad: PositiveFloat | None = 1.0  # None: no gradient clipping
-    on_non_finite: Literal["stop", "skip"] = "stop"  # a non-finite loss or grad norm: stop, or drop the step
-    accumulate_grad_in_fp32: bool = True
-    learning_rate_scheduler: LRSchedulerArgs = Field(default_factory=LRSchedulerArgs)
-    optimizer_factory: AdamWArgs = Field(default_factory=AdamWArgs)
-    loss_scale: LossScaleArgs = Field(default_factory=LossScaleArgs)
-
-
-DatasetSpec = str | list[str] | dict[str, float]
-
-
-class DataArgs(_Section):
-    dataset_folder: DatasetSpec = Field(
-        description="a .bin/.idx path prefix or a directory, a list of them, or {prefix: weight}"
-    )
-    validation_folder: DatasetSpec | None = None
-    seed: NonNegativeInt = 1234
-
-    @field_validator("dataset_folder", "validation_folder", mode="wrap")
-    @classmethod
-    def _one_clear_error(cls, value: Any, handler: Any) -> Any:
-        """Replace pydantic's three union-branch errors with one sentence, and reject empty specs."""
-        if value is None:
-            return handler(value)
-        shape = (
-            "must be a .bin/.idx path prefix or directory (string), "
-            "a list of them, or a mapping {prefix: weight}"
-        )
-        try:
-            spec = handler(value)
-        except ValidationError:
-            raise ValueError(shape) from None
-        if not spec:
-            raise ValueError(shape + ", and not empty")
-        if isinstance(spec, dict) and not all(math.isfinite(w) and w > 0 for w in spec.values()):
-            raise ValueError(
-                "every blend weight must be a finite number > 0 (drop a dataset instead of "
-                "giving it weight 0)"
-            )
-        return spec
-
-
-class CheckpointsArgs(_Section):
-    checkpoints_path: str | None = None  # None: <run dir>/checkpoints
-    # resume from the newest checkpoint in checkpoints_path when there is one (a requeued job continues);
-    # false: start from step 0 even then (warned), saving over them
-    auto_resume: bool = True
-    checkpoint_interval: NonNegativeInt = 0  # save a checkpoint every N steps (and after the last); 0: never
-    save_initial_state: bool = False  # also save one before the first step
-    save_final_state: bool = True  # full-shape weights in the run directory at the end
-    # a step-NNNNNNN checkpoint, or a checkpoints directory (its latest)
-    resume_checkpoint_path: str | None = None
-    keep_last_n: PositiveInt | None = None  # delete older checkpoints beyond the newest N; None: keep all
-
-
-class LoggingArgs(_Section):
-    output_dir: str = "runs"
-    iteration_step_info_interval: PositiveInt = 1
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    tensorboard: bool = False  # also write the step records to <run dir>/tensorboard/ (rank 0)
-    wandb: bool = False  # also log them to W&B: project general.project, run general.run
-
-
-class ProfilingArgs(_Section):
-    # [first, last]: a torch.profiler trace of these steps per rank in <run dir>/profile/; None: none
-    profile_steps: tuple[PositiveInt, PositiveInt] | None = None
-
-    @field_validator("profile_steps")
-    @classmethod
-    def _in_order(cls, steps: tuple[int, int] | None) -> tuple[int, int] | None:
-        if steps and steps[0] > steps[1]:
-            raise ValueError(f"[first, last] with first <= last, e.g. [{steps[1]}, {steps[0]}]")
-        return steps
-
-
-class Config(_Section):
-    """A whole training run. Loading one builds nothing; every rule below is checked here."""
-
-    general: GeneralArgs = Field(default_factory=GeneralArgs)
-    model: ModelArgs = Field(default_factory=ModelArgs)
-    tokenizer: TokenizerArgs = Field(default_factory=TokenizerArgs)
-    parallelism: ParallelismArgs = Field(default_factory=ParallelismArgs)
-    tokens: TokensArgs
-    optimizer: OptimizerArgs = Field(default_factory=OptimizerArgs)
-    data: DataArgs
-    checkpoints: CheckpointsArgs = Field(default_factory=CheckpointsArgs)
-    logging: LoggingArgs = Field(default_factory=LoggingArgs)
-    profiling: ProfilingArgs = Field(default_factory=ProfilingArgs)
+    Validating one (from YAML through load.py, or `Config.model_validate` in Python) fills in the schedule's
+    defaults that depend on other sections, then checks every cross-field rule, so that no code ever holds a
+    config that breaks one.
+    """
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> Config:
@@ -339,25 +79,8 @@ class Config(_Section):
             sched.lr_decay_starting_step = min(sched.lr_warmup_steps, self.tokens.train_steps)
         if sched.lr_decay_steps is None:
             sched.lr_decay_steps = max(0, self.tokens.train_steps - sched.lr_decay_starting_step)
-        problems = [] if (info.context or {}).get(SKIP_RULES) else rule_problems(self)
+        skip_rules = (info.context or {}).get(SKIP_RULES)
+        problems = [] if skip_rules else rule_problems(self)
         if problems:
             raise ValueError("\n".join(str(p) for p in problems))
         return self
-
-    @property
-    def global_batch_size(self) -> int:
-        """Samples per optimizer step, over all micro-batches and data-parallel replicas."""
-        t = self.tokens
-        return t.micro_batch_size * t.batch_accumulation_per_replica * self.parallelism.dp
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch_size * self.tokens.sequence_length
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.logging.output_dir) / self.general.run
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain YAML-dumpable dict with the YAML key names; `load_config_dict` turns it back into this."""
-        return self.model_dump(mode="json", by_alias=True)

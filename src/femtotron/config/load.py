@@ -49,14 +49,21 @@ def load_config(
             loader.dispose()
     lines: dict[str, int] = {}
     duplicates = _map_lines(node, "", lines) if node is not None else []
-    return _build(data, str(path), overrides, lines, duplicates, sources or {})
+    return _build(
+        data,
+        source=str(path),
+        overrides=overrides,
+        lines=lines,
+        found=duplicates,
+        sources=sources or {},
+    )
 
 
 def load_config_dict(
     mapping: Mapping[str, Any], source: str = "<dict>", overrides: Sequence[str] = ()
 ) -> Config:
     """Validate an in-memory config (tests, `Config.to_dict()` output) exactly like a YAML file."""
-    return _build(mapping, source, overrides, {}, [], {})
+    return _build(mapping, source=source, overrides=overrides, lines={}, found=[], sources={})
 
 
 def _fail(path: Path, message: str) -> NoReturn:
@@ -79,7 +86,8 @@ def _map_lines(node: yaml.Node, prefix: str, lines: dict[str, int]) -> list[Prob
     duplicates: list[Problem] = []
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
-            path, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
+            path = f"{prefix}{key_node.value}"
+            line = key_node.start_mark.line + 1
             if path in lines:
                 message = f"duplicate key (also set at line {lines[path]}); YAML keeps only the last one."
                 duplicates.append(Problem((path,), message + " Delete one of them.", (f"line {line}",)))
@@ -117,12 +125,16 @@ class _Locator:
 
 def _build(
     data: Any,
+    *,
     source: str,
     overrides: Sequence[str],
     lines: dict[str, int],
     found: list[Problem],
     sources: Mapping[str, str],
 ) -> Config:
+    """Validate `data`, reporting every problem at once. `source` names it in messages; `lines` holds the YAML
+    line of each dotted path (empty for a dict); `found`: problems already seen (duplicate keys); `sources`:
+    see `load_config`."""
     if not isinstance(data, Mapping):
         got = "an empty file" if data is None else f"a {type(data).__name__}"
         message = (
@@ -192,7 +204,9 @@ def _apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> tuple[di
 def _from_pydantic(err: Any, locate: _Locator) -> tuple[Problem, set[str]]:
     """One pydantic error -> a Problem, plus the paths it makes unreliable for cross-field rules."""
     loc = [str(part) for part in err["loc"]]
-    path, parent, key = ".".join(loc), loc[:-1], loc[-1] if loc else ""
+    path = ".".join(loc)
+    parent = loc[:-1]
+    key = loc[-1] if loc else ""
     kind = err["type"]
     if kind == "extra_forbidden":
         message, intended = _unknown_key(parent, key)
@@ -231,7 +245,8 @@ def _field(loc: list[str]) -> Any:
 def _all_paths(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
     paths = []
     for name, info in model.model_fields.items():
-        key, sub = info.alias or name, info.annotation
+        key = info.alias or name
+        sub = info.annotation
         if isinstance(sub, type) and issubclass(sub, BaseModel):
             paths += _all_paths(sub, f"{prefix}{key}.")
         else:

@@ -3,21 +3,25 @@
 Each rule is a small function that returns a `Problem` naming every field involved and a fix, or
 None; `RULES` lists them all. A fix is only suggested when the config with it applied breaks no rule
 on the fields it touches (`holds`), so advice never goes in a circle.
+
+The rules read a config's fields only, so they take `ConfigFields` (config/sections.py): `Config` calls
+them from its validator, and importing it here would make the two modules import each other.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from dataclasses import dataclass, replace
+from typing import Any, NoReturn, TypeVar
 
+from femtotron.config.sections import ConfigFields
 from femtotron.errors import ConfigError
-
-if TYPE_CHECKING:
-    from femtotron.config.config import Config
+from femtotron.parallel.mesh import WORLD_DIMENSIONS, Mesh
 
 M = "model.model_config."
+# A config of any class, given back as the same class by `with_changes` (a `Config` stays a `Config`).
+AnyConfig = TypeVar("AnyConfig", bound=ConfigFields)
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ def raise_problems(header: str, problems: list[Problem]) -> NoReturn:
     raise error
 
 
-def with_changes(cfg: Config, changes: dict[str, Any]) -> Config:
+def with_changes(cfg: AnyConfig, changes: dict[str, Any]) -> AnyConfig:
     """`cfg` with dotted keys set, e.g. {"parallelism.pp": 2} (not validated: `holds` checks the rules)."""
     nested: dict[str, Any] = {}
     for key, value in changes.items():
@@ -62,13 +66,13 @@ def with_changes(cfg: Config, changes: dict[str, Any]) -> Config:
     return apply(cfg, nested)
 
 
-def holds(cfg: Config, changes: dict[str, Any]) -> bool:
+def holds(cfg: ConfigFields, changes: dict[str, Any]) -> bool:
     """Whether applying `changes` leaves no rule broken on the fields it touches."""
     touched = set(changes)
     return not any(touched & set(p.fields) for p in rule_problems(with_changes(cfg, changes)))
 
 
-def fixes_that_hold(cfg: Config, candidates: list[tuple[str, dict[str, Any]]]) -> list[str]:
+def fixes_that_hold(cfg: ConfigFields, candidates: list[tuple[str, dict[str, Any]]]) -> list[str]:
     """The texts of the candidate fixes that hold, in their order."""
     return [text for text, changes in candidates if holds(cfg, changes)]
 
@@ -95,15 +99,16 @@ def _head_fix(hidden: int, heads: int) -> str:
     return f"set num_attention_heads to one of {_join(sorted(fitting[:4]))}, or {sizes}"
 
 
-def working_tp(cfg: Config) -> list[int]:
+def working_tp(cfg: ConfigFields) -> list[int]:
     """tp values that split this model's heads, MLP (and sequence, for REDUCE_SCATTER) evenly."""
-    m, seq = cfg.model.model_config_, cfg.tokens.sequence_length
+    m = cfg.model.model_config_
+    seq = cfg.tokens.sequence_length
     rs = cfg.parallelism.tp_mode == "REDUCE_SCATTER"
     candidates = _divisors(math.gcd(m.num_attention_heads, m.num_key_value_heads))
     return [t for t in candidates if m.intermediate_size % t == 0 and (not rs or seq % t == 0)]
 
 
-def heads_split_hidden(cfg: Config) -> Problem | None:
+def heads_split_hidden(cfg: ConfigFields) -> Problem | None:
     m = cfg.model.model_config_
     fields = (M + "hidden_size", M + "num_attention_heads")
     if m.hidden_size % m.num_attention_heads:
@@ -123,7 +128,7 @@ def heads_split_hidden(cfg: Config) -> Problem | None:
     return None
 
 
-def kv_heads_split_heads(cfg: Config) -> Problem | None:
+def kv_heads_split_heads(cfg: ConfigFields) -> Problem | None:
     m = cfg.model.model_config_
     if m.num_attention_heads % m.num_key_value_heads == 0:
         return None
@@ -135,8 +140,9 @@ def kv_heads_split_heads(cfg: Config) -> Problem | None:
     )
 
 
-def heads_split_over_tp(cfg: Config) -> Problem | None:
-    m, tp = cfg.model.model_config_, cfg.parallelism.tp
+def heads_split_over_tp(cfg: ConfigFields) -> Problem | None:
+    m = cfg.model.model_config_
+    tp = cfg.parallelism.tp
     if m.num_attention_heads % tp == 0 and m.num_key_value_heads % tp == 0:
         return None
     return Problem(
@@ -147,8 +153,9 @@ def heads_split_over_tp(cfg: Config) -> Problem | None:
     )
 
 
-def mlp_splits_over_tp(cfg: Config) -> Problem | None:
-    m, tp = cfg.model.model_config_, cfg.parallelism.tp
+def mlp_splits_over_tp(cfg: ConfigFields) -> Problem | None:
+    m = cfg.model.model_config_
+    tp = cfg.parallelism.tp
     if m.intermediate_size % tp == 0 or m.moe is not None:  # a mixture of experts has no dense MLP
         return None
     return Problem(
@@ -159,8 +166,9 @@ def mlp_splits_over_tp(cfg: Config) -> Problem | None:
     )
 
 
-def experts_split_over_tp_and_ep(cfg: Config) -> Problem | None:
-    moe, par = cfg.model.model_config_.moe, cfg.parallelism
+def experts_split_over_tp_and_ep(cfg: ConfigFields) -> Problem | None:
+    moe = cfg.model.model_config_.moe
+    par = cfg.parallelism
     if moe is None:
         return None
     if moe.num_experts_per_tok > moe.num_experts:
@@ -182,8 +190,9 @@ def experts_split_over_tp_and_ep(cfg: Config) -> Problem | None:
     return None
 
 
-def experts_split_over_data_parallel_ranks(cfg: Config) -> Problem | None:
-    par, moe = cfg.parallelism, cfg.model.model_config_.moe
+def experts_split_over_data_parallel_ranks(cfg: ConfigFields) -> Problem | None:
+    par = cfg.parallelism
+    moe = cfg.model.model_config_.moe
     if par.ep == 1 or (moe is not None and (par.dp * par.cp) % par.ep == 0):
         return None
     if moe is None:
@@ -200,8 +209,9 @@ def experts_split_over_data_parallel_ranks(cfg: Config) -> Problem | None:
     )
 
 
-def enough_layers_for_the_stages(cfg: Config) -> Problem | None:
-    layers, par = cfg.model.model_config_.num_hidden_layers, cfg.parallelism
+def enough_layers_for_the_stages(cfg: ConfigFields) -> Problem | None:
+    layers = cfg.model.model_config_.num_hidden_layers
+    par = cfg.parallelism
     if layers >= par.pp * par.pp_virtual_stages:
         return None
     if par.pp_virtual_stages == 1:
@@ -223,7 +233,7 @@ def enough_layers_for_the_stages(cfg: Config) -> Problem | None:
     )
 
 
-def interleaving_needs_several_ranks(cfg: Config) -> Problem | None:
+def interleaving_needs_several_ranks(cfg: ConfigFields) -> Problem | None:
     par = cfg.parallelism
     if par.pp_engine != "interleaved-1f1b" or par.pp >= 2:
         return None
@@ -234,7 +244,7 @@ def interleaving_needs_several_ranks(cfg: Config) -> Problem | None:
     )
 
 
-def interleaving_needs_several_chunks(cfg: Config) -> Problem | None:
+def interleaving_needs_several_chunks(cfg: ConfigFields) -> Problem | None:
     par = cfg.parallelism
     if par.pp_engine != "interleaved-1f1b" or par.pp_virtual_stages >= 2:
         return None
@@ -245,7 +255,7 @@ def interleaving_needs_several_chunks(cfg: Config) -> Problem | None:
     )
 
 
-def chunks_need_interleaving(cfg: Config) -> Problem | None:
+def chunks_need_interleaving(cfg: ConfigFields) -> Problem | None:
     par = cfg.parallelism
     if par.pp_engine == "interleaved-1f1b" or par.pp_virtual_stages == 1:
         return None
@@ -257,8 +267,9 @@ def chunks_need_interleaving(cfg: Config) -> Problem | None:
     )
 
 
-def interleaving_takes_micro_batches_in_groups_of_pp(cfg: Config) -> Problem | None:
-    par, accumulation = cfg.parallelism, cfg.tokens.batch_accumulation_per_replica
+def interleaving_takes_micro_batches_in_groups_of_pp(cfg: ConfigFields) -> Problem | None:
+    par = cfg.parallelism
+    accumulation = cfg.tokens.batch_accumulation_per_replica
     if par.pp_engine != "interleaved-1f1b" or par.pp < 2 or accumulation % par.pp == 0:
         return None
     return Problem(
@@ -269,8 +280,9 @@ def interleaving_takes_micro_batches_in_groups_of_pp(cfg: Config) -> Problem | N
     )
 
 
-def sequence_fits_the_positions(cfg: Config) -> Problem | None:
-    sequence, positions = cfg.tokens.sequence_length, cfg.model.model_config_.max_position_embeddings
+def sequence_fits_the_positions(cfg: ConfigFields) -> Problem | None:
+    sequence = cfg.tokens.sequence_length
+    positions = cfg.model.model_config_.max_position_embeddings
     if sequence <= positions:
         return None
     return Problem(
@@ -280,8 +292,9 @@ def sequence_fits_the_positions(cfg: Config) -> Problem | None:
     )
 
 
-def sequence_splits_over_cp_and_tp(cfg: Config) -> Problem | None:
-    par, sequence = cfg.parallelism, cfg.tokens.sequence_length
+def sequence_splits_over_cp_and_tp(cfg: ConfigFields) -> Problem | None:
+    par = cfg.parallelism
+    sequence = cfg.tokens.sequence_length
     chunks = 2 * par.cp if par.cp > 1 else 1  # cp's zigzag: 2 * cp chunks, two per cp rank
     split = chunks * (par.tp if par.tp_mode == "REDUCE_SCATTER" else 1)
     if sequence % split == 0:
@@ -302,7 +315,7 @@ def sequence_splits_over_cp_and_tp(cfg: Config) -> Problem | None:
     )
 
 
-def zero_stage_implemented(cfg: Config) -> Problem | None:
+def zero_stage_implemented(cfg: ConfigFields) -> Problem | None:
     stage = cfg.optimizer.zero_stage
     if stage <= 1:
         return None
@@ -315,7 +328,7 @@ def zero_stage_implemented(cfg: Config) -> Problem | None:
     )
 
 
-def loss_scale_range(cfg: Config) -> Problem | None:
+def loss_scale_range(cfg: ConfigFields) -> Problem | None:
     scaling = cfg.optimizer.loss_scale
     if scaling.min_scale <= scaling.initial_scale:
         return None
@@ -326,7 +339,7 @@ def loss_scale_range(cfg: Config) -> Problem | None:
     )
 
 
-def decay_ends_below_the_peak(cfg: Config) -> Problem | None:
+def decay_ends_below_the_peak(cfg: ConfigFields) -> Problem | None:
     sched = cfg.optimizer.learning_rate_scheduler
     if sched.min_decay_lr <= sched.learning_rate:
         return None
@@ -337,7 +350,7 @@ def decay_ends_below_the_peak(cfg: Config) -> Problem | None:
     )
 
 
-RULES: list[Callable[[Config], Problem | None]] = [
+RULES: list[Callable[[ConfigFields], Problem | None]] = [
     heads_split_hidden,
     kv_heads_split_heads,
     heads_split_over_tp,
@@ -357,53 +370,58 @@ RULES: list[Callable[[Config], Problem | None]] = [
 ]
 
 
-def rule_problems(cfg: Config) -> list[Problem]:
+def rule_problems(cfg: ConfigFields) -> list[Problem]:
     """Every cross-field rule the config breaks, each naming all the fields involved and a fix."""
     return [problem for rule in RULES if (problem := rule(cfg)) is not None]
 
 
-def check_world_size(config: Config, world_size: int) -> None:
-    """Raise ConfigError unless dp * cp * tp * pp == world_size, listing the layouts that would work (L1)."""
-    par = config.parallelism
-    product = par.dp * par.cp * par.tp * par.pp
-    if product == world_size:
+def check_world_size(config: ConfigFields, world_size: int) -> None:
+    """Raise ConfigError unless the mesh's size (dp * cp * tp * pp) is world_size, listing the layouts that
+    would work (L1)."""
+    mesh = Mesh.of(config.parallelism)
+    if mesh.world_size == world_size:
         return
-    fields = ("parallelism.dp", "parallelism.cp", "parallelism.tp", "parallelism.pp")
+    fields = tuple(f"parallelism.{name}" for name in WORLD_DIMENSIONS)
     valid = [
         layout
-        for layout in _layouts(world_size)
-        if not rule_problems(with_changes(config, dict(zip(fields, layout, strict=True))))
+        for layout in _layouts(world_size, mesh.ep)
+        if not rule_problems(with_changes(config, _sizes(layout)))
     ]
-    # Suggest keeping the user's cp, tp and pp when that works: it changes the least.
-    keep = (world_size // (par.cp * par.tp * par.pp), par.cp, par.tp, par.pp)
-    best = keep if keep in valid else (valid[0] if valid else None)
-    listing = "; ".join(_layout(layout) for layout in valid[:12])
+    # Suggest keeping every size but dp's when that works: it changes the least.
+    keep = replace(mesh, dp=world_size // (mesh.world_size // mesh.dp))
+    if keep in valid:
+        best = keep
+    elif valid:
+        best = valid[0]
+    else:
+        best = None
+    listing = "; ".join(layout.describe() for layout in valid[:12])
     if len(valid) > 12:
         listing += f"; ... and {len(valid) - 12} more"
-    processes = f"{product} process{'es' if product > 1 else ''}"
+    processes = f"{mesh.world_size} process{'es' if mesh.world_size > 1 else ''}"
     message = (
-        f"{_layout((par.dp, par.cp, par.tp, par.pp), ' * ')} = {product}, but WORLD_SIZE={world_size} "
-        f"processes were launched; dp * cp * tp * pp must equal WORLD_SIZE. Fix: launch {processes}, or "
-        f"choose a layout for {world_size}: {listing or 'none fits this model'}."
+        f"{mesh.describe(' * ')} = {mesh.world_size}, but WORLD_SIZE={world_size} processes were launched; "
+        f"{' * '.join(WORLD_DIMENSIONS)} must equal WORLD_SIZE. Fix: launch {processes}, or choose a layout "
+        f"for {world_size}: {listing or 'none fits this model'}."
     )
     if best:
-        overrides = " ".join(f"{field}={value}" for field, value in zip(fields, best, strict=True))
+        overrides = " ".join(f"{field}={value}" for field, value in _sizes(best).items())
         message += f" For example, add the overrides: {overrides}"
     raise_problems("Parallel layout does not match the number of processes", [Problem(fields, message)])
 
 
-def _layout(layout: tuple[int, int, int, int], joint: str = " ") -> str:
-    dp, cp, tp, pp = layout
-    return joint.join([f"dp={dp}"] + ([f"cp={cp}"] if cp > 1 else []) + [f"tp={tp}", f"pp={pp}"])
+def _sizes(layout: Mesh) -> dict[str, int]:
+    """The layout as config overrides, {"parallelism.dp": 2, ...}, in the order messages name them."""
+    return {f"parallelism.{name}": layout.size(name) for name in WORLD_DIMENSIONS}
 
 
-def _layouts(world_size: int) -> list[tuple[int, int, int, int]]:
-    """All (dp, cp, tp, pp) with product world_size, most data-parallel first (the simplest layout), then
-    the least context parallel (cp only when the sequence needs it)."""
+def _layouts(world_size: int, ep: int) -> list[Mesh]:
+    """All meshes of world_size processes, most data-parallel first (the simplest layout), then the least
+    context parallel (cp only when the sequence needs it)."""
     layouts = [
-        (world_size // (c * t * p), c, t, p)
+        Mesh(dp=world_size // (c * t * p), cp=c, tp=t, pp=p, ep=ep)
         for c in _divisors(world_size)
         for t in _divisors(world_size // c)
         for p in _divisors(world_size // (c * t))
     ]
-    return sorted(layouts, key=lambda layout: (-layout[0], layout[1], layout[2], layout[3]))
+    return sorted(layouts, key=lambda layout: (-layout.dp, layout.cp, layout.tp, layout.pp))

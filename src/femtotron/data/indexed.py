@@ -70,7 +70,8 @@ def _describe(directory: str) -> str:
 
 
 def _missing(prefix: str) -> DataError:
-    bin_path, idx_path = f"{prefix}.bin", f"{prefix}.idx"
+    bin_path = f"{prefix}.bin"
+    idx_path = f"{prefix}.idx"
     if os.path.exists(bin_path):
         what = f"{bin_path} exists but {idx_path} does not"
     elif os.path.exists(idx_path):
@@ -86,10 +87,15 @@ class IndexedDataset:
 
     def __init__(self, path_prefix: str | os.PathLike) -> None:
         self.path_prefix = os.fspath(path_prefix)
-        bin_path, idx_path = f"{self.path_prefix}.bin", f"{self.path_prefix}.idx"
+        bin_path = f"{self.path_prefix}.bin"
+        idx_path = f"{self.path_prefix}.idx"
         if not (os.path.isfile(bin_path) and os.path.isfile(idx_path)):
             raise _missing(self.path_prefix)
-        idx = np.memmap(idx_path, np.uint8, "r") if os.path.getsize(idx_path) else np.empty(0, np.uint8)
+        # numpy cannot memory-map an empty file; an empty index is reported as truncated below.
+        if os.path.getsize(idx_path):
+            idx = np.memmap(idx_path, np.uint8, "r")
+        else:
+            idx = np.empty(0, np.uint8)
         if idx.size < _HEADER.size:
             raise _corrupt(idx_path, f"truncated: {idx.size} bytes, shorter than the header")
         magic, version, code, count, doc_count = _HEADER.unpack(idx[: _HEADER.size].tobytes())
@@ -124,10 +130,15 @@ class IndexedDataset:
                 f"= {self.num_tokens * itemsize} bytes",
             )
         # Offsets are checked to be contiguous, so the .bin file *is* the concatenation of all sequences.
-        self._tokens = np.memmap(bin_path, _le(self.dtype), "r") if bin_size else np.empty(0, self.dtype)
+        if bin_size:
+            self._tokens = np.memmap(bin_path, _le(self.dtype), "r")
+        else:
+            self._tokens = np.empty(0, self.dtype)
 
     def _check_index(self, idx_path: str, count: int) -> None:
-        lengths, pointers, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
+        lengths = self.sequence_lengths
+        pointers = self.sequence_pointers
+        docs = self.document_indices
         if count and lengths.min() < 0:
             raise _corrupt(idx_path, "a sequence length is negative")
         expected = np.zeros(count, dtype=np.int64)
@@ -176,7 +187,9 @@ class IndexedDatasetWriter:
         os.makedirs(directory, exist_ok=True)
         fd, self._tmp_bin = tempfile.mkstemp(".bin.tmp", os.path.basename(self.path_prefix), directory)
         # mkstemp makes the file private (0600); a dataset should get the usual permissions, like the .idx.
-        os.umask(umask := os.umask(0))  # read the umask: set it, and back
+        # The umask can only be read by setting it, so it is set to 0 and at once back.
+        umask = os.umask(0)
+        os.umask(umask)
         os.chmod(self._tmp_bin, 0o666 & ~umask)
         self._bin = os.fdopen(fd, "wb")
         self._lengths: list[int] = []

@@ -8,29 +8,30 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from femtotron.batch import MicroBatch
 from femtotron.data.indexed import IndexedDataset, resolve_dataset_prefixes
 from femtotron.errors import DataError
-
-if TYPE_CHECKING:
-    from femtotron.parallel.context_parallel import TokenPlacement
-
-IGNORE_INDEX = -100  # a target that does not count in the loss (a masked position)
 
 _BLOCK = 1 << 16  # global samples per lazily built blending block
 
 
 class _Blender:
-    """Which dataset global sample g comes from, and which of its samples it is: the next sample goes to
-    the dataset whose next one is due first at `(served + 0.5) / weight` (float64, ties to the lower index;
-    Sainte-Laguë), so each count stays within about one sample of `weight * g`. Dataset d's k-th sample is
-    due at `(k + 0.5) / weight_d` whatever the others do, so a block is one vectorised merge of due times
-    from the counters at its start: O(1) amortised per sample, and a resume replays only counters."""
+    """Decides which dataset global sample g comes from, and which of that dataset's samples it is.
+
+    Greedy rule: the next sample goes to the dataset that lags its weight the most, the one whose next
+    sample is due first at `(served + 0.5) / weight` (float64; ties to the lower dataset index). This is the
+    highest-averages (Sainte-Laguë) apportionment, so after g samples each dataset's count stays within
+    about one sample of `weight * g`, at every g and not only at the end of an epoch.
+
+    Dataset d's k-th sample is due at `(k + 0.5) / weight_d` whatever the others do. So a block of the blend
+    is one vectorised merge of due times, built from the per-dataset counters at its start: O(1) amortised
+    per sample, with no per-sample Python loop. A resume replays only the counters of the blocks before it,
+    not the samples.
+    """
 
     def __init__(self, weights: np.ndarray) -> None:
         self.weights = weights
@@ -55,7 +56,8 @@ class _Blender:
         due = (k + 0.5) / self.weights[:, None]
         # A stable sort of the dataset-major rows keeps equal due times in dataset order: ties to the lower.
         chosen = np.argsort(due.ravel(), kind="stable")[:_BLOCK]
-        datasets, indices = chosen // _BLOCK, k.ravel()[chosen]
+        datasets = chosen // _BLOCK
+        indices = k.ravel()[chosen]
         if block + 1 == len(self._starts):
             self._starts.append(counts + np.bincount(datasets, minlength=len(counts)))
         if len(self._cache) >= 2:  # training walks forward: keep the current and previous block only
@@ -83,7 +85,8 @@ class Nanoset:
         if not self.prefixes:
             raise DataError("no dataset given: the data section lists no dataset path")
         self.datasets = [IndexedDataset(p) for p in self.prefixes]
-        self.sequence_length, self.seed = sequence_length, seed
+        self.sequence_length = sequence_length
+        self.seed = seed
         self.samples_per_dataset = [max(ds.num_tokens - 1, 0) // sequence_length for ds in self.datasets]
         for ds, n in zip(self.datasets, self.samples_per_dataset, strict=True):
             if ds.dtype.kind not in "iu":
@@ -149,7 +152,8 @@ class Nanoset:
 def open_nanoset(folders: str | list[str] | dict[str, float], sequence_length: int, seed: int) -> Nanoset:
     """A Nanoset over `data.dataset_folder`: a prefix or directory, a list, or {prefix: weight}."""
     if isinstance(folders, dict):
-        prefixes, weights = [], []
+        prefixes = []
+        weights = []
         for folder, weight in folders.items():
             found = resolve_dataset_prefixes(folder)
             prefixes += found
@@ -159,48 +163,28 @@ def open_nanoset(folders: str | list[str] | dict[str, float], sequence_length: i
     return Nanoset([p for f in folders for p in resolve_dataset_prefixes(f)], None, sequence_length, seed)
 
 
-@dataclass
-class MicroBatch:
-    """Token ids and targets (the next ids; IGNORE_INDEX: not counted), (micro_batch_size, sequence_length),
-    or this cp rank's part with where its tokens sit (`placement`, context_parallel.py; None: whole)."""
-
-    inputs: torch.Tensor
-    targets: torch.Tensor
-    placement: TokenPlacement | None = None
-
-    @classmethod
-    def from_tokens(cls, tokens: torch.Tensor) -> MicroBatch:
-        """From (batch, sequence + 1) samples: every position predicts the next token."""
-        return cls(tokens[:, :-1], tokens[:, 1:])
-
-    def to(self, device: torch.device) -> MicroBatch:
-        """To CUDA through pinned memory: a copy from pageable memory waits for the work queued on the GPU,
-        one from pinned memory is queued behind it (reading it on the host, `int()`, waits for it)."""
-        placement = None if self.placement is None else self.placement.to(device)
-        if device.type != "cuda":
-            return MicroBatch(self.inputs.to(device), self.targets.to(device), placement)
-        inputs, targets = (t.pin_memory().to(device, non_blocking=True) for t in (self.inputs, self.targets))
-        return MicroBatch(inputs, targets, placement)
-
-    @property
-    def counted_targets(self) -> int:
-        return int((self.targets != IGNORE_INDEX).sum())
-
-
 class MicroBatchIterator:
-    """One dp rank's micro-batches: a step takes the next `micro_batch_size * batch_accumulation * dp_size`
-    global samples, rank r the r-th chunk: independent of dp_size, resumed from `consumed_samples` alone."""
+    """One data-parallel rank's micro-batches, step by step.
+
+    A step consumes the next `micro_batch_size * batch_accumulation * dp_size` global samples; rank r takes
+    the r-th contiguous chunk and cuts it into `batch_accumulation` micro-batches. The samples a step sees
+    therefore do not depend on dp_size, so a run may be resumed on another number of replicas.
+    `step_at(consumed_samples)` gives any step's samples, so resuming needs only the saved
+    `consumed_samples`, and no iterator state is checkpointed.
+    """
 
     def __init__(
-        self, nanoset: Nanoset, micro_batch_size: int, batch_accumulation: int, dp_rank: int, dp_size: int
+        self, nanoset: Nanoset, *, micro_batch_size: int, batch_accumulation: int, dp_rank: int, dp_size: int
     ) -> None:
         if min(micro_batch_size, batch_accumulation, dp_size) < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(
                 f"need micro_batch_size, batch_accumulation, dp_size >= 1 and 0 <= dp_rank < dp_size; got "
                 f"{micro_batch_size}, {batch_accumulation}, {dp_size}, dp_rank={dp_rank}"
             )
-        self.nanoset, self.micro_batch_size = nanoset, micro_batch_size
-        self.batch_accumulation, self.dp_rank = batch_accumulation, dp_rank
+        self.nanoset = nanoset
+        self.micro_batch_size = micro_batch_size
+        self.batch_accumulation = batch_accumulation
+        self.dp_rank = dp_rank
 
     def step_at(self, consumed_samples: int) -> list[MicroBatch]:
         """This rank's `batch_accumulation` micro-batches of the step that starts after `consumed_samples`."""

@@ -71,7 +71,8 @@ def preprocess(
 ) -> PreprocessSummary:
     """Tokenize `input_path` (.jsonl, .jsonl.gz or .txt) into `output_prefix`.bin/.idx, which appear only
     when every document is written. `workers > 1` tokenizes in a process pool, byte-identically (in order)."""
-    tokenizer_path, output_prefix = os.fspath(tokenizer_path), os.fspath(output_prefix)
+    tokenizer_path = os.fspath(tokenizer_path)
+    output_prefix = os.fspath(output_prefix)
     encoder = _Encoder(tokenizer_path)  # fails fast on a bad tokenizer, before any worker starts
     chunks = _chunks(iter_documents(input_path, text_key))
     bar = tqdm(desc=f"preprocess {input_path}", unit=" docs", file=sys.stderr, disable=not progress)
@@ -84,7 +85,9 @@ def preprocess(
                 documents, tokens = _write(encoded, writer, bar)
         else:
             documents, tokens = _write(map(encoder, chunks), writer, bar)
-    return PreprocessSummary(documents, tokens, output_prefix, encoder.dtype.name)
+    return PreprocessSummary(
+        documents=documents, tokens=tokens, output_prefix=output_prefix, dtype=encoder.dtype.name
+    )
 
 
 def _write(encoded: Iterable[list[np.ndarray]], writer: IndexedDatasetWriter, bar: tqdm) -> tuple[int, int]:

@@ -20,7 +20,8 @@ def saved_activation_bytes(
     anyway. With `backward` the graph is then run (recomputation must work under the counting);
     otherwise it is dropped unused, so no gradient hook fires.
     """
-    held = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
+    kept_anyway = itertools.chain(model.parameters(), model.buffers())
+    held = {t.untyped_storage().data_ptr() for t in kept_anyway}
     seen: set[int] = set()
     total = 0
 

@@ -27,7 +27,8 @@ def config_warnings(config: Config) -> list[str]:
     """Legal but risky settings (N1, N2, P2), worded as advice; the trainer logs them at start."""
     out: list[str] = []
     sched = config.optimizer.learning_rate_scheduler
-    lr, steps = sched.learning_rate, config.tokens.train_steps
+    lr = sched.learning_rate
+    steps = config.tokens.train_steps
     n_params = config.model.model_config_.parameter_count
     typical = _typical_lr(n_params)
     if config.optimizer.clip_grad is None:
@@ -59,26 +60,22 @@ def config_warnings(config: Config) -> list[str]:
             "whose gradients overflow is skipped (logged). Prefer model.dtype: bfloat16 where the hardware "
             "has it: same memory, float32's range, no loss scaling and no skipped steps."
         )
-    par, accumulation = config.parallelism, config.tokens.batch_accumulation_per_replica
+    par = config.parallelism
+    accumulation = config.tokens.batch_accumulation_per_replica
     if par.pp > 1 and accumulation < 4 * par.pp:
-        interleave = fixes_that_hold(
-            config,
-            [
-                (
-                    "pp_engine=interleaved-1f1b",
-                    {
-                        "parallelism.pp_engine": "interleaved-1f1b",
-                        "parallelism.pp_virtual_stages": max(par.pp_virtual_stages, 2),
-                    },
-                )
-            ],
-        )
+        interleaving = {
+            "parallelism.pp_engine": "interleaved-1f1b",
+            "parallelism.pp_virtual_stages": max(par.pp_virtual_stages, 2),
+        }
+        interleave = fixes_that_hold(config, [("pp_engine=interleaved-1f1b", interleaving)])
+        bubble = pipeline_bubble(par.pp, accumulation, par.pp_virtual_stages)
+        ending = "."
+        if interleave and par.pp_engine != "interleaved-1f1b":
+            ending = f", or {interleave[0]}."
         out.append(
             f"tokens.batch_accumulation_per_replica={accumulation} micro-batches with pp={par.pp}: the "
-            f"pipeline idles for about {pipeline_bubble(par.pp, accumulation, par.pp_virtual_stages):.0%} of "
-            f"each step (P2). Use at least 4 * pp = {4 * par.pp} micro-batches (lower "
-            "tokens.micro_batch_size to keep the batch)"
-            + (f", or {interleave[0]}." if interleave and par.pp_engine != "interleaved-1f1b" else ".")
+            f"pipeline idles for about {bubble:.0%} of each step (P2). Use at least 4 * pp = {4 * par.pp} "
+            f"micro-batches (lower tokens.micro_batch_size to keep the batch){ending}"
         )
     if config.optimizer.zero_stage == 1 and par.dp * par.cp == 1:
         out.append(
@@ -103,56 +100,45 @@ def rank_imbalance(stages: list[Stage], pp: int) -> float:
 def imbalance_warning(config: Config, stages: list[Stage]) -> str | None:
     """M3: a warning when one pp rank computes much more than the mean, with fixes that the config rules
     accept and that balance the ranks better."""
-    par, mcfg, sequence = config.parallelism, config.model.model_config_, config.tokens.sequence_length
+    par = config.parallelism
+    mcfg = config.model.model_config_
+    sequence = config.tokens.sequence_length
     ratio = rank_imbalance(stages, par.pp)
     if ratio <= 1 + IMBALANCE_WARNING:
         return None
     slowest = max(stages, key=lambda s: s.cost)
 
     def imbalance(layers: int, virtual: int) -> float:
+        if layers < par.pp * virtual:  # too few layers for a stage each: not a layout at all
+            return float("inf")
         finer = mcfg.model_copy(update={"num_hidden_layers": layers})
-        return (
-            rank_imbalance(partition(finer, sequence, par.pp * virtual), par.pp)
-            if layers >= par.pp * virtual
-            else float("inf")
-        )
+        return rank_imbalance(partition(finer, sequence, par.pp * virtual), par.pp)
 
     virtual = par.pp_virtual_stages + 1 if par.pp_virtual_stages > 1 else 2
-    fixes = (
-        fixes_that_hold(
-            config,
-            [
-                (
-                    f"parallelism.pp_engine=interleaved-1f1b with pp_virtual_stages={virtual}"
-                    if virtual == 2
-                    else f"parallelism.pp_virtual_stages={virtual}",
-                    {"parallelism.pp_engine": "interleaved-1f1b", "parallelism.pp_virtual_stages": virtual},
-                )
-            ],
-        )
-        if imbalance(mcfg.num_hidden_layers, virtual) < ratio
-        else []
-    )
+    fixes: list[str] = []
+    if imbalance(mcfg.num_hidden_layers, virtual) < ratio:
+        if virtual == 2:
+            more_chunks = f"parallelism.pp_engine=interleaved-1f1b with pp_virtual_stages={virtual}"
+        else:
+            more_chunks = f"parallelism.pp_virtual_stages={virtual}"
+        overrides = {"parallelism.pp_engine": "interleaved-1f1b", "parallelism.pp_virtual_stages": virtual}
+        fixes = fixes_that_hold(config, [(more_chunks, overrides)])
     # More layers give the LM head room on the last stage: the smallest count that balances within the limit.
-    layers = next(
-        (
-            n
-            for n in range(mcfg.num_hidden_layers + 1, 4 * mcfg.num_hidden_layers + 4 * par.pp)
-            if imbalance(n, par.pp_virtual_stages) <= 1 + IMBALANCE_WARNING
-        ),
-        None,
-    )
+    candidates = range(mcfg.num_hidden_layers + 1, 4 * mcfg.num_hidden_layers + 4 * par.pp)
+    balanced = (n for n in candidates if imbalance(n, par.pp_virtual_stages) <= 1 + IMBALANCE_WARNING)
+    layers = next(balanced, None)
     if layers is not None:
         fixes.append(
             f"model.model_config.num_hidden_layers={layers} (room for the LM head on the last stage)"
         )
     head_layers = mcfg.head_flops / mcfg.layer_flops(sequence)
-    advice = (
-        f" Balance them with {', or '.join(fixes)}."
-        if fixes
-        else f" The final norm + LM head alone cost {head_layers:.1f} layers' worth: fewer pipeline stages "
-        "(parallelism.pp) balance better."
-    )
+    if fixes:
+        advice = f" Balance them with {', or '.join(fixes)}."
+    else:
+        advice = (
+            f" The final norm + LM head alone cost {head_layers:.1f} layers' worth: fewer pipeline stages "
+            "(parallelism.pp) balance better."
+        )
     return (
         f"pipeline stage {slowest.index} ({slowest.describe()}) makes its pp rank compute {ratio:.2f}x the "
         f"mean rank, and every other rank waits for it on each micro-batch (M3).{advice}"

@@ -63,7 +63,7 @@ def full_gradients(model: nn.Module, tp: TensorParallel) -> dict[str, torch.Tens
     return grads
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModuleDiff:
     """One module's differences from tp=1, each relative to the reference's largest magnitude.
 
@@ -90,7 +90,7 @@ class ModuleDiff:
         return max(v for v in values if v is not None)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Divergence:
     module: str
     kind: str
@@ -99,7 +99,7 @@ class Divergence:
     explanation: str  # what differs and what that usually means
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TPReport:
     tp: int
     tp_mode: str
@@ -141,7 +141,8 @@ class _Recorder:
         self.running.pop()
         self.forward_order.append(name)
         first = args[0] if args else None
-        self.inputs[name] = _copy(first) if first is not None and first.is_floating_point() else None
+        floating = first is not None and first.is_floating_point()
+        self.inputs[name] = _copy(first) if floating else None  # token ids: nothing to compare
         self.outputs[name] = _copy(output)
 
     def _backward(self, name: str, module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
@@ -152,6 +153,12 @@ class _Recorder:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+@dataclass(frozen=True)
+class _Difference:
+    absolute: float  # max |ours - ref|
+    relative: float  # that over max |ref|
 
 
 def _copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -195,7 +202,7 @@ def _forward_backward(
         raise TPCheckFailed(_crash_message(e, recorder, reference.recorder, tp)) from e
     finally:
         recorder.remove()
-    return _Run(recorder, loss.detach(), full_gradients(model, tp))
+    return _Run(recorder=recorder, loss=loss.detach(), param_grads=full_gradients(model, tp))
 
 
 def _gather(
@@ -212,7 +219,9 @@ def _gather(
     if tensor is None:
         return None
     full = gather_full(tensor, dim, tp, parts)
-    if dim is None or like is None or full.dim() != like.dim() or full.shape[dim] <= like.shape[dim]:
+    if dim is None or like is None or full.dim() != like.dim():
+        return full
+    if full.shape[dim] <= like.shape[dim]:  # nothing padded
         return full
     return full.narrow(dim, 0, like.shape[dim])
 
@@ -225,20 +234,25 @@ def _inferred_split(local: torch.Tensor | None, like: torch.Tensor | None) -> in
     return dims[0] if len(dims) == 1 else None
 
 
-def _difference(ours: torch.Tensor | None, ref: torch.Tensor | None) -> tuple[float, float]:
+def _difference(ours: torch.Tensor | None, ref: torch.Tensor | None) -> _Difference:
     """Max |ours - ref| and that over max |ref|; inf if one side is missing, shapes differ or NaN appears."""
     if ours is None and ref is None:
-        return 0.0, 0.0
+        return _Difference(absolute=0.0, relative=0.0)
     if ours is None or ref is None or ours.shape != ref.shape:
-        return math.inf, math.inf
+        return _Difference(absolute=math.inf, relative=math.inf)
     if ref.numel() == 0:
-        return 0.0, 0.0
-    ours, ref = ours.float(), ref.float()
+        return _Difference(absolute=0.0, relative=0.0)
+    ours = ours.float()
+    ref = ref.float()
     delta = (ours - ref).abs().max().item()
     if math.isnan(delta):  # NaN compares false with any tolerance: count it as the worst difference
         delta = math.inf
     scale = ref.abs().max().item()
-    return delta, delta / scale if scale > 0 else (0.0 if delta == 0 else math.inf)
+    if scale > 0:
+        relative = delta / scale
+    else:  # an all-zero reference: any difference at all is infinitely large
+        relative = 0.0 if delta == 0 else math.inf
+    return _Difference(absolute=delta, relative=relative)
 
 
 def _dtype(config: Config) -> torch.dtype:
@@ -254,8 +268,12 @@ def _first_micro_batch(config: Config, device: torch.device) -> tuple[torch.Tens
     """The run's first training micro-batch (dp rank 0's), read as the trainer reads it."""
     tokens = config.tokens
     data = open_nanoset(config.data.dataset_folder, tokens.sequence_length, config.data.seed)
-    batch = MicroBatchIterator(data, tokens.micro_batch_size, 1, 0, 1).step_at(0)[0]
-    vocab, largest = config.model.model_config_.vocab_size, int(batch.inputs.max())
+    batches = MicroBatchIterator(
+        data, micro_batch_size=tokens.micro_batch_size, batch_accumulation=1, dp_rank=0, dp_size=1
+    )
+    batch = batches.step_at(0)[0]
+    vocab = config.model.model_config_.vocab_size
+    largest = int(batch.inputs.max())
     if largest >= vocab:
         raise DataError(
             f"the training data holds token id {largest}, but model.model_config.vocab_size={vocab} allows "
@@ -291,54 +309,66 @@ def compare_tp(
     tp = model.tp
     ref = _forward_backward(build(), ids, targets)
     ours = _forward_backward(model, ids, targets, reference=ref)
-    mine, theirs = ours.recorder, ref.recorder
+    mine = ours.recorder
+    theirs = ref.recorder
 
     # Every rank walks the same names in the same order, so the gathers inside pair up.
     rows = {name: _module_diff(name, mine, theirs, tp) for name in mine.forward_order}
     param_rel = {}
     for pname, grad in ours.param_grads.items():
-        param_rel[pname] = _difference(grad, ref.param_grads.get(pname))[1]
+        param_rel[pname] = _difference(grad, ref.param_grads.get(pname)).relative
         owner = rows.get(pname.rpartition(".")[0])
         if owner is not None:
             owner.weight_grad_rel = max(owner.weight_grad_rel or 0.0, param_rel[pname])
-    rows["loss"] = ModuleDiff("loss", "loss", *_difference(ours.loss, ref.loss))
+    loss_diff = _difference(ours.loss, ref.loss)
+    rows["loss"] = ModuleDiff(
+        name="loss", kind="loss", output_abs=loss_diff.absolute, output_rel=loss_diff.relative
+    )
 
     mode = "REDUCE_SCATTER" if tp.sequence_parallel else "ALL_REDUCE"
     rounding = DEFAULT_TOLERANCE[config.model.dtype]
-    first = _first_divergence(list(rows.values()), mine, param_rel, tolerance, rounding, mode)
+    first = _first_divergence(
+        list(rows.values()), mine, param_rel, tol=tolerance, rounding=rounding, mode=mode
+    )
     return TPReport(
-        tp.size,
-        mode,
-        config.model.dtype,
-        tolerance,
-        tuple(ids.shape),
-        ref.loss.item(),
-        ours.loss.item(),
-        list(rows.values()),
-        first,
+        tp=tp.size,
+        tp_mode=mode,
+        dtype=config.model.dtype,
+        tolerance=tolerance,
+        batch_shape=tuple(ids.shape),
+        reference_loss=ref.loss.item(),
+        loss=ours.loss.item(),
+        rows=list(rows.values()),
+        first=first,
     )
 
 
 def _module_diff(name: str, mine: _Recorder, theirs: _Recorder, tp: TensorParallel) -> ModuleDiff:
     """One module's output, input and gradient differences; outputs are gathered along output_split_dim."""
     module = mine.modules[name]
-    dim, parts = module.output_split_dim, getattr(module, "output_parts", 1)
+    dim = module.output_split_dim
+    parts = getattr(module, "output_parts", 1)
     ref_out = theirs.outputs.get(name)
     tp_out = _gather(mine.outputs[name], dim, ref_out, tp, parts)
-    row = ModuleDiff(name, type(module).__name__, *_difference(tp_out, ref_out))
-    ref_in, tp_in = theirs.inputs.get(name), mine.inputs[name]
+    output = _difference(tp_out, ref_out)
+    row = ModuleDiff(
+        name=name, kind=type(module).__name__, output_abs=output.absolute, output_rel=output.relative
+    )
+    ref_in = theirs.inputs.get(name)
+    tp_in = mine.inputs[name]
     if ref_in is not None or tp_in is not None:
-        row.input_rel = _difference(_gather(tp_in, _inferred_split(tp_in, ref_in), ref_in, tp), ref_in)[1]
+        tp_in = _gather(tp_in, _inferred_split(tp_in, ref_in), ref_in, tp)
+        row.input_rel = _difference(tp_in, ref_in).relative
     if name not in mine.grad_outputs and name not in theirs.grad_outputs:
         return row  # no gradient reached it in either model
-    ref_grad = theirs.grad_outputs.get(name)
-    row.grad_output_rel = _difference(
-        _gather(mine.grad_outputs.get(name), dim, ref_grad, tp, parts), ref_grad
-    )[1]
-    ref_grad, tp_grad = theirs.grad_inputs.get(name), mine.grad_inputs.get(name)
-    if ref_grad is not None or tp_grad is not None:
-        tp_grad = _gather(tp_grad, _inferred_split(tp_grad, ref_grad), ref_grad, tp)
-        row.grad_input_rel = _difference(tp_grad, ref_grad)[1]
+    ref_grad_out = theirs.grad_outputs.get(name)
+    tp_grad_out = _gather(mine.grad_outputs.get(name), dim, ref_grad_out, tp, parts)
+    row.grad_output_rel = _difference(tp_grad_out, ref_grad_out).relative
+    ref_grad_in = theirs.grad_inputs.get(name)
+    tp_grad_in = mine.grad_inputs.get(name)
+    if ref_grad_in is not None or tp_grad_in is not None:
+        tp_grad_in = _gather(tp_grad_in, _inferred_split(tp_grad_in, ref_grad_in), ref_grad_in, tp)
+        row.grad_input_rel = _difference(tp_grad_in, ref_grad_in).relative
     return row
 
 
@@ -354,19 +384,22 @@ def _first_divergence(
 
     def found(name: str, where: str, rel: float, parameter: str | None = None) -> Divergence:
         kind = by_name[name].kind if name in by_name else "parameter"
-        explanation = _explain(name, kind, where, rel, tol, recorder, mode, parameter)
+        explanation = _explain(
+            name, kind, where, rel=rel, tol=tol, recorder=recorder, mode=mode, parameter=parameter
+        )
         if rel <= rounding:  # a tolerance tighter than the dtype's rounding flags summation order
             explanation += (
                 f"\nA difference of {rel:.1e} is within this dtype's usual rounding "
                 f"({rounding:.0e}): tp sums in a different order, so this alone is not a bug; "
                 "the default --tolerance allows for it."
             )
-        return Divergence(name, kind, where, rel, explanation)
+        return Divergence(module=name, kind=kind, where=where, relative=rel, explanation=explanation)
 
     for row in rows:
         if row.output_rel > tol:
             input_differs = row.input_rel is not None and row.input_rel > tol
-            return found(row.name, "input" if input_differs else "output", row.output_rel)
+            where = "input" if input_differs else "output"
+            return found(row.name, where, row.output_rel)
     for name in recorder.backward_order:
         row = by_name[name]
         if row.grad_output_rel is not None and row.grad_output_rel > tol:
@@ -429,7 +462,8 @@ def _crash_message(error: RuntimeError, mine: _Recorder, theirs: _Recorder, tp: 
         stage = "after its last module's forward (in the loss or the start of backward)"
     message = f"the tp={tp.size} model (tp_mode={mode}) failed {stage}: {error}"
     for name in mine.forward_order:
-        module, ref_out = mine.modules[name], theirs.outputs.get(name)
+        module = mine.modules[name]
+        ref_out = theirs.outputs.get(name)
         if ref_out is None:
             continue
         expected = _local_shape(ref_out.shape, module.output_split_dim, tp.size)
@@ -485,12 +519,13 @@ def _explain(
             f"every output matched, but the gradient arriving at its output differs by {size} while "
             "every module after it matched: the backward of the code that consumes its output is wrong"
         )
-        usual = (
-            "the model's own code after it (Llama.head_logits / run_stage): the tied output head, or the "
-            "backward of the vocab-parallel cross-entropy"
-            if parent == "the model"
-            else f"the code of {parent} after {name}"
-        )
+        if parent == "the model":
+            usual = (
+                "the model's own code after it (Llama.head_logits / run_stage): the tied output head, or the "
+                "backward of the vocab-parallel cross-entropy"
+            )
+        else:
+            usual = f"the code of {parent} after {name}"
     elif where == "input gradient":
         what = (
             f"every output matched and the gradient arriving at its output too, but the gradient it "
@@ -521,10 +556,10 @@ def _number(value: float | None) -> str:
 
 def format_report(report: TPReport) -> str:
     """A table of per-module differences and a verdict naming the first divergence and its usual cause."""
-    b, s = report.batch_shape
+    batch, sequence = report.batch_shape
     header = (
         f"check-tp: tp={report.tp} (tp_mode={report.tp_mode}) against tp=1, {report.dtype}, one "
-        f"micro-batch of {b} x {s} tokens\ndifferences are max |tp - ref| (abs) and that over "
+        f"micro-batch of {batch} x {sequence} tokens\ndifferences are max |tp - ref| (abs) and that over "
         f"max |ref| (rel); tolerance {report.tolerance:.0e} rel"
     )
     columns = ("output abs", "output rel", "grad out rel", "grad in rel", "weight grad rel")
@@ -564,22 +599,18 @@ def format_report(report: TPReport) -> str:
 
 
 def _working_tps(config: Config) -> list[int]:
-    return [
-        tp
-        for tp in (2, 4, 8)
-        if not rule_problems(
-            with_changes(
-                config,
-                {
-                    "parallelism.tp": tp,
-                    "parallelism.dp": 1,
-                    "parallelism.pp": 1,
-                    "parallelism.cp": 1,
-                    "parallelism.ep": 1,
-                },
-            )
-        )
-    ]
+    working = []
+    for tp in (2, 4, 8):
+        layout = {
+            "parallelism.tp": tp,
+            "parallelism.dp": 1,
+            "parallelism.pp": 1,
+            "parallelism.cp": 1,
+            "parallelism.ep": 1,
+        }
+        if not rule_problems(with_changes(config, layout)):
+            working.append(tp)
+    return working
 
 
 def run_check_tp(

@@ -1,86 +1,15 @@
-"""Is the model trained on what the user thinks (N3)? Token range at start, the first loss against
-ln(vocab), and `femtotron inspect-data`: samples decoded with the positions that count in the loss."""
+"""Is the model trained on what the user thinks (N3)? The first loss against ln(vocab), and `femtotron
+inspect-data`: samples decoded with the positions that count in the loss. The checks every run makes of its
+data (token ids against the vocabulary) are data/run_data.py's."""
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
-import torch
 from tokenizers import Tokenizer
 
-from femtotron.config import Config
-from femtotron.data.nanoset import IGNORE_INDEX, MicroBatch, MicroBatchIterator, Nanoset, open_nanoset
-from femtotron.data.tokenizer import eos_token_id, tokenizer_for_model
-from femtotron.errors import ConfigError, DataError
-from femtotron.parallel.context import ParallelContext
-
-SCANNED_TOKENS = 1 << 24  # per dataset at start: ~30 ms; later tokens are checked batch by batch
-
-
-def check_token_range(nanoset: Nanoset, vocab_size: int, key: str = "data.dataset_folder") -> None:
-    """Token ids must be < vocab_size: the start of every dataset file is scanned before the model is
-    built."""
-    for dataset in nanoset.datasets:
-        head = dataset.tokens(0, min(dataset.num_tokens, SCANNED_TOKENS))
-        largest = int(head.max()) if head.size else 0
-        if largest >= vocab_size:
-            position, count = int(np.argmax(head == largest)), int((head >= vocab_size).sum())
-            raise DataError(
-                f"{dataset.path_prefix}.bin ({key}) holds token id {largest} (at token {position:,}; "
-                f"{count:,} of the first {head.size:,} tokens are out of range), but "
-                f"model.model_config.vocab_size={vocab_size} allows ids 0..{vocab_size - 1}: it was "
-                f"tokenized with a larger vocabulary. Set model.model_config.vocab_size >= {largest + 1}, "
-                "or re-run `femtotron preprocess` with the tokenizer this model is meant for."
-            )
-
-
-def open_run_data(config: Config) -> tuple[Nanoset, Nanoset | None, Tokenizer | None]:
-    """The training and validation data and the tokenizer the run names, checked against the model's
-    vocabulary before the model is built (a wrong path or vocabulary fails in seconds, not after minutes)."""
-    sequence, seed, vocab = (
-        config.tokens.sequence_length,
-        config.data.seed,
-        config.model.model_config_.vocab_size,
-    )
-    train = open_nanoset(config.data.dataset_folder, sequence, seed)
-    validation = config.data.validation_folder
-    val = open_nanoset(validation, sequence, seed) if validation is not None else None
-    tokenizer = tokenizer_for_model(config.tokenizer.tokenizer_name_or_path, vocab)
-    check_token_range(train, vocab)
-    if val is not None:
-        check_token_range(val, vocab, key="data.validation_folder")
-    return train, val, tokenizer
-
-
-def document_end_id(config: Config, tokenizer: Tokenizer | None) -> int:
-    """The end-of-document token id model.document_masking cuts packed samples at."""
-    if tokenizer is None:
-        raise ConfigError(
-            "model.document_masking=true cuts each packed sample at its end-of-document tokens, but no "
-            "tokenizer names that token: set tokenizer.tokenizer_name_or_path to the tokenizer.json the data "
-            "was preprocessed with, or set model.document_masking=false."
-        )
-    return eos_token_id(tokenizer)
-
-
-def check_batch_token_ids(
-    micro_batches: list[MicroBatch], vocab_size: int, ctx: ParallelContext, step: int
-) -> None:
-    """An id >= vocab_size would crash the embedding (on GPU as an opaque device assert). The largest id is
-    agreed over dp, so every rank stops here together instead of one leaving the others waiting."""
-    # Inputs and targets both: the last target of a sample is no input (a masked target is negative).
-    ids = max(max(int(mb.inputs.max()), int(mb.targets.max())) for mb in micro_batches)
-    largest_id = torch.tensor(float(ids), device=ctx.device)
-    largest = int(ctx.comm.read(ctx.comm.all_reduce(largest_id, ctx.dp_group, op="max"), "largest token id"))
-    if largest >= vocab_size:
-        raise DataError(
-            f"step {step}: the training data holds token id {largest}, but model.model_config.vocab_size="
-            f"{vocab_size} allows ids 0..{vocab_size - 1}. The data was tokenized with a larger vocabulary "
-            f"than "
-            f"the model's: set model.model_config.vocab_size >= {largest + 1} (a multiple of 64 or 128 is "
-            "fastest), or re-run `femtotron preprocess` with the tokenizer this model is meant for."
-        )
+from femtotron.batch import IGNORE_INDEX
+from femtotron.data.nanoset import MicroBatchIterator, Nanoset
 
 
 def first_loss_warning(loss: float, vocab_size: int) -> str | None:

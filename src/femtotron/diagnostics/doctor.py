@@ -23,47 +23,42 @@ from femtotron.diagnostics.memory import (
     human,
 )
 from femtotron.layout import DTYPES
-from femtotron.parallel.context import pipe_links, ring_links, subgroups_by_kind
+from femtotron.parallel.mesh import Mesh
 from femtotron.parallel.pipeline.partition import partition, stage_map
 
 
 def worst_stage(config: Config, on_cpu: bool) -> RankEstimate:
-    return max(
-        (estimate_rank(config, p, on_cpu) for p in range(config.parallelism.pp)), key=lambda e: e.total
-    )
+    estimates = [estimate_rank(config, p, on_cpu) for p in range(config.parallelism.pp)]
+    return max(estimates, key=lambda e: e.total)
 
 
 def fixes(config: Config, budget: float, on_cpu: bool) -> list[str]:
     """The guide's other knobs against OOM (ZeRO-1 and recomputation are in `variants`), each tried on its
     own, with the largest rank's estimate it gives."""
-    tokens, par = config.tokens, config.parallelism
+    tokens = config.tokens
+    par = config.parallelism
     candidates: list[tuple[str, Config]] = []
     if tokens.micro_batch_size > 1:
-        half, twice = tokens.micro_batch_size // 2, tokens.batch_accumulation_per_replica * 2
-        candidates.append(
-            (
-                f"tokens.micro_batch_size={half} (and batch_accumulation_per_replica={twice} to keep the "
-                "batch)",
-                with_changes(
-                    config, {"tokens.micro_batch_size": half, "tokens.batch_accumulation_per_replica": twice}
-                ),
-            )
+        half = tokens.micro_batch_size // 2
+        twice = tokens.batch_accumulation_per_replica * 2
+        label = (
+            f"tokens.micro_batch_size={half} (and batch_accumulation_per_replica={twice} to keep the batch)"
         )
+        changes = {"tokens.micro_batch_size": half, "tokens.batch_accumulation_per_replica": twice}
+        candidates.append((label, with_changes(config, changes)))
+    shorter = tokens.sequence_length // 2
     candidates.append(
-        (
-            f"tokens.sequence_length={tokens.sequence_length // 2}",
-            with_changes(config, {"tokens.sequence_length": tokens.sequence_length // 2}),
-        )
+        (f"tokens.sequence_length={shorter}", with_changes(config, {"tokens.sequence_length": shorter}))
     )
     for key in ("tp", "pp", "cp", "ep"):
-        bigger = with_changes(config, {f"parallelism.{key}": getattr(par, key) * 2})
+        doubled = getattr(par, key) * 2
+        bigger = with_changes(config, {f"parallelism.{key}": doubled})
         if not rule_problems(bigger) and (key != "ep" or config.model.model_config_.moe):
-            how = (
-                "each rank holds half the experts, no more processes"
-                if key == "ep"
-                else "twice the processes, or dp halved"
-            )
-            candidates.append((f"parallelism.{key}={getattr(par, key) * 2} ({how})", bigger))
+            if key == "ep":
+                how = "each rank holds half the experts, no more processes"
+            else:
+                how = "twice the processes, or dp halved"
+            candidates.append((f"parallelism.{key}={doubled} ({how})", bigger))
     lines = []
     for label, changed in candidates:
         total = worst_stage(changed, on_cpu).total
@@ -75,21 +70,22 @@ def fixes(config: Config, budget: float, on_cpu: bool) -> list[str]:
 def variants(config: Config, budget: float | None, on_cpu: bool) -> list[str]:
     """The same layout with ZeRO-1 and recomputation switched the other way, whether or not it fits."""
     par = config.parallelism
-    toggles = [
-        (
-            f"parallelism.recompute_layer={str(not par.recompute_layer).lower()}",
-            with_changes(config, {"parallelism.recompute_layer": not par.recompute_layer}),
-        )
-    ]
+    toggles = []
     if par.dp * par.cp > 1:
         other = 1 - config.optimizer.zero_stage
-        toggles.insert(
-            0, (f"optimizer.zero_stage={other}", with_changes(config, {"optimizer.zero_stage": other}))
+        toggles.append(
+            (f"optimizer.zero_stage={other}", with_changes(config, {"optimizer.zero_stage": other}))
         )
+    recompute = not par.recompute_layer
+    recomputed = with_changes(config, {"parallelism.recompute_layer": recompute})
+    toggles.append((f"parallelism.recompute_layer={str(recompute).lower()}", recomputed))
     lines = []
     for label, changed in toggles:
         total = worst_stage(changed, on_cpu).total
-        verdict = "" if budget is None else (" (fits)" if total <= budget else " (does not fit)")
+        if budget is None:
+            verdict = ""
+        else:
+            verdict = " (fits)" if total <= budget else " (does not fit)"
         lines.append(f"  with {label}: {human(total)} per rank{verdict}")
     return lines
 
@@ -97,19 +93,25 @@ def variants(config: Config, budget: float | None, on_cpu: bool) -> list[str]:
 def communication(config: Config, state: dict[str, int], device: str | None, gpus_per_node: int) -> list[str]:
     """Bytes each rank sends per step (ring algorithms), by dimension; `state` is a rank's model-state bytes.
     `device` (None: not given) and `gpus_per_node` say what link the tp group uses."""
-    mcfg, par, tokens = config.model.model_config_, config.parallelism, config.tokens
+    mcfg = config.model.model_config_
+    par = config.parallelism
+    tokens = config.tokens
     size = DTYPES[config.model.dtype].itemsize
     micro = tokens.batch_accumulation_per_replica
     activation = tokens.micro_batch_size * tokens.sequence_length // par.cp * mcfg.hidden_size * size
     lines = []
     replicas = par.dp * par.cp  # the ranks holding the same parameters
     expert = expert_fraction(config) if par.ep > 1 else 0.0  # summed over the experts' own replicas
-    groups = [("dp" if par.cp == 1 else "dp x cp", replicas, 1 - expert)]
-    groups += [("experts over their replicas", replicas // par.ep, expert)] if expert else []
+    dense = "dp" if par.cp == 1 else "dp x cp"
+    groups = [(dense, replicas, 1 - expert)]
+    if expert:
+        groups.append(("experts over their replicas", replicas // par.ep, expert))
     for name, ranks, fraction in groups:
         if ranks == 1:
             continue
-        grads, params, share = fraction * state["grads"], fraction * state["params"], (ranks - 1) / ranks
+        grads = fraction * state["grads"]
+        params = fraction * state["params"]
+        share = (ranks - 1) / ranks  # what a ring sends of the whole
         if config.optimizer.zero_stage == 1:
             gathered = human(share * params)
             lines.append(f"  {name}: reduce-scatter {human(share * grads)} + all-gather {gathered} per step")
@@ -136,10 +138,10 @@ def communication(config: Config, state: dict[str, int], device: str | None, gpu
             link = "inside a node: NVLink or PCIe" if device is None else "inside a node: NVLink"
         lines.append(f"  tp: {human(volume)} per step ({par.tp_mode}; {link})")
     if par.pp > 1:
-        lines.append(
-            f"  pp: {human(2 * micro * activation / (par.tp if par.tp_mode == 'REDUCE_SCATTER' else 1))} "
-            "per step and stage boundary (activations forward, gradients back)"
-        )
+        # Under sequence parallelism each tp rank sends its part of the sequence only.
+        sequence_split = par.tp if par.tp_mode == "REDUCE_SCATTER" else 1
+        sent = 2 * micro * activation / sequence_split
+        lines.append(f"  pp: {human(sent)} per step and stage boundary (activations forward, gradients back)")
     return lines or ["  none (one process)"]
 
 
@@ -147,18 +149,19 @@ def process_groups(config: Config) -> list[str]:
     """The process groups a layout makes (parallel/context.py), and what creating them costs on NCCL: every
     `split_group` and `new_group` call is one ncclCommSplit of the whole world at start-up."""
     par = config.parallelism
-    mesh = par.dp, par.tp, par.pp, par.cp
-    kinds = subgroups_by_kind(*mesh, par.ep)
-    one_way = pipe_links(*mesh) + ring_links(*mesh)
+    mesh = Mesh.of(par)
+    kinds = mesh.subgroups_by_kind()
+    one_way = mesh.pipe_links() + mesh.ring_links()
     # Counted in one pass over the groups (memory.communicators per rank would take world size squared).
     in_subgroups = Counter(rank for sets in kinds.values() for ranks in sets for rank in ranks)
     on_links = Counter(rank for pair in one_way for rank in pair)
     most_communicators = 1 + max(in_subgroups.values(), default=0)  # and the default group
+    most_links = max(on_links.values(), default=0)
     subgroup_count = sum(len(sets) for sets in kinds.values())
     lines = [
         f"  process groups: the default one + {subgroup_count} for collectives ({len(kinds)} kinds) + "
         f"{len(one_way)} one-way links (the pipeline's, the cp ring's); each rank is in up to "
-        f"{most_communicators} communicators for collectives and {max(on_links.values(), default=0)} links"
+        f"{most_communicators} communicators for collectives and {most_links} links"
     ]
     if subgroup_count or one_way:
         lines.append(
@@ -170,21 +173,25 @@ def process_groups(config: Config) -> list[str]:
 
 def expert_fraction(config: Config) -> float:
     """The share of a rank's parameters that are experts: it holds 1/ep of them (padding ignored)."""
-    mcfg, ep = config.model.model_config_, config.parallelism.ep
+    mcfg = config.model.model_config_
+    ep = config.parallelism.ep
     if mcfg.moe is None:
         return 0.0
-    experts = (
-        mcfg.num_hidden_layers * mcfg.moe.num_experts * 3 * mcfg.hidden_size * mcfg.moe.intermediate_size
-    )
-    return experts / ep / (experts / ep + mcfg.parameter_count - experts)
+    per_expert = 3 * mcfg.hidden_size * mcfg.moe.intermediate_size  # gate, up and down
+    experts = mcfg.num_hidden_layers * mcfg.moe.num_experts * per_expert
+    held = experts / ep
+    return held / (held + mcfg.parameter_count - experts)
 
 
 def all_to_all_bytes(config: Config) -> int:
     """Bytes each rank sends in all-to-alls per step, with every expert getting its share of the tokens: per
     layer and micro-batch, each forward (again with recomputation) sends the counts per expert, then the
     (ep - 1) / ep of its tokens' k rows bound for other ranks and their outputs back; backward both again."""
-    mcfg, par, tokens = config.model.model_config_, config.parallelism, config.tokens
-    moe, size = mcfg.moe, DTYPES[config.model.dtype].itemsize
+    mcfg = config.model.model_config_
+    par = config.parallelism
+    tokens = config.tokens
+    moe = mcfg.moe
+    size = DTYPES[config.model.dtype].itemsize
     rows = tokens.micro_batch_size * tokens.sequence_length // par.cp * moe.num_experts_per_tok
     away = rows * (par.ep - 1) / par.ep * mcfg.hidden_size * size
     counts = (par.ep - 1) * moe.num_experts // par.ep * 8
@@ -197,7 +204,9 @@ def ring_bytes(config: Config) -> int:
     """Bytes each rank sends round the cp ring per step: per layer and micro-batch, the forward's cp - 1
     blocks of keys and values, the backward's cp - 1 again with cp blocks of their fp32 gradients, and with
     recomputation the forward once more."""
-    mcfg, par, tokens = config.model.model_config_, config.parallelism, config.tokens
+    mcfg = config.model.model_config_
+    par = config.parallelism
+    tokens = config.tokens
     size = DTYPES[config.model.dtype].itemsize
     heads = mcfg.num_key_value_heads // par.tp
     block = 2 * tokens.micro_batch_size * tokens.sequence_length // par.cp * heads * mcfg.head_dim
@@ -238,11 +247,11 @@ def diagnose(
             "otherwise keep tp * cp <= GPUs per node and use dp or pp across nodes."
         )
     if par.pp > 1:
-        bubble = pipeline_bubble(par.pp, config.tokens.batch_accumulation_per_replica, par.pp_virtual_stages)
+        micro_batches = config.tokens.batch_accumulation_per_replica
+        bubble = pipeline_bubble(par.pp, micro_batches, par.pp_virtual_stages)
         lines.append(f"pipeline: {par.pp_engine}, each stage idles {bubble:.0%} of a step in theory (P2)")
-        stages = partition(
-            config.model.model_config_, config.tokens.sequence_length, par.pp * par.pp_virtual_stages
-        )
+        virtual_stages = par.pp * par.pp_virtual_stages
+        stages = partition(config.model.model_config_, config.tokens.sequence_length, virtual_stages)
         lines.append(stage_map(stages, par.pp))
         imbalance = imbalance_warning(config, stages)
         if imbalance:
@@ -256,34 +265,22 @@ def diagnose(
         lines += process_groups(config)
     lines.append(f"memory per rank (estimate; device: {where}):")
     for e in estimates:
-        state = " + ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in e.state.items())
-        lines.append(
-            f"  pp rank {e.pp_rank}: {human(e.total)} = {state} + activations: a micro-batch keeps "
-            f"{human(max(e.saved_per_micro_batch))} for its backward and peaks at "
-            f"{human(e.micro_batch_peak)}, {e.micro_batches_held} held at most (+{human(e.waiting)})"
-            + (
-                f" + {e.communicators} NCCL communicator(s) x {human(NCCL_COMMUNICATOR_BYTES)}"
-                + (f" + {e.links} one-way link(s) x {human(NCCL_LINK_BYTES)}" if e.links else "")
-                + f" = {human(e.communicator_bytes)}"
-                if e.communicators
-                else ""
-            )
-        )
+        lines.append(_memory_line(e))
     worst = max(estimates, key=lambda e: e.total)
     lines += variants(config, budget, on_cpu)
     fits = budget is None or worst.total <= budget
     if budget is not None:
         if fits:
-            lines.append(
+            line = (
                 f"fits: the largest rank needs {human(worst.total)} of {budget / GIB:.1f} GiB "
                 f"({worst.total / budget:.0%})"
-                + (
+            )
+            if budget - worst.total < 2 * GIB:
+                line += (
                     "; within 2 GiB of the device: the allocator's slack (not in the estimate) and NCCL "
                     f"buffers beyond {human(NCCL_COMMUNICATOR_BYTES)} per communicator may not fit"
-                    if budget - worst.total < 2 * GIB
-                    else ""
                 )
-            )
+            lines.append(line)
         else:
             lines.append(
                 f"does NOT fit (M1): pp rank {worst.pp_rank} needs {human(worst.total)}, the device has "
@@ -291,3 +288,19 @@ def diagnose(
             )
             lines += fixes(config, budget, on_cpu)
     return "\n".join(lines), fits
+
+
+def _memory_line(e: RankEstimate) -> str:
+    """One pp rank's estimate, part by part."""
+    state = " + ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in e.state.items())
+    line = (
+        f"  pp rank {e.pp_rank}: {human(e.total)} = {state} + activations: a micro-batch keeps "
+        f"{human(max(e.saved_per_micro_batch))} for its backward and peaks at "
+        f"{human(e.micro_batch_peak)}, {e.micro_batches_held} held at most (+{human(e.waiting)})"
+    )
+    if e.communicators:
+        line += f" + {e.communicators} NCCL communicator(s) x {human(NCCL_COMMUNICATOR_BYTES)}"
+        if e.links:
+            line += f" + {e.links} one-way link(s) x {human(NCCL_LINK_BYTES)}"
+        line += f" = {human(e.communicator_bytes)}"
+    return line

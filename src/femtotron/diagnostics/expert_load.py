@@ -27,7 +27,8 @@ def step_metrics(
             values[:, stats.experts + AUX :].contiguous(), sp_group
         )
     values = values.cpu()  # one copy from the device, then plain arithmetic
-    loads, extra = values[:, : stats.experts], values[:, stats.experts :].sum(0)
+    loads = values[:, : stats.experts]
+    extra = values[:, stats.experts :].sum(0)
     per_micro_batch = len(values) * micro_batches  # the losses are means over layers and micro-batches
     metrics = {
         "moe/aux_loss": extra[AUX] / per_micro_batch,

@@ -26,11 +26,10 @@ def diverged(
     where: str,
     recent: Iterable[tuple[int, float, float]],
 ) -> TrainingDiverged:
-    what = (
-        f"loss {number(loss)} is not finite (grad norm {number(grad_norm)})"
-        if not math.isfinite(loss)
-        else f"grad norm {number(grad_norm)} is not finite (loss {number(loss)})"
-    )
+    if not math.isfinite(loss):
+        what = f"loss {number(loss)} is not finite (grad norm {number(grad_norm)})"
+    else:
+        what = f"grad norm {number(grad_norm)} is not finite (loss {number(loss)})"
     history = ", ".join(f"step {s}: lr {lr:.2e} grad_norm {g:.3g}" for s, lr, g in recent) or "none"
     dtype = {
         "bfloat16": "keep model.dtype=bfloat16 (float16 overflows far sooner); ",
@@ -73,40 +72,41 @@ def out_of_memory(
     model_state: dict[str, int],
 ) -> OutOfMemory:
     """`where`: the pass, micro-batch and stage it ran out in; `model_state`: this rank's bytes by kind."""
-    tokens, par = config.tokens, config.parallelism
-    rank, dp, device = ctx.rank, ctx.dp * par.cp, ctx.device
+    tokens = config.tokens
+    par = config.parallelism
+    dp = ctx.dp * par.cp  # the ranks holding the same parameters
+    device = ctx.device
     state = ", ".join(f"{key.replace('_', ' ')} {human(value)}" for key, value in model_state.items())
-    fixes = [
-        f"tokens.micro_batch_size={max(tokens.micro_batch_size // 2, 1)} (activations scale with it; raise "
-        "batch_accumulation_per_replica to keep the batch)"
-        if tokens.micro_batch_size > 1
-        else f"tokens.sequence_length={tokens.sequence_length // 2} (activations scale with it)"
-    ]
+    if tokens.micro_batch_size > 1:
+        smaller = (
+            f"tokens.micro_batch_size={max(tokens.micro_batch_size // 2, 1)} (activations scale with it; "
+            "raise batch_accumulation_per_replica to keep the batch)"
+        )
+    else:
+        smaller = f"tokens.sequence_length={tokens.sequence_length // 2} (activations scale with it)"
+    fixes = [smaller]
     if not par.recompute_layer:
         fixes.append("parallelism.recompute_layer=true (76-90% fewer saved activations, ~25% more compute)")
     if config.optimizer.zero_stage == 0 and dp > 1:
         over = f"dp={dp}" if par.cp == 1 else f"dp x cp = {dp}"
         fixes.append(f"optimizer.zero_stage=1 (master weights and Adam moments / {over})")
-    if (
-        tokens.sequence_length >= 4096
-    ):  # long sequences: their activations are what context parallelism splits
+    # Long sequences: their activations are what context parallelism splits.
+    if tokens.sequence_length >= 4096:
         fixes.append(f"parallelism.cp={par.cp * 2} (each rank holds 1/cp of every sequence's activations)")
     moe = config.model.model_config_.moe
     if moe is not None and moe.num_experts % (par.ep * 2) == 0 and dp % (par.ep * 2) == 0:
         fixes.append(f"parallelism.ep={par.ep * 2} (each rank holds half as many experts; no more processes)")
     fixes.append(f"parallelism.tp={par.tp * 2} or parallelism.pp={par.pp * 2} (fewer parameters per rank)")
-    gap = (
-        ""
-        if device.type != "cuda"
-        else (
+    gap = ""
+    if device.type == "cuda":
+        gap = (
             " The peaks are since the last logged step; a large gap between peak reserved and peak allocated "
-            "is fragmentation: keep "
-            "general.cuda_expandable_segments on (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)."
+            "is fragmentation: keep general.cuda_expandable_segments on "
+            "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)."
         )
-    )
     first_line = (str(error).splitlines() or [type(error).__name__])[0][:200]
     return OutOfMemory(
-        f"step {step}: out of memory on rank {rank} in {where} ({first_line}).\nThis rank's model state: "
+        f"step {step}: out of memory on rank {ctx.rank} in {where} ({first_line}).\nThis rank's model state: "
         f"{state}; memory: {describe_memory(memory_gib(device))}.{gap}\nFixes, in the usual order: "
         f"{'; '.join(fixes)}."
     )

@@ -16,7 +16,8 @@ class LossSpikes:
     def __init__(self, window: int = 50, threshold: float = 6.0, persistent: int = 5) -> None:
         self.losses: deque[float] = deque(maxlen=window)
         self.recent: deque[bool] = deque(maxlen=10)  # spike flags of the last steps
-        self.threshold, self.persistent = threshold, persistent
+        self.threshold = threshold
+        self.persistent = persistent
 
     def observe(self, step: int, loss: float) -> str | None:
         """Record a step's loss; return a warning when it is a spike, or None."""

@@ -28,11 +28,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from femtotron.batch import MicroBatch
 from femtotron.config import Config
-from femtotron.data.nanoset import MicroBatch
 from femtotron.layout import DTYPES, meta_rank_model
-from femtotron.parallel.context import pipe_links, rank_of, ring_links, subgroups
 from femtotron.parallel.context_parallel import place_tokens
+from femtotron.parallel.mesh import Mesh, MeshCoordinates
 from femtotron.parallel.pipeline.schedules import schedule
 from femtotron.precision import ESTIMATING_FOR_THIS_CPU
 
@@ -64,14 +64,14 @@ class LiveMemory(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.live = self.peak = 0
+        self.live = 0
+        self.peak = 0
         self._alive: set[int] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {
-            id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
-        }
+        arguments = tree_flatten((args, kwargs))[0]
+        inputs = {id(t.untyped_storage()) for t in arguments if isinstance(t, torch.Tensor)}
         for tensor in tree_flatten(out)[0]:
             if not isinstance(tensor, torch.Tensor):
                 continue
@@ -90,13 +90,12 @@ class LiveMemory(TorchDispatchMode):
         self.live -= nbytes
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RankEstimate:
     pp_rank: int
     state: dict[str, int]  # params, grads, master_weights, adam_moments
-    saved_per_micro_batch: list[
-        int
-    ]  # per model chunk: the activations a micro-batch keeps until its backward
+    # Per model chunk: the activations a micro-batch keeps until its backward.
+    saved_per_micro_batch: list[int]
     micro_batch_peak: int  # the most alive while one micro-batch runs forward and backward
     waiting: int  # the activations of the other micro-batches held meanwhile (1F1B: up to pp - pp_rank - 1)
     micro_batches_held: int
@@ -118,13 +117,16 @@ def schedule_peak(
     """The most activation bytes this rank holds for micro-batches whose backward has not run, and the most
     micro-batches at once, walking its action list."""
     held: dict[tuple[int, int], int] = {}
-    worst = most = 0
-    for action in schedule(engine, pp, pp_rank, micro_batches, len(saved)):
+    worst = 0
+    most = 0
+    actions = schedule(engine, pp=pp, rank=pp_rank, micro_batches=micro_batches, chunks=len(saved))
+    for action in actions:
         if action.kind == "F":
             held[action.micro_batch, action.chunk] = saved[action.chunk]
         else:
             held.pop((action.micro_batch, action.chunk))
-        worst, most = max(worst, sum(held.values())), max(most, len(held))
+        worst = max(worst, sum(held.values()))
+        most = max(most, len(held))
     return worst, most
 
 
@@ -141,25 +143,31 @@ def estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool = False) -> Ra
 def communicators(dp: int, tp: int, pp: int, rank: int, cp: int = 1, ep: int = 1) -> int:
     """The NCCL communicators for collectives `rank` belongs to: the default group's and every subgroup's
     holding it (its one-way links: `links`)."""
-    return (dp * cp * tp * pp > 1) + sum(rank in ranks for ranks in subgroups(dp, tp, pp, cp, ep))
+    mesh = Mesh(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    return (mesh.world_size > 1) + sum(rank in ranks for ranks in mesh.subgroups())
 
 
 def links(dp: int, tp: int, pp: int, rank: int, cp: int = 1) -> int:
     """The one-way links (each a 2-rank communicator) `rank` sends or receives on."""
-    return sum(rank in pair for pair in pipe_links(dp, tp, pp, cp) + ring_links(dp, tp, pp, cp))
+    mesh = Mesh(dp=dp, tp=tp, pp=pp, cp=cp)
+    return sum(rank in pair for pair in mesh.pipe_links() + mesh.ring_links())
 
 
 def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstimate:
-    par, tokens = config.parallelism, config.tokens
+    par = config.parallelism
+    tokens = config.tokens
     meta = torch.device("meta")
-    rank = rank_of(pp_rank, 0, 0, par.dp, par.tp, 0, par.cp)
+    rank = Mesh.of(par).rank_of(MeshCoordinates(pp_rank=pp_rank, dp_rank=0, cp_rank=0, tp_rank=0))
     model = meta_rank_model(config, rank)
     state = model.data_parallel.model_state_bytes()
-    sequence = tokens.sequence_length // par.cp // (par.tp if model.tp.sequence_parallel else 1)
+    sequence_split = par.tp if model.tp.sequence_parallel else 1
+    sequence = tokens.sequence_length // par.cp // sequence_split
     # cp rank 0's part of the sequences (the ranks' parts are alike); one document (no token is -1).
     eos = -1 if config.model.document_masking else None
-    whole = MicroBatch.from_tokens(torch.zeros(tokens.micro_batch_size, tokens.sequence_length + 1).long())
-    saved, peaks = [], []
+    zeros = torch.zeros(tokens.micro_batch_size, tokens.sequence_length + 1).long()
+    whole = MicroBatch.from_tokens(zeros)
+    saved: list[int] = []  # per chunk
+    peaks: list[int] = []
     for chunk_index, chunk in enumerate(model.chunks):
         stage = chunk_index * par.pp + pp_rank
         batch = place_tokens(whole, par.cp, 0, eos).to(meta)
@@ -182,13 +190,25 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
                 torch.autograd.backward(output, torch.empty_like(output))
             del inputs, output
         peaks.append(memory.peak)
-    held_bytes, held = schedule_peak(
-        par.pp_engine, par.pp, pp_rank, tokens.batch_accumulation_per_replica, saved
-    )
+    micro_batches = tokens.batch_accumulation_per_replica
+    held_bytes, held = schedule_peak(par.pp_engine, par.pp, pp_rank, micro_batches, saved)
     waiting = held_bytes - max(saved) if held > 1 else 0  # the others, while the largest one runs
-    nccl = 0 if on_this_cpu else communicators(par.dp, par.tp, par.pp, rank, par.cp, par.ep)
-    one_way = 0 if on_this_cpu else links(par.dp, par.tp, par.pp, rank, par.cp)
-    return RankEstimate(pp_rank, state, saved, max(peaks), waiting, held, nccl, one_way)
+    if on_this_cpu:  # no NCCL
+        nccl = 0
+        one_way = 0
+    else:
+        nccl = communicators(dp=par.dp, tp=par.tp, pp=par.pp, rank=rank, cp=par.cp, ep=par.ep)
+        one_way = links(dp=par.dp, tp=par.tp, pp=par.pp, rank=rank, cp=par.cp)
+    return RankEstimate(
+        pp_rank=pp_rank,
+        state=state,
+        saved_per_micro_batch=saved,
+        micro_batch_peak=max(peaks),
+        waiting=waiting,
+        micro_batches_held=held,
+        communicators=nccl,
+        links=one_way,
+    )
 
 
 def human(nbytes: float) -> str:
@@ -206,4 +226,6 @@ def device_budget(device: str | None, device_memory: float | None) -> tuple[str,
             f"unknown device {device!r}; known: {', '.join(DEVICES)}, or give --device-memory GIB"
         )
     memory = DEVICES[name]
-    return (f"{name} ({memory:g} GiB usable)" if memory else name), (memory * GIB if memory else None)
+    if not memory:  # a CPU: no fixed budget
+        return name, None
+    return f"{name} ({memory:g} GiB usable)", memory * GIB

@@ -18,12 +18,12 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from femtotron.data.nanoset import MicroBatch
+from femtotron.batch import MicroBatch
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.pipeline.schedules import Pipeline
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NonFinite:
     phase: str  # "forward" or "backward"
     module: str  # its name in the whole model, e.g. "layers.1.mlp.down_proj"
@@ -71,10 +71,14 @@ def watch(
     found: list[NonFinite] = []
     backward: list[NonFinite] = []
 
+    def finding(phase: str, name: str) -> NonFinite:
+        micro_batch, stage = where()
+        return NonFinite(phase=phase, module=name, micro_batch=micro_batch, stage=stage, rank=rank)
+
     def on_gradient(name: str) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if not backward and not _finite([grad]):
-                backward.append(NonFinite("backward", name, *where(), rank))
+                backward.append(finding("backward", name))
 
         return hook
 
@@ -82,19 +86,18 @@ def watch(
         def hook(module: nn.Module, inputs: object, output: object) -> None:
             outputs = _tensors(output)
             if not found and not _finite(outputs) and _finite(_tensors(inputs)):
-                found.append(NonFinite("forward", name, *where(), rank))
+                found.append(finding("forward", name))
             for tensor in outputs:
                 if tensor.requires_grad:
                     tensor.register_hook(on_gradient(name))
 
         return hook
 
-    handles = [
-        module.register_forward_hook(on_forward(name))
-        for chunk in chunks
-        for name, module in chunk.named_modules()
-        if name
-    ]
+    handles = []
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if name:  # the chunk itself is no finding
+                handles.append(module.register_forward_hook(on_forward(name)))
     try:
         yield found
     finally:
@@ -105,17 +108,21 @@ def watch(
 
 def earliest_over_ranks(ctx: ParallelContext, mine: NonFinite | None) -> NonFinite | None:
     """Every rank's finding to rank 0 through the store; rank 0 picks the earliest and every rank gets it."""
-    store, rank, world_size, timeout = ctx.store, ctx.rank, ctx.world_size, ctx.collective_timeout_seconds
+    store = ctx.store
+    timeout = ctx.collective_timeout_seconds
     key = store.fresh_key("nan")
-    store.post(f"{key}/rank{rank}", json.dumps(asdict(mine) if mine else None))
-    if rank == 0:
-        got = store.collect([f"{key}/rank{r}" for r in range(world_size)], timeout, remove=True)
+    store.post(f"{key}/rank{ctx.rank}", json.dumps(asdict(mine) if mine else None))
+    if ctx.rank == 0:
+        keys = [f"{key}/rank{r}" for r in range(ctx.world_size)]
+        got = store.collect(keys, timeout, remove=True)
         findings = [NonFinite(**f) for f in map(json.loads, got.values()) if f]
         first = min(findings, key=NonFinite.order, default=None)
         store.post(f"{key}/verdict", json.dumps(asdict(first) if first else None))
         return first
-    verdict = store.collect([f"{key}/verdict"], 2 * timeout).get(f"{key}/verdict", "null")
-    return NonFinite(**json.loads(verdict)) if json.loads(verdict) else None
+    verdict_key = f"{key}/verdict"
+    # Rank 0 waits up to `timeout` for the findings before it posts the verdict: wait longer here.
+    verdict = json.loads(store.collect([verdict_key], 2 * timeout).get(verdict_key, "null"))
+    return NonFinite(**verdict) if verdict else None
 
 
 def locate(

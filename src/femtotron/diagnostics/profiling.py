@@ -25,8 +25,15 @@ HISTORY_ENTRIES = 100_000  # allocations and frees kept in the CUDA memory histo
 class StepProfiler:
     def __init__(self, config: Config, ctx: ParallelContext, log: RunLog) -> None:
         steps = config.profiling.profile_steps
-        self.first, self.last = (steps[0], min(steps[1], config.tokens.train_steps)) if steps else (0, -1)
-        self.out_dir, self.rank, self.log = config.run_dir / "profile", ctx.rank, log
+        if steps:
+            self.first = steps[0]
+            self.last = min(steps[1], config.tokens.train_steps)
+        else:  # an empty range: no step is profiled
+            self.first = 0
+            self.last = -1
+        self.out_dir = config.run_dir / "profile"
+        self.rank = ctx.rank
+        self.log = log
         self.cuda = ctx.device.type == "cuda"
         self.profiler: torch.profiler.profile | None = None
 
@@ -36,8 +43,9 @@ class StepProfiler:
         resumed run takes in it), writes the files after the last."""
         if self.first <= step <= self.last and self.profiler is None:
             self.start()
+        labelled = torch.profiler.record_function(f"step {step}") if self.profiler else nullcontext()
         try:
-            with torch.profiler.record_function(f"step {step}") if self.profiler else nullcontext():
+            with labelled:
                 yield
         except OutOfMemory as e:
             if self.cuda:
@@ -63,13 +71,13 @@ class StepProfiler:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         trace = self.out_dir / f"rank-{self.rank}.json"
         self.profiler.export_chrome_trace(str(trace))
-        self.profiler, written = None, [trace]
+        self.profiler = None
+        written = [trace]
         if self.cuda:
             written.append(self.memory_snapshot("memory"))
             torch.cuda.memory._record_memory_history(enabled=None)
-        self.log.info(
-            f"profiled steps {self.first}-{self.last}: {', '.join(p.name for p in written)} in {self.out_dir}"
-        )
+        names = ", ".join(p.name for p in written)
+        self.log.info(f"profiled steps {self.first}-{self.last}: {names} in {self.out_dir}")
 
     def memory_snapshot(self, what: str) -> Path:
         self.out_dir.mkdir(parents=True, exist_ok=True)

@@ -4,28 +4,35 @@ warnings about legal but risky settings (N1, N2, P2, M3, T3)."""
 from __future__ import annotations
 
 from femtotron.diagnostics.advice import config_warnings, imbalance_warning, pipeline_bubble
-from femtotron.parallel.context import mesh_groups
 from femtotron.parallel.pipeline.partition import stage_map
 from femtotron.train_state import TrainingParts
 
 
 def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
-    config, ctx, data, scaler = parts.config, parts.ctx, parts.data, parts.state.scaler
-    mcfg, tokens, par = config.model.model_config_, config.tokens, config.parallelism
+    config = parts.config
+    ctx = parts.ctx
+    data = parts.data
+    scaler = parts.state.scaler
+    mcfg = config.model.model_config_
+    tokens = config.tokens
+    par = config.parallelism
     accumulation = tokens.batch_accumulation_per_replica
     epochs = data.epochs_for(config.global_batch_size * tokens.train_steps)
-    lines = [
-        f"run: {config.general.project}/{config.general.run}, directory {config.run_dir}",
+    model_line = (
         f"model: Llama {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, "
         f"{mcfg.num_attention_heads} heads ({mcfg.num_key_value_heads} kv), vocab {mcfg.vocab_size}: "
         f"{mcfg.parameter_count / 1e6:.2f}M parameters, {config.model.dtype} with fp32 master weights"
-        + (f", dynamic loss scale from {scaler.scale:g}" if scaler.enabled else ""),
-        f"layout: dp={ctx.dp}{f' cp={ctx.cp}' if ctx.cp > 1 else ''} tp={ctx.tp} pp={ctx.pp} on "
-        f"{ctx.world_size} process(es) on "
+    )
+    if scaler.enabled:
+        model_line += f", dynamic loss scale from {scaler.scale:g}"
+    cp = f" cp={ctx.cp}" if ctx.cp > 1 else ""
+    lines = [
+        f"run: {config.general.project}/{config.general.run}, directory {config.run_dir}",
+        model_line,
+        f"layout: dp={ctx.dp}{cp} tp={ctx.tp} pp={ctx.pp} on {ctx.world_size} process(es) on "
         f"{len(set(ctx.hosts))} host(s), device {ctx.device}",
         f"batch: {tokens.micro_batch_size} x {tokens.sequence_length} tokens x {accumulation} micro-batches "
-        f"x dp "
-        f"{ctx.dp} = {config.tokens_per_step:,} tokens per step, {tokens.train_steps} steps",
+        f"x dp {ctx.dp} = {config.tokens_per_step:,} tokens per step, {tokens.train_steps} steps",
         f"data: {data.num_documents:,} documents, {data.num_tokens:,} tokens, {data.samples_per_epoch:,} "
         f"samples per epoch; this run sees {epochs:.2f} epochs",
         f"MFU is measured against {mfu_yardstick}",
@@ -40,24 +47,7 @@ def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
             "a ring; gradients summed over dp x cp"
         )
     if mcfg.moe is not None:
-        moe, active = (
-            mcfg.moe,
-            mcfg.parameter_count
-            - mcfg.num_hidden_layers * (mcfg.layer_parameters - mcfg.active_layer_parameters),
-        )
-        lines.append(
-            f"mixture of experts: top-{moe.num_experts_per_tok} of {moe.num_experts} experts per layer"
-            + (f" + {moe.num_shared_experts} shared" if moe.num_shared_experts else "")
-            + f", {active / 1e6:.2f}M parameters active per token; "
-            + ("dropless" if moe.capacity_factor is None else f"capacity factor {moe.capacity_factor:g}")
-            + (
-                f"; ep={ctx.ep}: each rank holds {moe.num_experts // ctx.ep} experts of every layer, tokens "
-                f"go to them by all-to-all, their gradients are summed over the {ctx.dp * ctx.cp // ctx.ep} "
-                "rank(s) holding the same experts"
-                if ctx.ep > 1
-                else ""
-            )
-        )
+        lines.append(_experts_line(parts))
     if config.model.document_masking:
         lines.append("document masking: attention stops at each end-of-document token, RoPE restarts there")
     padded = parts.model.chunks[0].padded_vocab_size
@@ -68,9 +58,9 @@ def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
         )
     if ctx.pp > 1:
         bubble = pipeline_bubble(ctx.pp, accumulation, par.pp_virtual_stages)
-        virtual = (
-            f" with {par.pp_virtual_stages} virtual stages per rank" if par.pp_virtual_stages > 1 else ""
-        )
+        virtual = ""
+        if par.pp_virtual_stages > 1:
+            virtual = f" with {par.pp_virtual_stages} virtual stages per rank"
         lines.append(
             f"pipeline parallel: pp={ctx.pp}, pp_engine={par.pp_engine}{virtual}, {accumulation} "
             f"micro-batches: each stage idles {bubble:.0%} of a step in theory (bubble)"
@@ -79,25 +69,46 @@ def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
     return "\n".join(lines)
 
 
+def _experts_line(parts: TrainingParts) -> str:
+    """The mixture of experts: how many experts a token visits, its active parameters, how ep splits them."""
+    ctx = parts.ctx
+    mcfg = parts.config.model.model_config_
+    moe = mcfg.moe
+    inactive_per_layer = mcfg.layer_parameters - mcfg.active_layer_parameters
+    active = mcfg.parameter_count - mcfg.num_hidden_layers * inactive_per_layer
+    line = f"mixture of experts: top-{moe.num_experts_per_tok} of {moe.num_experts} experts per layer"
+    if moe.num_shared_experts:
+        line += f" + {moe.num_shared_experts} shared"
+    line += f", {active / 1e6:.2f}M parameters active per token; "
+    line += "dropless" if moe.capacity_factor is None else f"capacity factor {moe.capacity_factor:g}"
+    if ctx.ep > 1:
+        replicas = ctx.dp * ctx.cp // ctx.ep
+        line += (
+            f"; ep={ctx.ep}: each rank holds {moe.num_experts // ctx.ep} experts of every layer, tokens "
+            f"go to them by all-to-all, their gradients are summed over the {replicas} "
+            "rank(s) holding the same experts"
+        )
+    return line
+
+
 def memory_summary(parts: TrainingParts) -> str:
     """Where this rank's bytes for the model state go, and how dp reduces gradients."""
-    data_parallel, dp = parts.model.data_parallel, parts.ctx.dp * parts.ctx.cp
+    data_parallel = parts.model.data_parallel
+    dp = parts.ctx.dp * parts.ctx.cp  # the ranks holding the same parameters
     over = "dp" if parts.ctx.cp == 1 else "dp x cp"
     plan = data_parallel.model_state_bytes()
     elements = data_parallel.flat_params.numel() - data_parallel.padding
     total = sum(plan.values())
     kinds = " + ".join(f"{key.replace('_', ' ')} {value / 2**20:.1f}" for key, value in plan.items())
-    sharing = (
-        f"ZeRO-1 shards master weights and Adam moments over {over}={dp}"
-        if parts.config.optimizer.zero_stage
-        else "optimizer state on every dp rank (zero_stage 0)"
-    )
+    if parts.config.optimizer.zero_stage:
+        sharing = f"ZeRO-1 shards master weights and Adam moments over {over}={dp}"
+    else:
+        sharing = "optimizer state on every dp rank (zero_stage 0)"
     own_masters = " (fp32 parameters are their own master weights)" if not plan["master_weights"] else ""
-    reduction = (
-        f"gradients reduced over {over} in {len(data_parallel.buckets)} bucket(s) during backward"
-        if dp > 1
-        else "no dp reduction (dp=1)"
-    )
+    if dp > 1:
+        reduction = f"gradients reduced over {over} in {len(data_parallel.buckets)} bucket(s) during backward"
+    else:
+        reduction = "no dp reduction (dp=1)"
     return (
         f"model state on this rank: {elements / 1e6:.2f}M parameters in {total / 2**20:.1f} MiB = {kinds} "
         f"MiB{own_masters}, {total / elements:.1f} bytes per parameter; {sharing}; {reduction}; buffers "
@@ -106,7 +117,8 @@ def memory_summary(parts: TrainingParts) -> str:
 
 
 def start_warnings(parts: TrainingParts, has_validation: bool, upcasts: bool) -> list[str]:
-    config, ctx = parts.config, parts.ctx
+    config = parts.config
+    ctx = parts.ctx
     warnings = config_warnings(config)
     if config.tokens.val_check_interval and not has_validation:
         warnings.append(
@@ -114,7 +126,7 @@ def start_warnings(parts: TrainingParts, has_validation: bool, upcasts: bool) ->
             "is not set: no validation will run. Set it, or set tokens.val_check_interval=0."
         )
     warnings += tp_host_warnings(ctx.tp, ctx.hosts)
-    rings = mesh_groups(ctx.dp, ctx.tp, ctx.pp, ctx.cp)["cp"] if ctx.cp > 1 else []
+    rings = ctx.mesh.groups()["cp"] if ctx.cp > 1 else []
     warnings += cp_host_warnings(rings, ctx.hosts)
     imbalance = imbalance_warning(config, parts.model.stages) if ctx.pp > 1 else None
     if imbalance:
@@ -131,17 +143,15 @@ def start_warnings(parts: TrainingParts, has_validation: bool, upcasts: bool) ->
 def tp_host_warnings(tp: int, hosts: list[str]) -> list[str]:
     """T3: a tp group must sit on one host; every layer all-reduces activations within it. tp groups are
     consecutive ranks."""
-    spanning = [
-        list(range(first, first + tp))
-        for first in range(0, len(hosts), tp)
-        if len({hosts[r] for r in range(first, first + tp)}) > 1
-    ]
+    groups = [list(range(first, first + tp)) for first in range(0, len(hosts), tp)]
+    spanning = [ranks for ranks in groups if len({hosts[r] for r in ranks}) > 1]
     if not spanning:
         return []
     ranks = spanning[0]
+    their_hosts = ", ".join(sorted({hosts[r] for r in ranks}))
     return [
         f"{len(spanning)} tensor-parallel group(s) span several hosts, e.g. ranks {ranks[0]}-{ranks[-1]} "
-        f"on {', '.join(sorted({hosts[r] for r in ranks}))}: every layer all-reduces activations over the "
+        f"on {their_hosts}: every layer all-reduces activations over the "
         "(slow) network between them. Set parallelism.tp to at most the number of GPUs per node (and "
         "launch the same number of processes on every node); use dp or pp across nodes."
     ]
@@ -153,10 +163,10 @@ def cp_host_warnings(rings: list[tuple[int, ...]], hosts: list[str]) -> list[str
     if not spanning:
         return []
     ring = spanning[0]
+    their_hosts = ", ".join(sorted({hosts[r] for r in ring}))
     return [
         f"{len(spanning)} context-parallel ring(s) span several hosts, e.g. ranks "
-        f"{', '.join(map(str, ring))} on {', '.join(sorted({hosts[r] for r in ring}))}: every layer's ring "
-        "steps cross the network. Each "
+        f"{', '.join(map(str, ring))} on {their_hosts}: every layer's ring steps cross the network. Each "
         "step's transfer overlaps a block's attention; when `cp comm` in the step line is large, keep "
         "parallelism.tp * parallelism.cp within a node and use dp or pp across nodes."
     ]

@@ -67,11 +67,17 @@ class Watchdog:
         interval: float = 2.0,
         start_timeout: float = 300.0,
     ):
-        self.comm, self.messages, self.rank, self.world_size = ctx.comm, ctx.store, ctx.rank, ctx.world_size
-        self.hang_timeout, self.where, self.start_timeout = hang_timeout, where, start_timeout
-        # A live rank's thread beats every `interval` s whatever its main thread does: 30 s of silence is
-        # death.
-        self.interval, self.silent_seconds = interval, min(30.0, hang_timeout)
+        self.comm = ctx.comm
+        self.messages = ctx.store
+        self.rank = ctx.rank
+        self.world_size = ctx.world_size
+        self.hang_timeout = hang_timeout
+        self.where = where
+        self.start_timeout = start_timeout
+        self.interval = interval
+        # A live rank's thread beats every `interval` s whatever its main thread does: 30 s of silence
+        # is death.
+        self.silent_seconds = min(30.0, hang_timeout)
         self.beats = 0
         self.seen: dict[int, tuple[int, float]] = {}  # rank -> (its heartbeat, when it last changed here)
         self.stopped = threading.Event()
@@ -81,9 +87,8 @@ class Watchdog:
         self.stop_key = f"{ctx.store.key_prefix}watchdog/stop"
         self.dumped_keys = [f"{ctx.store.key_prefix}watchdog/dumped/{r}" for r in range(ctx.world_size)]
         self.backend = ctx.backend
-        recording = any(
-            os.environ.get(name) for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
-        )
+        buffer_sizes = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+        recording = any(os.environ.get(name) for name in buffer_sizes)
         prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
         # Named as torch's own dumps are, the prefix then the rank, so that fr_trace reads them alike.
         self.flight_recorder = Path(f"{prefix}{self.rank}") if recording and prefix else None
@@ -93,9 +98,8 @@ class Watchdog:
         """Publish this rank's state, wait until every rank has (a rank slow to build its model is not a
         dead one), then watch."""
         if self.world_size > 1:
-            self.store = (
-                self.messages.new_client()
-            )  # its own connection: the main thread may wait on the store
+            # A connection of its own: the main thread may be waiting on the store.
+            self.store = self.messages.new_client()
             self.store.set(self.keys[self.rank], json.dumps(self.state()))
             try:
                 self.store.wait(self.keys, timedelta(seconds=self.start_timeout))
@@ -114,21 +118,22 @@ class Watchdog:
         self.stopped.set()
         if self.thread.is_alive():
             self.thread.join(timeout=2 * self.interval)
+            ending = "failed" if failed else "done"
             try:
-                self.store.set(
-                    self.keys[self.rank], json.dumps({**self.state(), "failed" if failed else "done": True})
-                )
+                self.store.set(self.keys[self.rank], json.dumps({**self.state(), ending: True}))
             except (RuntimeError, OSError):  # the store's server is gone too; nothing left to tell
                 pass
 
     def state(self) -> dict[str, Any]:
-        ops, last = self.comm.unfinished(), self.comm.last_op
+        ops = self.comm.unfinished()
+        last = self.comm.last_op
         return {
             "rank": self.rank,
             "beat": self.beats,
             "time": time.time(),
             "where": self.where(),
             "ops": [_op(op) for op in ops],
+            # Only when nothing is unfinished: then the op issued last is the best clue.
             "last_op": None if last is None or ops else _op(last),
         }
 
@@ -156,17 +161,12 @@ class Watchdog:
             ops = self.comm.unfinished()
             if ops and now - ops[0].started > self.hang_timeout:
                 op = _waited_on({"ops": [_op(op) for op in ops]})
-                self._end(
-                    self.report(
-                        self._states(),
-                        [],
-                        f"has waited in {op['kind']}"
-                        + (f" on {op['group']}" if op["group"] else "")
-                        + f" for {op['seconds']:.0f} s "
-                        f"(parallelism.hang_timeout_seconds={self.hang_timeout:g})",
-                        stuck=True,
-                    )
+                group = f" on {op['group']}" if op["group"] else ""
+                problem = (
+                    f"has waited in {op['kind']}{group} for {op['seconds']:.0f} s "
+                    f"(parallelism.hang_timeout_seconds={self.hang_timeout:g})"
                 )
+                self._end(self.report(self._states(), [], problem, stuck=True))
                 return
             self.stopped.wait(self.interval)
 
@@ -197,21 +197,17 @@ class Watchdog:
         """Every rank's last published state, with its age: how long ago that rank published it (a frozen
         rank's state can be far behind what the others do now)."""
         now = time.time() if now is None else now
-        lines = [
-            f"hang report from rank {self.rank}: "
-            + (
-                f"rank {self.rank} {problem}"
-                if stuck
-                else f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} {problem}"
-            )
-            + ". What every rank is doing:"
-        ]
+        if stuck:
+            who = f"rank {self.rank}"
+        else:
+            who = f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))}"
+        lines = [f"hang report from rank {self.rank}: {who} {problem}. What every rank is doing:"]
         for rank, state in sorted(states.items()):
             age = 0.0 if rank == self.rank else max(0.0, now - state["time"])
-            lines.append(
-                f"  rank {rank} (as of {age:.0f} s ago): {describe(state)}"
-                + (" <- " + ("failed" if state.get("failed") else "silent") if rank in silent else "")
-            )
+            line = f"  rank {rank} (as of {age:.0f} s ago): {describe(state)}"
+            if rank in silent:
+                line += " <- failed" if state.get("failed") else " <- silent"
+            lines.append(line)
         lines += mismatches(states)
         lines.append(
             "A rank that took another code path (a different config, data, or an exception it swallowed) is "
@@ -237,13 +233,13 @@ class Watchdog:
     def _stop_as_told(self) -> None:
         reporter = self.store.get(self.stop_key).decode()
         self._write_flight_recorder()
-        print(
+        message = (
             f"femtotron: error: rank {self.rank} stops with the job: rank {reporter} found it stuck (its "
             "log says what every rank was doing)"
-            + (f"; this rank's flight recorder: {self.flight_recorder}" if self.flight_recorder else ""),
-            file=sys.stderr,
-            flush=True,
         )
+        if self.flight_recorder:
+            message += f"; this rank's flight recorder: {self.flight_recorder}"
+        print(message, file=sys.stderr, flush=True)
         self._exit_with_the_others()
 
     def _write_flight_recorder(self) -> None:
@@ -273,12 +269,10 @@ def _op(op: OpInFlight) -> dict[str, Any]:
 
 
 def _doing(op: dict[str, Any]) -> str:
-    return (
-        op["kind"]
-        + (f" on {op['group']}" if op["group"] else "")
-        + (f" with rank {op['peer']}" if op["peer"] is not None else "")
-        + f" for a {tuple(op['shape'])} {op['dtype']} tensor, {op['seconds']:g} s so far"
-    )
+    group = f" on {op['group']}" if op["group"] else ""
+    peer = f" with rank {op['peer']}" if op["peer"] is not None else ""
+    tensor = f"a {tuple(op['shape'])} {op['dtype']} tensor"
+    return f"{op['kind']}{group}{peer} for {tensor}, {op['seconds']:g} s so far"
 
 
 def _waited_on(state: dict[str, Any]) -> dict[str, Any] | None:
@@ -289,26 +283,26 @@ def _waited_on(state: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def describe(state: dict[str, Any]) -> str:
-    ops, last, op = state.get("ops") or [], state.get("last_op"), _waited_on(state)
+    ops = state.get("ops") or []
+    last = state.get("last_op")
+    op = _waited_on(state)
     if op is not None:
         others = [_doing(other) for other in ops if other is not op]
-        doing = f"in {_doing(op)}" + (f" (also unfinished: {'; '.join(others)})" if others else "")
+        doing = f"in {_doing(op)}"
+        if others:
+            doing += f" (also unfinished: {'; '.join(others)})"
     else:  # nothing unfinished: what was issued last is the best clue
-        doing = "no communication in flight" + (
-            ""
-            if last is None
-            else (
-                f" (the last issued: {last['kind']} on {last['group']}"
-                + (f" with rank {last['peer']}" if last["peer"] is not None else "")
-                + f", {last['seconds']:g} s ago)"
-            )
-        )
+        doing = "no communication in flight"
+        if last is not None:
+            peer = f" with rank {last['peer']}" if last["peer"] is not None else ""
+            doing += f" (the last issued: {last['kind']} on {last['group']}{peer}, {last['seconds']:g} s ago)"
     return f"{doing}; {state['where']}"
 
 
 def mismatches(states: dict[int, dict[str, Any]]) -> list[str]:
     """Point at the pairs that wait on each other: a receive whose peer is not sending to it."""
-    out, pairs = [], set()
+    out = []
+    pairs = set()  # (rank, peer) pairs already looked at
     for rank, state in sorted(states.items()):
         for op in state.get("ops") or []:
             peer = op["peer"]

@@ -59,7 +59,8 @@ def to_hf(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.T
         elif name.endswith("gate_up_proj.weight"):
             prefix = "model." + name.removesuffix("gate_up_proj.weight")
             gate, up = tensor.unbind(0)
-            out[prefix + "gate_proj.weight"], out[prefix + "up_proj.weight"] = gate, up
+            out[prefix + "gate_proj.weight"] = gate
+            out[prefix + "up_proj.weight"] = up
         elif ".mlp.router." in name or ".mlp.experts." in name:
             block, gate, up, down = EXPERT_NAMES[hf_kind(cfg)]
             prefix = f"model.{name.split('.mlp.')[0]}.{block}."
@@ -68,7 +69,8 @@ def to_hf(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.T
                 out[prefix + "gate.weight"] = tensor
             elif name.endswith("gate_up_proj"):
                 for j, (gate_matrix, up_matrix) in enumerate(tensor):
-                    out[each.format(j, gate)], out[each.format(j, up)] = gate_matrix, up_matrix
+                    out[each.format(j, gate)] = gate_matrix
+                    out[each.format(j, up)] = up_matrix
             else:
                 out.update({each.format(j, down): matrix for j, matrix in enumerate(tensor)})
         else:

@@ -18,13 +18,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from femtotron.attention import causal_attention
+from femtotron.batch import IGNORE_INDEX, TokenPlacement
 from femtotron.config import LlamaConfig
 from femtotron.config.config import RopeScaling
-from femtotron.data.nanoset import IGNORE_INDEX
 from femtotron.errors import ConfigError
 from femtotron.models.moe import MoE, RouterStats
-from femtotron.parallel.context_parallel import ContextParallel, TokenPlacement, ring_attention
+from femtotron.parallel.context_parallel import ContextParallel, ring_attention
 from femtotron.parallel.expert_parallel import ExpertParallel
+from femtotron.parallel.members import Parallel
 from femtotron.parallel.pipeline.partition import Stage
 from femtotron.parallel.sharding import make_param
 from femtotron.parallel.tensor_parallel import (
@@ -38,14 +40,17 @@ from femtotron.parallel.tensor_parallel import (
     shard_size,
     vocab_parallel_cross_entropy,
 )
-from femtotron.precision import causal_attention, linear
+from femtotron.precision import linear
 
 
 class ParamFactory:
     """Creates named parameters with the model's seed, dtype, device and init std."""
 
     def __init__(self, std: float, seed: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.std, self.seed, self.dtype, self.device = std, seed, dtype, device
+        self.std = std
+        self.seed = seed
+        self.dtype = dtype
+        self.device = device
 
     def __call__(self, name: str, shape: tuple[int, ...], std: float | None, **kw: Any) -> nn.Parameter:
         return make_param(name, shape, std=std, seed=self.seed, dtype=self.dtype, device=self.device, **kw)
@@ -67,12 +72,15 @@ class KVCache:
     """Keys and values of the positions so far, per attention module: a new position costs only its own."""
 
     def __init__(self) -> None:
-        self.length, self.kv = 0, {}
+        self.length = 0
+        self.kv = {}
 
     def extend(self, attn: nn.Module, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if attn in self.kv:
-            k, v = (torch.cat([old, new], dim=2) for old, new in zip(self.kv[attn], (k, v), strict=True))
-        self.kv[attn] = k, v
+            old_k, old_v = self.kv[attn]
+            k = torch.cat([old_k, k], dim=2)
+            v = torch.cat([old_v, v], dim=2)
+        self.kv[attn] = (k, v)
         return k, v
 
 
@@ -85,8 +93,10 @@ class Rotary(nn.Module):
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         if scaling is not None:  # llama3: slow the low frequencies down, keep the high, ramp between
-            wavelength, original = 2 * math.pi / inv_freq, scaling.original_max_position_embeddings
-            low, high = scaling.low_freq_factor, scaling.high_freq_factor
+            wavelength = 2 * math.pi / inv_freq
+            original = scaling.original_max_position_embeddings
+            low = scaling.low_freq_factor
+            high = scaling.high_freq_factor
             ramp = (original / wavelength - low) / (high - low)
             inv_freq = inv_freq * (ramp.clamp(0, 1) * (1 - 1 / scaling.factor) + 1 / scaling.factor)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
@@ -97,10 +107,13 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> torch.Tensor:
         """x: (batch, heads, seq, head_dim) at `positions`: an int start, or a (batch, seq) tensor of them."""
         if isinstance(positions, int):
-            cos, sin = (t[positions : positions + x.shape[-2]] for t in (self.cos, self.sin))
+            cos = self.cos[positions : positions + x.shape[-2]]
+            sin = self.sin[positions : positions + x.shape[-2]]
         else:
-            cos, sin = (t[positions].unsqueeze(1) for t in (self.cos, self.sin))
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+            cos = self.cos[positions].unsqueeze(1)
+            sin = self.sin[positions].unsqueeze(1)
+        cos = cos.to(x.dtype)
+        sin = sin.to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -113,11 +126,13 @@ class Attention(nn.Module):
         cfg: LlamaConfig,
         out_std: float,
         rotary: Rotary,
-        tp: TensorParallel,
-        cp: ContextParallel,
+        parallel: Parallel,
     ) -> None:
         super().__init__()
-        heads, kv_heads, hidden = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
+        tp = parallel.tp
+        heads = cfg.num_attention_heads
+        kv_heads = cfg.num_key_value_heads
+        hidden = cfg.hidden_size
         if heads % kv_heads or kv_heads % tp.size:
             raise ConfigError(
                 f"model.model_config.num_attention_heads={heads}, num_key_value_heads={kv_heads}, "
@@ -125,12 +140,14 @@ class Attention(nn.Module):
                 "key/value head, so num_key_value_heads must divide num_attention_heads and be divisible "
                 f"by tp. Choose tp dividing {kv_heads}."
             )
-        self.head_dim, self.group_size = cfg.head_dim, heads // kv_heads
+        self.head_dim = cfg.head_dim
+        self.group_size = heads // kv_heads
         self.local_kv_heads = kv_heads // tp.size
         qkv_rows = (heads + 2 * kv_heads) * self.head_dim
         self.qkv_proj = ColumnParallelLinear(make, f"{name}.qkv_proj", hidden, qkv_rows, make.std, tp)
         self.o_proj = RowParallelLinear(make, f"{name}.o_proj", heads * self.head_dim, hidden, out_std, tp)
-        self.rotary, self.cp = rotary, cp
+        self.rotary = rotary
+        self.cp = parallel.cp
         self.output_split_dim = self.o_proj.output_split_dim
 
     def forward(
@@ -140,13 +157,16 @@ class Attention(nn.Module):
         b, s, _ = qkv.shape  # the whole sequence, also when x is a sequence shard
         qkv = qkv.view(b, s, self.local_kv_heads, self.group_size + 2, self.head_dim)
         q = qkv[:, :, :, :-2].reshape(b, s, -1, self.head_dim).transpose(1, 2)
-        k, v = qkv[:, :, :, -2].transpose(1, 2), qkv[:, :, :, -1].transpose(1, 2)
+        k = qkv[:, :, :, -2].transpose(1, 2)
+        v = qkv[:, :, :, -1].transpose(1, 2)
         if placement is not None:  # a cp rank's part of the sequences, or documents (or both)
-            q, k = self.rotary(q, placement.positions), self.rotary(k, placement.positions)
+            q = self.rotary(q, placement.positions)
+            k = self.rotary(k, placement.positions)
             out = ring_attention(q, k, v, placement, self.cp)
         else:
             start = cache.length if cache is not None else 0
-            q, k = self.rotary(q, start), self.rotary(k, start)
+            q = self.rotary(q, start)
+            k = self.rotary(k, start)
             if cache is not None:
                 k, v = cache.extend(self, k, v)
             # Against a cache the new position sees all the earlier ones (one at a time after the first).
@@ -177,17 +197,19 @@ class DecoderLayer(nn.Module):
         index: int,
         cfg: LlamaConfig,
         rotary: Rotary,
-        parallel: tuple[TensorParallel, ContextParallel, ExpertParallel],
+        parallel: Parallel,
         stats: RouterStats | None,
     ) -> None:
         super().__init__()
-        name, (tp, cp, _) = f"layers.{index}", parallel
+        name = f"layers.{index}"
+        tp = parallel.tp
         # Residual-output projections are scaled down by depth so the residual stream's variance
         # does not grow with the number of layers (GPT-2 / Megatron init).
         out_std = make.std / math.sqrt(2 * cfg.num_hidden_layers)
-        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        hidden = cfg.hidden_size
+        eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(make, f"{name}.input_layernorm", hidden, eps, tp)
-        self.self_attn = Attention(make, f"{name}.self_attn", cfg, out_std, rotary, tp, cp)
+        self.self_attn = Attention(make, f"{name}.self_attn", cfg, out_std, rotary, parallel)
         self.post_attention_layernorm = RMSNorm(make, f"{name}.post_attention_layernorm", hidden, eps, tp)
         if cfg.moe is None:
             self.mlp = MLP(make, f"{name}.mlp", hidden, cfg.intermediate_size, out_std, tp)
@@ -237,24 +259,29 @@ class Llama(nn.Module):
         router_stats: RouterStats | None = None,
     ) -> None:
         super().__init__()
-        self.cfg, self.recompute_layer = cfg, recompute_layer
-        self.tp = tp = tp or TensorParallel.single()
-        whole = Stage(0, range(cfg.num_hidden_layers), embedding=True, head=True, cost=0.0)
+        self.cfg = cfg
+        self.recompute_layer = recompute_layer
+        single = Parallel.single()
+        self.parallel = Parallel(tp=tp or single.tp, cp=cp or single.cp, ep=ep or single.ep)
+        self.tp = tp = self.parallel.tp
+        whole = Stage(index=0, layers=range(cfg.num_hidden_layers), embedding=True, head=True, cost=0.0)
         self.stage = stage = stage or whole
         make = ParamFactory(std, seed, dtype, device)
         rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.rotary = rotary.to(device)
-        hidden, vocab, tied = cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings
+        hidden = cfg.hidden_size
+        vocab = cfg.vocab_size
+        tied = cfg.tie_word_embeddings
         if stage.embedding or (stage.head and tied):
             # A tied LM head on a later stage holds its own copy of the embedding (same name, same
             # init); the trainer sums the two copies' gradients so they stay equal.
             tie = "embed_tokens.weight" if tied else None
             self.embed_tokens = VocabParallelEmbedding(make, "embed_tokens", vocab, hidden, std, tp, tie)
-        parallel = tp, cp or ContextParallel.single(), ep or ExpertParallel.single()
         # One per rank, shared by its model chunks (the trainer reads it after each step).
         self.router_stats = router_stats or (RouterStats(cfg, device) if cfg.moe else None)
         layers = {
-            str(i): DecoderLayer(make, i, cfg, self.rotary, parallel, self.router_stats) for i in stage.layers
+            str(i): DecoderLayer(make, i, cfg, self.rotary, self.parallel, self.router_stats)
+            for i in stage.layers
         }
         self.layers = DecoderLayers(layers)
         if stage.head:
@@ -306,8 +333,14 @@ class Llama(nn.Module):
         return self.head_loss(x, targets) if self.stage.head else x
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        vocab = self.vocab_start, self.cfg.vocab_size, IGNORE_INDEX
-        return vocab_parallel_cross_entropy(self.head_logits(x), targets, *vocab, self.tp)
+        return vocab_parallel_cross_entropy(
+            self.head_logits(x),
+            targets,
+            vocab_start=self.vocab_start,
+            vocab_size=self.cfg.vocab_size,
+            ignore_index=IGNORE_INDEX,
+            tp=self.tp,
+        )
 
     def logits(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Full-vocabulary logits of the whole model (gathered over tp: evaluation, generation). With `cache`,

@@ -22,11 +22,9 @@ from torch import nn
 
 from femtotron.config import LlamaConfig
 from femtotron.errors import ConfigError
-from femtotron.parallel.context_parallel import ContextParallel
-from femtotron.parallel.expert_parallel import ExpertParallel
+from femtotron.parallel.members import Parallel
 from femtotron.parallel.tensor_parallel import (
     SEQUENCE_DIM,
-    TensorParallel,
     enter_column_parallel,
     gather_full,
     leave_row_parallel,
@@ -45,7 +43,8 @@ class RouterStats:
     def __init__(self, cfg: LlamaConfig, device: torch.device) -> None:
         self.experts = cfg.moe.num_experts
         self.values = torch.zeros(cfg.num_hidden_layers, self.experts + 3, device=device)
-        self.gradient_scale, self.replaying = 1.0, False  # a recomputed forward records nothing
+        self.gradient_scale = 1.0
+        self.replaying = False  # a recomputed forward records nothing
 
     @contextmanager
     def replay(self) -> Iterator[None]:
@@ -106,11 +105,13 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Every expert's gated MLP as two grouped weights; `forward` runs rows sorted by expert."""
 
-    def __init__(
-        self, make, name: str, cfg: LlamaConfig, out_std: float, tp: TensorParallel, ep: ExpertParallel
-    ):
+    def __init__(self, make, name: str, cfg: LlamaConfig, out_std: float, parallel: Parallel):
         super().__init__()
-        experts, inner, hidden = cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.hidden_size
+        experts = cfg.moe.num_experts
+        inner = cfg.moe.intermediate_size
+        hidden = cfg.hidden_size
+        tp = parallel.tp
+        ep = parallel.ep
         split = dict(shard_dim=2, rank=tp.rank, world=tp.size, experts=(ep.rank, ep.size))
         self.gate_up_proj = make(f"{name}.gate_up_proj", (experts, 2, inner, hidden), make.std, **split)
         self.down_proj = make(f"{name}.down_proj", (experts, hidden, inner), out_std, **split)
@@ -130,16 +131,23 @@ class MoE(nn.Module):
         layer: int,
         cfg: LlamaConfig,
         out_std: float,
-        parallel: tuple[TensorParallel, ContextParallel, ExpertParallel],
+        parallel: Parallel,
         stats: RouterStats,
         shared: nn.Module | None,
     ) -> None:
         super().__init__()
-        tp, _, ep = self.tp, self.cp, self.ep = parallel
+        self.tp = parallel.tp
+        self.cp = parallel.cp
+        self.ep = parallel.ep
         self.moe = moe = cfg.moe
-        self.layer, self.layers, self.stats = layer, cfg.num_hidden_layers, stats
+        self.layer = layer
+        self.layers = cfg.num_hidden_layers
+        self.stats = stats
         # The config rules catch these first; a model built by hand must not split experts unevenly.
-        splits = {"intermediate_size": (moe.intermediate_size, tp), "num_experts": (moe.num_experts, ep)}
+        splits = {
+            "intermediate_size": (moe.intermediate_size, self.tp),
+            "num_experts": (moe.num_experts, self.ep),
+        }
         for what, (n, split) in splits.items():
             if n % split.size:
                 raise ConfigError(
@@ -147,11 +155,11 @@ class MoE(nn.Module):
                     f"{split.size}: experts are split over those ranks. Choose a divisor of {n}."
                 )
         self.router = Router(make, f"{name}.router", moe.num_experts, cfg.hidden_size)
-        self.experts = Experts(make, f"{name}.experts", cfg, out_std, tp, ep)
+        self.experts = Experts(make, f"{name}.experts", cfg, out_std, parallel)
         self.shared_expert = shared
         if moe.shared_expert_gate:
             self.shared_expert_gate = Router(make, f"{name}.shared_expert_gate", 1, cfg.hidden_size)
-        self.output_split_dim = SEQUENCE_DIM if tp.sequence_parallel else None
+        self.output_split_dim = SEQUENCE_DIM if self.tp.sequence_parallel else None
 
     # model.compile: routing has data-dependent shapes and talks over tp, cp and ep: the block runs eagerly
     # between the layer's compiled graphs (the attention's).
@@ -159,7 +167,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (batch, sequence, hidden), this rank's part of the sequence under sequence parallelism."""
         b, s, h = x.shape
-        k, tp = self.moe.num_experts_per_tok, self.tp
+        k = self.moe.num_experts_per_tok
+        tp = self.tp
         logits = RouterLogits.apply(x.reshape(-1, h), self.router.weight)
         if self.moe.router_norm == "topk_then_softmax":
             top, chosen = logits.topk(k, dim=-1)
@@ -190,7 +199,8 @@ class MoE(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each token's weighted sum of its experts' outputs (this tp rank's partial sum), the assignments per
         expert (before any are dropped) and how many were dropped (device tensors: the host reads neither)."""
-        (n, k), experts = chosen.shape, self.moe.num_experts
+        n, k = chosen.shape
+        experts = self.moe.num_experts
         # The meta device (memory estimates) has shapes but no routing: taken as perfectly balanced.
         flat = torch.arange(n * k) % experts if chosen.is_meta else chosen.flatten()
         # Not torch.bincount: on CUDA it reads the largest index back to the host to size its output.
@@ -201,7 +211,8 @@ class MoE(nn.Module):
             first = (counts.cumsum(0) - counts).repeat_interleave(counts, output_size=n * k)
             place = torch.arange(n * k, device=flat.device) - first
             # How many are kept is the data's: the mask reads it back to the host (dropless routing does not).
-            order, kept = order[place < capacity], counts.clamp(max=capacity)
+            order = order[place < capacity]
+            kept = counts.clamp(max=capacity)
         order = order.to(tokens.device)
         token = order // k
         out = self.ep.run(tokens[token], kept, self.experts)

@@ -17,8 +17,11 @@ def global_grad_norm(
     """L2 norm of the model's gradients (fp32), squares summed over `groups` (default: the tp and pp ranks of
     one replica; ZeRO-1 adds dp). `counted[i]` False: another rank counts it (tp-replicated: tp rank 0)."""
     mine = grads if counted is None else [g for g, c in zip(grads, counted, strict=True) if c]
-    norms = torch._foreach_norm(mine, dtype=torch.float32) if mine else [torch.zeros((), device=ctx.device)]
     # Every rank joins the all-reduce, even one holding no gradients, or the others would wait forever.
+    if mine:
+        norms = torch._foreach_norm(mine, dtype=torch.float32)
+    else:
+        norms = [torch.zeros((), device=ctx.device)]
     local_sq = torch.stack(norms).pow(2).sum()
     for group in groups or [ctx.mp_group]:
         ctx.comm.all_reduce(local_sq, group)
@@ -33,7 +36,7 @@ def clip_grads_(
     groups: list[Group] | None = None,
 ) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most `max_norm`; return the norm before."""
-    norm = global_grad_norm(grads, ctx, counted, groups)
+    norm = global_grad_norm(grads, ctx, counted=counted, groups=groups)
     if max_norm is not None and grads:
         # The same epsilon as torch.nn.utils.clip_grad_norm_; clamp keeps small norms untouched.
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

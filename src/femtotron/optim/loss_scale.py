@@ -25,8 +25,10 @@ class DynamicLossScaler:
     ) -> None:
         self.enabled = enabled
         self.scale = float(initial_scale) if enabled else 1.0
-        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval, self.min_scale = growth_interval, min_scale
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.min_scale = min_scale
         self.clean_steps = 0  # consecutive steps without overflow since the scale last changed
         self.skipped_steps = 0  # over the whole run
 
@@ -48,7 +50,8 @@ class DynamicLossScaler:
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         self.scale = float(state["scale"])
-        self.clean_steps, self.skipped_steps = int(state["clean_steps"]), int(state["skipped_steps"])
+        self.clean_steps = int(state["clean_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
 
     @property
     def at_minimum(self) -> bool:

@@ -9,7 +9,8 @@ from typing import Any
 
 def lr_at(step: int, sched: Any, train_steps: int) -> float:
     """LR for optimizer step `step` (0-based) under `optimizer.learning_rate_scheduler`."""
-    peak, floor = sched.learning_rate, sched.min_decay_lr
+    peak = sched.learning_rate
+    floor = sched.min_decay_lr
     # A warm-up longer than the run ends with it (a warning says).
     warmup = min(sched.lr_warmup_steps, train_steps)
     if step < warmup:

@@ -20,7 +20,8 @@ from femtotron.parallel.data_parallel import DataParallel
 class ZeroAdamW:
     def __init__(self, params: list[nn.Parameter], data_parallel: DataParallel, cfg: Any) -> None:
         """`params` are laid out in `data_parallel`'s buffers; `cfg` is the `optimizer` config section."""
-        self.data_parallel, self.pieces = data_parallel, data_parallel.pieces
+        self.data_parallel = data_parallel
+        self.pieces = data_parallel.pieces
         self.model_pieces = data_parallel.owned(data_parallel.flat_params)
         if data_parallel.flat_params.dtype == torch.float32:
             self.masters = self.model_pieces  # the optimizer updates the model's own storage
@@ -95,7 +96,3 @@ class ZeroAdamW:
                 state["step"] = torch.tensor(float(steps), dtype=torch.float32, device=device)
                 for kind in ("exp_avg", "exp_avg_sq"):
                     state.setdefault(kind, torch.zeros_like(master))
-
-    def full_masters(self) -> list[torch.Tensor]:
-        """Per parameter, its whole fp32 master weight (gathered over dp under ZeRO-1)."""
-        return self.data_parallel.full([m.detach().float() for m in self.masters])

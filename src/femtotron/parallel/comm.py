@@ -1,19 +1,52 @@
-"""The one module that calls torch.distributed collectives and point-to-point ops (process groups are made
-in parallel/context.py, store messages go through parallel/store.py; nothing else touches torch.distributed).
+"""Every torch.distributed collective and point-to-point op of femtotron, behind one class: `Comm`.
 
-`Comm` counts calls and bytes sent per (group kind, op kind), times each group kind, and keeps every op until
-it completes, so a hang reads "rank 3 waits in all_reduce on tp[2,3] for a (4, 256) bfloat16 tensor". On
-NCCL a call (and a wait on its work) returns once the op is queued, so a rank waits for its oldest op not yet
-complete, which `unfinished` finds by polling; the host's waits for the device are recorded too (`read`).
+Process groups are made in parallel/context.py and messages through the rendezvous store go through
+parallel/store.py; nothing else calls torch.distributed. Everything the library knows about its own
+communication is learnt at this one door. `Comm` counts the calls and the bytes this rank sends per (group
+kind, op kind), so tests and benchmarks know the exact communication volume. It times each group kind, so
+the trainer can log the share of a step spent in, say, tensor-parallel communication. It keeps every op
+until the op has completed, so a hang reads "rank 3 waits in all_reduce on tp[2,3] for a (4, 256) bfloat16
+tensor". An op issued anywhere else would be missing from all three, and the NCCL emulation below would not
+apply to it.
 
-NCCL's semantics on gloo, for tests (`FEMTOTRON_EMULATE_NCCL=1`): a `start_*` op's result reaches its tensor
-only at the wait (NaN until then), a send completes only once its receive is posted (gloo's own rule;
-NCCL's for large messages), and a rank's first transfer with a peer on a group blocks until the peer posts
-its own first transfer on that group (`_connect`: NCCL connects a pair lazily, per communicator), so
-reading early, or a schedule or start-up that would deadlock on GPUs, fails on a CPU too.
+On NCCL a call returns as soon as its op is queued on the GPU, and so does a wait on its work. What a rank
+waits for is then not the call it is in but its oldest op not yet complete. `unfinished` finds those ops by
+polling each one's work without blocking, from any thread. The places where the host waits for the device
+(reading a loss, the end of a step) are recorded as ops too (`read`, `synchronize`), because that is where
+a stuck collective holds the host up.
 
-Bytes are what a ring sends from this rank: all_reduce 2(n-1)/n of the tensor, all_gather and reduce_scatter
-(n-1)/n of the full tensor, send the tensor, all_to_all the rows it sends to the other ranks.
+The watchdog (diagnostics/watchdog.py) reads `unfinished` and `last_op` from a thread of its own every few
+seconds and publishes them through the store. Once an op is older than parallelism.hang_timeout_seconds, it
+ends the job with one report of what every rank waits on. The process groups themselves give up after
+parallelism.collective_timeout_seconds (set in parallel/context.py). An op that fails then, or for any
+other reason, is raised here as a DistributedError that names the op (`collective_failed`). Running out of
+memory is no collective's fault, so that error passes through unwrapped.
+
+Tests run on CPUs with gloo, which forgives what NCCL does not: code that passes there can read stale data
+or hang on GPUs. With `FEMTOTRON_EMULATE_NCCL=1` (or `Comm(emulate_nccl=True)`) gloo behaves as NCCL in
+three ways, so those bugs fail on a CPU too. First, the result of an op started without waiting (`start_*`)
+reaches its tensor only at the wait. The op runs on private buffers, and the caller's tensors hold NaN until
+then (`_Delayed`), so reading one early shows. Second, a send completes only once its receive is posted.
+That is gloo's own rule and NCCL's for large messages, so it needs no code: a schedule whose send waits on
+a receive posted later deadlocks on both. Third, NCCL connects two ranks lazily, on their first transfer on
+a communicator, and the host blocks in that set-up until the peer posts its own first transfer on the same
+communicator (NVIDIA/nccl#783). Gloo connects every pair when it makes the group, so first transfers posted
+in a cycle (every pipeline stage sending first) pass on a CPU and hang on GPUs. `_connect` emulates the
+set-up per communicator rather than per group kind, because kinds with equal ranks share one process group.
+
+The connection set-up is emulated through the store. Each rank posts that it has reached its first transfer
+with a peer, then waits for the peer's post. The store lies outside the process groups, so the handshake
+adds no transfer to the communicator it models, and it stays reachable when collectives are stuck. A rank
+that waits there longer than `connect_timeout` (the collective timeout) raises an error naming the pair and
+the group, where NCCL would hang forever. `connect` makes every link's first transfer at start-up, in the
+order every rank created the links, so that on NCCL no later transfer waits for a connection. A `Comm`
+without a store (one made apart, as tests and memory estimates do) has nothing to meet at, and its first
+transfers are not held back.
+
+Bytes are what a ring algorithm sends from this rank: all_reduce 2(n-1)/n of the tensor, all_gather and
+reduce_scatter (n-1)/n of the full tensor, send the tensor itself, all_to_all the rows it sends to the other
+ranks. On the meta device (memory estimates: shapes without data) every collective only produces its
+output's shape.
 """
 
 from __future__ import annotations
@@ -83,7 +116,7 @@ class GroupMember:
         return cls(Comm(), Group(cls.KIND, (0,)), 0)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OpInFlight:
     kind: str
     group: str | None  # None: the host waits for its own device
@@ -98,7 +131,10 @@ class _Slot:
     CPU wait blocks to the end; gloo's word can lag), never if failed. Waited for once (twice can block)."""
 
     def __init__(self, on_host: bool) -> None:
-        self.on_host, self.work, self.waited, self.failed = on_host, None, False, False
+        self.on_host = on_host
+        self.work: Work | None = None
+        self.waited = False
+        self.failed = False
 
     def wait(self) -> bool:
         if not self.waited:
@@ -116,7 +152,9 @@ class _Delayed:
     the caller's tensors hold NaN, so reading one early shows."""
 
     def __init__(self, work: Work, output: torch.Tensor, result: torch.Tensor, poisoned: list[torch.Tensor]):
-        self.work, self.output, self.result = work, output, result
+        self.work = work
+        self.output = output
+        self.result = result
         for tensor in poisoned:
             if tensor.is_floating_point():
                 tensor.fill_(float("nan"))
@@ -138,7 +176,9 @@ class Comm:
     def __init__(
         self, emulate_nccl: bool | None = None, store: Store | None = None, connect_timeout: float = 600.0
     ) -> None:
-        self.emulate_nccl = os.environ.get(EMULATE_NCCL) == "1" if emulate_nccl is None else emulate_nccl
+        if emulate_nccl is None:
+            emulate_nccl = os.environ.get(EMULATE_NCCL) == "1"
+        self.emulate_nccl = emulate_nccl
         self.store = store
         self.connect_timeout = connect_timeout
         self._connected: set[tuple[str, int]] = set()  # (communicator, peer) pairs already connected
@@ -160,8 +200,8 @@ class Comm:
         with self._lock:
             for issued in self._issued.values():
                 _drop_finished(issued)
-            issued = [entry for entries in self._issued.values() for entry in entries]
-        ops = [op for op, slot in issued if not slot.is_completed()]  # gloo may finish out of order
+            kept = [entry for issued in self._issued.values() for entry in issued]
+        ops = [op for op, slot in kept if not slot.is_completed()]  # gloo may finish out of order
         return sorted(ops, key=lambda op: op.started)[:limit]
 
     def new_step(self, step: int) -> None:
@@ -181,7 +221,14 @@ class Comm:
         """Around issuing one op: the body puts its work in the yielded slot. group None: the host waits for
         its device (no op counted). `track`: kept until complete (a wait is not: what it awaits is)."""
         name = group and group.name
-        op = OpInFlight(kind, name, peer, tuple(tensor.shape), str(tensor.dtype), time.monotonic())
+        op = OpInFlight(
+            kind=kind,
+            group=name,
+            peer=peer,
+            shape=tuple(tensor.shape),
+            dtype=str(tensor.dtype),
+            started=time.monotonic(),
+        )
         slot = _Slot(on_host=not tensor.is_cuda)
         with self._lock:
             issued = self._issued[op.group]
@@ -206,7 +253,8 @@ class Comm:
             slot.failed = True
             raise
         if group is None:  # the host's wait is over: so is whatever it waited for
-            slot.on_host = slot.waited = True
+            slot.on_host = True
+            slot.waited = True
             return
         if events:
             events[1].record()
@@ -230,11 +278,14 @@ class Comm:
     ) -> Work:
         """Issue `launch(output, source)` (source None: in place on `output`) as one recorded op; return its
         work; `wait`: as a blocking call (on GPUs the compute stream waits for it, the host does not)."""
-        with self._record(kind, group, output if source is None else source, sent, peer) as slot:
+        recorded = output if source is None else source
+        with self._record(kind, group, recorded, sent, peer) as slot:
             if self.emulate_nccl and not wait and kind != "send":
                 private = output.clone() if source is None else torch.empty_like(output)
-                work = launch(private, None if source is None else source.clone())
-                slot.work = _Delayed(work, output, private, [t for t in (output, source) if t is not None])
+                private_source = None if source is None else source.clone()
+                work = launch(private, private_source)
+                callers = [tensor for tensor in (output, source) if tensor is not None]
+                slot.work = _Delayed(work, output=output, result=private, poisoned=callers)
             else:
                 slot.work = launch(output, source)
             if wait:
@@ -248,7 +299,8 @@ class Comm:
         for kind, begin, end in self._pending_events:
             self._seconds[kind] += begin.elapsed_time(end) / 1000
         self._pending_events.clear()
-        seconds, self._seconds = dict(self._seconds), Counter()
+        seconds = dict(self._seconds)
+        self._seconds = Counter()
         return seconds
 
     def read(self, tensor: torch.Tensor, what: str) -> float:
@@ -267,8 +319,10 @@ class Comm:
         estimates: shapes without data) every collective only produces its output's shape."""
         if group.size == 1 or tensor.is_meta:
             return tensor
-        n, reduce = group.size, _reduce_into(group, "sum" if op == "avg" else op)
-        self._issue("all_reduce", group, tensor, 2 * (n - 1) / n * _nbytes(tensor), reduce, wait=True)
+        n = group.size
+        reduce = _reduce_into(group, "sum" if op == "avg" else op)  # avg: a sum, divided below
+        sent = 2 * (n - 1) / n * _nbytes(tensor)
+        self._issue("all_reduce", group, tensor, sent, reduce, wait=True)
         return tensor.div_(n) if op == "avg" else tensor
 
     def all_reduce_many(self, tensors: list[torch.Tensor], group: Group) -> None:
@@ -284,11 +338,13 @@ class Comm:
         copied once more only when a dimension before `dim` is longer than 1."""
         if group.size == 1:
             return tensor
-        n, part, dim = group.size, tensor.contiguous(), dim % tensor.dim()
+        n = group.size
+        part = tensor.contiguous()
+        dim = dim % tensor.dim()
         gathered = torch.empty((n * part.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
         if not part.is_meta:
             sent = (n - 1) * _nbytes(part)
-            self._issue("all_gather", group, gathered, sent, _gather_into(group), part, wait=True)
+            self._issue("all_gather", group, gathered, sent, _gather_into(group), source=part, wait=True)
         shape = list(part.shape)
         shape[dim] *= n
         return gathered.view(n, *part.shape).movedim(0, dim).reshape(shape)
@@ -298,13 +354,15 @@ class Comm:
         along `dim`; copied once first only when a dimension before `dim` is longer than 1."""
         if group.size == 1:
             return tensor
-        n, shape, dim = group.size, list(tensor.shape), dim % tensor.dim()
+        n = group.size
+        shape = list(tensor.shape)
+        dim = dim % tensor.dim()
         shape[dim] //= n
         by_rank = tensor.unflatten(dim, (n, shape[dim])).movedim(dim, 0).contiguous().flatten(0, 1)
         out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
         if not tensor.is_meta:
             sent = (n - 1) / n * _nbytes(tensor)
-            self._issue("reduce_scatter", group, out, sent, _scatter_into(group), by_rank, wait=True)
+            self._issue("reduce_scatter", group, out, sent, _scatter_into(group), source=by_rank, wait=True)
         return out
 
     def all_to_all(
@@ -325,7 +383,7 @@ class Comm:
                     output, source, received_rows, sent_rows, group=group.handle, async_op=True
                 )
 
-            self._issue("all_to_all", group, out, sent, launch, tensor, wait=True)
+            self._issue("all_to_all", group, out, sent, launch, source=tensor, wait=True)
         return out
 
     def start_all_reduce(self, tensor: torch.Tensor, group: Group) -> Work | None:
@@ -341,14 +399,14 @@ class Comm:
         if group.size == 1 or tensor.is_meta:
             return None
         sent = (group.size - 1) / group.size * _nbytes(tensor)
-        return self._issue("reduce_scatter", group, shard, sent, _scatter_into(group), tensor)
+        return self._issue("reduce_scatter", group, shard, sent, _scatter_into(group), source=tensor)
 
     def start_all_gather(self, tensor: torch.Tensor, shard: torch.Tensor, group: Group) -> Work | None:
         """Start filling `tensor` with every rank's `shard` in group order (`shard` may be a view into it)."""
         if group.size == 1 or shard.is_meta:
             return None
         sent = (group.size - 1) * _nbytes(shard)
-        return self._issue("all_gather", group, tensor, sent, _gather_into(group), shard)
+        return self._issue("all_gather", group, tensor, sent, _gather_into(group), source=shard)
 
     def start_p2p(self, kind: str, tensor: torch.Tensor, peer: int, group: Group, tag: int) -> Work:
         """Start sending `tensor` to global rank `peer` ("send") or receiving it from there ("recv"); returns
@@ -378,7 +436,8 @@ class Comm:
             kind = "send" if me == sender else "recv"
             peer = receiver if me == sender else sender
             token = torch.zeros(1, device=device)
-            self.wait(self.start_p2p(kind, token, peer, link, CONNECT_TAG), link, token, peer, kind)
+            work = self.start_p2p(kind, token, peer, link, CONNECT_TAG)
+            self.wait(work, link, token, peer=peer, kind=kind)
         self.bytes_sent.clear()
         self.calls.clear()
 
@@ -435,9 +494,8 @@ def write_flight_recorder(path: Path, backend: str) -> bool:
     """Write this rank's flight recorder (torch's record of its last collectives and transfers, kept when
     TORCH_FR_BUFFER_SIZE is set) to `path`, in the format NCCL's own watchdog dumps on a timeout (which
     `python -m torch.distributed.flight_recorder.fr_trace` reads). False: torch has none for `backend`."""
-    dump = getattr(
-        torch._C._distributed_c10d, "_dump_nccl_trace" if backend == "nccl" else "_dump_fr_trace", None
-    )
+    name = "_dump_nccl_trace" if backend == "nccl" else "_dump_fr_trace"
+    dump = getattr(torch._C._distributed_c10d, name, None)
     if dump is None:
         return False
     with atomic_path(path) as tmp:

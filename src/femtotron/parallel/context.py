@@ -1,8 +1,10 @@
-"""ParallelContext: who this rank is in the (pp, dp, cp, tp) mesh, its process groups, and joining the job.
+"""ParallelContext: joining the job, this rank's place in the mesh, and its process groups and links.
 
-The layout, written only here: `rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank`. TP is
-innermost so a TP group is consecutive ranks (one host, the fastest links), then CP (its ring sends a block
-of keys and values per step); PP is outermost.
+The mesh's arithmetic (which ranks form which group, in which order) is parallel/mesh.py's; this module
+turns it into process groups, which every rank must create in one order (torch.distributed's rule), and
+connects the one-way links of the pipeline and of the cp ring at start-up, before any schedule uses them.
+Joining the job goes through our own check-in on the store first, so a rank that never arrives is named
+instead of hanging, and two ranks on one GPU stop before NCCL would.
 """
 
 from __future__ import annotations
@@ -12,9 +14,8 @@ import json
 import os
 import socket
 from collections import defaultdict
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
-from itertools import product
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from femtotron.errors import DistributedError
 from femtotron.parallel.comm import Comm, Group
+from femtotron.parallel.mesh import ADDED_LATER, NAMED, Mesh
 from femtotron.parallel.store import Store
 
 if TYPE_CHECKING:
@@ -29,88 +31,6 @@ if TYPE_CHECKING:
 
 
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
-
-
-@dataclass(frozen=True)
-class MeshCoordinates:
-    pp_rank: int
-    dp_rank: int
-    tp_rank: int
-    cp_rank: int = 0
-
-
-def rank_of(pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int, cp_rank: int = 0, cp: int = 1) -> int:
-    return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
-
-
-def coordinates_of(rank: int, dp: int, tp: int, cp: int = 1) -> MeshCoordinates:
-    # pp_rank, dp_rank, tp_rank, cp_rank
-    return MeshCoordinates(rank // (dp * cp * tp), (rank // (cp * tp)) % dp, rank % tp, (rank // tp) % cp)
-
-
-def mesh_groups(dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> dict[str, list[tuple[int, ...]]]:
-    """Every group of each kind, as its ranks: the ranks that differ only in the kind's dimensions."""
-    sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}  # outermost first
-
-    def points(dims: list[str]) -> list[dict[str, int]]:
-        return [dict(zip(dims, at, strict=True)) for at in product(*(range(sizes[d]) for d in dims))]
-
-    def spans(varying: list[str]) -> list[tuple[int, ...]]:
-        at = [f | v for f in points([d for d in sizes if d not in varying]) for v in points(varying)]
-        ranks = [rank_of(a["pp"], a["dp"], a["tp"], dp, tp, a["cp"], cp) for a in at]
-        size = len(points(varying))
-        return [tuple(ranks[i : i + size]) for i in range(0, len(ranks), size)]
-
-    # dp_cp: the ranks holding the same parameters (gradients summed, ZeRO-1 sharded over it); mp: every rank
-    # holding a piece of one model replica (grad norms).
-    kinds = {"tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp cp", "pp": "pp", "mp": "pp tp"}
-    groups = {kind: spans(dims.split()) for kind, dims in kinds.items()}
-    # First and last pipeline stage of each (dp, cp, tp) position: they share tied embeddings.
-    groups["embedding"] = [tuple(sorted({ranks[0], ranks[-1]})) for ranks in groups["pp"]]
-    if ep > 1:  # ep: consecutive dp x cp ranks splitting the experts; edp: those holding the same experts
-        groups["ep"] = [ranks[i : i + ep] for ranks in groups["dp_cp"] for i in range(0, len(ranks), ep)]
-        groups["edp"] = [ranks[i::ep] for ranks in groups["dp_cp"] for i in range(ep)]
-    return groups
-
-
-def subgroups_by_kind(
-    dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1
-) -> dict[str, list[tuple[int, ...]]]:
-    """The rank sets needing a process group (with NCCL, a communicator and its GPU memory) of their own, by
-    kind in creation order: each distinct set once, under the first kind that has it; none of one rank, none
-    of the whole world (the default group). A kind's sets are disjoint, so one split creates them all."""
-    created: set[tuple[int, ...]] = set()
-    by_kind = {}
-    for kind, groups in mesh_groups(dp, tp, pp, cp, ep).items():
-        fresh = [ranks for ranks in groups if 1 < len(ranks) < dp * tp * pp * cp and ranks not in created]
-        created.update(fresh)
-        if fresh:
-            by_kind[kind] = fresh
-    return by_kind
-
-
-def subgroups(dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> list[tuple[int, ...]]:
-    """`subgroups_by_kind`'s sets, in creation order."""
-    return [ranks for sets in subgroups_by_kind(dp, tp, pp, cp, ep).values() for ranks in sets]
-
-
-def pipe_links(dp: int, tp: int, pp: int, cp: int = 1) -> list[tuple[int, int]]:
-    """The one-way links between neighbouring pipeline stages, as (from, to) ranks, in creation order: both
-    ways between stages p and p + 1, and between the last stage and the first (interleaved schedules)."""
-    neighbours = {(p, p + 1) for p in range(pp - 1)} | ({(pp - 1, 0)} if pp > 2 else set())
-    return [
-        (pipeline[a], pipeline[b])
-        for pipeline in mesh_groups(dp, tp, pp, cp)["pp"]
-        for p, q in sorted(neighbours)
-        for a, b in ((p, q), (q, p))
-    ]
-
-
-def ring_links(dp: int, tp: int, pp: int, cp: int = 1) -> list[tuple[int, int]]:
-    """The one-way links of each context-parallel ring, as (from, to): cp rank c sends to c + 1 mod cp."""
-    if cp == 1:
-        return []
-    return [(ring[c], ring[(c + 1) % cp]) for ring in mesh_groups(dp, tp, pp, cp)["cp"] for c in range(cp)]
 
 
 @dataclass(frozen=True)
@@ -166,14 +86,19 @@ class ParallelContext:
         init_timeout_seconds: float = 300.0,
         collective_timeout_seconds: float = 600.0,
     ) -> None:
-        self.dp, self.tp, self.pp, self.cp, self.ep = dp, tp, pp, cp, ep
+        self.mesh = Mesh(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep)
+        self.dp = dp
+        self.tp = tp
+        self.pp = pp
+        self.cp = cp
+        self.ep = ep
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if dp * cp * tp * pp != self.world_size:
+        if self.mesh.world_size != self.world_size:
             # The config check (check_world_size) normally catches this first, with suggestions.
             raise DistributedError(
-                f"dp*cp*tp*pp = {dp}*{cp}*{tp}*{pp} = {dp * cp * tp * pp} but WORLD_SIZE = "
+                f"dp*cp*tp*pp = {dp}*{cp}*{tp}*{pp} = {self.mesh.world_size} but WORLD_SIZE = "
                 f"{self.world_size}: "
                 "set parallelism.dp/cp/tp/pp so their product equals the number of processes launched."
             )
@@ -191,19 +116,30 @@ class ParallelContext:
         if self.world_size > 1:
             host = os.environ.get("MASTER_ADDR", "127.0.0.1")
             port = int(os.environ.get("MASTER_PORT", "29500"))
-            timeouts = init_timeout_seconds, collective_timeout_seconds
-            self.hosts, tcp = rendezvous(self.rank, self.world_size, host, port, self.device, *timeouts, gpu)
+            self.hosts, tcp = rendezvous(
+                rank=self.rank,
+                world_size=self.world_size,
+                host=host,
+                port=port,
+                device=self.device,
+                init_timeout=init_timeout_seconds,
+                collective_timeout=collective_timeout_seconds,
+                gpu=gpu,
+            )
             self.store = Store(tcp, (host, port))
         self.comm = Comm(store=self.store, connect_timeout=collective_timeout_seconds)
-        at = astuple(coordinates_of(self.rank, dp, tp, cp))
-        self.pp_rank, self.dp_rank, self.tp_rank, self.cp_rank = at
+        place = self.mesh.coordinates_of(self.rank)
+        self.pp_rank = place.pp_rank
+        self.dp_rank = place.dp_rank
+        self.cp_rank = place.cp_rank
+        self.tp_rank = place.tp_rank
         self._build_groups()
 
     @classmethod
     def from_config(cls, config: Config) -> ParallelContext:
         par = config.parallelism
         timeouts = par.model_dump(include={"init_timeout_seconds", "collective_timeout_seconds"})
-        return cls(par.dp, par.tp, par.pp, par.cp, par.ep, **timeouts)
+        return cls(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, **timeouts)
 
     def __enter__(self) -> ParallelContext:
         return self
@@ -227,26 +163,33 @@ class ParallelContext:
         each kind holding it (or itself alone: a middle pipeline stage has no embedding to share); kinds with
         equal ranks share a process group. Subgroups do not inherit init_process_group's timeout: passed."""
         timeout = timedelta(seconds=self.collective_timeout_seconds)
-        mesh = self.dp, self.tp, self.pp, self.cp
         handles = {}
-        for kind, sets in subgroups_by_kind(*mesh, self.ep).items():
+        for kind, sets in self.mesh.subgroups_by_kind().items():
             handles |= self._new_groups(kind, sets, timeout)
-        groups = mesh_groups(*mesh, self.ep)
+        groups = self.mesh.groups()
 
         def mine(kind: str) -> Group:
             ranks = next((ranks for ranks in groups.get(kind, []) if self.rank in ranks), (self.rank,))
             return Group(kind, ranks, handles.get(ranks))
 
-        self.tp_group, self.dp_group, self.pp_group = mine("tp"), mine("dp"), mine("pp")
-        self.mp_group, self.embedding_group, self.cp_group = mine("mp"), mine("embedding"), mine("cp")
+        self.tp_group = mine("tp")
+        self.dp_group = mine("dp")
+        self.pp_group = mine("pp")
+        self.cp_group = mine("cp")
+        self.mp_group = mine("mp")
+        self.embedding_group = mine("embedding")
         # Every rank holding the same parameters: dp's, or with cp > 1 those of dp x cp.
         self.dp_cp_group = mine("dp_cp") if self.cp > 1 else self.dp_group
         self.dp_cp_rank = self.dp_rank * self.cp + self.cp_rank
         # Expert parallelism splits the dp x cp ranks: ep groups share out the experts, edp groups hold alike.
-        self.ep_group, self.edp_group = mine("ep"), mine("edp") if self.ep > 1 else self.dp_cp_group
-        self.ep_rank, self.edp_rank = self.dp_cp_rank % self.ep, self.dp_cp_rank // self.ep
+        self.ep_group = mine("ep")
+        self.edp_group = mine("edp") if self.ep > 1 else self.dp_cp_group
+        self.ep_rank = self.dp_cp_rank % self.ep
+        self.edp_rank = self.dp_cp_rank // self.ep
         self.world_group = Group("world", tuple(range(self.world_size)))
-        kinds = {pair: "pp" for pair in pipe_links(*mesh)} | {pair: "cp" for pair in ring_links(*mesh)}
+        kinds = {pair: "pp" for pair in self.mesh.pipe_links()} | {
+            pair: "cp" for pair in self.mesh.ring_links()
+        }
         # One new_group each: split_group names a group by its ranks, and a link's reverse has the same ones.
         links = {
             pair: Group(
@@ -259,10 +202,13 @@ class ParallelContext:
             for p, peer in enumerate(self.pp_group.ranks)
             if (self.rank, peer) in links
         }
-        ring, c = self.cp_group.ranks, self.cp_rank
-        following, preceding = ring[(c + 1) % self.cp], ring[(c - 1) % self.cp]
         # The cp ring: a one-way group to the following rank and one from the preceding (p2p.py: why).
-        self.cp_links = (links[self.rank, following], links[preceding, self.rank]) if self.cp > 1 else None
+        self.cp_links = None
+        if self.cp > 1:
+            ring = self.cp_group.ranks
+            following = ring[(self.cp_rank + 1) % self.cp]
+            preceding = ring[(self.cp_rank - 1) % self.cp]
+            self.cp_links = (links[self.rank, following], links[preceding, self.rank])
         # Connected now, in creation order: the first transfers the schedules make would form a cycle (every
         # stage sends first, every ring rank receives first), and NCCL's lazy connection set-up hangs on one.
         self.comm.connect(list(links.values()), self.device)
@@ -280,11 +226,26 @@ class ParallelContext:
         )
         return {ranks: handle for ranks in sets if self.rank in ranks}
 
+    def norm_groups(self, *, replicas_differ: bool) -> list[Group]:
+        """The ranks whose squared gradient norms add up to the whole model's: every rank holding a piece of
+        one replica (pp x tp), and the replicas too (dp x cp) where they hold different pieces of it: ZeRO-1
+        shards, or experts split over ep."""
+        return [self.mp_group, self.dp_cp_group] if replicas_differ else [self.mp_group]
+
+    def routing_groups(self) -> list[Group]:
+        """The ranks whose MoE routing adds up to the step's: other samples and sequence parts (dp x cp) and
+        other layers (pp). tp ranks route the same tokens, except under sequence parallelism."""
+        return [self.dp_cp_group, self.pp_group]
+
     @property
     def log_prefix(self) -> str:
-        cp = f" cp{self.cp_rank}" if self.cp > 1 else ""
-        ep = f" ep{self.ep_rank}" if self.ep > 1 else ""
-        return f"[rank {self.rank} dp{self.dp_rank}{cp}{ep} tp{self.tp_rank} pp{self.pp_rank}]"
+        """`[rank 5 dp0 tp1 pp1]`: each dimension's place, by name; cp and ep only where they are used."""
+        places = [
+            f"{name}{getattr(self, f'{name}_rank')}"
+            for name in NAMED
+            if name not in ADDED_LATER or self.mesh.size(name) > 1
+        ]
+        return f"[rank {self.rank} {' '.join(places)}]"
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -292,6 +253,7 @@ class ParallelContext:
 
 
 def rendezvous(
+    *,
     rank: int,
     world_size: int,
     host: str,

@@ -1,21 +1,27 @@
 """Context parallelism (every sequence split over cp ranks, attention as a ring) and document masking.
 
-Zigzag split: a sequence is cut into 2 * cp chunks and cp rank i holds chunks i and 2cp-1-i, so under the
-causal mask every rank has the same work. RoPE uses the global positions: the model computes exactly what
-one device would.
+Zigzag split: a sequence is cut into 2 * cp chunks, and cp rank i holds chunks i and 2cp-1-i. Under the
+causal mask an early chunk sees few keys and a late one many, so pairing them gives every rank the same
+work. RoPE uses the global positions, so that the model computes exactly what one device would.
 
-Ring attention: each rank's keys and values (KV heads only) go round the ring, one step per cp rank; a rank
-attends its queries to the block it holds while the next is on its way. Its own block is causal; one from a
-lower cp rank is seen whole by both local chunks, through its first chunk only; one from a higher rank is
-seen whole by the second local chunk only. Blocks merge by their log-sum-exp (fp32). Backward sends keys and
-values round again, each with its gradient so far (fp32), which ends on the rank that holds the block.
+Ring attention: each rank's keys and values go round the ring, one step per cp rank. Only the KV heads
+travel, so grouped-query attention sends its fewer heads. At each step a rank attends its queries to the
+block it holds while the next block is already on its way, which hides the transfer behind the compute.
+Against the zigzag the blocks are simple: its own block is causal; a block from a lower cp rank is seen
+whole by both local chunks, through its first chunk only; one from a higher rank is seen whole by the
+second local chunk only. Block results merge by their log-sum-exp, in fp32, so that the merged output is
+the softmax over all keys at once. The backward pass sends the keys and values round again, each with its
+gradient accumulated so far (fp32); after the last step every rank holds the whole gradient of its own
+keys and values.
 
-Document masking (`model.document_masking`): a token attends only to its own document in the packed sample
-(documents end at the end-of-document token), and RoPE positions restart at each document. The same ring
-computes it, each block masked by document; a block where no query sees any key is skipped.
+Document masking (`model.document_masking`): a token attends only to the tokens of its own document in the
+packed sample (documents end at the end-of-document token), and RoPE positions restart at each document.
+The same ring computes it, each block masked by document. A block where no query sees any key is skipped,
+which on long packed sequences of short documents skips most of them.
 
-Kernels per block: precision.attention_with_lse (CPU flash; on GPUs flash for the mask-free blocks,
-memory-efficient attention for the masked ones, written out in fp32 where neither applies).
+The kernel for each block is attention.py's `attention_with_lse`: the CPU's flash kernel; on GPUs flash for
+the mask-free blocks and memory-efficient attention for the masked ones; written out in fp32 where neither
+applies. Each returns the log-sum-exp the merge needs.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from femtotron.data.nanoset import MicroBatch
+from femtotron.attention import Documents, attention_with_lse, attention_with_lse_backward
+from femtotron.batch import MicroBatch, TokenPlacement
 from femtotron.parallel.comm import Group, GroupMember, Work
-from femtotron.precision import Documents, attention_dtype, attention_with_lse, attention_with_lse_backward
+from femtotron.precision import attention_dtype
 
 
 @dataclass(frozen=True)
@@ -69,21 +76,6 @@ def zigzag_indices(length: int, cp: int, rank: int, device: torch.device | None 
     return torch.cat([torch.arange(start, start + chunk, device=device) for start in starts])
 
 
-@dataclass
-class TokenPlacement:
-    """Where a micro-batch's local tokens sit: what attention needs beyond the tokens themselves."""
-
-    positions: torch.Tensor  # (batch, local sequence): RoPE positions
-    # Masking: (cp, batch, local sequence), the document of each token that each cp rank holds (here the
-    # queries are [cp rank], a block from cp rank r has the keys [r]).
-    documents: torch.Tensor | None
-    visible: tuple[bool, ...]  # per cp rank: whether any query here sees any of its keys
-
-    def to(self, device: torch.device) -> TokenPlacement:
-        documents = None if self.documents is None else self.documents.to(device)
-        return TokenPlacement(self.positions.to(device), documents, self.visible)
-
-
 def documents_of(inputs: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(document index, position within the document) of every token of (batch, sequence) `inputs`: a
     document ends with its end-of-document token, the next one starts after it."""
@@ -104,14 +96,15 @@ def place_tokens(batch: MicroBatch, cp: int, cp_rank: int, eos_id: int | None) -
     length = batch.inputs.shape[1]
     local = zigzag_indices(length, cp, cp_rank)
     if eos_id is None:
-        positions, documents = local.expand(batch.inputs.shape[0], -1), None
+        positions = local.expand(batch.inputs.shape[0], -1)
+        documents = None
         visible = (True,) * cp
     else:
         whole, within = documents_of(batch.inputs, eos_id)
         positions = within[:, local]
         documents = torch.stack([whole[:, zigzag_indices(length, cp, rank)] for rank in range(cp)])
         visible = tuple(_sees_any_key(cp_rank, source, documents) for source in range(cp))
-    placement = TokenPlacement(positions.contiguous(), documents, visible)
+    placement = TokenPlacement(positions=positions.contiguous(), documents=documents, visible=visible)
     return replace(batch, inputs=batch.inputs[:, local], targets=batch.targets[:, local], placement=placement)
 
 
@@ -122,67 +115,100 @@ def _sees_any_key(rank: int, source: int, documents: torch.Tensor) -> bool:
     is the last key's, if it is the first query's: one comparison per sample."""
     if source == rank:
         return True
-    *_, (queries, keys) = _block_of(rank, source, documents.shape[-1], documents)
+    block = _block_of(rank, source, documents.shape[-1], documents)
+    queries, keys = block.documents
     return bool((queries[:, 0] == keys[:, -1]).any())
 
 
-def _block_of(
-    rank: int, source: int, local_length: int, documents: torch.Tensor | None
-) -> tuple[slice, slice, bool, Documents | None]:
-    """Which local queries see which keys of cp rank `source` (rows, columns), whether causally, and under
-    document masking the documents of those queries and keys (precision.Documents). Both are in sequence
-    order (a rank's two chunks are)."""
+@dataclass(frozen=True)
+class Block:
+    """Which local queries (rows) see which keys of another cp rank's block (columns), whether causally, and
+    under document masking the documents of those queries and keys (attention.Documents). Both are in
+    sequence order, as a rank's two chunks are."""
+
+    rows: slice
+    cols: slice
+    causal: bool
+    documents: Documents | None
+
+
+def _block_of(rank: int, source: int, local_length: int, documents: torch.Tensor | None) -> Block:
     chunk = local_length // 2
     if source == rank:
-        rows, cols, causal = slice(None), slice(None), True
+        rows = slice(None)
+        cols = slice(None)
     elif source < rank:  # its first chunk precedes both of ours, its second follows both
-        rows, cols, causal = slice(None), slice(0, chunk), False
+        rows = slice(None)
+        cols = slice(0, chunk)
     else:  # both its chunks precede our second and follow our first
-        rows, cols, causal = slice(chunk, None), slice(None), False
-    if documents is None:
-        return rows, cols, causal, None
-    return rows, cols, causal, (documents[rank][:, rows], documents[source][:, cols])
+        rows = slice(chunk, None)
+        cols = slice(None)
+    seen = None if documents is None else (documents[rank][:, rows], documents[source][:, cols])
+    return Block(rows=rows, cols=cols, causal=source == rank, documents=seen)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, placement: TokenPlacement, cp: ContextParallel) -> torch.Tensor:
-        ctx.dtype, dtype = q.dtype, attention_dtype(q)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        ctx.dtype = q.dtype
+        dtype = attention_dtype(q)
+        q = q.to(dtype)
+        k = k.to(dtype)
+        v = v.to(dtype)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        kv, shifts, length = torch.stack([k, v]), [], q.shape[2]
+        kv = torch.stack([k, v])  # one transfer per step for both
+        shifts = []
         for step, source in enumerate(_sources(cp)):
             if step < cp.size - 1:
                 shifts.append(cp.start_shift(kv, step))
             if placement.visible[source]:
-                rows, cols, causal, documents = _block_of(cp.rank, source, length, placement.documents)
-                keys = [t[:, :, cols] for t in kv]
-                block_out, block_lse = attention_with_lse(q[:, :, rows], *keys, causal, documents)
-                _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+                block = _block_of(cp.rank, source, q.shape[2], placement.documents)
+                block_out, block_lse = attention_with_lse(
+                    q[:, :, block.rows],
+                    kv[0][:, :, block.cols],
+                    kv[1][:, :, block.cols],
+                    causal=block.causal,
+                    documents=block.documents,
+                )
+                _merge(out[:, :, block.rows], lse[:, :, block.rows], block_out, block_lse)
             if step < cp.size - 1:
                 kv = cp.finish_shift(shifts[-1])
         cp.finish_sends(shifts)
         out = out.to(dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.placement, ctx.cp = placement, cp
+        ctx.placement = placement
+        ctx.cp = cp
         return out.to(ctx.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, placement = ctx.cp, ctx.placement
+        cp = ctx.cp
+        placement = ctx.placement
         grad_out = grad_out.to(q.dtype)
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv, shifts, grads_in, length = torch.stack([k, v]), [], None, q.shape[2]
+        kv = torch.stack([k, v])
+        shifts = []
+        grads_in = None
         for step, source in enumerate(_sources(cp)):
             if step < cp.size - 1:
                 shifts.append(cp.start_shift(kv, 2 * step))
             grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             if placement.visible[source]:
-                rows, cols, causal, documents = _block_of(cp.rank, source, length, placement.documents)
-                queries, keys = [t[:, :, rows] for t in (grad_out, q, out, lse)], [t[:, :, cols] for t in kv]
-                dq, dk, dv = attention_with_lse_backward(*queries[:2], *keys, *queries[2:], causal, documents)
+                block = _block_of(cp.rank, source, q.shape[2], placement.documents)
+                rows = block.rows
+                cols = block.cols
+                dq, dk, dv = attention_with_lse_backward(
+                    grad_out=grad_out[:, :, rows],
+                    q=q[:, :, rows],
+                    k=kv[0][:, :, cols],
+                    v=kv[1][:, :, cols],
+                    out=out[:, :, rows],
+                    lse=lse[:, :, rows],
+                    causal=block.causal,
+                    documents=block.documents,
+                )
                 grad_q[:, :, rows] += dq
                 grad_kv[0][:, :, cols] += dk
                 grad_kv[1][:, :, cols] += dv

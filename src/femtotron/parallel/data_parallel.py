@@ -54,8 +54,10 @@ class Bucket:
     params: tuple[int, ...]  # indices of the parameters inside it
 
     def shard(self, dp: int, dp_rank: int) -> tuple[int, int]:
+        """The element range [low, high) of shard `dp_rank` of `dp` equal ones."""
         size = (self.end - self.start) // dp
-        return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
+        low = self.start + dp_rank * size
+        return low, low + size
 
     def owned(self, replicas: Replicas) -> tuple[int, int]:
         return self.shard(replicas.size, replicas.rank)
@@ -92,8 +94,9 @@ def plan_buckets(
             members.append(param)
             if position - start >= bucket_elements or index == len(group) - 1:
                 position = start + _round_up(position - start, dp * ALIGNMENT)
-                buckets.append(Bucket(start, position, tuple(members)))
-                members, start = [], position
+                buckets.append(Bucket(start=start, end=position, params=tuple(members)))
+                members = []
+                start = position
     return offsets, buckets
 
 
@@ -116,21 +119,28 @@ class DataParallel:
     ) -> None:
         """`groups`: parameter indices in backward order (plan_buckets); an expert parameter's group holds
         expert parameters only, reduced over `expert_replicas` (default: the dp group, like the others)."""
-        self.names, params = [n for n, _ in named_params], [p for _, p in named_params]
-        self.comm, self.group, self.dp, self.dp_rank = comm, dp_group, dp_group.size, dp_rank
-        self.micro_batches, self.sharded = micro_batches, sharded
+        self.names = [name for name, _ in named_params]
+        params = [param for _, param in named_params]
+        self.comm = comm
+        self.group = dp_group
+        self.dp = dp_group.size
+        self.dp_rank = dp_rank
+        self.micro_batches = micro_batches
+        self.sharded = sharded
         numels = [p.numel() for p in params]
         bucket_elements = max(1, int(bucket_mb * 2**20) // grad_dtype.itemsize)
         self.offsets, self.buckets = plan_buckets(numels, groups, bucket_elements, self.dp)
         dense = Replicas(dp_group, dp_rank)
         experts = [getattr(p, "shard", None) is not None and p.shard.experts for p in params]
-        self.replicas = [  # per bucket
-            expert_replicas if expert_replicas and experts[bucket.params[0]] else dense
-            for bucket in self.buckets
-        ]
+        self.replicas: list[Replicas] = []  # per bucket
+        for bucket in self.buckets:
+            # A bucket holds expert parameters only or none: its first one tells which.
+            of_experts = expert_replicas and experts[bucket.params[0]]
+            self.replicas.append(expert_replicas if of_experts else dense)
         size = self.buckets[-1].end if self.buckets else 0
         self.padding = size - sum(numels)
-        device, dtype = params[0].device, params[0].dtype
+        device = params[0].device
+        dtype = params[0].dtype
         # Padding stays zero in both buffers, so it adds nothing to reductions or norms.
         self.flat_params = torch.zeros(size, dtype=dtype, device=device)
         self.flat_grads = torch.zeros(size, dtype=grad_dtype, device=device)
@@ -154,11 +164,17 @@ class DataParallel:
     def _pieces(self, numels: list[int], sharded: bool) -> list[Piece]:
         pieces = []
         for bucket, replicas in zip(self.buckets, self.replicas, strict=True):
-            low, high = bucket.owned(replicas) if sharded else (bucket.start, bucket.end)
+            if sharded:
+                low, high = bucket.owned(replicas)
+            else:
+                low = bucket.start
+                high = bucket.end
             for param in sorted(bucket.params, key=lambda p: self.offsets[p]):
-                start, end = max(low, self.offsets[param]), min(high, self.offsets[param] + numels[param])
+                # The part of the parameter's elements inside [low, high), if any.
+                start = max(low, self.offsets[param])
+                end = min(high, self.offsets[param] + numels[param])
                 if start < end:
-                    pieces.append(Piece(param, start, end))
+                    pieces.append(Piece(param=param, start=start, end=end))
         return pieces
 
     def _accumulate(self, index: int):
@@ -181,15 +197,17 @@ class DataParallel:
         return hook
 
     def _launch(self, index: int) -> None:
-        bucket, replicas = self.buckets[index], self.replicas[index]
+        bucket = self.buckets[index]
+        replicas = self.replicas[index]
         if replicas.size == 1:
             return
-        grads, group = self.flat_grads[bucket.start : bucket.end], replicas.group
+        grads = self.flat_grads[bucket.start : bucket.end]
         if self.sharded:
             low, high = bucket.owned(replicas)
-            self.pending[index] = self.comm.start_reduce_scatter(self.flat_grads[low:high], grads, group)
+            owned = self.flat_grads[low:high]
+            self.pending[index] = self.comm.start_reduce_scatter(owned, grads, replicas.group)
         else:
-            self.pending[index] = self.comm.start_all_reduce(grads, group)
+            self.pending[index] = self.comm.start_all_reduce(grads, replicas.group)
 
     def finish_reduction(self) -> None:
         """After the step's backward: reduce the buckets whose gradients did not all arrive (a parameter
@@ -238,7 +256,8 @@ class DataParallel:
         works = []
         for bucket, replicas in zip(self.buckets, self.replicas, strict=True):
             low, high = bucket.owned(replicas)
-            whole, mine = self.flat_params[bucket.start : bucket.end], self.flat_params[low:high]
+            whole = self.flat_params[bucket.start : bucket.end]
+            mine = self.flat_params[low:high]
             works.append(self.comm.start_all_gather(whole, mine, replicas.group))
         for bucket, replicas, work in zip(self.buckets, self.replicas, works, strict=True):
             self.comm.wait(work, replicas.group, self.flat_params[bucket.start : bucket.end])
@@ -246,7 +265,8 @@ class DataParallel:
     def full(self, owned: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per parameter, the whole tensor from every rank's owned pieces (e.g. fp32 master weights):
         each element is owned by exactly one rank, so a sum over dp assembles them."""
-        flat = torch.zeros_like(self.flat_grads, dtype=owned[0].dtype if owned else torch.float32)
+        dtype = owned[0].dtype if owned else torch.float32
+        flat = torch.zeros_like(self.flat_grads, dtype=dtype)
         for piece, values in zip(self.pieces, owned, strict=True):
             flat[piece.start : piece.end] = values
         if self.sharded and len(set(self.replicas)) == 1:
@@ -254,7 +274,8 @@ class DataParallel:
         elif self.sharded:  # the experts' buckets over their own replicas
             for bucket, replicas in zip(self.buckets, self.replicas, strict=True):
                 self.comm.all_reduce(flat[bucket.start : bucket.end], replicas.group)
-        return [flat[o : o + g.numel()].view_as(g) for o, g in zip(self.offsets, self.grads, strict=True)]
+        pairs = zip(self.offsets, self.grads, strict=True)
+        return [flat[offset : offset + grad.numel()].view_as(grad) for offset, grad in pairs]
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -33,17 +33,23 @@ class ExpertParallel(GroupMember):
         local = len(counts) // self.size
         # received[j, e]: the rows rank j sends for this rank's expert e (on the meta device, where routing is
         # taken as balanced: what this rank sends)
-        ones, sent = [1] * self.size, counts.view(self.size, local)
-        received = sent if rows.is_meta else self.comm.all_to_all(sent, self.group, ones, ones)
+        sent = counts.view(self.size, local)
+        if rows.is_meta:
+            received = sent
+        else:
+            ones = [1] * self.size  # one row of counts to every rank
+            received = self.comm.all_to_all(sent, self.group, sent_rows=ones, received_rows=ones)
         # The layer's one host read: NCCL takes the split sizes as lists, both read at once.
         sent_rows, received_rows = torch.stack([sent.sum(1), received.sum(1)]).tolist()
-        arrived = _exchange(rows, self, sent_rows, received_rows)
+        arrived = _exchange(rows, self, sent=sent_rows, received=received_rows)
         # Arrived by (source rank, expert); the experts want them by (expert, source rank).
         place = torch.arange(self.size * local, device=rows.device).view(local, self.size).T.flatten()
         row_place = place.repeat_interleave(received.flatten(), output_size=sum(received_rows))
         order = torch.argsort(row_place, stable=True)
         outputs = experts(arrived[order], received.sum(0))
-        return _exchange(outputs[order.argsort()], self, received_rows, sent_rows)
+        # Back where each row came from: the sizes swap.
+        by_source = outputs[order.argsort()]
+        return _exchange(by_source, self, sent=received_rows, received=sent_rows)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -51,12 +57,16 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, ep: ExpertParallel, sent: list[int], received: list[int]):
-        ctx.ep, ctx.sent, ctx.received = ep, sent, received
-        return ep.comm.all_to_all(rows, ep.group, sent, received)
+        ctx.ep = ep
+        ctx.sent = sent
+        ctx.received = received
+        return ep.comm.all_to_all(rows, ep.group, sent_rows=sent, received_rows=received)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.ep.comm.all_to_all(grad, ctx.ep.group, ctx.received, ctx.sent), None, None, None
+        comm = ctx.ep.comm
+        grad_rows = comm.all_to_all(grad, ctx.ep.group, sent_rows=ctx.received, received_rows=ctx.sent)
+        return grad_rows, None, None, None
 
 
 # model.compile: the exchange's sizes depend on the routing, so it runs between compiled graphs.

@@ -16,7 +16,7 @@ from torch import nn
 CPU = torch.device("cpu")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShardInfo:
     name: str  # the parameter's name in the full model, e.g. "layers.0.self_attn.q_proj.weight"
     global_shape: tuple[int, ...]
@@ -62,7 +62,8 @@ def make_param(
     """Initialise `name` at full shape and keep this rank's chunk of `shard_dim` (ceil(n / world) long, the
     last ones zero-padded), and with `experts` = (ep rank, ep) its 1/ep of dimension 0."""
     full = full_init(name, shape, std, seed, device)
-    local_slice, local_shape = [slice(0, n) for n in shape], list(shape)
+    local_slice = [slice(0, n) for n in shape]
+    local_shape = list(shape)
     if shard_dim is not None and world > 1:
         n = shape[shard_dim]
         size = -(-n // world)
@@ -76,7 +77,13 @@ def make_param(
     piece = full[tuple(local_slice)]
     local[tuple(slice(0, k) for k in piece.shape)] = piece
     param = nn.Parameter(local)
-    param.shard = ShardInfo(name, tuple(shape), tuple(local_slice), tie_group, experts is not None)
+    param.shard = ShardInfo(
+        name=name,
+        global_shape=tuple(shape),
+        local_slice=tuple(local_slice),
+        tie_group=tie_group,
+        experts=experts is not None,
+    )
     return param
 
 

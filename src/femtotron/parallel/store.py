@@ -16,12 +16,13 @@ import torch.distributed as dist
 
 class Store:
     def __init__(self, store: dist.Store | None = None, address: tuple[str, int] | None = None) -> None:
-        self.store, self.address = store, address
+        self.store = store
+        self.address = address
         self._posted: dict[str, str] = {}
         self._keys = 0
-        # torchrun's store outlives a worker restart: keys carry the attempt, so none is read from the last
-        # one
-        self.key_prefix = f"femtotron/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        # torchrun's store outlives a worker restart: keys carry the attempt, so old attempts' go unread.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.key_prefix = f"femtotron/attempt{attempt}/"
 
     def fresh_key(self, prefix: str) -> str:
         """A key no earlier call used. Every rank calls it in the same order, so all get the same one."""
@@ -33,7 +34,8 @@ class Store:
         a thread that must get through while the main thread waits on it (the watchdog) needs its own."""
         if self.address is None:
             return None
-        (host, port), limit = self.address, timedelta(seconds=30)
+        host, port = self.address
+        limit = timedelta(seconds=30)
         return dist.TCPStore(host, port, is_master=False, timeout=limit, wait_for_workers=False)
 
     def post(self, key: str, value: str) -> None:
@@ -52,9 +54,10 @@ class Store:
         full = [f"{self.key_prefix}post/{k}" for k in keys]
         with contextlib.suppress(RuntimeError, OSError):  # a timeout: some key never came
             self.store.wait(full, timedelta(seconds=timeout))
-        got = {
-            k: self.store.get(f).decode() for k, f in zip(keys, full, strict=True) if self.store.check([f])
-        }
+        got = {}
+        for key, full_key in zip(keys, full, strict=True):
+            if self.store.check([full_key]):
+                got[key] = self.store.get(full_key).decode()
         if remove:
             for key in got:
                 self.store.delete_key(f"{self.key_prefix}post/{key}")

@@ -62,29 +62,37 @@ class _Conjugates(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, tp: TensorParallel, ahead: Callable, back: Callable) -> torch.Tensor:
-        ctx.tp, ctx.back = tp, back
+        ctx.tp = tp
+        ctx.back = back
         if ahead is _sum:
             ctx.mark_dirty(x)  # summed in place: the partial sums are not needed afterwards
         return ahead(x, tp)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        # A gradient can be shared with other branches of the graph: it is summed in a copy.
-        return ctx.back(grad.contiguous().clone() if ctx.back is _sum else grad, ctx.tp), None, None, None
+        if ctx.back is _sum:
+            # A gradient can be shared with other branches of the graph: it is summed in a copy.
+            grad = grad.contiguous().clone()
+        # One gradient per input of forward: tp, ahead and back have none.
+        return ctx.back(grad, ctx.tp), None, None, None
 
 
 def enter_column_parallel(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Make the input a column-parallel layer needs: the whole sequence, gradient summed over tp."""
     if tp.size == 1:
         return x
-    return _conjugates(x, tp, *((_gather, _scatter) if tp.sequence_parallel else (_same, _sum)))
+    if tp.sequence_parallel:
+        return _conjugates(x, tp, ahead=_gather, back=_scatter)
+    return _conjugates(x, tp, ahead=_same, back=_sum)
 
 
 def leave_row_parallel(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Sum a row-parallel layer's partial outputs: whole (ALL_REDUCE) or this rank's sequence shard."""
     if tp.size == 1:
         return x
-    return _conjugates(x, tp, *((_scatter, _gather) if tp.sequence_parallel else (_sum, _same)))
+    if tp.sequence_parallel:
+        return _conjugates(x, tp, ahead=_scatter, back=_gather)
+    return _conjugates(x, tp, ahead=_sum, back=_same)
 
 
 # model.compile: a layer's collectives are where its compiled graphs end; Dynamo runs them as they are,
@@ -107,17 +115,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ignore_index: int,
         tp: TensorParallel,
     ) -> torch.Tensor:
-        ctx.logits_dtype, logits = logits.dtype, logits.float()
+        ctx.logits_dtype = logits.dtype
+        logits = logits.float()
         row_max = logits.max(dim=-1).values
         tp.comm.all_reduce(row_max, tp.group, op="max")
         shifted = logits - row_max.unsqueeze(-1)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
         tp.comm.all_reduce(sum_exp, tp.group)
-        local_targets, valid = targets - vocab_start, targets != ignore_index
+        local_targets = targets - vocab_start
+        valid = targets != ignore_index
+        # The targets in this rank's shard of the vocabulary; the other ranks hold the rest.
         mine = valid & (local_targets >= 0) & (local_targets < logits.shape[-1])
         local_targets = local_targets.masked_fill(~mine, 0)
-        target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1)
+        target_logit = target_logit.masked_fill(~mine, 0.0)
         tp.comm.all_reduce(target_logit, tp.group)
         losses = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
         ctx.save_for_backward(exp, sum_exp, local_targets, mine, valid)
@@ -128,8 +140,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp, sum_exp, local_targets, mine, valid = ctx.saved_tensors
         # d(loss)/d(logit) = softmax - one_hot(target), zero for ignored tokens.
         grad_logits = exp.div_(sum_exp.unsqueeze(-1))
-        grad_logits.scatter_add_(-1, local_targets.unsqueeze(-1), -mine.unsqueeze(-1).to(grad_logits.dtype))
-        grad_logits.mul_((valid.to(grad_logits.dtype) * grad).unsqueeze(-1))
+        one_hot = mine.unsqueeze(-1).to(grad_logits.dtype)
+        grad_logits.scatter_add_(-1, local_targets.unsqueeze(-1), -one_hot)
+        scale = valid.to(grad_logits.dtype) * grad
+        grad_logits.mul_(scale.unsqueeze(-1))
         return grad_logits.to(ctx.logits_dtype), None, None, None, None
 
 
@@ -159,7 +173,8 @@ def gather_full(tensor: torch.Tensor, dim: int | None, tp: TensorParallel, parts
     if dim is None or tp.size == 1:
         return tensor
     pieces = tensor.detach().chunk(parts, dim=dim)
-    return torch.cat([tp.comm.all_gather(piece.contiguous(), tp.group, dim=dim) for piece in pieces], dim=dim)
+    gathered = [tp.comm.all_gather(piece.contiguous(), tp.group, dim=dim) for piece in pieces]
+    return torch.cat(gathered, dim=dim)
 
 
 def _split(name: str, what: str, n: int, tp: TensorParallel) -> None:
@@ -190,9 +205,15 @@ class ColumnParallelLinear(nn.Module):
         if not pad:
             _split(f"{name}.weight", "output features", d_out, tp)
         self.tp = tp
-        shape, dim = ((d_out, d_in), 0) if parts == 1 else ((parts, d_out, d_in), 1)
+        if parts == 1:
+            shape = (d_out, d_in)
+            dim = 0
+        else:
+            shape = (parts, d_out, d_in)
+            dim = 1
         self.weight = make(f"{name}.weight", shape, std, shard_dim=dim, rank=tp.rank, world=tp.size)
-        self.output_split_dim, self.output_parts = -1, parts
+        self.output_split_dim = -1
+        self.output_parts = parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(enter_column_parallel(x, self.tp), self.weight.flatten(0, -2))

@@ -8,8 +8,27 @@ timeout naming the ranks that never finished (C2), writes the manifest last, ren
 
 Load: the manifest says where every slice is, so each rank reads exactly the boxes its layout needs, also
 when the mesh changed (C1): weights, master weights, Adam moments and step count, the train state, and each
-rank's RNG states when the mesh is unchanged (C3). Which checkpoint: `resume_source`. Save and load take the
-pieces they need (`TrainingParts`), never the trainer.
+rank's RNG states when the mesh is unchanged (C3).
+
+Which checkpoint a run starts from is `resume_source`'s choice. An explicit
+`checkpoints.resume_checkpoint_path` wins, because a person who names a checkpoint means that one, even when
+the run's own directory holds others (a warning says they are not resumed). Without it, the run's own
+newest committed checkpoint is taken, so that a preempted, requeued or crashed job continues where it
+stopped when the same command runs again. `checkpoints.auto_resume: false` starts from step 0 instead,
+with a warning, because its saves will replace the old checkpoints of the same steps.
+
+A checkpoints directory, given or the run's own, is read through its `latest` file (`resolve`). Only a
+committed checkpoint counts: a step directory with its manifest, which appears by rename once the save is
+complete. A half-written `.tmp-step-*` is ignored with a warning, and when `latest` is missing or names no
+committed checkpoint the newest committed one is taken, also with a warning. Rank 0 alone decides and
+tells every rank (`agreed_resume_source`), because on a shared file system another node may not see the
+newest checkpoint yet.
+
+`model.init_from` is not a resume source. It gives a new run its first weights at step 0
+(serialize/init.py); when that run later resumes from its own checkpoint, the checkpoint's weights replace
+them, so a requeued job does not start over from the initial weights.
+
+Save and load take the pieces they need (`TrainingParts`), never the trainer.
 """
 
 from __future__ import annotations
@@ -20,7 +39,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -30,6 +49,7 @@ from femtotron.config import Config
 from femtotron.layout import RankModel
 from femtotron.optim.zero import ZeroAdamW
 from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.mesh import ADDED_LATER, NAMED
 from femtotron.parallel.store import Store
 from femtotron.serialize.files import (
     MANIFEST,
@@ -48,15 +68,23 @@ from femtotron.serialize.weights import TOKENIZER_FILE, weights_present
 from femtotron.train_state import TrainingParts
 
 LATEST = "latest"
-# The model_config fields that decide the tensors' shapes: a checkpoint only loads into an equal model.
-MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
-MODEL_FIELDS += ("num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
-MODEL_FIELDS += tuple(f"moe.{key}" for key in ("num_experts", "num_experts_per_tok", "intermediate_size"))
-MODEL_FIELDS += (
+# The model_config fields that decide the tensors' shapes, and what the experts compute: a checkpoint only
+# loads into an equal model.
+MODEL_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+    "moe.num_experts",
+    "moe.num_experts_per_tok",
+    "moe.intermediate_size",
     "moe.num_shared_experts",
     "moe.shared_expert_gate",
     "moe.router_norm",
-)  # and what they compute
+)
 
 
 def checkpoint_root(config: Config) -> Path:
@@ -64,13 +92,22 @@ def checkpoint_root(config: Config) -> Path:
     return Path(path) if path is not None else config.run_dir / "checkpoints"
 
 
+# Besides the mesh's sizes, what decides which slices and states each rank of a checkpoint holds.
+LAYOUT_SETTINGS = ("pp_engine", "pp_virtual_stages", "tp_mode")
+
+
 def mesh_of(config: Config) -> dict[str, Any]:
-    keys = ("dp", "cp", "tp", "pp", "ep", "pp_engine", "pp_virtual_stages", "tp_mode")
-    mesh = {key: getattr(config.parallelism, key) for key in keys}
+    """The manifest's `mesh`: each dimension's size (parallel/mesh.py), layout settings, ZeRO stage."""
+    mesh = {key: getattr(config.parallelism, key) for key in (*NAMED, *LAYOUT_SETTINGS)}
     return mesh | {"zero_stage": config.optimizer.zero_stage}
 
 
-@dataclass(frozen=True)
+def saved_mesh(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's `mesh`, with the dimensions added after it was written at their size then: 1."""
+    return {name: 1 for name in ADDED_LATER} | manifest["mesh"]
+
+
+@dataclass(frozen=True, kw_only=True)
 class SavedSlice:
     """A slice one rank saves: part `place` of parameter `name`, at [low, high) of the flat buffers."""
 
@@ -84,40 +121,56 @@ class SavedSlice:
 
 def saved_slices(model: RankModel) -> list[SavedSlice]:
     """What one rank saves: its 1/(dp * cp) of every bucket, of the parameters whose copy here counts."""
-    data_parallel, named = model.data_parallel, model.named_parameters()
+    data_parallel = model.data_parallel
+    named = model.named_parameters()
     out = []
     for piece in data_parallel.shard_pieces:
         if not model.counted[piece.param]:
             continue
-        (name, param), offset = named[piece.param], data_parallel.offsets[piece.param]
+        name, param = named[piece.param]
+        offset = data_parallel.offsets[piece.param]
         pieces = data_parallel.pieces
         owner = next(i for i, p in enumerate(pieces) if p.start <= piece.start and piece.end <= p.end)
-        shape, low, high = param.shard.global_shape, piece.start - offset, piece.end - offset
+        # placements() counts within the parameter's own local tensor; the flat buffers start it at offset.
+        low = piece.start - offset
+        high = piece.end - offset
         for place in placements(param.shard, tuple(param.shape), low, high):
-            out.append(
-                SavedSlice(name, shape, place, offset + place.flat_start, offset + place.flat_stop, owner)
+            saved = SavedSlice(
+                name=name,
+                shape=param.shard.global_shape,
+                place=place,
+                low=offset + place.flat_start,
+                high=offset + place.flat_stop,
+                owner=owner,
             )
+            out.append(saved)
     return out
 
 
 def rank_slices(model: RankModel, optimizer: ZeroAdamW) -> list[Slice]:
-    """(tensor name, global shape, box, values) for every slice this rank saves, from the live tensors."""
+    """Every slice this rank saves (tensor name, global shape, box, values), from the live tensors."""
     data_parallel = model.data_parallel
     fp32 = data_parallel.flat_params.dtype == torch.float32  # fp32 weights are their own masters
     kinds = ("exp_avg", "exp_avg_sq") if fp32 else ("master", "exp_avg", "exp_avg_sq")
     states = {kind: optimizer.state(kind) for kind in kinds}
     out = []
     for saved in saved_slices(model):
-        start, place = data_parallel.pieces[saved.owner].start, saved.place
+        # The optimizer's states are per owned piece, so they count from the piece's start.
+        start = data_parallel.pieces[saved.owner].start
+        owned = slice(saved.low - start, saved.high - start)
         sources = {"model": data_parallel.flat_params[saved.low : saved.high]}
-        sources |= {kind: states[kind][saved.owner][saved.low - start : saved.high - start] for kind in kinds}
-        values = {kind: flat.view(place.local_shape)[place.valid] for kind, flat in sources.items()}
-        out += [(f"{kind}/{saved.name}", saved.shape, place.target, v) for kind, v in values.items()]
+        sources |= {kind: states[kind][saved.owner][owned] for kind in kinds}
+        place = saved.place
+        for kind, flat in sources.items():
+            values = flat.view(place.local_shape)[place.valid]
+            out.append(Slice(f"{kind}/{saved.name}", saved.shape, place.target, values))
     return out
 
 
 def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    python, (kind, keys, position, has_gauss, cached) = random.getstate(), np.random.get_state()
+    """This process's RNG states: torch's as tensors, Python's and numpy's as JSON (safetensors metadata)."""
+    python = random.getstate()
+    kind, keys, position, has_gauss, cached = np.random.get_state()
     states = {
         "python": [python[0], list(python[1]), python[2]],
         "numpy": [kind, keys.tolist(), position, has_gauss, cached],
@@ -142,9 +195,13 @@ def set_rng_state(reader: CheckpointReader, file: str) -> None:
 def save(parts: TrainingParts) -> Path:
     """Write a checkpoint of the current step from every rank; return its directory once committed. A
     rank's failure reaches rank 0 through the store, and rank 0's verdict every rank: all stop, with why."""
-    ctx, config, store = parts.ctx, parts.config, parts.ctx.store
-    root, name = checkpoint_root(config), f"step-{parts.state.step:07d}"
-    tmp, final = root / f".tmp-{name}", root / name
+    ctx = parts.ctx
+    config = parts.config
+    store = ctx.store
+    root = checkpoint_root(config)
+    name = f"step-{parts.state.step:07d}"
+    tmp = root / f".tmp-{name}"
+    final = root / name
     key = store.fresh_key("save")
     prepared: Exception | None = None
     if ctx.rank == 0:
@@ -160,8 +217,9 @@ def save(parts: TrainingParts) -> Path:
         if prepared is not None:
             raise prepared
         tmp.mkdir(parents=True, exist_ok=True)  # on another node of a shared file system it may show up late
-        slices, (extra, metadata) = rank_slices(parts.model, parts.optimizer), rng_state()
-        record = write_rank_file(tmp, ctx.rank, slices, extra, metadata) | {"rng": True}
+        slices = rank_slices(parts.model, parts.optimizer)
+        extra, metadata = rng_state()
+        record = write_rank_file(tmp, ctx.rank, slices, extra=extra, metadata=metadata) | {"rng": True}
     except Exception as e:  # noqa: BLE001 - whatever it is (disk full: SafetensorError), rank 0 must hear of it
         store.post(f"{key}/rank{ctx.rank}", json.dumps({"error": f"{type(e).__name__}: {e}"}))
         if ctx.rank != 0:
@@ -174,7 +232,7 @@ def save(parts: TrainingParts) -> Path:
     timeout = config.parallelism.collective_timeout_seconds
     if ctx.rank == 0:
         try:
-            records = collect_records(store, ctx.world_size, key, final, timeout)
+            records = collect_records(store, world=ctx.world_size, key=key, final=final, timeout=timeout)
             if parts.tokenizer is not None:
                 records.append(file_record(tmp / TOKENIZER_FILE))
             commit(tmp, final, run_state(parts), records)
@@ -208,7 +266,8 @@ def collect_records(store: Store, world: int, key: str, final: Path, timeout: fl
     failed = {r: rec["error"] for r, rec in records.items() if "error" in rec}
     missing = [r for r in range(world) if r not in records]
     if missing or failed:
-        many, details = len(missing) > 1, "".join(f"\n  rank {r}: {message}" for r, message in failed.items())
+        many = len(missing) > 1
+        details = "".join(f"\n  rank {r}: {message}" for r, message in failed.items())
         lost = (
             f"rank{'s' * many} {', '.join(map(str, missing))} did not finish writing "
             f"{'their files' if many else 'its file'} within {timeout:g} s "
@@ -230,7 +289,8 @@ def data_size(parts: TrainingParts) -> dict[str, int]:
 
 def run_state(parts: TrainingParts) -> dict[str, Any]:
     """What the manifest records besides the tensors: where the run is, and how it was laid out."""
-    config, state = parts.config, parts.state.state_dict()
+    config = parts.config
+    state = parts.state.state_dict()
     state["lr_schedule"]["style"] = config.optimizer.learning_rate_scheduler.lr_decay_style
     return {
         **state,
@@ -311,29 +371,45 @@ def resolve(path: Path, what: str = "checkpoints.resume_checkpoint_path") -> tup
     return committed[-1], warnings
 
 
-def resume_source(config: Config) -> tuple[Path | None, str, list[str]]:
-    """Where this run starts: (checkpoint path to resolve, what names it, warnings); no path: from step 0.
-    checkpoints.resume_checkpoint_path wins; else the run's newest, unless checkpoints.auto_resume=false."""
-    own, given = checkpoint_root(config), config.checkpoints.resume_checkpoint_path
+class ResumeSource(NamedTuple):
+    """Where a run starts. A tuple still, so that `path, what, warnings = ...` reads it whole."""
+
+    path: Path | None  # a checkpoint or checkpoints directory, for `resolve`; None: from step 0
+    what: str  # the setting that named it, for messages
+    warnings: list[str]
+
+
+def resume_source(config: Config) -> ResumeSource:
+    """Where this run starts (see the module's docstring for the order and why).
+
+    An explicit `checkpoints.resume_checkpoint_path` wins. Otherwise the run's own checkpoints directory is
+    taken when it holds a committed checkpoint, unless `checkpoints.auto_resume` is false. The path is not
+    resolved here; `resolve` picks the step directory, rank 0's view of it deciding (`load`).
+    """
+    own = checkpoint_root(config)
+    given = config.checkpoints.resume_checkpoint_path
     own_latest = committed_checkpoints(own)[-1:] if own.is_dir() else []
     if given is not None:
         warnings = []
-        if own_latest and own.resolve() not in (Path(given).resolve(), Path(given).resolve().parent):
+        # No warning when the given path is the run's own checkpoints directory or a step in it.
+        given_path = Path(given).resolve()
+        if own_latest and own.resolve() not in (given_path, given_path.parent):
             warnings.append(
                 f"checkpoints.resume_checkpoint_path={given} is given, so the checkpoints of this "
                 f"run in {own} (up to {own_latest[0].name}) are not resumed; remove "
                 "resume_checkpoint_path to continue from them"
             )
-        return Path(given), "checkpoints.resume_checkpoint_path", warnings
+        return ResumeSource(path=Path(given), what="checkpoints.resume_checkpoint_path", warnings=warnings)
     if not own_latest:
-        return None, "", []
+        return ResumeSource(path=None, what="", warnings=[])
     if not config.checkpoints.auto_resume:
         warning = (
             f"checkpoints.auto_resume=false: starting from step 0, although {own} holds checkpoints up "
             f"to {own_latest[0].name}; this run's saves replace them"
         )
-        return None, "", [warning]
-    return own, "checkpoints.checkpoints_path (the run's own, checkpoints.auto_resume=true)", []
+        return ResumeSource(path=None, what="", warnings=[warning])
+    what = "checkpoints.checkpoints_path (the run's own, checkpoints.auto_resume=true)"
+    return ResumeSource(path=own, what=what, warnings=[])
 
 
 def decided_by_rank_0(ctx: ParallelContext, topic: str, decide: Callable[[], Any]) -> Any:
@@ -355,26 +431,30 @@ def decided_by_rank_0(ctx: ParallelContext, topic: str, decide: Callable[[], Any
     return decided["value"]
 
 
-def agreed_resume_source(config: Config, ctx: ParallelContext) -> tuple[Path | None, str, list[str]]:
-    """`resume_source` as rank 0 sees it, on every rank."""
+def agreed_resume_source(config: Config, ctx: ParallelContext) -> ResumeSource:
+    """`resume_source` as rank 0 sees it, on every rank (another node may not see the newest one yet)."""
 
-    def decide() -> list:
-        path, what, warnings = resume_source(config)
-        return [path and str(path), what, warnings]
+    def decide() -> dict[str, Any]:
+        source = resume_source(config)
+        path = str(source.path) if source.path is not None else None
+        return {"path": path, "what": source.what, "warnings": source.warnings}
 
-    path, what, warnings = decided_by_rank_0(ctx, "which checkpoint to resume from", decide)
-    return (Path(path) if path else None), what, warnings
+    decided = decided_by_rank_0(ctx, "which checkpoint to resume from", decide)
+    path = Path(decided["path"]) if decided["path"] else None
+    return ResumeSource(path=path, what=decided["what"], warnings=decided["warnings"])
 
 
 def already_done(config: Config) -> str | None:
     """A line saying the run is finished, when its own newest checkpoint is its last step and its final
     weights are written (a finished job started again, by a requeue or by hand, then does nothing)."""
-    path, what, _ = resume_source(config)
-    if path is None or config.checkpoints.resume_checkpoint_path is not None:
+    source = resume_source(config)
+    if source.path is None or config.checkpoints.resume_checkpoint_path is not None:
         return None
-    directory, _ = resolve(path, what)
-    step, train_steps = int(read_manifest(directory)["step"]), config.tokens.train_steps
-    if step < train_steps or (config.checkpoints.save_final_state and not weights_present(config.run_dir)):
+    directory, _ = resolve(source.path, source.what)
+    step = int(read_manifest(directory)["step"])
+    train_steps = config.tokens.train_steps
+    final_weights_missing = config.checkpoints.save_final_state and not weights_present(config.run_dir)
+    if step < train_steps or final_weights_missing:
         return None
     return (
         f"already done: {directory} is step {step} of tokens.train_steps={train_steps} and the weights are "
@@ -390,11 +470,12 @@ def model_differences(saved: dict[str, Any], config: Config, where: str, fields=
         moe = {f"moe.{key}": value for key, value in (values.get("moe") or {}).items()}
         return values | moe | ({"intermediate_size": None} if moe else {})
 
-    saved, current = flat(saved), flat(config.model.model_config_.model_dump(mode="json"))
+    theirs = flat(saved)
+    ours = flat(config.model.model_config_.model_dump(mode="json"))
     return [
-        f"model.model_config.{field}: {where} {saved.get(field)!r}, config {current.get(field)!r}"
+        f"model.model_config.{field}: {where} {theirs.get(field)!r}, config {ours.get(field)!r}"
         for field in fields
-        if saved.get(field) != current.get(field)
+        if theirs.get(field) != ours.get(field)
     ]
 
 
@@ -411,9 +492,17 @@ def check_model_matches(manifest: dict[str, Any], config: Config, directory: Pat
 def load(
     parts: TrainingParts, path: Path, what: str = "checkpoints.resume_checkpoint_path"
 ) -> tuple[str, Path]:
-    """Restore the run from the checkpoint at (or latest under) `path` (as rank 0 resolves it); return a line
-    for the log and its directory. Each rank checks its share of the checksums; if any fails, all stop."""
-    ctx, failure, summary, directory = parts.ctx, None, "", path
+    """Restore the run from the checkpoint at (or latest under) `path`; return a line for the log and the
+    checkpoint's directory.
+
+    Rank 0 decides which checkpoint `path` means: ranks reading `latest` on their own could see different
+    ones on a shared file system. Every rank then loads its own part and checks the checksums of its share
+    of the files. If any rank fails, all stop with the error.
+    """
+    ctx = parts.ctx
+    failure: CheckpointError | None = None
+    summary = ""
+    directory = path  # until rank 0 has resolved it, for the messages
 
     def pick() -> str:
         chosen, warnings = resolve(path, what)
@@ -448,9 +537,16 @@ def load(
 
 
 def fill(
-    target: torch.Tensor, param: torch.Tensor, start: int, stop: int, reader: CheckpointReader, tensor: str
+    target: torch.Tensor,
+    param: torch.Tensor,
+    *,
+    start: int,
+    stop: int,
+    reader: CheckpointReader,
+    tensor: str,
 ) -> None:
-    """Fill `target`, elements [start, stop) of `param`'s local tensor flattened, from the checkpoint."""
+    """Fill `target`, elements [start, stop) of `param`'s local tensor flattened, from tensor `tensor` of
+    `reader` (a checkpoint, or any reader with `shape` and `read`: serialize/init.py's sources)."""
     if reader.shape(tensor) != param.shard.global_shape:
         raise CheckpointError(
             f"checkpoint {reader.directory}: {tensor} has global shape {reader.shape(tensor)}, "
@@ -462,27 +558,40 @@ def fill(
 
 
 def load_tensors(model: RankModel, optimizer: ZeroAdamW, reader: CheckpointReader) -> None:
-    named, data_parallel = model.named_parameters(), model.data_parallel
+    named = model.named_parameters()
+    data_parallel = model.data_parallel
 
     def source(kind: str, name: str) -> str:  # fp32 checkpoints hold no separate master weights
         return f"model/{name}" if kind == "master" and not reader.has(f"master/{name}") else f"{kind}/{name}"
 
     with torch.no_grad():
         for name, param in named:
-            fill(param.data.view(-1), param, 0, param.numel(), reader, source("master", name))
+            whole = param.data.view(-1)
+            fill(whole, param, start=0, stop=param.numel(), reader=reader, tensor=source("master", name))
         optimizer.prepare_state(int(reader.manifest.get("optimizer_steps", 0)))
         for kind in ("master", "exp_avg", "exp_avg_sq"):
             for piece, target in zip(data_parallel.pieces, optimizer.state(kind), strict=True):
-                (name, param), offset = named[piece.param], data_parallel.offsets[piece.param]
-                fill(target, param, piece.start - offset, piece.end - offset, reader, source(kind, name))
+                name, param = named[piece.param]
+                offset = data_parallel.offsets[piece.param]
+                fill(
+                    target,
+                    param,
+                    start=piece.start - offset,
+                    stop=piece.end - offset,
+                    reader=reader,
+                    tensor=source(kind, name),
+                )
 
 
 def restore_counters(parts: TrainingParts, reader: CheckpointReader, directory: Path) -> str:
-    manifest, state, config = reader.manifest, parts.state, parts.config
+    manifest = reader.manifest
+    state = parts.state
+    config = parts.config
     # Only an fp16 run's scale means anything; a bf16 or fp32 one is 1 (and would be fp16's minimum).
     fp16 = state.scaler.enabled and manifest["config"]["model"].get("dtype") == "float16"
     state.load_state_dict(manifest, loss_scale=fp16)
-    saved, current = {"cp": 1, "ep": 1} | manifest["mesh"], mesh_of(config)  # saved before cp, ep: 1
+    saved = saved_mesh(manifest)
+    current = mesh_of(config)
     same_layout = saved == current and manifest.get("world_size") == parts.ctx.world_size
     rng_file = manifest.get("rng", {}).get(str(parts.ctx.rank))
     if same_layout and rng_file is not None:

@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -29,7 +29,15 @@ FORMAT = "femtotron-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "uint8")}
-Slice = tuple[str, tuple[int, ...], Box, torch.Tensor]  # (tensor name, global shape, box, values)
+
+
+class Slice(NamedTuple):
+    """Part of a global tensor that one rank writes: the values of `box` of tensor `tensor`."""
+
+    tensor: str  # <kind>/<parameter name>
+    shape: tuple[int, ...]  # the global tensor's
+    box: Box
+    values: torch.Tensor
 
 
 class CheckpointError(FemtotronError):
@@ -70,12 +78,23 @@ def write_rank_file(
     directory: Path, rank: int, slices: list[Slice], extra: dict[str, torch.Tensor], metadata: dict[str, str]
 ) -> dict[str, Any]:
     """Write a rank's slices, `extra` tensors (RNG states) and `metadata` strings; return its file record."""
-    tensors, records = dict(extra), []
-    for index, (name, shape, (start, stop), values) in enumerate(slices):
-        key = f"{index}:{name}"
-        tensors[key] = values.detach().to("cpu").contiguous()
-        dtype = str(values.dtype).removeprefix("torch.")
-        records.append(dict(tensor=name, shape=shape, dtype=dtype, key=key, start=start, stop=stop))
+    tensors = dict(extra)
+    records = []
+    for index, piece in enumerate(slices):
+        # The index keeps the keys apart: one rank may hold several slices of the same tensor.
+        key = f"{index}:{piece.tensor}"
+        tensors[key] = piece.values.detach().to("cpu").contiguous()
+        start, stop = piece.box
+        records.append(
+            {
+                "tensor": piece.tensor,
+                "shape": piece.shape,
+                "dtype": str(piece.values.dtype).removeprefix("torch."),
+                "key": key,
+                "start": start,
+                "stop": stop,
+            }
+        )
     path = directory / rank_file(rank)
     save_file(tensors, str(path), metadata=metadata)
     with open(path, "rb") as f:
@@ -112,7 +131,8 @@ class CheckpointReader:
     and sha256; a distributed load has each rank `verify` a share instead). Use as a context manager."""
 
     def __init__(self, directory: str | os.PathLike, verify_all: bool = False) -> None:
-        self.directory, self.verify_all = Path(directory), verify_all
+        self.directory = Path(directory)
+        self.verify_all = verify_all
         self.manifest = read_manifest(self.directory)
         self.tensors: dict[str, Any] = self.manifest["tensors"]
         self._open: dict[str, Any] = {}

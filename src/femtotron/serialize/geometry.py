@@ -43,7 +43,7 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tupl
     return boxes + flat_range_boxes(shape, body_end, stop)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Placement:
     """Elements [flat_start, flat_stop) of a local tensor: a box of it (`local`, contiguous in flat order),
     of which the part `valid` (relative to the box; padding cut off) is the global box `target`."""
@@ -71,7 +71,10 @@ def placements(shard: ShardInfo, local_shape: tuple[int, ...], start: int, stop:
         )
         shape = tuple(h - lo for lo, h in zip(low, high, strict=True))
         valid = tuple(slice(0, h - lo) for lo, h in zip(low, clipped_high, strict=True))
-        out.append(Placement(flat_start, flat_stop, shape, valid, target))
+        placement = Placement(
+            flat_start=flat_start, flat_stop=flat_stop, local_shape=shape, valid=valid, target=target
+        )
+        out.append(placement)
     return out
 
 

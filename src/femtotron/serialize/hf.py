@@ -18,6 +18,7 @@ import json
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,8 @@ from femtotron.serialize.weights import (
     write_parts,
 )
 
-HF_CONFIG, INDEX = "config.json", "model.safetensors.index.json"
+HF_CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"  # which file holds which tensor, when the weights are split
 # config.json keys that are LlamaConfig fields of the same name and meaning.
 FIELDS = tuple(
     "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
@@ -100,7 +102,8 @@ def llama_config(hf: dict[str, Any], where: Path) -> LlamaConfig:
     values["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     if kind == "llama3":
         values["rope_scaling"] = {key: rope[key] for key in SCALING if key in rope}
-    head_dim, heads = hf.get("head_dim"), values.get("num_attention_heads")
+    head_dim = hf.get("head_dim")
+    heads = values.get("num_attention_heads")
     if head_dim is not None and heads and head_dim * heads != values.get("hidden_size"):
         problems.append(f"head_dim={head_dim}: femtotron's heads are hidden_size / num_attention_heads")
     if problems:
@@ -122,7 +125,8 @@ def _moe_config(hf: dict[str, Any], model_type: str, problems: list[str]) -> dic
             "num_experts": hf.get("num_local_experts", 8),
             "intermediate_size": hf["intermediate_size"],
         }
-    inner, shared = hf.get("moe_intermediate_size", 1408), hf.get("shared_expert_intermediate_size", 5632)
+    inner = hf.get("moe_intermediate_size", 1408)
+    shared = hf.get("shared_expert_intermediate_size", 5632)
     if shared % inner or not shared:
         problems.append(
             f"shared_expert_intermediate_size={shared}: femtotron's shared experts are a multiple (>= 1) of "
@@ -138,9 +142,18 @@ def _moe_config(hf: dict[str, Any], model_type: str, problems: list[str]) -> dic
     )
 
 
-def open_hf(hf_dir: Path) -> tuple[LlamaConfig, dict[str, Any], dict[str, Any]]:
-    """An HF Llama directory's config, its config.json as read, and by HF tensor name the open safetensors
-    file holding it: names, shapes and dtypes checked against the config from the headers, no tensor read."""
+@dataclass(frozen=True)
+class OpenedHF:
+    """An HF model directory, checked and open (`open_hf`)."""
+
+    cfg: LlamaConfig  # femtotron's model config for it
+    config_json: dict[str, Any]  # its config.json as read
+    handles: dict[str, Any]  # by HF tensor name, the open safetensors file holding it
+
+
+def open_hf(hf_dir: Path) -> OpenedHF:
+    """An HF Llama directory's config, its config.json and its open safetensors files: names, shapes and
+    dtypes checked against the config from the headers, no tensor read."""
     config_path = hf_dir / HF_CONFIG
     if not config_path.is_file():
         raise HFError(f"{config_path} does not exist: {hf_dir} is not a Hugging Face model directory.")
@@ -178,7 +191,7 @@ def open_hf(hf_dir: Path) -> tuple[LlamaConfig, dict[str, Any], dict[str, Any]]:
             )
         if header.get_dtype() not in ("F32", "BF16", "F16"):
             raise HFError(f"{name} in {hf_dir} is {header.get_dtype()}: only F32, BF16 and F16 are read")
-    return cfg, hf, handles
+    return OpenedHF(cfg=cfg, config_json=hf, handles=handles)
 
 
 def _weight_files(hf_dir: Path) -> dict[str, list[str] | None]:
@@ -218,10 +231,11 @@ def _expected(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 def read_as_run(hf_dir: Path, out: Path | None = None) -> tuple[Config, dict[str, torch.Tensor]]:
     """An HF Llama directory as a run would hold it: the config a run directory at `out` (default: the HF
     directory itself) would have, and the weights by femtotron name."""
-    cfg, hf, handles = open_hf(hf_dir)
-    state = from_hf({name: f.get_tensor(name) for name, f in handles.items()}, cfg)
+    opened = open_hf(hf_dir)
+    cfg = opened.cfg
+    state = from_hf({name: f.get_tensor(name) for name, f in opened.handles.items()}, cfg)
     out = out or hf_dir
-    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    dtype = opened.config_json.get("dtype") or opened.config_json.get("torch_dtype") or "float32"
     tokenizer = str(out / TOKENIZER_FILE) if (hf_dir / TOKENIZER_FILE).is_file() else None
     config = load_config_dict(
         {
@@ -264,7 +278,8 @@ def export_hf(source: Path, out: Path, dtype: str | None = None, shard_bytes: in
 
 def _export(run_dir: Path, out: Path, dtype: str | None, shard_bytes: int) -> Path:
     config, weights = load_weights(run_dir)
-    cfg, dtype = config.model.model_config_, dtype or config.model.dtype
+    cfg = config.model.model_config_
+    dtype = dtype or config.model.dtype
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     state = {name: t.to(DTYPES[dtype]).contiguous() for name, t in to_hf(weights, cfg).items()}
@@ -324,7 +339,8 @@ def _special_tokens(path: Path) -> dict[str, int]:
 
 def _architecture(cfg: LlamaConfig) -> dict[str, Any]:
     """The transformers class computing `cfg`, and its config.json keys beyond the Llama ones."""
-    kind, moe = hf_kind(cfg), cfg.moe
+    kind = hf_kind(cfg)
+    moe = cfg.moe
     keys = {"architectures": [next(a for a, t in ARCHITECTURES.items() if t == kind)], "model_type": kind}
     keys |= ABSENT_IN[kind]  # what femtotron's model does not have, as "not used"
     if moe is None:
@@ -332,12 +348,13 @@ def _architecture(cfg: LlamaConfig) -> dict[str, Any]:
     keys |= {"num_experts_per_tok": moe.num_experts_per_tok, "router_aux_loss_coef": moe.aux_loss_coef}
     if kind == "mixtral":
         return keys | {"num_local_experts": moe.num_experts, "intermediate_size": moe.intermediate_size}
-    shared, norm = moe.num_shared_experts * moe.intermediate_size, moe.router_norm == "topk_then_softmax"
+    # femtotron fuses the shared experts into one MLP; Qwen2-MoE names that MLP's size.
+    shared = moe.num_shared_experts * moe.intermediate_size
     return keys | dict(
         num_experts=moe.num_experts,
         moe_intermediate_size=moe.intermediate_size,
         shared_expert_intermediate_size=shared,
-        norm_topk_prob=norm,
+        norm_topk_prob=moe.router_norm == "topk_then_softmax",
     )
 
 

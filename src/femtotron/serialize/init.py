@@ -36,7 +36,9 @@ class HFFiles:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.cfg, _, self.handles = open_hf(directory)
+        opened = open_hf(directory)
+        self.cfg = opened.cfg
+        self.handles = opened.handles
         meta = Llama(self.cfg, std=0.02, seed=0, dtype=torch.float32, device=torch.device("meta"))
         self.shapes = {name: tuple(t.shape) for name, t in meta.state_dict().items()}
 
@@ -47,14 +49,17 @@ class HFFiles:
         return self.handles[name].get_slice(name)[low:high, columns]
 
     def read(self, name: str, box: Box) -> torch.Tensor:
-        (starts, stops), prefix = box, "model." + name.rsplit(".", 2)[0] + "."
+        starts, stops = box
+        # The HF name of the module holding `name`, e.g. model.layers.3.self_attn.
+        prefix = "model." + name.rsplit(".", 2)[0] + "."
         columns = slice(starts[-1], stops[-1])
         if ".mlp.experts." in name or ".mlp.router." in name:  # per expert in HF: w1/w3/w2 or gate/up/down
             block, gate, up, down = EXPERT_NAMES[hf_kind(self.cfg)]
             layer = f"model.{name.split('.mlp.')[0]}.{block}."
             if name.endswith("router.weight"):
                 return self._rows(layer + "gate.weight", starts[0], stops[0], columns)
-            each, experts = layer + "experts.{}.{}.weight", range(starts[0], stops[0])
+            each = layer + "experts.{}.{}.weight"  # formatted with the expert's index and its role
+            experts = range(starts[0], stops[0])
             if name.endswith("down_proj"):
                 return torch.stack(
                     [self._rows(each.format(e, down), starts[1], stops[1], columns) for e in experts]
@@ -72,15 +77,24 @@ class HFFiles:
             rows = self.handles[hf_name].get_slice(hf_name)
             return rows[starts[0] : stops[0]] if len(starts) == 1 else rows[starts[0] : stops[0], columns]
         # Per key/value head: its group of query rows, then its key rows, then its value rows.
-        group, head = self.cfg.num_attention_heads // self.cfg.num_key_value_heads, self.cfg.head_dim
+        group = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        head = self.cfg.head_dim
         pieces = []
         for row in range(starts[0] - starts[0] % head, stops[0], head):  # one head's rows at a time
             kv, part = divmod(row // head, group + 2)
+            # `first`: the row of HF's q, k or v weight where this head starts.
             if part < group:
-                hf_name, first = prefix + "q_proj.weight", (kv * group + part) * head
+                hf_name = prefix + "q_proj.weight"
+                first = (kv * group + part) * head
+            elif part == group:
+                hf_name = prefix + "k_proj.weight"
+                first = kv * head
             else:
-                hf_name, first = prefix + ("k_proj.weight" if part == group else "v_proj.weight"), kv * head
-            low, high = max(row, starts[0]) - row, min(row + head, stops[0]) - row
+                hf_name = prefix + "v_proj.weight"
+                first = kv * head
+            # The part of this head's rows that the box asks for.
+            low = max(row, starts[0]) - row
+            high = min(row + head, stops[0]) - row
             pieces.append(self._rows(hf_name, first + low, first + high, columns))
         return torch.cat(pieces)
 
@@ -90,7 +104,8 @@ class RunFiles:
 
     def __init__(self, directory: Path) -> None:
         parts = weight_parts(directory)
-        self.directory, self.files = directory, [safe_open(str(directory / p), framework="pt") for p in parts]
+        self.directory = directory
+        self.files = [safe_open(str(directory / p), framework="pt") for p in parts]
         self.where = {name: f for f in self.files for name in f.keys()}  # noqa: SIM118 - not a dict
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -104,7 +119,8 @@ class CheckpointWeights:
     """A checkpoint's weights: the fp32 master weights where it has them, else the model's."""
 
     def __init__(self, reader: CheckpointReader) -> None:
-        self.reader, self.directory = reader, reader.directory
+        self.reader = reader
+        self.directory = reader.directory
 
     def _key(self, name: str) -> str:
         return f"master/{name}" if self.reader.has(f"master/{name}") else f"model/{name}"
@@ -143,5 +159,6 @@ def init_weights(model: RankModel, config: Config) -> str:
         raise ConfigError(f"{WHAT}={path} is another model:{lines}\nSet these fields as the source has them.")
     with torch.no_grad():
         for name, param in model.named_parameters():
-            fill(param.data.view(-1), param, 0, param.numel(), source, name)
+            whole = param.data.view(-1)
+            fill(whole, param, start=0, stop=param.numel(), reader=source, tensor=name)
     return f"initialised the weights from {path} ({WHAT}); the run starts at step 0 with a fresh optimizer"

@@ -21,7 +21,7 @@ from femtotron.atomic import atomic_path
 from femtotron.config import Config, load_config_dict
 from femtotron.layout import meta_rank_model
 from femtotron.serialize.checkpoint import commit, mesh_of, resolve, saved_slices
-from femtotron.serialize.files import CheckpointError, CheckpointReader, file_record, write_rank_file
+from femtotron.serialize.files import CheckpointError, CheckpointReader, Slice, file_record, write_rank_file
 from femtotron.serialize.weights import TOKENIZER_FILE, WEIGHTS_FILE, write_config, write_parts
 
 SOURCE = "the CHECKPOINT argument"
@@ -41,11 +41,13 @@ def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
     with CheckpointReader(directory, verify_all=True) as reader:
         manifest = reader.manifest
         config = load_config_dict(manifest["config"], overrides=overrides)
-        tmp, final = out / f".tmp-{directory.name}", out / directory.name
+        tmp = out / f".tmp-{directory.name}"
+        final = out / directory.name
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        # Offline there are no RNG states to keep: each rank's file holds its slices alone.
         records = [
-            write_rank_file(tmp, rank, rank_slices(config, rank, reader), {}, {})
+            write_rank_file(tmp, rank, rank_slices(config, rank, reader), extra={}, metadata={})
             for rank in range(config.parallelism.world_size)
         ]
         if (directory / TOKENIZER_FILE).is_file():
@@ -59,11 +61,18 @@ def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
     return final
 
 
-def rank_slices(config: Config, rank: int, reader: CheckpointReader) -> list:
+def rank_slices(config: Config, rank: int, reader: CheckpointReader) -> list[Slice]:
     """What `rank` of `config`'s mesh would save, with the values read from `reader`."""
     model = meta_rank_model(config, rank)
-    named = [(f"{kind}/{saved.name}", saved) for saved in saved_slices(model) for kind in KINDS]
-    return [(n, s.shape, s.place.target, reader.read(n, s.place.target)) for n, s in named if reader.has(n)]
+    out = []
+    for saved in saved_slices(model):
+        for kind in KINDS:
+            tensor = f"{kind}/{saved.name}"
+            # An fp32 checkpoint has no master weights: its model weights are the masters.
+            if reader.has(tensor):
+                box = saved.place.target
+                out.append(Slice(tensor, saved.shape, box, reader.read(tensor, box)))
+    return out
 
 
 def consolidate(source: Path, out: Path, with_optimizer: bool = False) -> Path:

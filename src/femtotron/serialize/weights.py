@@ -58,11 +58,11 @@ def write_parts(run_dir: Path, parts: list[str]) -> None:
 def save_weights(ctx: ParallelContext, model: RankModel, run_dir: Path, log: RunLog) -> Path:
     """Full-shape weights, gathered over tp (and experts over ep). With pp > 1 each stage writes its own part
     (no stage holds all the weights) and rank 0 lists them in model-parts.json."""
-    writer, weights = ctx.dp_rank == ctx.cp_rank == ctx.tp_rank == 0, {}
-    for (
-        name,
-        param,
-    ) in model.named_parameters():  # every rank takes part in the gathers, the writer keeps them
+    # One rank per stage writes: the first of its data, context and tensor parallel ranks.
+    writer = ctx.dp_rank == ctx.cp_rank == ctx.tp_rank == 0
+    weights = {}
+    # Every rank takes part in the gathers; only the writer keeps what they return.
+    for name, param in model.named_parameters():
         full = full_tensor(param, param.shard, model.tp, model.ep.group)
         if writer:
             weights[name] = full.cpu().contiguous()
@@ -70,7 +70,8 @@ def save_weights(ctx: ParallelContext, model: RankModel, run_dir: Path, log: Run
     if ctx.pp > 1:
         parts = [f"model-pp{p:02d}-of-{ctx.pp:02d}.safetensors" for p in range(ctx.pp)]
     if writer:
-        with atomic_path(run_dir / parts[ctx.pp_rank if ctx.pp > 1 else 0]) as tmp:
+        own_part = parts[ctx.pp_rank] if ctx.pp > 1 else parts[0]
+        with atomic_path(run_dir / own_part) as tmp:
             save_file(weights, tmp)
     ctx.comm.barrier(ctx.mp_group)  # rank 0's model-parallel group holds every writer
     if ctx.rank == 0:

@@ -38,7 +38,9 @@ def config(layers: int, vocab: int, pp: int, *overrides: str):
 
 def brute_force_best(cfg, seq: int, stages: int) -> float:
     """The smallest possible slowest-stage cost, by trying every split."""
-    n, layer, head = cfg.num_hidden_layers, cfg.layer_flops(seq), cfg.head_flops
+    n = cfg.num_hidden_layers
+    layer = cfg.layer_flops(seq)
+    head = cfg.head_flops
     best = float("inf")
     for cuts in itertools.combinations(range(1, n), stages - 1):
         bounds = (0, *cuts, n)
@@ -72,7 +74,8 @@ def test_partition_is_contiguous_complete_and_optimal(layers, stages, vocab):
 
 
 def test_M3_a_large_vocabulary_moves_layers_off_the_last_stage():
-    small, large = partition(model(8, 256), 128, 2), partition(model(8, 128000), 128, 2)
+    small = partition(model(8, 256), 128, 2)
+    large = partition(model(8, 128000), 128, 2)
     assert len(small[0].layers) == len(small[1].layers) == 4
     assert len(large[0].layers) > len(large[1].layers)
 

@@ -56,18 +56,14 @@ def case_config(
 def references(tiny_config, layers, tied, dtype, native, accumulation=4) -> tuple[Steps, Steps | None]:
     """One process's steps, and for bf16 the same in fp32."""
     with precision_path(native):
-        reference = record_steps(
-            case_config(
-                tiny_config, layers, tied=tied, dtype=dtype, accumulation=accumulation, native=native
-            ),
-            ParallelContext(),
+        config = case_config(
+            tiny_config, layers, tied=tied, dtype=dtype, accumulation=accumulation, native=native
         )
+        reference = record_steps(config, ParallelContext())
     if native is None:
         return reference, None
-    return reference, record_steps(
-        case_config(tiny_config, layers, tied=tied, accumulation=accumulation, native=native),
-        ParallelContext(),
-    )
+    in_fp32 = case_config(tiny_config, layers, tied=tied, accumulation=accumulation, native=native)
+    return reference, record_steps(in_fp32, ParallelContext())
 
 
 PP_CASES = {
@@ -98,25 +94,27 @@ def test_P3_pipeline_equals_one_process(tiny_config, pp, tp):
     divide pp, tied and untied embeddings, bf16 on both CPU paths, and pp x tp = 2 x 2: the loss and
     full-shape gradients of one step, then losses, grad norms and weight changes over 3 steps equal one
     process; every rank logs the same loss (P3)."""
-    expected, cases = [], []
+    expected = []
+    cases = []
     for layers, engine, virtual, tied, dtype, tp_mode, native in PP_CASES[pp, tp]:
-        expected.append(references(tiny_config, layers, tied, dtype, native))
-        cases.append(
-            (
-                case_config(
-                    tiny_config, layers, engine, virtual, tied, dtype, tp_mode, native=native, pp=pp, tp=tp
-                ),
-                native,
-            )
+        expected.append(references(tiny_config, layers, tied=tied, dtype=dtype, native=native))
+        config = case_config(
+            tiny_config,
+            layers,
+            engine=engine,
+            virtual=virtual,
+            tied=tied,
+            dtype=dtype,
+            tp_mode=tp_mode,
+            native=native,
+            pp=pp,
+            tp=tp,
         )
+        cases.append((config, native))
     per_rank = run_ranks(record_cases, pp * tp, cases, timeout=300)
     for index, ((config, _), (reference, exact)) in enumerate(zip(cases, expected, strict=True)):
-        assert_steps_match(
-            functools.reduce(Steps.merge, [rank[index] for rank in per_rank]),
-            reference,
-            exact,
-            label=config.general.run,
-        )
+        merged = functools.reduce(Steps.merge, [rank[index] for rank in per_rank])
+        assert_steps_match(merged, reference, exact, label=config.general.run)
         for rank in per_rank:
             assert (rank[index].loss, rank[index].losses) == (
                 per_rank[0][index].loss,
@@ -130,9 +128,8 @@ def _p2p_bytes(rank, config):
     trainer.train_step()  # the first step also sends the one-off shape descriptions
     before = dict(ctx.comm.bytes_sent)
     trainer.train_step()
-    sent = {
-        op: n - before.get((kind, op), 0) for (kind, op), n in ctx.comm.bytes_sent.items() if kind == "pp"
-    }
+    pipeline_bytes = {op: n for (kind, op), n in ctx.comm.bytes_sent.items() if kind == "pp"}
+    sent = {op: n - before.get(("pp", op), 0) for op, n in pipeline_bytes.items()}
     ctx.close()
     return sent
 
@@ -140,11 +137,14 @@ def _p2p_bytes(rank, config):
 @pytest.mark.distributed
 @pytest.mark.parametrize("engine, virtual", [("1f1b", 1), ("interleaved-1f1b", 2)])
 def test_p2p_bytes_per_step_equal_the_analytic_count(tiny_config, engine, virtual):
-    pp, layers = 2, 4
-    config = case_config(tiny_config, layers, engine, virtual, pp=pp)
-    tok, hidden = config.tokens, config.model.model_config_.hidden_size
+    pp = 2
+    layers = 4
+    config = case_config(tiny_config, layers, engine=engine, virtual=virtual, pp=pp)
+    tok = config.tokens
+    hidden = config.model.model_config_.hidden_size
     activation = tok.micro_batch_size * tok.sequence_length * hidden * 4  # fp32
-    micro_batches, boundaries = tok.batch_accumulation_per_replica, pp * virtual - 1
+    micro_batches = tok.batch_accumulation_per_replica
+    boundaries = pp * virtual - 1
     # Each micro-batch crosses every stage boundary once forward (activation) and once backward
     # (gradient); a rank sends across the boundaries it sits before (forward) or after (backward).
     sent = run_ranks(_p2p_bytes, pp, config)
@@ -159,10 +159,17 @@ def test_p2p_bytes_per_step_equal_the_analytic_count(tiny_config, engine, virtua
 
 def _mismatch(rank):
     ctx = ParallelContext(pp=2, collective_timeout_seconds=20)
-    try:  # as if rank 1 had been started with hidden_size 32 instead of 64
-        PipelineP2P(
-            ctx.comm, ctx.pp_links, ctx.pp_rank, ctx.device, (2, 16, 64 if rank == 0 else 32), torch.float32
-        ).handshake([1 - rank])
+    hidden = 64 if rank == 0 else 32  # as if rank 1 had been started with hidden_size 32 instead of 64
+    try:
+        p2p = PipelineP2P(
+            comm=ctx.comm,
+            links=ctx.pp_links,
+            pp_rank=ctx.pp_rank,
+            device=ctx.device,
+            shape=(2, 16, hidden),
+            dtype=torch.float32,
+        )
+        p2p.handshake([1 - rank])
     finally:
         ctx.close()
 
@@ -178,9 +185,12 @@ def test_P1_ranks_that_disagree_on_the_transfer_shape_stop_before_the_first_step
 
 
 def test_a_stage_returning_the_wrong_shape_is_stopped_before_it_sends():
-    p2p = PipelineP2P(None, None, 0, torch.device("cpu"), (2, 16, 64), torch.float32)
+    p2p = PipelineP2P(
+        comm=None, links=None, pp_rank=0, device=torch.device("cpu"), shape=(2, 16, 64), dtype=torch.float32
+    )
+    to = Transfer(pp_rank=1, tag=0, what="activations")
     with pytest.raises(DistributedError, match=r"would send activations of shape \(2, 16, 32\)"):
-        p2p.exchange((torch.zeros(2, 16, 32), Transfer(1, 0, "activations")), None)
+        p2p.exchange((torch.zeros(2, 16, 32), to), None)
 
 
 THREE_D_CASES = [  # (layers, engine, virtual stages, tied, dtype, tp_mode, zero_stage, bf16 path)
@@ -197,32 +207,30 @@ def test_dp_tp_pp_2x2x2_on_8_ranks_equals_one_process(tiny_config):
     both tp modes, both bf16 paths, tied embeddings shared across stages and sharded over dp), trains exactly
     like one process with the same global batch (accumulation over the dp split): losses, grad norms, weight
     changes."""
-    expected, cases = [], []
+    expected = []
+    cases = []
     for layers, engine, virtual, tied, dtype, tp_mode, zero, native in THREE_D_CASES:
-        expected.append(references(tiny_config, layers, tied, dtype, native, accumulation=8))
-        cases.append(
-            (
-                case_config(
-                    tiny_config,
-                    layers,
-                    engine,
-                    virtual,
-                    tied,
-                    dtype,
-                    tp_mode,
-                    zero=zero,
-                    native=native,
-                    dp=2,
-                    tp=2,
-                    pp=2,
-                ),
-                native,
-            )
+        expected.append(
+            references(tiny_config, layers, tied=tied, dtype=dtype, native=native, accumulation=8)
         )
+        config = case_config(
+            tiny_config,
+            layers,
+            engine=engine,
+            virtual=virtual,
+            tied=tied,
+            dtype=dtype,
+            tp_mode=tp_mode,
+            zero=zero,
+            native=native,
+            dp=2,
+            tp=2,
+            pp=2,
+        )
+        cases.append((config, native))
     per_rank = run_ranks(record_cases, 8, cases, timeout=600)
     for index, ((config, _), (reference, exact)) in enumerate(zip(cases, expected, strict=True)):
         for dp_rank in range(2):  # ranks dp_rank*2 + tp_rank + 4*pp_rank: one replica's stages
             replica = [per_rank[pp * 4 + dp_rank * 2][index] for pp in range(2)]
-            assert_steps_match(
-                functools.reduce(Steps.merge, replica), reference, exact, label=config.general.run
-            )
+            merged = functools.reduce(Steps.merge, replica)
+            assert_steps_match(merged, reference, exact, label=config.general.run)

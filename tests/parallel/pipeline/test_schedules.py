@@ -11,7 +11,8 @@ from femtotron.diagnostics.advice import pipeline_bubble
 from femtotron.parallel.pipeline.schedules import Action, forward_only, schedule
 
 ENGINES = ["afab", "1f1b", "interleaved-1f1b"]
-F_COST, B_COST = 1, 2  # a backward costs about twice a forward
+F_COST = 1
+B_COST = 2  # a backward costs about twice a forward
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,8 @@ def simulate(
                 else:
                     out = Message("grad", a.micro_batch, s, s - 1) if s > 0 else None
                 if out is not None:
-                    channels.setdefault((d, rank, out.dst_stage % pp), deque()).append((out, clock[d, rank]))
+                    channel = (d, rank, out.dst_stage % pp)
+                    channels.setdefault(channel, deque()).append((out, clock[d, rank]))
                 pc[d, rank] += 1
                 progress = True
 
@@ -141,16 +143,16 @@ def simulate(
             a = pipelines[d][rank][pc[d, rank]]
             need = None if (d, rank) in begun else awaited(rank, a)[0]
             blocked[rank if len(pipelines) == 1 else (d, rank)] = (a, need)
-        detail = "; ".join(
-            f"{name(*key) if isinstance(key, tuple) else f'rank {key}'} blocked at {a!r} "
-            + (f"awaiting {m!r}" if m is not None else "in the all-to-all")
-            for key, (a, m) in blocked.items()
-        )
-        return SimResult("deadlock", detail, blocked, finish)
+        parts = []
+        for key, (a, m) in blocked.items():
+            who = name(*key) if isinstance(key, tuple) else f"rank {key}"
+            waiting = f"awaiting {m!r}" if m is not None else "in the all-to-all"
+            parts.append(f"{who} blocked at {a!r} {waiting}")
+        return SimResult(status="deadlock", detail="; ".join(parts), blocked=blocked, finish=finish)
     leftover = {k: [m for m, _ in q] for k, q in channels.items() if q}
     if leftover:
-        return SimResult("error", f"messages never received: {leftover}", finish=finish)
-    return SimResult("ok", finish=finish)
+        return SimResult(status="error", detail=f"messages never received: {leftover}", finish=finish)
+    return SimResult(status="ok", finish=finish)
 
 
 def lists_for(engine: str, pp: int, m: int, v: int) -> list[list[Action]]:
@@ -169,7 +171,8 @@ def leading_forwards(actions: list[Action]) -> int:
 
 
 def max_in_flight(actions: list[Action]) -> int:
-    held, most = 0, 0
+    held = 0
+    most = 0
     for a in actions:
         held += 1 if a.kind == "F" else -1
         most = max(most, held)

@@ -70,8 +70,12 @@ class PipelineP2P:
         shape: tuple[int, ...],
         dtype: torch.dtype,
     ) -> None:
-        self.comm, self.links, self.pp_rank, self.device = comm, links, pp_rank, device
-        self.shape, self.dtype = tuple(shape), dtype
+        self.comm = comm
+        self.links = links
+        self.pp_rank = pp_rank
+        self.device = device
+        self.shape = tuple(shape)
+        self.dtype = dtype
         self.pending: list[tuple[Work, torch.Tensor, int]] = []
 
     def _start(self, kind: str, tensor: torch.Tensor, pp_rank: int, tag: int) -> Work:
@@ -89,7 +93,8 @@ class PipelineP2P:
         sends = [(p, self._start("send", mine, p, _DESCRIPTION_TAG)) for p in neighbours]
         receives = [(p, self._start("recv", theirs[p], p, _DESCRIPTION_TAG)) for p in neighbours]
         for p, work in receives + sends:
-            self.comm.wait(work, self.links[p].incoming, theirs[p], self.links[p].rank, "shape handshake")
+            link = self.links[p]
+            self.comm.wait(work, link.incoming, theirs[p], link.rank, kind="shape handshake")
         for p in neighbours:
             shape, dtype = _read(theirs[p].cpu())
             if (shape, dtype) != (self.shape, self.dtype):
@@ -113,12 +118,14 @@ class PipelineP2P:
                     f"{self.dtype}: a stage returned the wrong shape (a model bug, not a config problem)."
                 )
             sent = tensor.detach().contiguous()
-            self.pending.append((self._start("send", sent, to.pp_rank, to.tag), sent, to.pp_rank))
+            work = self._start("send", sent, to.pp_rank, to.tag)
+            self.pending.append((work, sent, to.pp_rank))
             self.release_finished_sends()
         if recv is None:
             return None
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        return PendingRecv(self._start("recv", buffer, recv.pp_rank, recv.tag), buffer, recv.pp_rank)
+        work = self._start("recv", buffer, recv.pp_rank, recv.tag)
+        return PendingRecv(work=work, buffer=buffer, src=recv.pp_rank)
 
     def take(self, pending: PendingRecv) -> torch.Tensor:
         link = self.links[pending.src]
@@ -128,7 +135,8 @@ class PipelineP2P:
     def release_finished_sends(self) -> None:
         """Let go of finished sends, so their buffers (whole activations) do not pile up until the end of
         the step: 1F1B's point is holding only about pp micro-batches at a time."""
-        waiting, self.pending = self.pending, []
+        waiting = self.pending
+        self.pending = []
         for work, sent, pp_rank in waiting:
             if work.is_completed():
                 link = self.links[pp_rank]  # the wait is instant; it raises on a failure

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 IMBALANCE_WARNING = 0.2
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Stage:
     index: int  # virtual stage, 0 .. pp * v - 1
     layers: range
@@ -29,10 +29,13 @@ class Stage:
     parameters: int = 0  # how many parameters it holds (memory, M3); a tied head's copy counts
 
     def describe(self) -> str:
-        first, last = self.layers.start, self.layers.stop - 1
+        first = self.layers.start
+        last = self.layers.stop - 1
         parts = ["embedding"] if self.embedding else []
         parts.append(f"layer {first}" if first == last else f"layers {first}-{last}")
-        return " + ".join(parts + (["final norm + LM head"] if self.head else []))
+        if self.head:
+            parts.append("final norm + LM head")
+        return " + ".join(parts)
 
 
 def partition(cfg: LlamaConfig, sequence_length: int, stages: int) -> list[Stage]:
@@ -41,7 +44,8 @@ def partition(cfg: LlamaConfig, sequence_length: int, stages: int) -> list[Stage
     n = cfg.num_hidden_layers
     if stages > n:
         raise ValueError(f"{stages} pipeline stages for {n} layers: every stage needs a layer")
-    layer, head = cfg.layer_flops(sequence_length), cfg.head_flops
+    layer = cfg.layer_flops(sequence_length)
+    head = cfg.head_flops
 
     def cost(start: int, stop: int) -> float:
         return (stop - start) * layer + (head if stop == n else 0.0)
@@ -55,8 +59,11 @@ def partition(cfg: LlamaConfig, sequence_length: int, stages: int) -> list[Stage
             for j in range(k - 1, i):
                 candidate = max(best[k - 1][j], cost(j, i))
                 if candidate < best[k][i]:
-                    best[k][i], cut[k][i] = candidate, j
-    bounds, i = [], n
+                    best[k][i] = candidate
+                    cut[k][i] = j
+    # Walk the cuts back from the last stage, which ends at layer n.
+    bounds = []
+    i = n
     for k in range(stages, 0, -1):
         bounds.append((cut[k][i], i))
         i = cut[k][i]
@@ -64,23 +71,37 @@ def partition(cfg: LlamaConfig, sequence_length: int, stages: int) -> list[Stage
     emb = cfg.embedding_parameters
 
     def parameters(start: int, stop: int) -> int:
-        first, last = start == 0, stop == n
-        # The last stage: the final norm and the LM head (or the tied copy of the embedding).
-        return (stop - start) * cfg.layer_parameters + first * emb + last * (cfg.hidden_size + emb)
+        held = (stop - start) * cfg.layer_parameters
+        if start == 0:
+            held += emb
+        if stop == n:  # the final norm and the LM head (or the tied copy of the embedding)
+            held += cfg.hidden_size + emb
+        return held
 
     return [
-        Stage(s, range(a, b), s == 0, s == stages - 1, cost(a, b), parameters(a, b))
-        for s, (a, b) in enumerate(bounds)
+        Stage(
+            index=s,
+            layers=range(start, stop),
+            embedding=s == 0,
+            head=s == stages - 1,
+            cost=cost(start, stop),
+            parameters=parameters(start, stop),
+        )
+        for s, (start, stop) in enumerate(bounds)
     ]
 
 
 def stage_map(stages: list[Stage], pp: int) -> str:
     """The layer-to-stage map for the log."""
     total = sum(s.cost for s in stages)
-    lines = [
-        f"  stage {s.index} (pp rank "
-        f"{s.index % pp}{f', chunk {s.index // pp}' if len(stages) > pp else ''}): "
-        f"{s.describe()}, {s.cost / total:.0%} of the compute, {s.parameters / 1e6:.2f}M parameters"
-        for s in stages
-    ]
-    return "pipeline stages:\n" + "\n".join(lines)
+    lines = ["pipeline stages:"]
+    for s in stages:
+        place = f"pp rank {s.index % pp}"
+        if len(stages) > pp:  # interleaved: name the model chunk too
+            place += f", chunk {s.index // pp}"
+        share = s.cost / total
+        lines.append(
+            f"  stage {s.index} ({place}): {s.describe()}, {share:.0%} of the compute, "
+            f"{s.parameters / 1e6:.2f}M parameters"
+        )
+    return "\n".join(lines)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from femtotron.data.nanoset import MicroBatch
+from femtotron.batch import MicroBatch
 from femtotron.parallel.pipeline.p2p import PendingRecv, PipelineP2P, Send, Transfer
 
 
@@ -55,11 +55,17 @@ def interleaved_one_f_one_b(pp: int, rank: int, micro_batches: int, chunks: int)
         raise ValueError(f"interleaved-1f1b needs micro-batches ({micro_batches}) divisible by pp ({pp})")
     total = micro_batches * chunks
 
+    def micro_batch(k: int) -> int:
+        return (k // (pp * chunks)) * pp + k % pp
+
+    def chunk(k: int) -> int:
+        return (k // pp) % chunks
+
     def forward(k: int) -> Action:
-        return Action("F", (k // (pp * chunks)) * pp + k % pp, (k // pp) % chunks)
+        return Action("F", micro_batch(k), chunk(k))
 
     def backward(k: int) -> Action:
-        return Action("B", (k // (pp * chunks)) * pp + k % pp, chunks - 1 - (k // pp) % chunks)
+        return Action("B", micro_batch(k), chunks - 1 - chunk(k))
 
     # Deeper warm-up than plain 1F1B: the first backward needs the micro-batch to have passed all
     # pp * v virtual stages.
@@ -73,7 +79,8 @@ def interleaved_one_f_one_b(pp: int, rank: int, micro_batches: int, chunks: int)
 def schedule(engine: str, pp: int, rank: int, micro_batches: int, chunks: int = 1) -> list[Action]:
     if engine == "interleaved-1f1b":
         return interleaved_one_f_one_b(pp, rank, micro_batches, chunks)
-    return {"afab": afab, "1f1b": one_f_one_b}[engine](pp, rank, micro_batches)  # KeyError: unknown pp_engine
+    plain = {"afab": afab, "1f1b": one_f_one_b}
+    return plain[engine](pp, rank, micro_batches)  # KeyError: an unknown pp_engine
 
 
 def forward_only(micro_batches: int, chunks: int) -> list[Action]:
@@ -86,11 +93,17 @@ class Pipeline:
     At pp = 1 too (forward and backward per micro-batch, no transfers): the trainer has one code path."""
 
     def __init__(self, chunks: list[nn.Module], engine: str, pp: int, pp_rank: int, p2p: PipelineP2P) -> None:
-        self.chunks, self.engine, self.pp, self.pp_rank, self.p2p = chunks, engine, pp, pp_rank, p2p
+        self.chunks = chunks
+        self.engine = engine
+        self.pp = pp
+        self.pp_rank = pp_rank
+        self.p2p = p2p
         self.stages = pp * len(chunks)
         self.current = Action("F", 0, 0)
         # Stage s talks to stages s - 1 and s + 1: with interleaving that wraps around the pp ranks.
-        neighbours = [(pp_rank + d) % pp if len(chunks) > 1 else pp_rank + d for d in (-1, 1)]
+        neighbours = [pp_rank - 1, pp_rank + 1]
+        if len(chunks) > 1:
+            neighbours = [p % pp for p in neighbours]
         p2p.handshake([p for p in neighbours if 0 <= p < pp])
 
     def stage_of(self, chunk: int) -> int:
@@ -102,11 +115,14 @@ class Pipeline:
 
     def receive_for(self, action: Action) -> Transfer | None:
         """What `action` receives, if anything: its input (forward) or its output's gradient (backward)."""
-        stage, mb = self.stage_of(action.chunk), action.micro_batch
+        stage = self.stage_of(action.chunk)
+        mb = action.micro_batch
         if action.kind == "F" and stage > 0:
-            return Transfer((stage - 1) % self.pp, self.tag(mb, stage - 1, gradient=False), "activations")
+            tag = self.tag(mb, boundary=stage - 1, gradient=False)
+            return Transfer(pp_rank=(stage - 1) % self.pp, tag=tag, what="activations")
         if action.kind == "B" and stage < self.stages - 1:
-            return Transfer((stage + 1) % self.pp, self.tag(mb, stage, gradient=True), "gradients")
+            tag = self.tag(mb, boundary=stage, gradient=True)
+            return Transfer(pp_rank=(stage + 1) % self.pp, tag=tag, what="gradients")
         return None
 
     def run(self, actions: list[Action], step: Callable[[Action, PendingRecv | None], Send | None]) -> None:
@@ -123,14 +139,16 @@ class Pipeline:
 
     def train_step(self, micro_batches: list[MicroBatch], global_tokens: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns this rank's summed loss (0 off the last stage).
-        Backward runs from each loss / the global batch's token count: the token-weighted mean (DESIGN.md)."""
+        Backward runs from each loss / the global batch's token count: the token-weighted mean
+        (docs/architecture.md, "Invariants")."""
         loss_sum = torch.zeros((), device=global_tokens.device)
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
         def step(action: Action, received: PendingRecv | None) -> Send | None:
             nonlocal loss_sum
             if action.kind == "B":
-                return self.backward(action, *saved.pop((action.micro_batch, action.chunk)), received)
+                inputs, output = saved.pop((action.micro_batch, action.chunk))
+                return self.backward(action, inputs, output, received)
             inputs, output, send = self.forward(action, micro_batches[action.micro_batch], received)
             if self.stage_of(action.chunk) == self.stages - 1:
                 loss_sum += output.detach()
@@ -138,7 +156,14 @@ class Pipeline:
             saved[action.micro_batch, action.chunk] = (inputs, output)
             return send
 
-        self.run(schedule(self.engine, self.pp, self.pp_rank, len(micro_batches), len(self.chunks)), step)
+        actions = schedule(
+            self.engine,
+            pp=self.pp,
+            rank=self.pp_rank,
+            micro_batches=len(micro_batches),
+            chunks=len(self.chunks),
+        )
+        self.run(actions, step)
         return loss_sum
 
     @torch.no_grad()
@@ -159,7 +184,7 @@ class Pipeline:
     def forward(
         self, action: Action, batch: MicroBatch, received: PendingRecv | None
     ) -> tuple[torch.Tensor, torch.Tensor, Send | None]:
-        stage, mb = self.stage_of(action.chunk), action.micro_batch
+        stage = self.stage_of(action.chunk)
         if received is None:  # the first stage reads the tokens
             inputs = batch.inputs
         else:
@@ -167,16 +192,19 @@ class Pipeline:
         output = self.chunks[action.chunk].run_stage(inputs, batch.targets, batch.placement)
         if stage == self.stages - 1:
             return inputs, output, None
-        to = Transfer((stage + 1) % self.pp, self.tag(mb, stage, gradient=False), "activations")
+        tag = self.tag(action.micro_batch, boundary=stage, gradient=False)
+        to = Transfer(pp_rank=(stage + 1) % self.pp, tag=tag, what="activations")
         return inputs, output, (output, to)
 
     def backward(
         self, action: Action, inputs: torch.Tensor, output: torch.Tensor, received: PendingRecv | None
     ) -> Send | None:
-        stage, mb = self.stage_of(action.chunk), action.micro_batch
+        stage = self.stage_of(action.chunk)
         # The last stage starts from its loss (no gradient received).
-        torch.autograd.backward(output, None if received is None else self.p2p.take(received))
+        gradient = None if received is None else self.p2p.take(received)
+        torch.autograd.backward(output, gradient)
         if stage == 0:
             return None
-        to = Transfer((stage - 1) % self.pp, self.tag(mb, stage - 1, gradient=True), "gradients")
+        tag = self.tag(action.micro_batch, boundary=stage - 1, gradient=True)
+        to = Transfer(pp_rank=(stage - 1) % self.pp, tag=tag, what="gradients")
         return inputs.grad, to

@@ -8,7 +8,7 @@ import torch
 
 from femtotron.data.indexed import IndexedDatasetWriter
 from femtotron.data.nanoset import Nanoset
-from femtotron.diagnostics.data_check import check_token_range
+from femtotron.data.run_data import check_token_range
 from femtotron.errors import DataError
 
 
@@ -27,8 +27,8 @@ def test_the_out_of_range_message_gives_the_largest_id_with_its_own_position(tmp
 
 def test_an_id_beyond_the_vocabulary_in_a_batch_is_caught_also_as_the_last_target():
     """Past the scanned start of a dataset each batch is checked; a sample's last token is only a target."""
-    from femtotron.data.nanoset import MicroBatch
-    from femtotron.diagnostics.data_check import check_batch_token_ids
+    from femtotron.batch import MicroBatch
+    from femtotron.data.run_data import check_batch_token_ids
     from femtotron.parallel.context import ParallelContext
 
     tokens = torch.randint(0, 200, (2, 9))
