@@ -47,6 +47,7 @@ SCRIPTS = {
     "torch_native_3d": (["--steps=3"], []),
     "context_parallel": (["--quick"], []),
     "moe": (["--quick"], []),
+    "size": (["--longest=0"], ["--longest=0"]),
 }
 
 
