@@ -311,3 +311,30 @@ def test_the_loss_is_token_weighted_when_micro_batches_and_dp_ranks_count_differ
     )
     for got in run_ranks(_masked_dp_run, 2, config):
         assert_steps_match(got, whole)
+
+
+def test_router_losses_are_a_mean_over_micro_batches(tiny_config):
+    """One micro-batch, and the same micro-batch four times over (every layout test uses four, so its
+    one-process reference shares any error in the count): the token-weighted LM loss is the same, and so
+    must be the router losses and every gradient, the routers' included."""
+    moe = ("model.model_config.moe.num_experts=4", "model.model_config.moe.z_loss_coef=0.1")
+    moe += ("model.model_config.moe.aux_loss_coef=0.1",)
+    once = Trainer(tiny_config("tokens.micro_batch_size=2", *moe), ParallelContext(), log_to_console=False)
+    repeated = Trainer(
+        tiny_config("tokens.micro_batch_size=2", "tokens.batch_accumulation_per_replica=4", *moe),
+        ParallelContext(),
+        log_to_console=False,
+    )
+    micro_batch = once.batches.step_at(0)[0]
+    repeated.batches.step_at = lambda consumed_samples: [micro_batch] * 4
+    results = []
+    for trainer in (once, repeated):
+        loss, _, pieces = trainer.compute_gradients()
+        grads = trainer.data_parallel.full(pieces)
+        names = [name for name, _ in trainer.model.named_parameters()]
+        results.append((loss, dict(zip(names, grads, strict=True))))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
+    routers = [name for name in results[0][1] if "router" in name]
+    assert routers
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-5, atol=1e-7, msg=name)

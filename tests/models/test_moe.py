@@ -1,19 +1,23 @@
 """The mixture-of-experts layer on one process: the grouped GEMM against a loop over experts (and where GPUs
 take it), the router's logits and what backward keeps of them, routing, capacity, that routing reads nothing
 back to the host, the router losses' gradients against autograd of the written-out loss, recomputation, the
-parameter and FLOP counts, and router-collapse warnings. (Against transformers: tests/serialize/test_hf.py;
-layouts: tests/parallel/test_expert_parallel.py; on a GPU: tests/test_cuda.py.)"""
+parameter and FLOP counts, router-collapse warnings, and the router losses' shares over cp ranks.
+(Against transformers: tests/serialize/test_hf.py; layouts: tests/parallel/test_expert_parallel.py; on a
+GPU: tests/test_cuda.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed import run_ranks
 from helpers import BF16_PATHS, BF16_ROUNDOFF, build_llama, llama_config, precision_path, random_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from femtotron.diagnostics.expert_load import COLLAPSE_STEPS, RouterCollapse
 from femtotron.models.moe import AUX, MoE, RouterLogits
+from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.context_parallel import ContextParallel
 from femtotron.precision import grouped_linear, grouped_mm_on_gpu
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32)
@@ -250,3 +254,32 @@ def test_a_collapsed_router_is_warned_about_after_many_steps_naming_the_layer():
     assert "layer 1: expert 0 took 100% of the tokens" in warnings[-1][0]
     assert "model.model_config.moe.aux_loss_coef" in warnings[-1][0]
     assert watch.observe(torch.stack([balanced, collapsed])) == []  # once, not every step after
+
+
+def _router_losses_of_my_half(rank, cfg, logits, counts_of_half):
+    ctx = ParallelContext(cp=2, collective_timeout_seconds=30)
+    cp = ContextParallel(ctx.comm, ctx.cp_group, ctx.cp_rank, ctx.cp_links)
+    layer = _moe_layers(build_llama(cfg, cp=cp))[0]
+    half = len(logits) // 2
+    aux, z = layer.router_losses(logits[rank * half : (rank + 1) * half], counts_of_half[rank])
+    ctx.close()
+    return [aux.item(), z.item()]
+
+
+@pytest.mark.distributed
+def test_the_cp_ranks_router_losses_add_up_to_the_whole_sequence_s():
+    """Each cp rank holds half the sequence: the load-balancing loss needs the whole sequence's assignments
+    (summed over cp), and the two ranks' shares of both losses add up to one process's loss. Only the
+    cp2 x ep2 layout case sees a share counted from one cp rank's assignments otherwise."""
+    cfg = moe_config(z_loss_coef=0.01)
+    logits = torch.randn(16, cfg.moe.num_experts, generator=torch.Generator().manual_seed(3))
+    chosen = logits.topk(cfg.moe.num_experts_per_tok, dim=-1).indices
+
+    def counts(rows):
+        return torch.bincount(chosen[rows].flatten(), minlength=cfg.moe.num_experts)
+
+    whole = _moe_layers(build_llama(cfg))[0].router_losses(logits, counts(slice(0, 16)))
+    halves = [counts(slice(0, 8)), counts(slice(8, 16))]
+    shares = run_ranks(_router_losses_of_my_half, 2, cfg, logits, halves)
+    for loss, one_process in zip(torch.tensor(shares).sum(0), whole, strict=True):
+        assert loss.item() == pytest.approx(one_process.item(), rel=1e-6)

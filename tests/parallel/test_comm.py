@@ -166,6 +166,49 @@ def test_the_nccl_semantics_cases_really_emulate_nccl(comm_semantics):
     assert Comm().emulate_nccl == (comm_semantics == "nccl-semantics")
 
 
+def _emulates_nccl(rank):
+    ctx = ParallelContext(dp=2, collective_timeout_seconds=30)
+    try:
+        return ctx.comm.emulate_nccl
+    finally:
+        ctx.close()
+
+
+@pytest.mark.distributed
+def test_forked_ranks_run_under_the_semantics_the_case_names(comm_semantics):
+    """The ranks, not only the test's own process: were the choice lost on the way to the children, every
+    "nccl-semantics" case would be a second gloo run, and turning the emulation off removes failures only."""
+    assert run_ranks(_emulates_nccl, 2) == [comm_semantics == "nccl-semantics"] * 2
+
+
+def _unfinished_behind_a_pending_receive(rank):
+    ctx = ParallelContext(dp=2, collective_timeout_seconds=30)
+    comm = ctx.comm
+    group = ctx.world_group
+    received = torch.zeros(1)
+    comm.connect([group], ctx.device)
+    if rank == 0:
+        pending = comm.start_p2p("recv", received, 1, group, tag=7)
+    comm.all_reduce(torch.ones(1), group)  # complete, queued on the same group behind the receive
+    listed = [(op.kind, op.peer) for op in comm.unfinished()]
+    comm.barrier(group)
+    if rank == 1:
+        send = comm.start_p2p("send", torch.ones(1), 0, group, tag=7)
+        comm.wait(send, group, received)
+    else:
+        comm.wait(pending, group, received)
+    ctx.close()
+    return listed
+
+
+@pytest.mark.distributed
+def test_unfinished_skips_completed_ops_queued_behind_a_pending_one():
+    """A hang report must not name an op that finished: gloo completes a group's ops out of order, so a
+    completed all-reduce can sit behind a receive still waiting for its peer."""
+    listed = run_ranks(_unfinished_behind_a_pending_receive, 2)
+    assert listed == [[("recv", 1)], []]
+
+
 def _first_transfers(rank, connect_first):
     ctx = ParallelContext(dp=2, collective_timeout_seconds=30)
     comm = Comm(emulate_nccl=True, store=ctx.store, connect_timeout=3)

@@ -32,7 +32,14 @@ from femtotron.diagnostics.doctor import ring_bytes
 from femtotron.diagnostics.start_report import cp_host_warnings
 from femtotron.errors import ConfigError
 from femtotron.parallel.context import ParallelContext
-from femtotron.parallel.context_parallel import _block_of, documents_of, place_tokens, zigzag_indices
+from femtotron.parallel.context_parallel import (
+    ContextParallel,
+    _block_of,
+    _sources,
+    documents_of,
+    place_tokens,
+    zigzag_indices,
+)
 from femtotron.parallel.mesh import Mesh
 from femtotron.trainer import Trainer
 
@@ -54,6 +61,40 @@ def test_documents_end_with_their_end_token_and_positions_restart_after_it():
     documents, positions = documents_of(inputs, EOS)
     assert documents.tolist() == [[0, 0, 0, 1, 1, 2, 3, 3]]
     assert positions.tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_the_placement_s_positions_restart_at_each_document(cp):
+    """RoPE's positions, read directly: no loss test can see them restart wrongly, since RoPE depends only
+    on distances and the mask keeps attention inside a document."""
+    inputs = torch.tensor([[5, 6, EOS, 7, EOS, EOS, 8, 9]])
+    within = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1]])
+    batch = MicroBatch(inputs=inputs, targets=inputs.roll(-1, 1))
+    for rank in range(cp):
+        placement = place_tokens(batch, cp, rank, EOS).placement
+        assert placement.positions.tolist() == within[:, zigzag_indices(8, cp, rank)].tolist()
+
+
+def _ring_step_holds(rank):
+    ctx = ParallelContext(cp=4, collective_timeout_seconds=30)
+    ring = ContextParallel(ctx.comm, ctx.cp_group, ctx.cp_rank, ctx.cp_links)
+    held = [ring.rank]
+    tensor = torch.tensor([float(ring.rank)])
+    for step in range(1, ring.size):
+        shift = ring.start_shift(tensor, tag=step)
+        tensor = ring.finish_shift(shift)
+        ring.finish_sends([shift])
+        held.append(int(tensor.item()))
+    ctx.close()
+    return {"held": held, "sources": _sources(ring)}
+
+
+@pytest.mark.distributed
+def test_the_ring_passes_keys_to_the_following_rank_as_the_sources_say():
+    """cp = 4, where the two directions differ: at each ring step a rank holds the block of the rank
+    `_sources` names (the preceding one, then the one before), which the causal masks depend on."""
+    for rank, out in enumerate(run_ranks(_ring_step_holds, 4)):
+        assert out["held"] == out["sources"] == [(rank - step) % 4 for step in range(4)]
 
 
 def _qkv(dtype=torch.float32, rows=12, cols=12, device="cpu"):
@@ -346,6 +387,7 @@ CP_CASES = {
         ("bfloat16", False, ()),
         ("float32", None, ("optimizer.zero_stage=1", "parallelism.recompute_layer=true")),
     ],
+    # Guards the ring's direction: at cp = 2 the following and the preceding rank are the same one.
     ("parallelism.cp=4",): [("float32", None, ())],
 }
 

@@ -60,6 +60,8 @@ def test_expert_parallel_with_tp_cp_and_pp_equals_one_process(tiny_config):
                 "parallelism.tp=2",
                 "parallelism.tp_mode=REDUCE_SCATTER",
             ): [("float32", None, ("optimizer.zero_stage=1", *SHARED))],
+            # Guards the aux loss's assignments summed over cp (the only layout case with cp and MoE;
+            # tests/models/test_moe.py tests the shares directly).
             ("parallelism.cp=2", "parallelism.ep=2"): [("float32", None, ())],
             ("parallelism.dp=2", "parallelism.ep=2", "parallelism.pp=2"): [("float32", None, ())],
         },
