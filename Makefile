@@ -37,8 +37,9 @@ lint: $(BIN)/femtotron
 size: $(BIN)/femtotron
 	$(BIN)/python bench/size.py
 
-# Every bench script; their headline figures go into the table at the top of docs/benchmarks.md.
+# Every bench script; their headline figures go into one table in runs/bench/benchmarks.md (untracked).
 # BENCH_ARGS=--quick: 1-2 minutes on 2 cores; without it their own defaults, about 5.
+# BENCH_ARGS=--docs: a full run whose table replaces the one at the top of docs/benchmarks.md.
 BENCH_ARGS ?=
 bench: $(BIN)/femtotron
 	$(BIN)/python bench/run_all.py $(BENCH_ARGS)

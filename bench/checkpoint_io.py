@@ -110,9 +110,9 @@ def main() -> None:
             what = f"checkpoint {key.split()[1]}, {args.shape} {args.dtype} ({size / 2**20:.0f} MiB): seconds"
             headline(
                 f"{what}, femtotron / one safetensors file",
-                f"{seconds:.3f}",
-                f"{baseline:.3f}",
-                seconds / baseline,
+                seconds,
+                baseline,
+                number_format=".3f",
             )
 
 

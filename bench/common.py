@@ -44,10 +44,24 @@ DEBUG_SHAPE = {
 HEADLINE = "HEADLINE "  # the prefix of the lines `make bench` (bench/run_all.py) collects
 
 
-def headline(figure: str, ours: str, baseline: str, ratio: float) -> None:
+def headline(figure: str, ours: float, baseline: float, number_format: str = ",.1f", unit: str = "") -> None:
     """One figure of the benchmark table: what, femtotron's value, the baseline's (measured in the same
-    run), and their ratio."""
-    print(HEADLINE + json.dumps({"figure": figure, "ours": ours, "baseline": baseline, "ratio": ratio}))
+    run), and their ratio, computed here from the two: the table's figures are always what its ratio is
+    made of."""
+    shown = {"ours": f"{ours:{number_format}}{unit}", "baseline": f"{baseline:{number_format}}{unit}"}
+    print(HEADLINE + json.dumps({"figure": figure, **shown, "ratio": ours / baseline}))
+
+
+def summary_headline(figure: str, measured: str, reference: str, ratio: float) -> None:
+    """A ratio that summarises many cases (a median over them): the two columns say what was compared."""
+    print(HEADLINE + json.dumps({"figure": figure, "ours": measured, "baseline": reference, "ratio": ratio}))
+
+
+def median_pair(ours: list[float], baseline: list[float]) -> tuple[float, float]:
+    """The two figures of the round whose ratio is the rounds' median (the lower middle for an even count).
+    Rounds measured in turn pair off the machine's drift; showing one pair keeps the ratio theirs."""
+    pairs = sorted(zip(ours, baseline, strict=True), key=lambda pair: pair[0] / pair[1])
+    return pairs[(len(pairs) - 1) // 2]
 
 
 def write_random_tokens(prefix: Path, vocab: int, tokens: int) -> None:

@@ -44,7 +44,6 @@ import platform
 import re
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -795,8 +794,8 @@ def measure_moe(rounds: int, device: str) -> dict[str, Any]:
     for name, ours, theirs, ratios in moe_bench.ratio_lines(times):
         label = "a loop over the experts" if name == "loop" else "HF `MixtralForCausalLM`"
         lines.append(
-            f"- femtotron {ours * 1e3:.1f} ms, {label} {theirs * 1e3:.1f} ms: "
-            f"**{statistics.median(ratios):.2f}x** (min {min(ratios):.2f}, max {max(ratios):.2f})"
+            f"- femtotron {ours * 1e3:.1f} ms, {label} {theirs * 1e3:.1f} ms (the median round): "
+            f"**{ours / theirs:.2f}x** (min {min(ratios):.2f}, max {max(ratios):.2f})"
         )
     return {"lines": lines}
 

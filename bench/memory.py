@@ -88,15 +88,14 @@ def main() -> None:
                 if zero:
                     headline(
                         f"ZeRO-1 model state per parameter, dp={dp} bf16: bytes held / 2 + 4 + 12/dp",
-                        f"{per_param:.2f}",
-                        f"{formula:.2f}",
-                        per_param / formula,
+                        per_param,
+                        formula,
+                        number_format=".2f",
                     )
                 headline(
                     f"doctor's memory estimate / measured peak, {name} bf16 (worst rank, MiB)",
-                    f"{estimate / 2**20:.1f}",
-                    f"{measured / 2**20:.1f}",
-                    estimate / measured,
+                    estimate / 2**20,
+                    measured / 2**20,
                 )
 
             spawn_ranks(LAYOUTS[name][0] or {"dp": 1}, memory_rank, [name], args, on_case)

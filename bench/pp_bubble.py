@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from common import headline, spawn_ranks
+from common import spawn_ranks, summary_headline
 from torch import nn
 
 from femtotron.batch import MicroBatch
@@ -318,7 +318,7 @@ def main() -> None:
     for name, index in (("idle", 0), ("p2p wait", 1)):
         values = [r[index] for r in ratios]
         case = max(ratios, key=lambda r, index=index: r[index])[2]
-        headline(
+        summary_headline(
             f"pipeline {name} / theory ({args.compute} compute, pp {','.join(map(str, pps))}, "
             f"{len(values)} cases): median; worst {max(values):.2f}x ({case.engine}, pp={case.pp}, "
             f"m={case.m})",

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import DEBUG_SHAPE, headline, shape_trainer, write_random_tokens
+from common import DEBUG_SHAPE, headline, median_pair, shape_trainer, write_random_tokens
 
 from femtotron.diagnostics.activation_memory import saved_activation_bytes
 
@@ -87,9 +87,8 @@ def bench_case(name: str, rounds: int) -> None:
         )
         headline(
             f"recompute_layer, {name}: saved activations per micro-batch (MiB), on / off",
-            f"{saved[True] / 2**20:.1f}",
-            f"{saved[False] / 2**20:.1f}",
-            saved[True] / saved[False],
+            saved[True] / 2**20,
+            saved[False] / 2**20,
         )
         times: dict[bool, list[float]] = {False: [], True: []}
         for run in runs.values():
@@ -97,12 +96,12 @@ def bench_case(name: str, rounds: int) -> None:
         for _ in range(rounds):
             for on, run in runs.items():
                 times[on].append(seconds(run))
-    off, on = statistics.median(times[False]), statistics.median(times[True])
+    on, off = median_pair(times[True], times[False])
     headline(
-        f"recompute_layer, {name}: step time (ms, median), on / off",
-        f"{on * 1e3:.0f}",
-        f"{off * 1e3:.0f}",
-        on / off,
+        f"recompute_layer, {name}: step time (ms, the median round), on / off",
+        on * 1e3,
+        off * 1e3,
+        number_format=".0f",
     )
     for label, stat in (("median", statistics.median), ("fastest", min)):
         off, on = stat(times[False]), stat(times[True])

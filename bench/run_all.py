@@ -1,12 +1,14 @@
-"""`make bench`: every bench script, one table of their headline figures in docs/benchmarks.md.
+"""`make bench`: every bench script, one table of their headline figures.
 
 Each script runs as its own process (as a user would run it) and prints its headline figures as
 `HEADLINE {json}` lines (common.headline): what was measured, femtotron's value, the baseline's measured in
 the same run, and the ratio. This script collects them into the table between the markers
-`<!-- make bench -->` and `<!-- /make bench -->` of docs/benchmarks.md, with the date, the CPU (model and
-its bf16 flags), torch's version, the thread count and each script's command, and prints it.
+`<!-- make bench -->` and `<!-- /make bench -->` of runs/bench/benchmarks.md (not tracked: a run leaves
+the checkout clean), with the date, the CPU (model and its bf16 flags), torch's version, the thread count
+and each script's command, and prints it. `--docs` writes the table into docs/benchmarks.md instead, to
+commit: only a full run, since --quick's few repeats are noise.
 
-    python bench/run_all.py [--quick] [--only throughput,pp_bubble,...] [--out docs/benchmarks.md]
+    python bench/run_all.py [--quick] [--only throughput,pp_bubble,...] [--docs | --out FILE]
 
 --quick (1-2 minutes on 2 cores) runs each script on its smallest case with few repeats; the default
 (full) runs their own defaults, about 5 minutes here.
@@ -34,6 +36,7 @@ from femtotron.precision import CPU_ATTENDS_IN_BF16, cpu_has_bf16_matmul
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- make bench -->", "<!-- /make bench -->"
+DEFAULT_OUT = ROOT / "runs" / "bench" / "benchmarks.md"  # runs/ is ignored by git
 BF16 = "small:bf16" if cpu_has_bf16_matmul() else "small:fp32"
 # script: (quick arguments, full arguments)
 SCRIPTS = {
@@ -101,6 +104,7 @@ def write_table(path: Path, text: str) -> None:
     else:
         title, _, rest = old.partition("\n")
         new = f"{title}\n\n## The latest `make bench`\n\n{text}\n{rest}"
+    path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         Path(tmp).write_text(new)
 
@@ -109,11 +113,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the smallest case of each, few repeats")
     parser.add_argument("--only", default=",".join(SCRIPTS), help=f"scripts, from {', '.join(SCRIPTS)}")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    where.add_argument("--docs", action="store_true", help="write the table into docs/benchmarks.md")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.only.split(",")) - set(SCRIPTS))
     if unknown:
         parser.error(f"--only: unknown {', '.join(unknown)}; choose from {', '.join(SCRIPTS)}")
+    if args.docs and args.quick:
+        parser.error("--docs with --quick: a quick run's few repeats are noise; docs take a full run")
+    if args.docs:
+        args.out = ROOT / "docs" / "benchmarks.md"
     start, results = time.perf_counter(), []
     for name in args.only.split(","):
         print(f"bench/{name}.py ...", flush=True)
