@@ -75,7 +75,10 @@ def preprocess(
     output_prefix = os.fspath(output_prefix)
     encoder = _Encoder(tokenizer_path)  # fails fast on a bad tokenizer, before any worker starts
     chunks = _chunks(iter_documents(input_path, text_key))
-    bar = tqdm(desc=f"preprocess {input_path}", unit=" docs", file=sys.stderr, disable=not progress)
+    # disable=None: the bar only on a terminal; in a log file its carriage returns would pile up.
+    bar = tqdm(
+        desc=f"preprocess {input_path}", unit=" docs", file=sys.stderr, disable=None if progress else True
+    )
     with bar, IndexedDatasetWriter(output_prefix, encoder.dtype) as writer:
         if workers > 1:
             # spawn, not fork: forking a process that already ran Rust thread pools can deadlock.

@@ -10,6 +10,10 @@ from tokenizers import Tokenizer
 
 from femtotron.batch import IGNORE_INDEX
 from femtotron.data.nanoset import MicroBatchIterator, Nanoset
+from femtotron.data.tokenizer import eos_token_id
+from femtotron.errors import DataError
+
+DOCUMENT_END = "[end of document]"  # the end token decodes to nothing: shown, so packing can be seen
 
 
 def first_loss_warning(loss: float, vocab_size: int) -> str | None:
@@ -31,9 +35,10 @@ def first_loss_warning(loss: float, vocab_size: int) -> str | None:
 
 
 def inspect_samples(nanoset: Nanoset, tokenizer: Tokenizer | None, sequence_length: int, n: int) -> str:
-    """The first `n` samples of training, as the model sees them: where each comes from, the decoded input,
-    and which target positions count in the loss."""
+    """The first `n` samples of training, as the model sees them: where each comes from, the decoded input
+    with its documents' ends marked, and which target positions count in the loss."""
     lines = []
+    end_id = _end_of_document_id(tokenizer)
     batches = MicroBatchIterator(nanoset, micro_batch_size=n, batch_accumulation=1, dp_rank=0, dp_size=1)
     batch = batches.step_at(0)[0]
     for g, (inputs, targets) in enumerate(zip(batch.inputs.tolist(), batch.targets.tolist(), strict=True)):
@@ -46,11 +51,33 @@ def inspect_samples(nanoset: Nanoset, tokenizer: Tokenizer | None, sequence_leng
             "loss" + ("" if counted == len(targets) else " (masked positions shown as [masked])")
         )
         lines.append(f"  token ids: {sample[:16]}{' ...' if len(sample) > 16 else ''}")
+        if end_id is not None:
+            ends = [position for position, token in enumerate(sample) if token == end_id]
+            lines.append(
+                f"  {len(ends)} document end(s), at positions {ends[:16]}{' ...' * (len(ends) > 16)}"
+            )
         if tokenizer is not None:
-            pieces = [tokenizer.decode([t]) if t != IGNORE_INDEX else "[masked]" for t in sample]
+            pieces = [_piece(tokenizer, token, end_id) for token in sample]
             lines.append("  text: " + repr("".join(pieces))[:2000])
         if counted == 0:
             lines.append("  WARNING: no target position counts in the loss: this sample teaches nothing")
     if tokenizer is None:
         lines.append("(set tokenizer.tokenizer_name_or_path to see the text)")
     return "\n".join(lines)
+
+
+def _end_of_document_id(tokenizer: Tokenizer | None) -> int | None:
+    if tokenizer is None:
+        return None
+    try:
+        return eos_token_id(tokenizer)
+    except DataError:  # a tokenizer without one: nothing to mark
+        return None
+
+
+def _piece(tokenizer: Tokenizer, token: int, end_id: int | None) -> str:
+    if token == IGNORE_INDEX:
+        return "[masked]"
+    if token == end_id:
+        return DOCUMENT_END
+    return tokenizer.decode([token])

@@ -26,10 +26,11 @@ def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
     if scaler.enabled:
         model_line += f", dynamic loss scale from {scaler.scale:g}"
     cp = f" cp={ctx.cp}" if ctx.cp > 1 else ""
+    ep = f" (experts over ep={ctx.ep})" if ctx.ep > 1 else ""  # ep splits dp x cp: not a factor of the world
     lines = [
         f"run: {config.general.project}/{config.general.run}, directory {config.run_dir}",
         model_line,
-        f"layout: dp={ctx.dp}{cp} tp={ctx.tp} pp={ctx.pp} on {ctx.world_size} process(es) on "
+        f"layout: dp={ctx.dp}{cp} tp={ctx.tp} pp={ctx.pp}{ep} on {ctx.world_size} process(es) on "
         f"{len(set(ctx.hosts))} host(s), device {ctx.device}",
         f"batch: {tokens.micro_batch_size} x {tokens.sequence_length} tokens x {accumulation} micro-batches "
         f"x dp {ctx.dp} = {config.tokens_per_step:,} tokens per step, {tokens.train_steps} steps",
