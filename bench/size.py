@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN_VERB = ("cmd_train", "launch_train", "main", "parse_args", "build_parser")
 # The size the training path may have, in nodes. A feature issue declares in its note what it adds
 # (measured before and after with this script) and raises this by that much; a review reads the change.
-TRAINING_PATH_BUDGET = 59_000
+TRAINING_PATH_BUDGET = 63_000
 
 
 @dataclass(frozen=True)
@@ -322,10 +322,10 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"\nbudget {TRAINING_PATH_BUDGET} nodes: {nodes / TRAINING_PATH_BUDGET:.0%} used")
         headline(
-            "training path size (syntax-tree nodes)",
-            f"{nodes}",
-            f"budget {TRAINING_PATH_BUDGET}",
-            nodes / TRAINING_PATH_BUDGET,
+            "training path size (syntax-tree nodes) / its budget (bench/size.py)",
+            nodes,
+            TRAINING_PATH_BUDGET,
+            number_format=",d",
         )
 
 

@@ -3,6 +3,7 @@ parallel run with one process in fp32 and in bf16 (on both of the CPU's bf16 pat
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import shutil
@@ -389,3 +390,26 @@ def assert_steps_match(got: Steps, reference: Steps, exact: Steps | None = None,
 def full_masters(optimizer: ZeroAdamW) -> list[torch.Tensor]:
     """Per parameter, its whole fp32 master weight (gathered over dp under ZeRO-1)."""
     return optimizer.data_parallel.full([m.detach().float() for m in optimizer.masters])
+
+
+LIBC = ctypes.CDLL(None, use_errno=True)  # this process's own C library, for mount(2)
+MS_REMOUNT_READ_ONLY = 32 | 1  # MS_REMOUNT | MS_RDONLY
+
+
+@contextmanager
+def small_disk(mount_point: Path, size: str = "64k") -> Iterator[Path]:
+    """A real tmpfs of `size` at `mount_point`, for real ENOSPC (root only: mount(2) needs CAP_SYS_ADMIN;
+    otherwise the test is skipped). mount(2) through ctypes: no process started."""
+    mount_point.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or LIBC.mount(b"tmpfs", bytes(mount_point), b"tmpfs", 0, f"size={size}".encode()):
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        yield mount_point
+    finally:
+        LIBC.umount2(bytes(mount_point), 2)  # MNT_DETACH
+
+
+def make_read_only(mount_point: Path) -> None:
+    """Remount a `small_disk` read-only: real EROFS."""
+    if LIBC.mount(b"tmpfs", bytes(mount_point), b"tmpfs", MS_REMOUNT_READ_ONLY, None) != 0:
+        raise OSError(ctypes.get_errno(), f"cannot remount {mount_point} read-only")

@@ -173,3 +173,19 @@ def test_train_tokenizer_with_too_small_a_vocabulary_is_a_usage_error(tmp_path):
         str(tmp_path / "t.json"),
     )
     assert result.returncode == 2 and "--vocab-size 100 is too small" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "verb",
+    [["plot"], ["import-hf", "--out", "OUT"], ["generate"]],
+)
+def test_a_run_or_model_directory_that_does_not_exist_exits_1(verb, tmp_path, capsys):
+    """One rule (errors.PathError): a path given on the command line that is missing, or is not what the
+    command reads, exits 1, as the README says; `plot` and `import-hf` exited 2."""
+    from femtotron.cli import main
+
+    nope = tmp_path / "runs" / "nope"
+    argv = [verb[0], str(nope), *[str(tmp_path / arg) if arg == "OUT" else arg for arg in verb[1:]]]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert str(nope) in err and "Traceback" not in err

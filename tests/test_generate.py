@@ -3,13 +3,17 @@ Hugging Face directories read as they are."""
 
 from __future__ import annotations
 
+import re
 import shutil
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from femtotron.cli import main
 from femtotron.generate import load_run, sample
+from femtotron.serialize.hf import import_hf
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "examples" / "tokenizer.json"
 
@@ -52,23 +56,38 @@ def test_greedy_decoding_equals_transformers_generate_token_for_token(tmp_path):
 
 
 def uncached_greedy(model, ids, new):
-    """The loop without a cache: the whole (cropped) context through the model for every token."""
+    """The loop without a cache: the whole context through the model for every token; once it outgrows the
+    window it starts again from its last half (as `sample` does)."""
     ids = list(ids)
     window = model.cfg.max_position_embeddings
+    start = max(0, len(ids) - window)
     for _ in range(new):
-        context = torch.tensor([ids[-window:]])
+        if len(ids) - start > window:
+            start = len(ids) - window // 2
+        context = torch.tensor([ids[start:]])
         ids.append(int(model.logits(context)[0, -1].argmax()))
     return ids
 
 
 def test_the_cache_gives_the_uncached_tokens_also_past_the_context_window(tmp_path):
-    """64 positions: 10 prompt tokens and 80 new ones run past the window, where the context is cropped to
-    the last 64 tokens and the cache rebuilt, as the loop without a cache crops it."""
+    """64 positions: 10 prompt tokens and 150 new ones run past the window twice, where the context is
+    cropped to its last 32 tokens and the cache rebuilt, as the loop without a cache crops it; the model
+    sees each token about once (cropping to the whole window ran 64 tokens through it for every new one)."""
     hf_directory(tmp_path / "hf")
     _, model = load_run(tmp_path / "hf")
     prompt = torch.randint(0, 128, (10,)).tolist()
+    fed = []
+    forward = model.logits
+
+    def counting(inputs, cache=None):
+        fed.append(inputs.shape[1])
+        return forward(inputs, cache)
+
     with torch.no_grad():
-        assert prompt + sample(model, prompt, 80, temperature=0) == uncached_greedy(model, prompt, 80)
+        reference = uncached_greedy(model, prompt, 150)
+        model.logits = counting
+        assert prompt + sample(model, prompt, 150, temperature=0) == reference
+    assert len(fed) == 150 and sum(fed) <= 10 + 150 + 32 * 5
 
 
 def test_generate_reads_a_hugging_face_directory(tmp_path, capsys):
@@ -87,3 +106,31 @@ def test_generate_reads_a_hugging_face_directory(tmp_path, capsys):
     assert main(args) == 0
     first = capsys.readouterr().out
     assert first.startswith("ROMEO:") and main(args) == 0 and capsys.readouterr().out == first  # greedy
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("intermediate_size: 96", r"down_proj.weight in .* has shape \(64, 96\), but config.yaml makes it"),
+        ("num_hidden_layers: 2", "config.yaml has num_hidden_layers=1000, but the weights in .* hold 2"),
+    ],
+)
+def test_E3_a_config_larger_than_its_weights_is_refused_from_the_headers_before_a_model_is_built(
+    tmp_path, capsys, change, message
+):
+    hf_directory(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "run")
+    config = tmp_path / "run" / "config.yaml"
+    key = change.split(":")[0]
+    # 300 MB of weights for intermediate_size 400,000
+    config.write_text(config.read_text().replace(change, f"{key}: {400_000 if 'inter' in key else 1000}"))
+    started = time.monotonic()
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "hi"]) == 1
+    assert re.search(message, capsys.readouterr().err)
+    assert time.monotonic() - started < 10
+
+
+def test_a_negative_temperature_is_refused(tmp_path, capsys):
+    """It behaved as greedy; a user who typed it meant something else."""
+    assert main(["generate", str(tmp_path), "--temperature", "-1"]) == 2
+    assert "--temperature -1 is negative: give 0 (greedy) or more" in capsys.readouterr().err

@@ -196,6 +196,12 @@ def test_the_first_rank_to_fail_on_its_own_sets_the_exit_code(capsys):
     killed = ChildFailedError("femtotron", dict([failure(1, -signal.SIGKILL, 5)]))
     assert _first_failure_code(killed) == 128 + signal.SIGKILL
     assert "rank 1 was killed by SIGKILL" in capsys.readouterr().err
+    # torch saw rank 1 killed, then stopped rank 0 with SIGTERM in the same second: rank 1 is the cause.
+    stopped = ChildFailedError(
+        "femtotron", dict([failure(1, -signal.SIGKILL, 5), failure(0, -signal.SIGTERM, 5)])
+    )
+    assert _first_failure_code(stopped) == 128 + signal.SIGKILL
+    assert "rank 1 was killed by SIGKILL" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -425,3 +431,14 @@ def test_the_slurm_script_stops_at_its_time_limit_signal_requeues_and_resumes(co
         json.loads(line) for line in (tmp_path / "runs" / "slurm" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in records] == list(range(1, 41))
+
+
+@pytest.mark.distributed
+def test_the_rank_killed_first_is_named_not_the_one_the_launcher_then_stopped(config):
+    """Rank 1 is SIGKILLed when it opens the data; rank 0 waits for it in a collective until the launcher
+    stops it. The message blamed rank 0 and SIGTERM."""
+    crash = {"FEMTOTRON_CRASH_AT": "dataset.opened", "FEMTOTRON_CRASH_RANK": "1"}
+    result = femtotron("train", config, "parallelism.dp=2", "tokens.train_steps=2", env=crash)
+    assert result.returncode == 128 + signal.SIGKILL, result.stderr[-3000:]
+    assert "femtotron: error: rank 1 was killed by SIGKILL" in result.stderr
+    assert "rank 0 was killed" not in result.stderr and "Traceback" not in result.stderr

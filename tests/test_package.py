@@ -110,7 +110,10 @@ def test_D5_the_package_maps_onto_the_guides_rooms():
 def test_D4_the_training_path_stays_within_its_node_budget():
     """Syntax-tree nodes without docstrings over every module `femtotron train` imports. The budget grows only
     by what a feature issue declares in its note, measured with `make size` before and after (issue 25
-    measured 57,790 nodes before its clean-up and 58,598 after it, and set the budget at 59,000)."""
+    measured 57,790 nodes before its clean-up and 58,598 after it, and set the budget at 59,000; issue 26's
+    checks of files from elsewhere, the run lock, the data identity and atomic writes took it to 62,495,
+    issue 34's (weights a run did not produce, the run's identity for auto-resume, nanotron's run-name
+    templates) to 62,909, and the budget to 63,000)."""
     nodes = sum(module.nodes for module in size.sizes(SRC))
     assert nodes <= size.TRAINING_PATH_BUDGET, (
         f"the training path has {nodes} syntax-tree nodes, over its budget of {size.TRAINING_PATH_BUDGET}: "

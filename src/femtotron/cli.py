@@ -21,9 +21,12 @@ if TYPE_CHECKING:
 
 def cmd_train(args: argparse.Namespace) -> int | None:
     from femtotron.config import check_world_size, load_config
+    from femtotron.config.sections import RUN_DATE, run_date
     from femtotron.launch import launched_by_torchrun
-    from femtotron.serialize.checkpoint import already_done
+    from femtotron.serialize.checkpoint import already_done, decided_by_rank_0
+    from femtotron.serialize.weights import check_own_weights
 
+    os.environ.setdefault(RUN_DATE, run_date())  # general.run's %date: the processes started here inherit it
     # --debug: every rank logs everything, rank-prefixed (D3).
     config = load_config(args.config, [*args.overrides, *(["logging.log_level=debug"] if args.debug else [])])
     par = config.parallelism
@@ -35,6 +38,7 @@ def cmd_train(args: argparse.Namespace) -> int | None:
         if os.environ.get("RANK", "0") == "0":
             print(f"femtotron: {done}")
         return 0
+    check_own_weights(config.run_dir)
     if par.world_size > 1 and not launched_by_torchrun():
         return launch_train(args, config)
     # L1: checked on every rank, from the environment alone, before any process group exists.
@@ -55,10 +59,14 @@ def cmd_train(args: argparse.Namespace) -> int | None:
 
     if torch.cuda.is_available():
         nccl_flight_recorder(config.run_dir)  # read when NCCL's process groups are created
+    from femtotron.run_lock import held_by_rank_0
     from femtotron.trainer import Trainer
 
     with ParallelContext.from_config(config) as ctx:
-        Trainer(config, ctx).train()
+        # Under torchrun or srun each rank read its own clock for %date: rank 0's name is the run's.
+        config.general.run = decided_by_rank_0(ctx, "the run's name", lambda: config.general.run)
+        with held_by_rank_0(config.run_dir, ctx.store, ctx.rank, ctx.collective_timeout_seconds):
+            Trainer(config, ctx).train()
     return None
 
 
@@ -69,12 +77,14 @@ def launch_train(args: argparse.Namespace, config: Config) -> int:
     rank after processes have started.
     """
     from femtotron.launch import check_local_devices, launch_local
+    from femtotron.run_lock import run_lock
 
     par = config.parallelism
     check_local_devices(par.dp, par.tp, par.pp, par.cp)
     argv = ["train", args.config, *args.overrides, *(["--debug"] if args.debug else [])]
     cp = f" cp={par.cp}" if par.cp > 1 else ""
-    return launch_local(par.world_size, argv, what=f"dp={par.dp}{cp} tp={par.tp} pp={par.pp}")
+    with run_lock(config.run_dir):  # for the whole run: the ranks it starts find it held (LOCKED_ENV)
+        return launch_local(par.world_size, argv, what=f"dp={par.dp}{cp} tp={par.tp} pp={par.pp}")
 
 
 def cmd_check_tp(args: argparse.Namespace) -> int:
@@ -85,7 +95,11 @@ def cmd_check_tp(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from femtotron.errors import UsageError
     from femtotron.generate import generate_text
+
+    if args.temperature < 0:  # it once behaved as 0
+        raise UsageError(f"--temperature {args.temperature:g} is negative: give 0 (greedy) or more")
 
     print(
         generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
@@ -124,7 +138,14 @@ def cmd_import_hf(args: argparse.Namespace) -> None:
     from femtotron.serialize.hf import import_hf
 
     out = import_hf(Path(args.hf_dir), Path(args.out))
-    print(f"wrote {out}: `femtotron generate {out}` samples from it")
+    train = f"`femtotron train {out / 'config.yaml'} data.dataset_folder=DATA tokens.train_steps=N` trains it"
+    if (out / "tokenizer.json").is_file():
+        print(f"wrote {out}: `femtotron generate {out}` samples from it, {train}")
+    else:  # generate needs one
+        print(
+            f"wrote {out}, without a tokenizer ({args.hf_dir} has no tokenizer.json): {train}; to sample "
+            f"from it, copy the model's tokenizer.json into {out} first"
+        )
 
 
 def cmd_export_hf(args: argparse.Namespace) -> None:

@@ -8,6 +8,13 @@ class FemtotronError(Exception):
     same_on_every_rank = False  # True: every rank raises it alike, and only rank 0 prints it
 
 
+class PathError(FemtotronError):
+    """A path given on the command line is missing or is not what the command reads: a run directory
+    without its files, a directory without an HF model. The one rule for exit 1 (README, errors.md)."""
+
+    exit_code = 1
+
+
 class ConfigError(FemtotronError):
     """The configuration breaks a rule; the message lists every problem found."""
 
@@ -44,6 +51,16 @@ class OutOfMemory(FemtotronError):
     """A rank ran out of memory; the message gives its model state, its memory, and what to lower first."""
 
     exit_code = 8
+
+
+class WriteError(FemtotronError, OSError):
+    """A file could not be written: the disk or quota is full, the file system is read-only, or no permission.
+    Also an OSError, so code catching OSError for a path still does."""
+
+    exit_code = 9
+
+    def __str__(self) -> str:  # the message alone, not OSError's "[Errno N] ..." form
+        return str(self.args[0])
 
 
 class TrainingInterrupted(FemtotronError):

@@ -49,19 +49,21 @@ def sample(
     seed: int = 0,
     stop_id: int | None = None,
 ) -> list[int]:
-    """Autoregressive sampling (temperature 0: greedy) with a key/value cache; when the context outgrows the
-    model's max_position_embeddings it is cropped to that and the cache rebuilt."""
+    """Autoregressive sampling (temperature 0: greedy) with a key/value cache. When the context outgrows the
+    model's max_position_embeddings it is cropped to its last half and the cache rebuilt from those tokens:
+    RoPE knows no positions beyond the window, so the cache cannot slide, and cropping to the whole window
+    would rebuild it for every new token."""
     generator = torch.Generator().manual_seed(seed)
     ids = list(prompt_ids)
     window = model.cfg.max_position_embeddings
+    kept = max(1, window // 2)  # one rebuild per `window - kept` new tokens
     device = model.embed_tokens.weight.device
     cache = KVCache()
     feed = ids[-window:]  # the tokens the model has not seen yet
     for _ in range(max_new_tokens):
         if cache.length + len(feed) > window:
-            # RoPE knows no positions beyond the window: start again on its last tokens.
             cache = KVCache()
-            feed = ids[-window:]
+            feed = ids[-kept:]
         inputs = torch.tensor([feed], device=device)
         logits = model.logits(inputs, cache)[0, -1].float().cpu()
         if temperature <= 0:
@@ -94,7 +96,8 @@ def generate_text(
         if config.tokenizer.tokenizer_name_or_path is None:
             raise FemtotronError(
                 f"{run_dir} has no tokenizer.json and its config.yaml no tokenizer.tokenizer_name_or_path: "
-                "set it to the tokenizer.json the data was preprocessed with, and train again."
+                f"copy the model's tokenizer.json into {run_dir} (for a run of yours: the one its data was "
+                "preprocessed with; set tokenizer.tokenizer_name_or_path for the next run)."
             )
         tokenizer_path = Path(config.tokenizer.tokenizer_name_or_path)
     tokenizer = load_tokenizer(tokenizer_path)

@@ -182,12 +182,14 @@ def _first_failure_code(error: ChildFailedError) -> int:
     """The exit code of the rank that failed first: the others were stopped because of it.
 
     Failure times have one-second resolution, so among ties a rank that exited on its own is preferred over
-    one the launcher then killed with a signal (a negative exit code), and then the lowest rank.
+    one killed by a signal (a negative exit code), and then the one torch saw first: it lists the failures
+    in that order, so a rank SIGKILLed mid-collective comes before the peer it then stopped (SIGTERM).
     """
+    order = list(error.failures)
 
     def first(item: tuple[int, Any]) -> tuple[float, bool, int]:
         rank, failure = item
-        return (failure.timestamp, failure.exitcode < 0, rank)
+        return (failure.timestamp, failure.exitcode < 0, order.index(rank))
 
     rank, failure = min(error.failures.items(), key=first)
     if failure.exitcode >= 0:

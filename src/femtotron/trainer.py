@@ -140,6 +140,8 @@ class Trainer:
     def train_until_done(self) -> list[StepResult]:
         ckpt = self.config.checkpoints
         train_steps = self.config.tokens.train_steps
+        if ckpt.checkpoint_interval or ckpt.save_initial_state:  # a read-only or full disk fails now
+            checkpoint.check_writable(self.parts)
         path, what, warnings = checkpoint.agreed_resume_source(self.config, self.ctx)
         for warning in warnings:
             self.log.warn(warning)
@@ -189,9 +191,11 @@ class Trainer:
         self.step_logger(self.state.step, result, self.scaler.skipped_steps if self.scaler.enabled else None)
 
     def warn_on_loss(self, loss: float) -> None:
-        """N3: a first loss far from ln(vocab); N4: spikes against the running median."""
+        """N3: a first loss far from ln(vocab) (only a freshly initialised model starts there, not one of
+        `model.init_from`); N4: spikes against the running median."""
         vocab = self.config.model.model_config_.vocab_size
-        first = first_loss_warning(loss, vocab) if self.state.step == 1 else None
+        fresh = self.state.step == 1 and not self.config.model.init_from
+        first = first_loss_warning(loss, vocab) if fresh else None
         spike = self.spikes.observe(self.state.step, loss) if math.isfinite(loss) else None
         for warning in filter(None, [first, spike]):
             self.log.warn(warning)

@@ -2,6 +2,7 @@
 
 import copy
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +66,7 @@ def only_problem(data: dict):
 M = "model.model_config."
 
 
-def test_defaults_and_resolved_fields():
+def test_defaults_and_fields_derived_later():
     cfg = load_config_dict({"tokens": {"train_steps": 100}, "data": {"dataset_folder": "d"}})
     m = cfg.model.model_config_
     assert m.num_key_value_heads == m.num_attention_heads == 32
@@ -73,10 +74,27 @@ def test_defaults_and_resolved_fields():
     assert cfg.model.dtype == "bfloat16" and cfg.model.init_method.std == 0.02
     assert cfg.optimizer.clip_grad == 1.0 and cfg.optimizer.accumulate_grad_in_fp32
     sched = cfg.optimizer.learning_rate_scheduler
-    assert (sched.lr_decay_starting_step, sched.lr_decay_steps) == (0, 100)
-    cfg = load_config_dict(tiny(**{"optimizer.learning_rate_scheduler.lr_warmup_steps": 3}))
-    sched = cfg.optimizer.learning_rate_scheduler
-    assert (sched.lr_decay_starting_step, sched.lr_decay_steps) == (3, 7)
+    # Derived from train_steps by the schedule, not written into the config (a saved config.yaml reused
+    # with another train_steps would keep the old run's decay).
+    assert (sched.lr_decay_starting_step, sched.lr_decay_steps) == (None, None)
+    assert cfg.to_dict()["optimizer"]["learning_rate_scheduler"]["lr_decay_steps"] is None
+
+
+def test_a_saved_config_reused_with_more_steps_decays_over_the_new_run(tmp_path):
+    """A run's config.yaml (Config.to_dict, as the trainer writes it) reused with tokens.train_steps=20:
+    the decay runs to step 20, not to the end of the 10 steps of the run that wrote it."""
+    first = load_config_dict(tiny(**{"optimizer.learning_rate_scheduler.lr_warmup_steps": 2}))
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(first.to_dict(), sort_keys=False))
+    again = load_config(saved, ["tokens.train_steps=20"])
+    sched = again.optimizer.learning_rate_scheduler
+    rates = [lr_at(step, sched, 20) for step in range(20)]
+    assert rates[10] > rates[15] > rates[19] == sched.min_decay_lr
+    written_for_20 = tiny(
+        **{"optimizer.learning_rate_scheduler.lr_warmup_steps": 2, "tokens.train_steps": 20}
+    )
+    fresh = load_config_dict(written_for_20).optimizer.learning_rate_scheduler
+    assert rates == [lr_at(step, fresh, 20) for step in range(20)]
 
 
 def test_convenience_properties():
@@ -402,3 +420,28 @@ def test_every_example_config_is_valid_for_its_own_layout(example):
     config = load_config(example)
     par = config.parallelism
     check_world_size(config, par.world_size)
+
+
+def test_E5_a_billion_layers_are_refused_naming_the_field():
+    """A config from elsewhere with 1e9 layers: `doctor` built O(layers) tables and died of MemoryError."""
+    p = only_problem(tiny(**{M + "num_hidden_layers": 10**9}))
+    assert p.fields == (M + "num_hidden_layers",)
+    assert "num_hidden_layers=1000000000 is more than 1024" in p.message
+    assert (
+        load_config_dict(tiny(**{M + "num_hidden_layers": 1024})).model.model_config_.num_hidden_layers
+        == 1024
+    )
+
+
+def test_nanotron_s_run_name_templates_are_expanded(monkeypatch):
+    """`general.run: tiny_llama_%date_%jobid`, as nanotron's configs write it: the start's date (the same in
+    every process `femtotron train` starts: FEMTOTRON_RUN_DATE) and Slurm's job id, or `local`."""
+    monkeypatch.setenv("FEMTOTRON_RUN_DATE", "20261203_101010")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    cfg = load_config_dict(tiny(**{"general.run": "tiny_llama_%date_%jobid"}))
+    assert cfg.general.run == "tiny_llama_20261203_101010_4242"
+    assert cfg.run_dir.name == "tiny_llama_20261203_101010_4242"
+    monkeypatch.delenv("FEMTOTRON_RUN_DATE")
+    monkeypatch.delenv("SLURM_JOB_ID")
+    cfg = load_config_dict(tiny(**{"general.run": "tiny_llama_%date_%jobid"}))
+    assert re.fullmatch(r"tiny_llama_\d{8}_\d{6}_local", cfg.general.run)

@@ -1,5 +1,7 @@
 """YAML loading (L2): every problem at once, each with dotted path, YAML line, value and fix; overrides."""
 
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -268,3 +270,86 @@ def test_override_on_dict_source():
     data = {"tokens": {"train_steps": 1}, "data": {"dataset_folder": "d"}}
     cfg = load_config_dict(data, overrides=["parallelism.dp=2"])
     assert cfg.parallelism.dp == 2
+
+
+def alias_bomb(levels: int) -> str:
+    """Each level an anchored list of nine aliases to the one before: 9**levels values, ~50 bytes a level."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+# Loads a config through the command line in a fresh process, then prints its peak memory (KiB).
+MEASURED = """
+import resource, sys
+from femtotron.cli import main
+try:
+    sys.exit(main(["doctor", sys.argv[1]]))
+finally:
+    print("maxrss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+"""
+
+
+@pytest.mark.distributed
+def test_E1_yaml_alias_bomb_is_refused_in_little_time_and_memory(tmp_path):
+    """~500 bytes that expand to 3.9e9 values: walking every alias path took minutes and gigabytes."""
+    path = tmp_path / "config.yaml"
+    path.write_text(alias_bomb(9))
+    command = [sys.executable, "-c", MEASURED, str(path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert str(path) in result.stderr and "more than 100,000 values" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert int(result.stderr.rsplit("maxrss", 1)[1]) < 1024 * 1024  # KiB: under 1 GiB
+
+
+def test_E1_alias_within_the_limit_still_loads(tmp_path):
+    cfg = load_config(
+        write(
+            tmp_path,
+            GOOD.replace(
+                "data:\n  dataset_folder: data/tiny",
+                "data:\n  dataset_folder: &d data/tiny\n  validation_folder: *d",
+            ),
+        )
+    )
+    assert cfg.data.validation_folder == "data/tiny"
+
+
+def test_alias_inside_itself_is_refused(tmp_path):
+    error = errors(tmp_path, GOOD + "general: &g {project: *g}\n")
+    assert "inside itself" in str(error)
+
+
+def test_deeply_nested_yaml_is_refused(tmp_path):
+    error = errors(tmp_path, GOOD + "general: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert "nested too deeply" in str(error)
+
+
+MOE = """\
+    moe:
+      num_experts: 4
+      num_experts_per_tok: 2
+      intermediate_size: 48
+      aux_los_coef: 0.1
+"""
+
+
+def test_misspelt_key_in_an_optional_section_names_it(tmp_path):
+    """moe is `MoEConfig | None`: the lookup of its keys raised AttributeError on the union."""
+    error = errors(tmp_path, GOOD.replace("parallelism:\n", MOE + "parallelism:\n"))
+    assert "did you mean 'aux_loss_coef'" in find(error, "model.model_config.moe.aux_los_coef")
+
+
+def test_key_of_an_optional_section_in_the_wrong_place_says_where_it_belongs(tmp_path):
+    error = errors(tmp_path, GOOD.replace("  dp: 1\n", "  dp: 1\n  num_experts_per_tok: 2\n"))
+    assert "model.model_config.moe.num_experts_per_tok" in find(error, "parallelism.num_experts_per_tok")
+
+
+def test_deeply_nested_dict_is_refused():
+    """A config embedded in a manifest's JSON: deep nesting raised RecursionError while it was copied."""
+    nested: list = []
+    for _ in range(900):
+        nested = [nested]
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config_dict({"general": nested}, source="manifest.json")

@@ -2,6 +2,7 @@
 
 import json
 
+import helpers
 import numpy as np
 import pytest
 
@@ -31,3 +32,10 @@ def tokenizer_path(tmp_path_factory):
     path = directory / "tokenizer.json"
     train_tokenizer([corpus], vocab_size=400, output_path=path)
     return path
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 64 KiB tmpfs (root only), unmounted after the test (helpers.small_disk)."""
+    with helpers.small_disk(tmp_path / "disk") as mount_point:
+        yield mount_point

@@ -212,3 +212,11 @@ def test_resolve_prefix_file_or_directory(prefix, tmp_path):
     assert resolve_dataset_prefixes(prefix) == [prefix]
     assert resolve_dataset_prefixes(f"{prefix}.idx") == [prefix]
     assert resolve_dataset_prefixes(tmp_path) == [str(tmp_path / "another"), prefix]
+
+
+def test_S9_directory_with_half_a_pair_beside_a_pair_is_refused(prefix, tmp_path):
+    """The other pairs alone would silently leave out the dataset a killed preprocess was replacing."""
+    _write(tmp_path / "other", [[1]], np.uint16)
+    os.remove(f"{prefix}.idx")
+    with pytest.raises(DataError, match=r"without their partner: corpus\.bin \(half a pair: a preprocess"):
+        resolve_dataset_prefixes(tmp_path)

@@ -1,14 +1,18 @@
 import gzip
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from femtotron.data.indexed import IndexedDataset
+from femtotron.data.documents import iter_documents
+from femtotron.data.indexed import IndexedDataset, resolve_dataset_prefixes
 from femtotron.data.preprocess import preprocess
 from femtotron.data.tokenizer import load_tokenizer
-from femtotron.errors import DataError
+from femtotron.errors import DataError, WriteError
 
 
 def _jsonl_lines(texts, key="text"):
@@ -91,3 +95,143 @@ def test_unsupported_or_missing_input(tmp_path, tokenizer_path):
         preprocess(
             tmp_path / "absent.jsonl", tmp_path / "no-tokenizer.json", tmp_path / "out", progress=False
         )
+
+
+def _tokens(prefix) -> list[list[int]]:
+    return [sequence.tolist() for sequence in IndexedDataset(prefix)]
+
+
+def _old_dataset(tmp_path, texts, tokenizer_path, prefix):
+    source = tmp_path / "old.jsonl"
+    source.write_text(_jsonl_lines(texts), encoding="utf-8")
+    preprocess(source, tokenizer_path, prefix, progress=False)
+    return _tokens(prefix)
+
+
+def _many_short_documents(tmp_path):
+    """3,000 one-word documents: a 12 KB .bin and a 60 KB .idx (12 + 8 bytes a document)."""
+    source = tmp_path / "short.jsonl"
+    source.write_text(_jsonl_lines(["the"] * 3000), encoding="utf-8")
+    return source
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("point", ["preprocess.idx_removed", "preprocess.bin_renamed"])
+def test_S9_killed_while_replacing_a_dataset_leaves_it_intact_or_refused(
+    tmp_path, texts, tokenizer_path, point
+):
+    """The new corpus has the old one's documents in another order: as many tokens, so a new .bin beside the
+    old .idx (the order the files used to be moved in) passed every check and was read as wrong sequences."""
+    prefix = tmp_path / "out" / "corpus"
+    old = _old_dataset(tmp_path, texts, tokenizer_path, prefix)
+    source = tmp_path / "new.jsonl"
+    source.write_text(_jsonl_lines(texts[::-1]), encoding="utf-8")
+    command = [sys.executable, "-m", "femtotron", "preprocess", "--input", str(source)]
+    command += ["--tokenizer", str(tokenizer_path), "--output-prefix", str(prefix)]
+    killed = subprocess.run(command, env={**os.environ, "FEMTOTRON_CRASH_AT": point}, capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    try:
+        assert _tokens(prefix) == old
+    except DataError as error:
+        assert f"{prefix}.bin exists but {prefix}.idx does not (half a pair" in str(error)
+    with pytest.raises(DataError, match="half a pair"):
+        resolve_dataset_prefixes(tmp_path / "out")  # nor is a directory read without it
+    finished = subprocess.run(command, capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr
+    assert "left by a preprocess that was killed" in finished.stderr
+    assert _tokens(prefix) == [tokens for tokens in old[::-1]]
+    assert sorted(os.listdir(tmp_path / "out")) == ["corpus.bin", "corpus.idx"]
+
+
+def test_L1_a_full_disk_while_writing_the_index_leaves_nothing_behind(small_disk, texts, tokenizer_path):
+    """The .bin fits, the .idx does not: the .bin's temporary stayed and the disk stayed full."""
+    prefix = small_disk / "corpus"
+    old = _old_dataset(small_disk.parent, texts, tokenizer_path, prefix)
+    with pytest.raises(
+        WriteError, match=f"cannot write {prefix}.bin/.idx: No space left on device. Fix: free"
+    ):
+        preprocess(_many_short_documents(small_disk.parent), tokenizer_path, prefix, progress=False)
+    assert sorted(os.listdir(small_disk)) == ["corpus.bin", "corpus.idx"]
+    assert _tokens(prefix) == old
+
+
+# Runs preprocess with files limited to 20,000 bytes (as `ulimit -f`): writes past it fail with EFBIG.
+LIMITED = """
+import resource, signal, sys
+from femtotron.cli import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the process at the limit
+resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.distributed
+def test_L1_a_file_size_limit_while_writing_the_index_leaves_nothing_behind(tmp_path, texts, tokenizer_path):
+    prefix = tmp_path / "out" / "corpus"
+    old = _old_dataset(tmp_path, texts, tokenizer_path, prefix)
+    command = [sys.executable, "-c", LIMITED, "preprocess", "--input", str(_many_short_documents(tmp_path))]
+    command += ["--tokenizer", str(tokenizer_path), "--output-prefix", str(prefix)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == WriteError.exit_code, result.stderr
+    assert f"cannot write {prefix}.bin/.idx: File too large" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted(os.listdir(tmp_path / "out")) == ["corpus.bin", "corpus.idx"]
+    assert _tokens(prefix) == old
+
+
+def _gzip_bomb(path, characters: int, before: str = "") -> None:
+    """`before`, then one JSON line of `characters` spaces, written in 1 MiB pieces: ~1 KB of gzip a MiB."""
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write(before + '{"text": "')
+        for _ in range(characters // 2**20):
+            f.write(" " * 2**20)
+        f.write('"}\n')
+
+
+def test_E4_gzip_bomb_is_refused_naming_its_line(tmp_path, texts, tokenizer_path):
+    """A 64 KB gzip holding a 64 MiB + 1 MiB line: read whole, a 3 GB line filled memory (MemoryError)."""
+    source = tmp_path / "bomb.jsonl.gz"
+    _gzip_bomb(source, 2**26 + 2**20, before=_jsonl_lines(texts[:2]))
+    assert source.stat().st_size < 2**17
+    with pytest.raises(DataError, match=r"bomb\.jsonl\.gz, line 3: longer than 67,108,864 characters"):
+        preprocess(source, tokenizer_path, tmp_path / "out", progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["bomb.jsonl.gz"]
+
+
+def test_E4_a_long_line_within_the_bound_is_read(tmp_path):
+    source = tmp_path / "long.jsonl.gz"
+    _gzip_bomb(source, 2**20)
+    assert [len(text) for text in iter_documents(source, max_characters=2**20 + 12)] == [2**20]
+    with pytest.raises(DataError, match=r"line 1: longer than 1,048,587 characters"):
+        list(iter_documents(source, max_characters=2**20 + 11))
+
+
+def test_E4_a_txt_longer_than_the_bound_is_refused(tmp_path):
+    source = tmp_path / "book.txt"
+    source.write_text("x" * 101)
+    with pytest.raises(DataError, match=r"book\.txt, the file: longer than 100 characters"):
+        list(iter_documents(source, max_characters=100))
+
+
+def test_deeply_nested_json_line_is_named(tmp_path, tokenizer_path):
+    source = tmp_path / "nested.jsonl"
+    source.write_text('{"text": "ok"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(DataError, match=r"nested\.jsonl, line 2: JSON nested too deeply"):
+        preprocess(source, tokenizer_path, tmp_path / "out", progress=False)
+
+
+@pytest.mark.distributed  # the command in a process of its own, its stderr a pipe as in a batch job's log
+def test_a_log_file_gets_no_progress_bar(tmp_path, texts, tokenizer_path):
+    command = [
+        sys.executable,
+        "-m",
+        "femtotron",
+        "preprocess",
+        "--input",
+        str(_many_short_documents(tmp_path)),
+    ]
+    command += ["--tokenizer", str(tokenizer_path), "--output-prefix", str(tmp_path / "corpus")]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "\r" not in result.stderr and "docs" not in result.stderr
+    assert result.stdout.startswith(f"wrote {tmp_path / 'corpus'}.bin/.idx")

@@ -38,3 +38,39 @@ def test_an_id_beyond_the_vocabulary_in_a_batch_is_caught_also_as_the_last_targe
     ):
         check_batch_token_ids([MicroBatch.from_tokens(tokens)], 256, ParallelContext(), step=5)
     check_batch_token_ids([MicroBatch.from_tokens(tokens[:, :-1])], 256, ParallelContext(), step=5)
+
+
+def write_tokens(prefix, tokens):
+    writer = IndexedDatasetWriter(str(prefix), np.uint16)
+    writer.add_document(np.array(tokens, dtype=np.uint16))
+    writer.finalize()
+    return str(prefix)
+
+
+def test_the_data_identity_tells_other_contents_apart_but_not_the_same_bytes_elsewhere(tmp_path):
+    from femtotron.data.run_data import data_changes, data_identity
+
+    def identity(prefix, seed=0, sequence_length=4):
+        return data_identity(Nanoset([prefix], None, sequence_length, seed=seed), None)
+
+    saved = identity(write_tokens(tmp_path / "a", range(40)))
+    assert data_changes(saved, identity(write_tokens(tmp_path / "copy", range(40))), 8) == []
+    other = data_changes(saved, identity(write_tokens(tmp_path / "b", range(1, 41))), 8)  # as many tokens
+    assert other == [
+        f"the contents of the datasets (data.dataset_folder) changed ([{str(tmp_path / 'a')!r}] at the save, "
+        f"[{str(tmp_path / 'b')!r}] now): the run would continue at global sample 8 of other data, not where "
+        "the old data left off"
+    ]
+    reordered = data_changes(saved, identity(str(tmp_path / "a"), seed=1, sequence_length=8), 8)
+    assert [change.split(" changed")[0] for change in reordered] == ["data.seed", "tokens.sequence_length"]
+
+
+def test_a_tokenizer_counts_in_the_identity_only_when_both_sides_name_one():
+    from femtotron.data.run_data import data_changes
+
+    base = {"datasets": [], "digest": "d", "weights": [1.0], "seed": 0, "sequence_length": 4}
+    assert data_changes({**base, "tokenizer": None}, {**base, "tokenizer": "ab" * 32}, 0) == []
+    changed = data_changes({**base, "tokenizer": "ab" * 32}, {**base, "tokenizer": "cd" * 32}, 0)
+    assert changed[0].startswith(
+        "the tokenizer's vocabulary (tokenizer.tokenizer_name_or_path) changed (ababab"
+    )

@@ -5,7 +5,7 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from femtotron.data.tokenizer import eos_token_id, load_tokenizer, train_tokenizer
-from femtotron.errors import DataError, UsageError
+from femtotron.errors import DataError, UsageError, WriteError
 
 
 def test_trained_tokenizer_round_trips_and_has_eos(tokenizer_path, texts):
@@ -56,3 +56,14 @@ def test_eos_found_under_other_names():
     tokenizer = Tokenizer(models.BPE())
     tokenizer.add_special_tokens(["<s>", "</s>"])
     assert eos_token_id(tokenizer) == 1
+
+
+def test_a_full_disk_names_the_tokenizer_file(small_disk, tmp_path, texts):
+    """The tokenizers library reports the OS error as a bare Exception: it reached the user as a traceback."""
+    source = tmp_path / "corpus.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    (small_disk / "filler").write_bytes(b"x" * 60_000)
+    output = small_disk / "tokenizer.json"
+    with pytest.raises(WriteError, match=f"cannot write {output}: No space left on device. Fix: free space"):
+        train_tokenizer([source], vocab_size=300, output_path=output)
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import yaml
 
 from femtotron.cli import main
+from femtotron.diagnostics import memory
 
 
 def write(tiny_config, tmp_path, *overrides):
@@ -70,6 +72,14 @@ def test_T3_the_tp_link_is_named_by_what_it_crosses(tiny_config, tmp_path, capsy
     assert lines["across"].endswith("(ALL_REDUCE; across nodes: the network, see the warning above)")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without --device, a GPU machine estimates its GPU")
+def test_without_a_device_doctor_estimates_this_machine_s_cpu(capsys):
+    """examples/cpu_3d.yaml, as a user of it runs doctor on a CPU machine: no NCCL communicators."""
+    assert main(["doctor", "examples/cpu_3d.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "NCCL communicator" not in out and "device: CPU" in out
+
+
 def test_M1_doctor_budgets_the_nccl_communicators_on_gpus_only(tiny_config, tmp_path, capsys):
     """dp=2 tp=2: each rank is in a tp group, a dp group and the default group (mp = tp: no fourth)."""
     config = write(tiny_config, tmp_path, "parallelism.dp=2", "parallelism.tp=2")
@@ -130,3 +140,30 @@ def test_doctor_offers_more_expert_parallelism_when_experts_do_not_fit(capsys):
     assert main(args) == 1
     out = capsys.readouterr().out
     assert "  parallelism.ep=8 (each rank holds half the experts, no more processes): " in out
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        ("parallelism.recompute_layer=true", "model.dtype=bfloat16"),
+        ("parallelism.pp=2", "tokens.batch_accumulation_per_replica=4"),
+        ("parallelism.pp=2", "parallelism.pp_engine=interleaved-1f1b", "parallelism.pp_virtual_stages=2"),
+        ("parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER", "parallelism.cp=2", "parallelism.dp=2"),
+        (
+            "model.model_config.moe.num_experts=4",
+            "model.model_config.moe.num_experts_per_tok=2",
+            "model.model_config.moe.intermediate_size=64",
+        ),
+    ],
+)
+def test_E5_a_deep_stage_is_estimated_from_two_layers_exactly(tiny_config, monkeypatch, overrides):
+    """doctor took ~60 s at 1,024 layers over pp=8 simulating every layer's step; each layer adds the same
+    bytes, so two layers' steps give the rest: the same estimate as simulating all twelve."""
+    config = tiny_config(
+        "model.model_config.num_hidden_layers=12", "tokens.batch_accumulation_per_replica=4", *overrides
+    )
+    ranks = range(config.parallelism.pp)
+    estimated = [memory.estimate_rank(config, pp_rank) for pp_rank in ranks]
+    monkeypatch.setattr(memory, "SIMULATED_LAYERS", 12)
+    assert [memory.estimate_rank(config, pp_rank) for pp_rank in ranks] == estimated

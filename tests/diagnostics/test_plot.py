@@ -68,7 +68,7 @@ def test_plot_from_the_command_line(tmp_path, capsys):
 
 
 def test_plot_errors_name_the_fix(tmp_path, capsys, monkeypatch):
-    assert main(["plot", str(tmp_path / "nowhere")]) == 2
+    assert main(["plot", str(tmp_path / "nowhere")]) == 1
     assert f"{tmp_path / 'nowhere' / 'metrics.jsonl'} does not exist" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     assert main(["plot", str(write_run(tmp_path / "run"))]) == 1
@@ -78,5 +78,5 @@ def test_plot_errors_name_the_fix(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("content", ["", '{"step": 1, "lo'])
 def test_plot_of_a_run_without_records_says_so(tmp_path, capsys, content):
     (tmp_path / "metrics.jsonl").write_text(content)
-    assert main(["plot", str(tmp_path)]) == 2
+    assert main(["plot", str(tmp_path)]) == 1
     assert "no step records to plot" in capsys.readouterr().err

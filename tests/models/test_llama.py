@@ -3,7 +3,9 @@ import torch
 from helpers import BF16_PATHS, build_llama, hf_llama, llama_config, precision_path
 
 from femtotron.attention import fused_kernel_takes_kv_groups
+from femtotron.errors import ConfigError
 from femtotron.models.hf_conversion import from_hf
+from femtotron.models.llama import Rotary
 from femtotron.precision import tf32_for_fp32
 
 
@@ -201,3 +203,15 @@ def test_gqa_attention_on_cuda_runs_in_a_fused_kernel_not_the_math_one(dtype):
         out = causal_attention(q, k, v)
     reference = causal_attention(*(t.double().cpu() for t in (q, k, v)))
     torch.testing.assert_close(out.double().cpu(), reference, rtol=0.02, atol=0.02)
+
+
+def test_rotary_on_the_meta_device_computes_no_tables():
+    rotary = Rotary(128, 2 * 10**8, 10000.0, device=torch.device("meta"))  # 51 GB of tables on a real device
+    assert rotary.cos.device.type == "meta" and rotary.cos.shape == (2 * 10**8, 128)
+
+
+def test_rotary_refuses_tables_no_machine_should_hold_naming_the_field():
+    with pytest.raises(
+        ConfigError, match="max_position_embeddings=200000000 with head_dim=128: RoPE's tables"
+    ):
+        Rotary(128, 2 * 10**8, 10000.0)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,9 +15,18 @@ import numpy as np
 import pytest
 import torch
 from distributed import RankFailed, run_ranks
-from helpers import full_masters, precision_path, tiny_config_maker, write_patterned_tokens, write_yaml
+from helpers import (
+    full_masters,
+    make_read_only,
+    precision_path,
+    small_disk,
+    tiny_config_maker,
+    write_patterned_tokens,
+    write_yaml,
+)
 
 from femtotron.cli import main
+from femtotron.errors import ConfigError
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.tensor_parallel import full_tensor
 from femtotron.serialize import checkpoint
@@ -388,6 +399,7 @@ def save_then_die(tensors, path, metadata=None):
     real(tensors, path, metadata=metadata)
 files.save_file = save_then_die
 from femtotron.cli import main
+from femtotron.errors import ConfigError
 sys.exit(main(["train", sys.argv[1]]))
 """
 
@@ -440,7 +452,7 @@ def test_sigterm_saves_a_checkpoint_and_stops_then_the_run_resumes(tiny_config, 
     assert len(trainer.train()) == 1 and trainer.state.step == step + 1
 
 
-def test_a_resume_with_another_global_batch_or_other_data_warns(tiny_config, capsys):
+def test_a_resume_with_another_global_batch_warns(tiny_config, capsys):
     saved = _checkpointed_run(tiny_config, "batch")
     trainer = Trainer(
         make(tiny_config, "batch-resume", "tokens.micro_batch_size=1", steps=6), ParallelContext()
@@ -450,9 +462,70 @@ def test_a_resume_with_another_global_batch_or_other_data_warns(tiny_config, cap
         "global batch size 16 at the save, 8 now: the data continues at the same global sample"
         in capsys.readouterr().out
     )
+
+
+def word_tokenizer(path, words):
+    """A tokenizer.json whose vocabulary is `words`, one id each."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    Tokenizer(WordLevel({word: i for i, word in enumerate(words)}, unk_token=words[0])).save(str(path))
+    return str(path)
+
+
+def test_S6_S7_a_resume_on_other_data_or_another_tokenizer_is_refused_saying_what_changed(
+    tiny_config, tmp_path, capsys
+):
+    """The same token count with other content, another data.seed, another sequence_length, another
+    tokenizer: each refused with what it would do, unless checkpoints.resume_with_other_data (warned)."""
+    first = word_tokenizer(tmp_path / "first.json", ["<unk>", "a", "b"])
+    saved = _checkpointed_run(tiny_config, "identity", f"tokenizer.tokenizer_name_or_path={first}")
+    same_size = write_patterned_tokens(saved.parent / "other", seed=9)  # 8,400 tokens like the original
+    other = word_tokenizer(tmp_path / "other.json", ["<unk>", "a", "c"])
+    changes = {
+        f"data.dataset_folder={same_size}": "the contents of the datasets (data.dataset_folder) changed",
+        "data.seed=99": "data.seed changed (1234 at the save, 99 now): the samples would come in another",
+        "tokens.sequence_length=16": "tokens.sequence_length changed (32 at the save, 16 now): samples would",
+        f"tokenizer.tokenizer_name_or_path={other}": "the tokenizer's vocabulary (tokenizer.tokenizer_name",
+    }
+    for override, phrase in changes.items():
+        kept = [] if override.startswith("tokenizer.") else [f"tokenizer.tokenizer_name_or_path={first}"]
+        trainer = Trainer(make(tiny_config, "identity-resume", override, *kept), ParallelContext())
+        with pytest.raises(ConfigError) as refused:
+            checkpoint.load(trainer.parts, saved)
+        assert phrase in str(refused.value) and "checkpoints.resume_with_other_data=true" in str(
+            refused.value
+        )
+        allowed = make(
+            tiny_config, "identity-resume", override, *kept, "checkpoints.resume_with_other_data=true"
+        )
+        checkpoint.load(Trainer(allowed, ParallelContext()).parts, saved)
+        assert f"resuming although {phrase}" in capsys.readouterr().out
+    # The data copied elsewhere, the same bytes: not a change.
+    moved = saved.parent / "moved"
+    moved.mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copyfile(tiny_config().data.dataset_folder + suffix, moved / f"patterned{suffix}")
+    config = make(
+        tiny_config,
+        "identity-moved",
+        f"data.dataset_folder={moved / 'patterned'}",
+        f"tokenizer.tokenizer_name_or_path={first}",
+    )
+    assert checkpoint.load(Trainer(config, ParallelContext()).parts, saved)[0].startswith("resumed from")
+
+
+def test_a_checkpoint_written_before_data_identities_still_resumes_and_warns_on_other_data(
+    tiny_config, capsys
+):
+    saved = _checkpointed_run(tiny_config, "old")
+    step = saved / "step-0000004"
+    manifest = json.loads((step / MANIFEST).read_text())
+    del manifest["data_identity"]
+    (step / MANIFEST).write_text(json.dumps(manifest))
     other = write_patterned_tokens(saved.parent / "other", documents=20)
     trainer = Trainer(
-        make(tiny_config, "data-resume", f"data.dataset_folder={other}", steps=6), ParallelContext()
+        make(tiny_config, "old-resume", f"data.dataset_folder={other}", steps=6), ParallelContext()
     )
     checkpoint.load(trainer.parts, saved)
     assert (
@@ -658,3 +731,168 @@ def test_C3_a_same_layout_resume_restores_the_torch_numpy_and_python_rng_states(
     assert numpy_state[0] == saved[1][0] and np.array_equal(numpy_state[1], saved[1][1])
     assert numpy_state[2:] == saved[1][2:]
     assert torch.equal(torch_state, saved[2])
+
+
+def test_W2_a_planted_tmp_step_link_is_removed_and_the_save_lands_in_the_run(tiny_config, tmp_path):
+    config = make(tiny_config, "planted", "checkpoints.checkpoint_interval=2", steps=2)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = config.run_dir / "checkpoints"
+    root.mkdir(parents=True)
+    (root / ".tmp-step-0000002").symlink_to(outside)  # as in a downloaded run directory
+    Trainer(config, ParallelContext(), log_to_console=False).train()
+    assert list(outside.iterdir()) == []
+    step = root / "step-0000002"
+    assert not step.is_symlink() and (step / MANIFEST).is_file()
+
+
+def test_a_step_link_in_a_checkpoints_directory_is_ignored_with_a_warning(tiny_config):
+    saved = _checkpointed_run(tiny_config, "links")
+    elsewhere = saved.parent / "elsewhere"
+    shutil.copytree(saved / "step-0000004", elsewhere)
+    (saved / "step-0000009").symlink_to(elsewhere)
+    (saved / "latest").write_text("step-0000009\n")
+    chosen, warnings = checkpoint.resolve(saved)
+    assert chosen == saved / "step-0000004"
+    assert f"ignoring {saved / 'step-0000009'}: a link (to {elsewhere})" in warnings[0]
+
+
+def crashing_train(config, tmp_path, point):
+    """`femtotron train` in a process of its own, SIGKILLed at crash point `point`."""
+    env = {**os.environ, "FEMTOTRON_CRASH_AT": point, "OMP_NUM_THREADS": "1"}
+    died = subprocess.run(
+        [sys.executable, "-m", "femtotron", "train", write_yaml(config, tmp_path / f"{point}.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert died.returncode == -signal.SIGKILL, died.stdout + died.stderr
+
+
+def committed_at(directory):
+    return json.loads((directory / MANIFEST).read_text())["committed_at"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("point", "kept"),
+    [
+        ("checkpoint.manifest_written", "old"),
+        ("checkpoint.set_aside", "old"),  # before: no step-4 at all, resumed from step 2
+        ("checkpoint.renamed", "new"),
+        ("checkpoint.latest_written", "new"),
+    ],
+)
+def test_S3_re_committing_a_step_killed_at_each_boundary_keeps_a_step_to_resume(
+    tiny_config, tmp_path, point, kept
+):
+    """A rollback to step 2 saves step 4 again over the old step 4; killed anywhere in that commit, the run
+    resumes at step 4: the old one until the new one is in place, then the new one."""
+    saved = _checkpointed_run(tiny_config, f"recommit-{point}")
+    old = committed_at(saved / "step-0000004")
+    config = make(
+        tiny_config,
+        f"recommit-{point}",
+        f"checkpoints.resume_checkpoint_path={saved / 'step-0000002'}",
+        "checkpoints.checkpoint_interval=2",
+        steps=4,
+    )
+    crashing_train(config, tmp_path, point)
+    resumed = Trainer(
+        make(tiny_config, f"recommit-{point}", steps=4), ParallelContext(), log_to_console=False
+    )
+    summary, directory = checkpoint.load(resumed.parts, saved)
+    assert resumed.state.step == 4 and "at step 4" in summary
+    assert (committed_at(directory) == old) == (kept == "old")
+
+
+@pytest.mark.distributed
+def test_S4_a_kill_before_latest_is_updated_resumes_the_newer_commit_with_a_warning(
+    tiny_config, tmp_path, capsys
+):
+    first = make(tiny_config, "stale", "checkpoints.checkpoint_interval=2", steps=2)
+    Trainer(first, ParallelContext(), log_to_console=False).train()
+    config = make(tiny_config, "stale", "checkpoints.checkpoint_interval=2", steps=4)
+    crashing_train(config, tmp_path, "checkpoint.renamed")  # step-4 renamed into place, latest says step 2
+    saved = config.run_dir / "checkpoints"
+    assert (saved / "latest").read_text().strip() == "step-0000002"
+    chosen, warnings = checkpoint.resolve(saved)
+    assert chosen == saved / "step-0000004"
+    assert warnings == [
+        f"{saved / 'latest'} names step-0000002, but step-0000004 was committed after it (the run was killed "
+        "before it updated latest); taking step-0000004"
+    ]
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_a_checkpoints_path_that_cannot_be_written_fails_before_step_1(tiny_config, tmp_path, fault):
+    with small_disk(tmp_path / "disk") as where:
+        if fault == "full":
+            with open(where / "filler", "wb") as f, pytest.raises(OSError):
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            make_read_only(where)
+        config = make(
+            tiny_config,
+            f"unwritable-{fault}",
+            "checkpoints.checkpoint_interval=2",
+            f"checkpoints.checkpoints_path={where}",
+        )
+        trainer = Trainer(config, ParallelContext(), log_to_console=False)
+        with pytest.raises(CheckpointError, match=f"checkpoints cannot be written to {where} "):
+            trainer.train()
+        assert trainer.state.step == 0
+
+
+def test_with_latest_missing_the_newest_committed_checkpoint_is_resumed(tiny_config):
+    """Steps 2 and 4 committed and `latest` lost: the run resumes at step 4, the one the warning names."""
+    saved = _checkpointed_run(tiny_config, "no-latest")
+    (saved / "latest").unlink()
+    chosen, warnings = checkpoint.resolve(saved)
+    assert chosen == saved / "step-0000004"
+    assert warnings == [
+        f"{saved / 'latest'} is missing; taking the newest committed checkpoint, step-0000004"
+    ]
+    resumed = Trainer(make(tiny_config, "no-latest", steps=6), ParallelContext(), log_to_console=False)
+    checkpoint.load(resumed.parts, saved)
+    assert resumed.state.step == 4
+
+
+def test_a_run_that_died_before_its_final_weights_is_not_done_and_writes_them(tiny_config, tmp_path, capsys):
+    """The last checkpoint is committed before the final weights are written: killed between the two, the
+    run is not finished, and starting it again writes the weights."""
+    config = make(tiny_config, "no-weights", "checkpoints.checkpoint_interval=2", steps=4)
+    path = write_yaml(config, tmp_path / "c.yaml")
+    assert main(["train", path]) == 0
+    weights = config.run_dir / "model.safetensors"
+    weights.unlink()
+    assert checkpoint.already_done(config) is None
+    capsys.readouterr()
+    assert main(["train", path]) == 0
+    assert "already done" not in capsys.readouterr().out
+    assert weights.is_file()
+
+
+def test_auto_resume_refuses_another_run_s_checkpoint_in_a_shared_checkpoints_path(
+    tiny_config, tmp_path, capsys
+):
+    """nanotron's configs all say `checkpoints_path: checkpoints`: run B, sharing run A's path, used to
+    auto-resume A's step 2 silently. Now it stops naming both runs and the fixes; A itself still resumes."""
+    shared = f"checkpoints.checkpoints_path={tmp_path / 'checkpoints'}"
+    first = make(tiny_config, "run-a", shared, "checkpoints.checkpoint_interval=2", steps=2)
+    assert main(["train", write_yaml(first, tmp_path / "a.yaml")]) == 0
+    second = make(tiny_config, "run-b", shared, "checkpoints.checkpoint_interval=2", steps=4)
+    capsys.readouterr()
+    assert main(["train", write_yaml(second, tmp_path / "b.yaml")]) == 6
+    step = tmp_path / "checkpoints" / "step-0000002"
+    assert (
+        f"{step} is a checkpoint of run femtotron/run-a, not of this run (femtotron/run-b): both save into "
+        f"{tmp_path / 'checkpoints'}" in capsys.readouterr().err
+    )
+    assert not (second.run_dir / "metrics.jsonl").exists()
+    again = make(tiny_config, "run-a", shared, "checkpoints.checkpoint_interval=2", steps=4)
+    assert main(["train", write_yaml(again, tmp_path / "a4.yaml")]) == 0
+    assert "resumed from" in capsys.readouterr().out

@@ -6,7 +6,7 @@ import random
 import torch
 
 from femtotron.parallel.sharding import ShardInfo
-from femtotron.serialize.geometry import flat_range_boxes, placements
+from femtotron.serialize.geometry import first_overlap, flat_range_boxes, intersect, placements
 
 
 def test_flat_ranges_split_into_contiguous_boxes_in_order():
@@ -41,3 +41,19 @@ def test_placements_map_a_padded_shard_into_its_global_tensor_and_drop_the_paddi
         assert torch.equal(values, expected)
         covered.append(place.target)
     assert covered == [((6, 2), (7, 3)), ((7, 0), (10, 3))]  # nothing from the padding row
+
+
+def test_first_overlap_finds_a_shared_element_exactly_when_two_boxes_have_one():
+    rng = random.Random(1)
+    for _ in range(500):
+        boxes = []
+        for _ in range(rng.randint(0, 6)):
+            low = tuple(rng.randint(0, 4) for _ in range(2))
+            boxes.append((low, tuple(lo + rng.randint(1, 3) for lo in low)))
+        found = first_overlap(boxes)
+        any_pair = any(intersect(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+        assert (found is not None) == any_pair, boxes
+        if found is not None:
+            assert intersect(*found) is not None
+    # Boxes side by side along the first dimension only touch: no element is shared.
+    assert first_overlap([((0, 0), (2, 4)), ((2, 0), (4, 4))]) is None

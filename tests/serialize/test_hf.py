@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from femtotron.cli import main
+from femtotron.errors import FemtotronError, PathError
 from femtotron.generate import load_run
 from femtotron.parallel.context import ParallelContext
 from femtotron.serialize.hf import HFError, export_hf, import_hf
@@ -65,6 +74,58 @@ def test_an_imported_model_gives_transformers_logits_and_exports_back_bit_identi
     assert all(torch.equal(original[name], exported[name]) for name in original)
 
 
+def test_a_tied_checkpoint_that_also_lists_its_head_imports(tmp_path):
+    """transformers 5 leaves a tied model's lm_head.weight out; older versions and other tools write it,
+    as a copy of the embedding. Both are the same model."""
+    hf = hf_directory(tmp_path / "hf", tied=True, shard="10MB")
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert "lm_head.weight" not in weights
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    config, ours = load_run(tmp_path / "run")
+    assert config.model.model_config_.tie_word_embeddings
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 24))
+    with torch.no_grad():
+        logits_close(ours.logits(ids), hf(ids).logits)
+
+
+def test_training_an_imported_config_continues_from_the_import_in_a_run_of_its_own(
+    tmp_path, tiny_dataset, capsys
+):
+    """`import-hf`, then `train OUT/config.yaml data.dataset_folder=... tokens.train_steps=3`: the run starts
+    from the imported weights (model.init_from) in OUT-train, its schedule follows its own train_steps (it
+    was at the floor from step 1), step 1 is not warned about as a fresh model, and the import is left as
+    it was. Training in the import's own directory is refused: the run would overwrite weights it did not
+    produce."""
+    hf_directory(tmp_path / "hf", vocab_size=256)
+    imported = tmp_path / "run_hf"
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(imported)]) == 0
+    before = {p.name: p.read_bytes() for p in imported.iterdir() if p.is_file()}
+    overrides = [f"data.dataset_folder={tiny_dataset}", "tokens.train_steps=3"]
+    capsys.readouterr()
+    assert main(["train", str(imported / "config.yaml"), *overrides]) == 0
+    out = capsys.readouterr().out
+    assert f"initialised the weights from {imported.resolve()} (model.init_from)" in out
+    assert "should start near ln(vocab_size)" not in out
+    records = [
+        json.loads(line) for line in (tmp_path / "run_hf-train" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["lr"] for r in records] == pytest.approx(
+        [3e-4, 1.5e-4, 0.0]
+    )  # over 3 steps, not the import's 1
+    assert (tmp_path / "run_hf-train" / "model.safetensors").is_file()
+    assert {p.name: p.read_bytes() for p in imported.iterdir() if p.is_file()} == before
+
+    assert main(["train", str(imported / "config.yaml"), *overrides, "general.run=run_hf"]) == 2
+    assert (
+        f"{imported / 'model.safetensors'} holds weights this run did not produce (imported from "
+        f"{tmp_path / 'hf'}): training in {imported} would overwrite them" in capsys.readouterr().err
+    )
+    assert {p.name: p.read_bytes() for p in imported.iterdir() if p.is_file()} == before
+
+
 def test_llama3_rope_scaling_gives_transformers_logits_in_and_out(tmp_path):
     """Llama 3.1/3.2's RoPE: frequencies slowed past an original context of 32 positions; 100 tokens."""
     from transformers import LlamaForCausalLM
@@ -88,7 +149,14 @@ MOE = {
     "qwen2_moe": (
         "Qwen2MoeConfig",
         "Qwen2MoeForCausalLM",
-        dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64, qkv_bias=False),
+        # Top-2 of 4: Qwen2MoeConfig's default k routes to all 4, where renormalising changes nothing.
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            qkv_bias=False,
+        ),
     ),
 }
 
@@ -180,7 +248,7 @@ def test_a_model_femtotron_does_not_compute_is_refused_naming_the_field(tmp_path
 
 
 def test_bad_directories_get_clear_errors(tmp_path):
-    with pytest.raises(HFError, match="config.json does not exist"):
+    with pytest.raises(PathError, match="config.json does not exist"):  # exit 1: a path given
         import_hf(tmp_path, tmp_path / "run")
     hf_directory(tmp_path / "sharded")
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
@@ -222,3 +290,217 @@ def test_export_writes_what_transformers_expects(tmp_path):
     assert all(
         t.dtype == torch.bfloat16 for t in load_file(str(tmp_path / "back" / "model.safetensors")).values()
     )
+
+
+TOKENIZER = Path(__file__).resolve().parents[2] / "examples" / "tokenizer.json"
+
+
+@pytest.fixture
+def hf_with_tokenizer(tmp_path):
+    """An HF directory in one safetensors file, with a tokenizer.json, and a secret file outside it."""
+    hf_directory(tmp_path / "hf", shard="1GB")
+    shutil.copyfile(TOKENIZER, tmp_path / "hf" / "tokenizer.json")
+    (tmp_path / "secret.txt").write_text("the user's own file")
+    return tmp_path / "hf"
+
+
+def test_W1_import_and_export_replace_a_symlinked_tokenizer_in_out_instead_of_writing_through_it(
+    hf_with_tokenizer, tmp_path
+):
+    secret = tmp_path / "secret.txt"
+    for out in (tmp_path / "run", tmp_path / "back"):
+        out.mkdir()
+        (out / "tokenizer.json").symlink_to(secret)  # as in a git clone of an HF repository
+    import_hf(hf_with_tokenizer, tmp_path / "run")
+    export_hf(tmp_path / "run", tmp_path / "back")
+    assert secret.read_text() == "the user's own file"
+    for out in (tmp_path / "run", tmp_path / "back"):
+        assert not (out / "tokenizer.json").is_symlink()
+        assert (out / "tokenizer.json").read_bytes() == TOKENIZER.read_bytes()
+
+
+def test_an_exported_tokenizer_names_its_special_tokens_for_transformers(hf_with_tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    import_hf(hf_with_tokenizer, tmp_path / "run")
+    export_hf(tmp_path / "run", tmp_path / "back")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "back")
+    assert tokenizer.eos_token == tokenizer.pad_token == "<|endoftext|>" and tokenizer.eos_token_id == 0
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["eos_token_id"] == 0
+
+
+def test_an_import_without_a_tokenizer_says_how_to_sample_from_it(tmp_path, capsys):
+    hf_directory(tmp_path / "hf")
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "without a tokenizer" in out and f"copy the model's tokenizer.json into {tmp_path / 'run'}" in out
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert f"copy the model's tokenizer.json into {tmp_path / 'run'}" in err and "train again" not in err
+
+
+@pytest.mark.parametrize("file", ["tokenizer.json", "model.safetensors"])
+def test_X3_a_file_linked_from_outside_the_directory_is_refused_naming_it(hf_with_tokenizer, tmp_path, file):
+    outside = tmp_path / "elsewhere" / file
+    outside.parent.mkdir()
+    shutil.move(hf_with_tokenizer / file, outside)
+    (hf_with_tokenizer / file).symlink_to(outside)
+    with pytest.raises(HFError, match=f"{file} .*outside {hf_with_tokenizer}"):
+        import_hf(hf_with_tokenizer, tmp_path / "run")
+    assert not (tmp_path / "run" / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("absolute", [False, True], ids=["dot-dot", "absolute"])
+def test_X4_an_index_entry_outside_the_directory_is_refused_naming_it(tmp_path, absolute):
+    hf_directory(tmp_path / "hf")
+    index_path = tmp_path / "hf" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copyfile(tmp_path / "hf" / shard, tmp_path / "elsewhere" / shard)
+    entry = str(tmp_path / "elsewhere" / shard) if absolute else f"../elsewhere/{shard}"
+    index["weight_map"] = {
+        name: entry if file == shard else file for name, file in index["weight_map"].items()
+    }
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(HFError, match=f"{re.escape(entry)} .*outside {tmp_path / 'hf'}"):
+        import_hf(tmp_path / "hf", tmp_path / "run")
+
+
+def test_the_hugging_face_cache_layout_with_links_into_its_blobs_is_read(hf_with_tokenizer, tmp_path):
+    """huggingface_hub keeps repo/snapshots/REVISION/FILE as links to repo/blobs/SHA: inside the repo."""
+    repo = tmp_path / "models--someone--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, file in enumerate(sorted(p.name for p in hf_with_tokenizer.iterdir())):
+        shutil.move(hf_with_tokenizer / file, repo / "blobs" / f"sha{i}")
+        (snapshot / file).symlink_to(f"../../blobs/sha{i}")
+    import_hf(snapshot, tmp_path / "run")
+    assert (tmp_path / "run" / "tokenizer.json").read_bytes() == TOKENIZER.read_bytes()
+
+
+def test_S1_an_export_over_an_earlier_one_with_other_shards_leaves_no_stale_weights(
+    hf_with_tokenizer, tmp_path
+):
+    import_hf(hf_with_tokenizer, tmp_path / "run")
+    export_hf(tmp_path / "run", tmp_path / "back", shard_bytes=30_000)
+    assert (tmp_path / "back" / "model.safetensors.index.json").is_file()
+    (tmp_path / "back" / "README.md").write_text("the user's")
+    export_hf(tmp_path / "run", tmp_path / "back", dtype="bfloat16")
+    assert sorted(p.name for p in (tmp_path / "back").iterdir()) == [
+        "README.md",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    export_hf(tmp_path / "run", tmp_path / "back", shard_bytes=30_000)
+    assert not (tmp_path / "back" / "model.safetensors").exists()
+
+
+def run_cli(*args, crash_at=None):
+    env = {key: value for key, value in os.environ.items() if not key.startswith("FEMTOTRON_CRASH")}
+    if crash_at:
+        env["FEMTOTRON_CRASH_AT"] = crash_at
+    command = [sys.executable, "-m", "femtotron.cli", *map(str, args)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.distributed
+def test_S8_an_export_killed_while_moving_its_files_in_leaves_a_directory_generate_refuses(
+    hf_with_tokenizer, tmp_path
+):
+    import_hf(hf_with_tokenizer, tmp_path / "run")
+    export_hf(tmp_path / "run", tmp_path / "back", shard_bytes=30_000)
+    killed = run_cli("export-hf", tmp_path / "run", "--out", tmp_path / "back", crash_at="outputs.moved_one")
+    assert killed.returncode == -signal.SIGKILL
+    assert not (tmp_path / "back" / "config.json").exists()  # removed first, moved in last
+    with pytest.raises(FemtotronError, match="config.yaml does not exist"):
+        load_run(tmp_path / "back")
+    again = run_cli("export-hf", tmp_path / "run", "--out", tmp_path / "back")
+    assert again.returncode == 0, again.stderr
+    assert "left by an earlier run that was killed" in again.stderr
+    assert not [p for p in (tmp_path / "back").iterdir() if ".tmp" in p.name]
+    load_run(tmp_path / "back")
+
+
+@pytest.mark.distributed
+def test_L2_an_export_from_a_checkpoint_killed_mid_way_is_cleaned_up_by_the_next(tiny_config, tmp_path):
+    config = tiny_config("general.run=export", "checkpoints.checkpoint_interval=2", "tokens.train_steps=2")
+    Trainer(config, ParallelContext(), log_to_console=False).train()
+    checkpoints = config.run_dir / "checkpoints"
+    killed = run_cli("export-hf", checkpoints, "--out", tmp_path / "hf", crash_at="atomic.written")
+    assert killed.returncode == -signal.SIGKILL
+    leftovers = [p.name for p in (tmp_path / "hf").iterdir()]
+    assert leftovers and all(".tmp" in name for name in leftovers), leftovers
+    again = run_cli("export-hf", checkpoints, "--out", tmp_path / "hf")
+    assert again.returncode == 0, again.stderr
+    assert all(name in again.stderr for name in leftovers)
+    assert not [p for p in (tmp_path / "hf").iterdir() if ".tmp" in p.name]
+    assert not [p for p in tmp_path.iterdir() if p.name not in ("hf", "runs", "data")], list(
+        tmp_path.iterdir()
+    )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_hidden_layers": 10**6}, "num_hidden_layers=1000000, but .* holds? 2 layers"),
+        (
+            {"hidden_size": 2**40, "head_dim": None},
+            "embed_tokens.weight .* is 64 wide, but config.json has hidden_size=1099511627776",
+        ),
+        (
+            {"intermediate_size": 10**9},
+            r"mlp.down_proj.weight .* has shape \(64, 96\), but config.json makes it \(64, 1000000000\)",
+        ),
+        ({"intermediate_size": 2**62}, "larger than any machine holds"),
+    ],
+)
+def test_E2_a_config_far_larger_than_its_weights_is_refused_from_the_headers_at_once(
+    tmp_path, change, message
+):
+    hf_directory(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    started = time.monotonic()
+    with pytest.raises(HFError, match=message):
+        import_hf(tmp_path / "hf", tmp_path / "run")
+    assert time.monotonic() - started < 10
+
+
+def test_E2_a_huge_position_count_builds_no_tables_and_generate_refuses_it(tmp_path, capsys):
+    hf_directory(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "max_position_embeddings": 2 * 10**8}))
+    import_hf(tmp_path / "hf", tmp_path / "run")  # the weights do not depend on it
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "hi"]) == 2
+    assert "max_position_embeddings=200000000" in capsys.readouterr().err
+
+
+def test_an_index_whose_weight_map_is_a_list_is_refused(tmp_path):
+    hf_directory(tmp_path / "hf")
+    index_path = tmp_path / "hf" / "model.safetensors.index.json"
+    index_path.write_text(json.dumps({"weight_map": ["model.norm.weight"]}))
+    with pytest.raises(HFError, match="weight_map"):
+        import_hf(tmp_path / "hf", tmp_path / "run")
+
+
+def test_an_export_with_a_tokenizer_that_is_not_json_is_refused_before_writing_anything(
+    hf_with_tokenizer, tmp_path
+):
+    import_hf(hf_with_tokenizer, tmp_path / "run")
+    (tmp_path / "run" / "tokenizer.json").write_text("not json {")
+    with pytest.raises(FemtotronError, match="tokenizer.json cannot be read as a HF tokenizers JSON file"):
+        export_hf(tmp_path / "run", tmp_path / "back")
+    assert not (tmp_path / "back").exists() or not list((tmp_path / "back").iterdir())
+
+
+def test_an_output_directory_that_is_the_source_is_refused(hf_with_tokenizer, tmp_path):
+    import_hf(hf_with_tokenizer, tmp_path / "run")
+    assert main(["export-hf", str(tmp_path / "run"), "--out", str(tmp_path / "run")]) == 2
+    assert main(["import-hf", str(hf_with_tokenizer), "--out", str(hf_with_tokenizer)]) == 2
+    load_run(tmp_path / "run")
+    load_run(hf_with_tokenizer)

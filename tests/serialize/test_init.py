@@ -148,3 +148,19 @@ def test_a_source_of_another_model_is_refused_naming_each_field(tiny_config, tmp
         Trainer(
             tiny_config(f"model.init_from={tmp_path / 'nowhere'}"), ParallelContext(), log_to_console=False
         )
+
+
+def test_a_run_initialised_from_a_trained_model_is_not_warned_about_its_low_first_loss(tiny_config, capsys):
+    """N3 compares the first loss with ln(vocab), where only a fresh model starts: from trained weights a
+    loss far below it is the point, not inputs leaking into the targets."""
+    lr = "optimizer.learning_rate_scheduler.learning_rate=0.01"
+    source = tiny_config("general.run=source", "tokens.train_steps=30", lr)
+    results = Trainer(source, ParallelContext(), log_to_console=False).train()
+    assert results[-1].loss < 5.545 - 1.5  # far enough below ln(256) for the check
+    capsys.readouterr()
+    continued = tiny_config(
+        "general.run=continued", "tokens.train_steps=1", f"model.init_from={source.run_dir}"
+    )
+    first = Trainer(continued, ParallelContext()).train()[0].loss
+    assert first < 5.545 - 1.5
+    assert "should start near ln(vocab_size)" not in capsys.readouterr().out

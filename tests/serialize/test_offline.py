@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -10,11 +15,13 @@ from distributed import run_ranks
 from safetensors.torch import load_file
 
 from femtotron.cli import main
+from femtotron.config import load_config_dict
 from femtotron.data.tokenizer import train_tokenizer
+from femtotron.errors import FemtotronError
 from femtotron.generate import generate_text, load_run
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.mesh import Mesh
-from femtotron.serialize import files
+from femtotron.serialize import checkpoint, files
 from femtotron.serialize.files import rank_file
 from femtotron.trainer import Trainer
 
@@ -148,9 +155,9 @@ def test_a_resharded_checkpoint_resumes_on_its_mesh_reading_its_optimizer_state_
         assert rank_file(rank) in moments and moments <= savers
 
 
-def test_a_consolidated_checkpoint_is_a_self_contained_run_directory(tiny_config, tmp_path, monkeypatch):
-    """The checkpoint keeps the run's tokenizer, so consolidate writes it beside the weights and `generate`
-    works from anywhere, even once the original tokenizer file is gone."""
+@pytest.fixture
+def with_tokenizer(tiny_config, tmp_path):
+    """A checkpoint after 2 steps that holds its run's tokenizer, and a file of the user's outside it."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("to be or not to be, that is the question " * 50)
     train_tokenizer([corpus], 300, tmp_path / "tok" / "tokenizer.json")
@@ -163,16 +170,24 @@ def test_a_consolidated_checkpoint_is_a_self_contained_run_directory(tiny_config
         "checkpoints.save_final_state=false",
     )
     Trainer(config, ParallelContext(), log_to_console=False).train()
+    (tmp_path / "secret.txt").write_text("the user's own file")
+    return config.run_dir / "checkpoints" / "step-0000002"
+
+
+def test_a_consolidated_checkpoint_is_a_self_contained_run_directory(with_tokenizer, tmp_path, monkeypatch):
+    """The checkpoint keeps the run's tokenizer, so consolidate writes it beside the weights and `generate`
+    works from anywhere, even once the original tokenizer file is gone."""
     (tmp_path / "tok" / "tokenizer.json").unlink()
+    checkpoints = with_tokenizer.parent
     out = tmp_path / "out"
-    assert main(["consolidate", str(config.run_dir / "checkpoints"), "--out", str(out)]) == 0
+    assert main(["consolidate", str(checkpoints), "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == [
         "config.yaml",
         "model-parts.json",
         "model.safetensors",
         "tokenizer.json",
     ]
-    assert main(["reshard", str(config.run_dir / "checkpoints"), "--out", str(tmp_path / "resharded")]) == 0
+    assert main(["reshard", str(checkpoints), "--out", str(tmp_path / "resharded")]) == 0
     assert (tmp_path / "resharded" / "step-0000002" / "tokenizer.json").is_file()
     monkeypatch.chdir(tmp_path / "tok")
     assert generate_text(out, "to be", max_new_tokens=4, temperature=0).startswith("to be")
@@ -184,3 +199,121 @@ def test_a_bad_checkpoint_argument_is_named_as_the_argument(verb, tmp_path, caps
     err = capsys.readouterr().err
     assert f"the CHECKPOINT argument: {tmp_path / 'nowhere'} does not exist" in err
     assert "resume_checkpoint_path" not in err
+
+
+def test_W1_consolidate_replaces_a_symlinked_tokenizer_in_out_instead_of_writing_through_it(
+    with_tokenizer, tmp_path
+):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tokenizer.json").symlink_to(tmp_path / "secret.txt")
+    assert main(["consolidate", str(with_tokenizer), "--out", str(out)]) == 0
+    assert (tmp_path / "secret.txt").read_text() == "the user's own file"
+    assert (out / "tokenizer.json").read_bytes() == (with_tokenizer / "tokenizer.json").read_bytes()
+
+
+def edit_manifest(checkpoint, edit):
+    path = checkpoint / files.MANIFEST
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def test_X1_a_manifest_listing_no_tokenizer_gets_none_copied_whatever_its_config_names(
+    with_tokenizer, tmp_path
+):
+    def forge(manifest):
+        del manifest["files"]["tokenizer.json"]
+        manifest["config"]["tokenizer"]["tokenizer_name_or_path"] = str(tmp_path / "secret.txt")
+
+    edit_manifest(with_tokenizer, forge)
+    (with_tokenizer / "tokenizer.json").unlink()
+    assert main(["consolidate", str(with_tokenizer), "--out", str(tmp_path / "out")]) == 0
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    assert not [
+        p for p in (tmp_path / "out").iterdir() if "the user's own file" in p.read_text(errors="replace")
+    ]
+
+
+def test_an_moe_checkpoint_resharded_over_expert_parallel_ranks_and_back_keeps_every_tensor(
+    tiny_config, tmp_path
+):
+    """One process -> dp2 x ep2 (each rank file half the experts) -> one process: every weight, master and
+    Adam moment as saved, each rank of the middle mesh holding its own experts' slices only."""
+    moe = ("model.model_config.moe.num_experts=4", "model.model_config.moe.intermediate_size=32")
+    run = config(tiny_config, "moe", *moe, "checkpoints.checkpoint_interval=2", steps=2)
+    Trainer(run, ParallelContext(), log_to_console=False).train()
+    checkpoints = run.run_dir / "checkpoints"
+    weights, optimizer = consolidated(checkpoints, tmp_path / "original")
+    assert main(["reshard", str(checkpoints), "--out", str(tmp_path / "ep"), "--dp", "2", "--ep", "2"]) == 0
+    manifest = files.read_manifest(tmp_path / "ep" / "step-0000002")
+    experts = manifest["tensors"]["model/layers.0.mlp.experts.down_proj"]["slices"]
+    assert sorted((piece["file"], piece["start"][0], piece["stop"][0]) for piece in experts) == [
+        (rank_file(0), 0, 2),
+        (rank_file(1), 2, 4),
+    ]
+    back = ["reshard", str(tmp_path / "ep"), "--out", str(tmp_path / "one"), "--dp", "1", "--ep", "1"]
+    assert main(back) == 0
+    round_weights, round_optimizer = consolidated(tmp_path / "one", tmp_path / "round")
+    for original, again in ((weights, round_weights), (optimizer, round_optimizer)):
+        assert original.keys() == again.keys()
+        for name, tensor in original.items():
+            assert torch.equal(again[name], tensor), name
+
+
+def test_a_resharded_checkpoint_records_its_new_world_size_and_resumes_as_written_offline(
+    with_tokenizer, tmp_path
+):
+    """The new manifest's world size counts the new mesh's ranks (the tokenizer's file once counted as one):
+    resuming on that mesh is not reported as `resharded ()` with "RNG states not restored"."""
+    assert main(["reshard", str(with_tokenizer), "--out", str(tmp_path / "same")]) == 0
+    resharded = tmp_path / "same" / with_tokenizer.name
+    manifest = files.read_manifest(resharded)
+    assert manifest["world_size"] == 1 and "tokenizer.json" in manifest["files"]
+    trainer = Trainer(load_config_dict(manifest["config"]), ParallelContext(), log_to_console=False)
+    summary, _ = checkpoint.load(trainer.parts, resharded)
+    assert summary.endswith("; no RNG states in the checkpoint (written offline)"), summary
+
+
+def test_X2_reshard_refuses_a_tokenizer_that_fails_its_checksum(with_tokenizer, tmp_path, capsys):
+    tokenizer = with_tokenizer / "tokenizer.json"
+    text = tokenizer.read_text()
+    tokenizer.write_text(text.replace("question", "qvestion"))  # the same size, other contents
+    assert main(["reshard", str(with_tokenizer), "--out", str(tmp_path / "resharded")]) == 6
+    assert "tokenizer.json fails its sha256 checksum" in capsys.readouterr().err
+    assert not (tmp_path / "resharded" / with_tokenizer.name).exists()
+
+
+def test_S1_consolidate_without_the_optimizer_over_one_with_it_leaves_no_stale_file(with_tokenizer, tmp_path):
+    out = tmp_path / "out"
+    assert main(["consolidate", str(with_tokenizer), "--out", str(out), "--with-optimizer"]) == 0
+    assert main(["consolidate", str(with_tokenizer), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.yaml",
+        "model-parts.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+
+
+@pytest.mark.distributed
+def test_S8_consolidate_killed_while_moving_its_files_in_leaves_a_directory_generate_refuses(
+    with_tokenizer, tmp_path
+):
+    out = tmp_path / "out"
+    assert main(["consolidate", str(with_tokenizer), "--out", str(out)]) == 0
+    env = {key: value for key, value in os.environ.items() if not key.startswith("FEMTOTRON_CRASH")}
+    command = [sys.executable, "-m", "femtotron.cli", "consolidate", str(with_tokenizer), "--out", str(out)]
+    killed = subprocess.run(command, env=env | {"FEMTOTRON_CRASH_AT": "outputs.moved_one"}, timeout=300)
+    assert killed.returncode == -signal.SIGKILL
+    with pytest.raises(FemtotronError, match="config.yaml does not exist"):
+        load_run(out)
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "left by an earlier run that was killed" in again.stderr, again.stderr
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.yaml",
+        "model-parts.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    load_run(out)

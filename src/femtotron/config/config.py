@@ -66,19 +66,14 @@ SKIP_RULES = "femtotron_skip_rules"
 class Config(ConfigFields):
     """A whole training run. Loading one builds nothing.
 
-    Validating one (from YAML through load.py, or `Config.model_validate` in Python) fills in the schedule's
-    defaults that depend on other sections, then checks every cross-field rule, so that no code ever holds a
-    config that breaks one.
+    Validating one (from YAML through load.py, or `Config.model_validate` in Python) checks every cross-field
+    rule, so that no code ever holds a config that breaks one. Fields derived from others stay as given
+    (null: the schedule's decay follows `tokens.train_steps`, optim/lr_schedule.py), so that a run's saved
+    config.yaml, reused with another `train_steps`, derives them anew instead of keeping the old run's.
     """
 
     @model_validator(mode="after")
-    def _resolve_and_check(self, info: ValidationInfo) -> Config:
-        sched = self.optimizer.learning_rate_scheduler
-        # A warm-up longer than the run ends with it (config_warnings).
-        if sched.lr_decay_starting_step is None:
-            sched.lr_decay_starting_step = min(sched.lr_warmup_steps, self.tokens.train_steps)
-        if sched.lr_decay_steps is None:
-            sched.lr_decay_steps = max(0, self.tokens.train_steps - sched.lr_decay_starting_step)
+    def _check(self, info: ValidationInfo) -> Config:
         skip_rules = (info.context or {}).get(SKIP_RULES)
         problems = [] if skip_rules else rule_problems(self)
         if problems:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import copy
 import difflib
+import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -21,6 +22,10 @@ from femtotron.config.rules import Problem, raise_problems, rule_problems
 # Stand-ins for required fields that are missing or invalid, so the other rules can still be checked.
 # Rules that read them are suppressed anyway, because those paths are already reported.
 _PLACEHOLDERS = {"tokens.train_steps": 1, "data.dataset_folder": "placeholder"}
+# The most values (keys, items, scalars) a config may hold once its YAML aliases are expanded. A real one
+# holds a few hundred; nested aliases (`&a [*b, *b, ...]`) can reach billions from a few hundred bytes.
+MAX_VALUES = 100_000
+_TOO_DEEP = "nested too deeply to be a config (a few levels of sections are enough)"
 
 
 def load_config(
@@ -41,9 +46,13 @@ def load_config(
     try:
         loader = yaml.SafeLoader(text)  # its reader rejects control characters at once
         node = loader.get_single_node()
+        if node is not None:
+            _count_values(node, {}, path)  # before anything walks every alias path
         data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as e:
         _fail(path, _yaml_error(e))
+    except RecursionError:
+        _fail(path, _TOO_DEEP)
     finally:
         if loader is not None:
             loader.dispose()
@@ -79,6 +88,32 @@ def _yaml_error(e: yaml.YAMLError) -> str:
         detail += f" ({context} at line {e.context_mark.line + 1})"
     hint = "; YAML indents with spaces, never tabs" if "\\t" in detail else ""
     return f"YAML syntax error{where}: {detail}{hint}"
+
+
+def _count_values(node: yaml.Node, counted: dict[int, int], path: Path) -> int:
+    """The values `node` holds with its aliases expanded (each shared node counted once per use, in time
+    linear in the file); a config over MAX_VALUES, or an alias inside itself, fails."""
+    key = id(node)
+    if key in counted:
+        if counted[key] < 0:
+            _fail(path, f"a YAML alias refers to a node inside itself (line {node.start_mark.line + 1})")
+        return counted[key]
+    counted[key] = -1  # being counted: seen again below means a cycle
+    children: list[yaml.Node] = []
+    if isinstance(node, yaml.MappingNode):
+        children = [part for pair in node.value for part in pair]
+    elif isinstance(node, yaml.SequenceNode):
+        children = node.value
+    total = 1 + sum(_count_values(child, counted, path) for child in children)
+    if total > MAX_VALUES:
+        _fail(
+            path,
+            f"holds more than {MAX_VALUES:,} values once its YAML aliases (*name) are expanded (rule: at "
+            f"most {MAX_VALUES:,}; a config holds a few hundred). Write the values out instead of nesting "
+            "aliases",
+        )
+    counted[key] = total
+    return total
 
 
 def _map_lines(node: yaml.Node, prefix: str, lines: dict[str, int]) -> list[Problem]:
@@ -142,7 +177,10 @@ def _build(
             f"data, ...); got {got}. A config needs at least tokens.train_steps and data.dataset_folder."
         )
         raise_problems(f"Invalid config {source}", [Problem((), message)])
-    data = copy.deepcopy(dict(data))
+    try:
+        data = copy.deepcopy(dict(data))
+    except RecursionError:  # a config from a manifest's JSON
+        raise_problems(f"Invalid config {source}", [Problem((), _TOO_DEEP)])
     applied, override_problems = _apply_overrides(data, overrides)
     locate = _Locator(lines, applied, sources)
     problems: list[Problem] = list(found)
@@ -228,17 +266,27 @@ def _from_pydantic(err: Any, locate: _Locator) -> tuple[Problem, set[str]]:
     return Problem((path,), f"{message}; got {shown} ({type(value).__name__})", (locate(path),)), {path}
 
 
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The section class a field holds: `X` or an optional `X | None` section; None for a plain value."""
+    if isinstance(annotation, types.UnionType):
+        sections = [s for s in map(_section, get_args(annotation)) if s is not None]
+        return sections[0] if len(sections) == 1 else None
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
 def _field(loc: list[str]) -> Any:
     """The pydantic FieldInfo at a YAML path (by YAML key names), or None if there is no such field."""
-    model: Any = Config
+    model: type[BaseModel] | None = Config
     info = None
     for key in loc:
-        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        if model is None:
             return None
         info = next((f for name, f in model.model_fields.items() if (f.alias or name) == key), None)
         if info is None:
             return None
-        model = info.annotation
+        model = _section(info.annotation)
     return info
 
 
@@ -246,8 +294,8 @@ def _all_paths(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
     paths = []
     for name, info in model.model_fields.items():
         key = info.alias or name
-        sub = info.annotation
-        if isinstance(sub, type) and issubclass(sub, BaseModel):
+        sub = _section(info.annotation)
+        if sub is not None:
             paths += _all_paths(sub, f"{prefix}{key}.")
         else:
             paths.append(prefix + key)
@@ -258,7 +306,7 @@ def _unknown_key(parent: list[str], key: str) -> tuple[str, list[str]]:
     """Message for an unknown key: the likely intended key, the section it belongs in, or the valid keys."""
     section = ".".join(parent)
     info = _field(parent) if parent else None
-    model = info.annotation if info is not None else Config
+    model = (_section(info.annotation) if info is not None else None) or Config
     valid = [f.alias or name for name, f in model.model_fields.items()]
     prefix = f"{section}." if section else ""
     what = f"unknown key '{key}' in {section}" if section else f"unknown section '{key}'"

@@ -20,6 +20,9 @@ from femtotron.errors import ConfigError
 from femtotron.parallel.mesh import WORLD_DIMENSIONS, Mesh
 
 M = "model.model_config."
+# The most decoder layers a model may have. The largest trained have about 130; a config from elsewhere with
+# 1e9 would make everything built per layer (the model, the checks of it) exhaust the machine.
+MAX_LAYERS = 1024
 # A config of any class, given back as the same class by `with_changes` (a `Config` stays a `Config`).
 AnyConfig = TypeVar("AnyConfig", bound=ConfigFields)
 
@@ -209,6 +212,17 @@ def experts_split_over_data_parallel_ranks(cfg: ConfigFields) -> Problem | None:
     )
 
 
+def layers_within_bound(cfg: ConfigFields) -> Problem | None:
+    layers = cfg.model.model_config_.num_hidden_layers
+    if layers <= MAX_LAYERS:
+        return None
+    return Problem(
+        (M + "num_hidden_layers",),
+        f"num_hidden_layers={layers} is more than {MAX_LAYERS} (rule: at most {MAX_LAYERS}; the largest "
+        f"models have about 130). Fix: num_hidden_layers={MAX_LAYERS} or fewer; check the config's source.",
+    )
+
+
 def enough_layers_for_the_stages(cfg: ConfigFields) -> Problem | None:
     layers = cfg.model.model_config_.num_hidden_layers
     par = cfg.parallelism
@@ -357,6 +371,7 @@ RULES: list[Callable[[ConfigFields], Problem | None]] = [
     mlp_splits_over_tp,
     experts_split_over_tp_and_ep,
     experts_split_over_data_parallel_ranks,
+    layers_within_bound,
     enough_layers_for_the_stages,
     interleaving_needs_several_ranks,
     interleaving_needs_several_chunks,

@@ -9,6 +9,8 @@ second with a message instead of hanging a cluster.
 from __future__ import annotations
 
 import math
+import os
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,12 +33,28 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# `%date` in general.run: this start's date, set once by `femtotron train` so that every process it
+# starts expands it alike (under torchrun rank 0's is taken: cli.cmd_train).
+RUN_DATE = "FEMTOTRON_RUN_DATE"
+
+
+def run_date() -> str:
+    return os.environ.get(RUN_DATE) or datetime.now(timezone.utc).strftime("%Y%m%d_%H%M%S")
+
+
 class GeneralArgs(_Section):
     project: str = "femtotron"
-    run: str = "run"
+    run: str = "run"  # nanotron's templates: %date (UTC, YYYYmmdd_HHMMSS), %jobid (SLURM_JOB_ID, or local)
     seed: NonNegativeInt = 42
     # M2: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless that variable is set already
     cuda_expandable_segments: bool = True
+
+    @field_validator("run")
+    @classmethod
+    def _expand_templates(cls, run: str) -> str:
+        if "%date" in run:
+            run = run.replace("%date", run_date())
+        return run.replace("%jobid", os.environ.get("SLURM_JOB_ID", "local"))
 
 
 class RopeScaling(_Section):
@@ -295,6 +313,9 @@ class CheckpointsArgs(_Section):
     # a step-NNNNNNN checkpoint, or a checkpoints directory (its latest)
     resume_checkpoint_path: str | None = None
     keep_last_n: PositiveInt | None = None  # delete older checkpoints beyond the newest N; None: keep all
+    # resume although the data, its blend, data.seed, tokens.sequence_length or the tokenizer changed since
+    # the checkpoint (warned); false: refuse, saying what changed
+    resume_with_other_data: bool = False
 
 
 class LoggingArgs(_Section):

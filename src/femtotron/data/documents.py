@@ -15,6 +15,9 @@ from typing import IO
 from femtotron.errors import DataError
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".txt")
+# The longest document (or .jsonl line) read, in characters: 64 Mi, a long book many times over. A line is
+# read at most this far, so a gzip bomb (one 3 GB line from 3 MB) is refused instead of filling memory.
+MAX_DOCUMENT_CHARACTERS = 2**26
 
 
 def _open(path: str) -> IO[str]:
@@ -23,8 +26,11 @@ def _open(path: str) -> IO[str]:
     return open(path, encoding="utf-8")
 
 
-def iter_documents(path: str | os.PathLike, text_key: str = "text") -> Iterator[str]:
-    """Yield the text of each document in `path`, in file order."""
+def iter_documents(
+    path: str | os.PathLike, text_key: str = "text", max_characters: int = MAX_DOCUMENT_CHARACTERS
+) -> Iterator[str]:
+    """Yield the text of each document in `path`, in file order; a document or line longer than
+    `max_characters` is refused."""
     path = os.fspath(path)
     if not path.endswith(SUFFIXES):
         raise DataError(f"{path}: unsupported input; expected a file ending in {', '.join(SUFFIXES)}")
@@ -33,9 +39,17 @@ def iter_documents(path: str | os.PathLike, text_key: str = "text") -> Iterator[
     try:
         with _open(path) as f:
             if path.endswith(".txt"):
-                yield f.read()
+                text = f.read(max_characters + 1)
+                if len(text) > max_characters:
+                    raise _too_long(path, "the file", max_characters)
+                yield text
                 return
-            for line_number, line in enumerate(f, start=1):
+            line_number = 0
+            # One character more than a full line: a longer line is refused as soon as that much is read.
+            while line := f.readline(max_characters + 1):
+                line_number += 1
+                if len(line) > max_characters and not line.endswith("\n"):
+                    raise _too_long(path, f"line {line_number}", max_characters)
                 if line.strip():
                     yield _text_of(line, path, line_number, text_key)
     except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as e:
@@ -44,9 +58,21 @@ def iter_documents(path: str | os.PathLike, text_key: str = "text") -> Iterator[
         ) from e
 
 
+def _too_long(path: str, where: str, max_characters: int) -> DataError:
+    return DataError(
+        f"{path}, {where}: longer than {max_characters:,} characters (rule: a document is at most that "
+        "long; a gzip bomb, or a file that is not one document per line?). Split the document, or remove it."
+    )
+
+
 def _text_of(line: str, path: str, line_number: int, text_key: str) -> str:
     try:
         record = json.loads(line)
+    except RecursionError:
+        raise DataError(
+            f"{path}, line {line_number}: JSON nested too deeply to be a document. "
+            'Each line must be one JSON object, e.g. {"text": "..."}.'
+        ) from None
     except json.JSONDecodeError as e:
         raise DataError(
             f"{path}, line {line_number}: not valid JSON ({e.msg} at column {e.colno}). "

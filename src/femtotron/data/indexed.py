@@ -8,13 +8,16 @@ Every way a pair can be missing or corrupt is reported as a `DataError` naming t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
-import tempfile
+import sys
 from collections.abc import Sequence
 
 import numpy as np
 
+from femtotron.atomic import current_umask, remove, remove_stale, temporary_name, write_error
+from femtotron.crash_points import crash_point
 from femtotron.errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -69,11 +72,15 @@ def _describe(directory: str) -> str:
     return "; ".join(parts)
 
 
+# Why a `.bin` can be alone: the writer removes the old `.idx` before moving the new files into place.
+_HALF = "half a pair: a preprocess replacing this dataset was killed midway; run it again"
+
+
 def _missing(prefix: str) -> DataError:
     bin_path = f"{prefix}.bin"
     idx_path = f"{prefix}.idx"
     if os.path.exists(bin_path):
-        what = f"{bin_path} exists but {idx_path} does not"
+        what = f"{bin_path} exists but {idx_path} does not ({_HALF})"
     elif os.path.exists(idx_path):
         what = f"{idx_path} exists but {bin_path} does not"
     else:
@@ -134,6 +141,7 @@ class IndexedDataset:
             self._tokens = np.memmap(bin_path, _le(self.dtype), "r")
         else:
             self._tokens = np.empty(0, self.dtype)
+        crash_point("dataset.opened")
 
     def _check_index(self, idx_path: str, count: int) -> None:
         lengths = self.sequence_lengths
@@ -184,14 +192,16 @@ class IndexedDatasetWriter:
                 f"dtype {self.dtype} has no code in the indexed format; use one of {DTYPE_CODES}"
             )
         directory = os.path.dirname(self.path_prefix) or "."
-        os.makedirs(directory, exist_ok=True)
-        fd, self._tmp_bin = tempfile.mkstemp(".bin.tmp", os.path.basename(self.path_prefix), directory)
-        # mkstemp makes the file private (0600); a dataset should get the usual permissions, like the .idx.
-        # The umask can only be read by setting it, so it is set to 0 and at once back.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(self._tmp_bin, 0o666 & ~umask)
-        self._bin = os.fdopen(fd, "wb")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            for stale in remove_stale(directory, os.path.basename(self.path_prefix)):
+                print(f"femtotron: removed {stale}, left by a preprocess that was killed", file=sys.stderr)
+            self._tmp_bin = temporary_name(f"{self.path_prefix}.bin")
+            self._tmp_idx = temporary_name(f"{self.path_prefix}.idx")
+            remove(self._tmp_bin)
+            self._bin = open(self._tmp_bin, "xb")  # noqa: SIM115 (closed by finalize or abort)
+        except OSError as e:
+            raise _cannot_write(self.path_prefix, e) from e
         self._lengths: list[int] = []
         self._documents: list[int] = [0]
 
@@ -203,7 +213,10 @@ class IndexedDatasetWriter:
             info = np.iinfo(self.dtype)
             if array.min() < info.min or array.max() > info.max:
                 raise ValueError(f"token ids {array.min()}...{array.max()} do not fit in {self.dtype}")
-        self._bin.write(array.astype(_le(self.dtype), copy=False).tobytes())
+        try:
+            self._bin.write(array.astype(_le(self.dtype), copy=False).tobytes())
+        except OSError as e:
+            raise _cannot_write(self.path_prefix, e) from e
         self._lengths.append(int(array.size))
 
     def end_document(self) -> None:
@@ -214,26 +227,43 @@ class IndexedDatasetWriter:
         self.end_document()
 
     def finalize(self) -> None:
-        """Write the index, then move both files into place (`.bin` first: a stale `.idx` never pairs up)."""
-        self._bin.close()
+        """Write the index, then move both files into place. The old `.idx` goes first: a kill midway leaves
+        a `.bin` without its `.idx`, refused as half a pair, never a new `.bin` paired with the old index.
+        On any failure (a full disk, say) both temporaries are removed: none stays to fill the disk."""
+        try:
+            self._bin.close()
+            self._write_index()
+            remove(f"{self.path_prefix}.idx")
+            crash_point("preprocess.idx_removed")
+            os.replace(self._tmp_bin, f"{self.path_prefix}.bin")
+            crash_point("preprocess.bin_renamed")
+            os.replace(self._tmp_idx, f"{self.path_prefix}.idx")
+        except OSError as e:
+            self.abort()
+            raise _cannot_write(self.path_prefix, e) from e
+        except BaseException:
+            self.abort()
+            raise
+
+    def _write_index(self) -> None:
         lengths = np.asarray(self._lengths, dtype=np.int64)
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
             raise ValueError("a sequence longer than 2**31 - 1 tokens cannot be indexed")
         pointers = np.zeros(lengths.size, dtype="<i8")
         np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
         header = _HEADER.pack(MAGIC, VERSION, _code(self.dtype), lengths.size, len(self._documents))
-        tmp_idx = f"{self._tmp_bin[: -len('.bin.tmp')]}.idx.tmp"
         documents = np.asarray(self._documents, dtype="<i8")
-        with open(tmp_idx, "wb") as f:
+        with open(self._tmp_idx, "xb") as f:
             f.writelines([header, lengths.astype("<i4").tobytes(), pointers.tobytes(), documents.tobytes()])
-        os.replace(self._tmp_bin, f"{self.path_prefix}.bin")
-        os.replace(tmp_idx, f"{self.path_prefix}.idx")
+        for path in (self._tmp_bin, self._tmp_idx):  # the usual permissions for what is shared
+            os.chmod(path, 0o666 & ~current_umask())
 
     def abort(self) -> None:
         """Drop what was written; nothing appears at the prefix."""
-        self._bin.close()
-        if os.path.exists(self._tmp_bin):
-            os.remove(self._tmp_bin)
+        with contextlib.suppress(OSError):  # a full disk fails the last flush too; the file goes anyway
+            self._bin.close()
+        remove(self._tmp_bin)
+        remove(self._tmp_idx)
 
     def __enter__(self) -> IndexedDatasetWriter:
         return self
@@ -245,6 +275,11 @@ class IndexedDatasetWriter:
             self.abort()
 
 
+def _cannot_write(prefix: str, error: OSError) -> Exception:
+    """A full disk, a read-only file system or no permission, named with the dataset's files."""
+    return write_error(error, f"{prefix}.bin/.idx") or DataError(f"cannot write {prefix}.bin/.idx: {error}")
+
+
 def _code(dtype: np.dtype) -> int:
     return next(code for code, d in DTYPE_CODES.items() if d == dtype)
 
@@ -254,10 +289,11 @@ def resolve_dataset_prefixes(path: str | os.PathLike) -> list[str]:
     a directory (all its pairs, sorted), each opened: a bad dataset stops the run before the model exists."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        prefixes, _ = _scan(path)
-        if not prefixes:
+        prefixes, lone = _scan(path)
+        if lone or not prefixes:  # with a lone file, the other pairs alone would silently leave it out
+            half = f" ({_HALF}, or remove the lone file)" if lone else ""
             raise DataError(
-                f"dataset directory {path!r} holds no usable dataset: {_describe(path)}.\n"
+                f"dataset directory {path!r} holds no usable dataset: {_describe(path)}{half}.\n"
                 f"{_fix(os.path.join(path, 'corpus'))}"
             )
     else:

@@ -5,6 +5,11 @@ after minutes of start-up or as an opaque device assert inside the embedding."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from typing import Any
+
 import numpy as np
 import torch
 from tokenizers import Tokenizer
@@ -17,6 +22,27 @@ from femtotron.errors import ConfigError, DataError
 from femtotron.parallel.context import ParallelContext
 
 SCANNED_TOKENS = 1 << 24  # per dataset at start: ~30 ms; later tokens are checked batch by batch
+DIGESTED_BYTES = 1 << 20  # of each end of every .bin and .idx: a data identity costs milliseconds
+# What a changed part of the data identity names, and what resuming with it would do.
+DATA_CHANGES = {
+    "digest": (
+        "the contents of the datasets (data.dataset_folder)",
+        "the run would continue at global sample {samples:,} of other data, not where the old data left off",
+    ),
+    "weights": (
+        "the blend weights (data.dataset_folder)",
+        "each dataset would be drawn in another share, and samples already trained on would come again",
+    ),
+    "seed": ("data.seed", "the samples would come in another order: some trained on again, others never"),
+    "sequence_length": (
+        "tokens.sequence_length",
+        "samples would be cut at another length: from global sample {samples:,} on, other tokens",
+    ),
+    "tokenizer": (
+        "the tokenizer's vocabulary (tokenizer.tokenizer_name_or_path)",
+        "token ids would stand for other text than the model learned, and its tokenizer.json be replaced",
+    ),
+}
 
 
 def check_token_range(nanoset: Nanoset, vocab_size: int, key: str = "data.dataset_folder") -> None:
@@ -35,6 +61,53 @@ def check_token_range(nanoset: Nanoset, vocab_size: int, key: str = "data.datase
                 f"tokenized with a larger vocabulary. Set model.model_config.vocab_size >= {largest + 1}, "
                 "or re-run `femtotron preprocess` with the tokenizer this model is meant for."
             )
+
+
+def data_identity(nanoset: Nanoset, tokenizer: Tokenizer | None) -> dict[str, Any]:
+    """What a checkpoint records of the data it trained on, to refuse a resume on other data: the datasets
+    (their paths, and a digest of each .bin's and .idx's size and first and last MiB, which another corpus
+    or another tokenization changes), the blend weights, the seed, the sequence length, the vocabulary."""
+    digest = hashlib.sha256()
+    for prefix in nanoset.prefixes:
+        for path in (f"{prefix}.bin", f"{prefix}.idx"):
+            size = os.path.getsize(path)
+            digest.update(f"{size}:".encode())
+            with open(path, "rb") as f:
+                digest.update(f.read(DIGESTED_BYTES))
+                f.seek(max(size - DIGESTED_BYTES, 0))
+                digest.update(f.read())
+    vocab = None
+    if tokenizer is not None:
+        vocab = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+    return {
+        "datasets": list(nanoset.prefixes),
+        "digest": digest.hexdigest(),
+        "weights": nanoset.weights.tolist(),
+        "seed": nanoset.seed,
+        "sequence_length": nanoset.sequence_length,
+        "tokenizer": vocab,
+    }
+
+
+def data_changes(saved: dict[str, Any], now: dict[str, Any], samples: int) -> list[str]:
+    """Each way the data identity `now` differs from a checkpoint's, with what resuming would do. The paths
+    alone may change (data copied to local disk); a tokenizer counts only when both name one."""
+    changes = []
+    for key, (what, effect) in DATA_CHANGES.items():
+        before = saved.get(key)
+        after = now[key]
+        if before == after or (key == "tokenizer" and None in (before, after)):
+            continue
+        if key == "digest":
+            before = saved.get("datasets")
+            after = now["datasets"]
+        if key == "tokenizer":  # digests: their first 12 digits tell them apart
+            before = before[:12]
+            after = after[:12]
+        changes.append(
+            f"{what} changed ({before} at the save, {after} now): {effect.format(samples=samples)}"
+        )
+    return changes
 
 
 def open_run_data(config: Config) -> tuple[Nanoset, Nanoset | None, Tokenizer | None]:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from femtotron.atomic import atomic_path
+from femtotron.atomic import atomic_path, write_error
 from femtotron.data.documents import iter_documents
 from femtotron.errors import ConfigError, DataError, UsageError
 
@@ -47,7 +47,10 @@ def train_tokenizer(
     texts = (text for path in input_paths for text in iter_documents(path, text_key))
     tokenizer.train_from_iterator(texts, trainer=trainer)
     with atomic_path(output_path) as tmp:
-        tokenizer.save(tmp)
+        try:
+            tokenizer.save(tmp)
+        except Exception as e:  # the Rust side reports an OS error as text: "... (os error 28)"
+            raise write_error(e, output_path) or DataError(f"cannot write {output_path}: {e}") from None
     return tokenizer
 
 

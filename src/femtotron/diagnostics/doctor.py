@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
+
 from femtotron.config import Config, check_world_size
 from femtotron.config.rules import rule_problems, with_changes
 from femtotron.diagnostics.advice import config_warnings, imbalance_warning, pipeline_bubble
@@ -223,8 +225,11 @@ def diagnose(
     device_memory: float | None,
     gpus_per_node: int,
 ) -> tuple[str, bool]:
-    """The report, and whether everything fits."""
+    """The report, and whether everything fits. No device named: the one `femtotron train` would use here,
+    this machine's CPU when it has no GPU (no NCCL communicators then)."""
     par = config.parallelism
+    if device is None and device_memory is None and not torch.cuda.is_available():
+        device = "CPU"
     if world_size is not None:
         check_world_size(config, world_size)  # L1: raises with the valid layouts
     cp = f" cp={par.cp}" if par.cp > 1 else ""

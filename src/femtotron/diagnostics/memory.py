@@ -20,7 +20,9 @@ so the estimate is checked against a real step's peak on CPU (tests/diagnostics/
 
 from __future__ import annotations
 
+import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +33,15 @@ from torch.utils._pytree import tree_flatten
 from femtotron.batch import MicroBatch
 from femtotron.config import Config
 from femtotron.layout import DTYPES, meta_rank_model
+from femtotron.models.llama import DecoderLayers, Llama
 from femtotron.parallel.context_parallel import place_tokens
 from femtotron.parallel.mesh import Mesh, MeshCoordinates
 from femtotron.parallel.pipeline.schedules import schedule
 from femtotron.precision import ESTIMATING_FOR_THIS_CPU
 
 GIB = 2**30
+# A chunk's step is simulated with at most this many decoder layers (see `_per_layer`).
+SIMULATED_LAYERS = 2
 # Usable memory per device: what the driver reports, less what the CUDA context keeps (~0.5-1 GiB).
 DEVICES = {
     "H100": 79.1,
@@ -171,25 +176,32 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
     for chunk_index, chunk in enumerate(model.chunks):
         stage = chunk_index * par.pp + pp_rank
         batch = place_tokens(whole, par.cp, 0, eos).to(meta)
-        with LiveMemory() as memory:
-            if stage == 0:
-                inputs = batch.inputs
-            else:  # what the previous stage sends; received into a new buffer
-                inputs = torch.empty(
-                    tokens.micro_batch_size,
-                    sequence,
-                    config.model.model_config_.hidden_size,
-                    dtype=DTYPES[config.model.dtype],
-                    device=meta,
-                ).requires_grad_()
-            output = chunk.run_stage(inputs, batch.targets, batch.placement)
-            saved.append(memory.live)
-            if stage == par.pp * par.pp_virtual_stages - 1:
-                output.backward()
-            else:
-                torch.autograd.backward(output, torch.empty_like(output))
-            del inputs, output
-        peaks.append(memory.peak)
+
+        def step(chunk: Llama = chunk, stage: int = stage, batch: MicroBatch = batch) -> tuple[int, int]:
+            with LiveMemory() as memory:
+                if stage == 0:
+                    inputs = batch.inputs
+                else:  # what the previous stage sends; received into a new buffer
+                    inputs = torch.empty(
+                        tokens.micro_batch_size,
+                        sequence,
+                        config.model.model_config_.hidden_size,
+                        dtype=DTYPES[config.model.dtype],
+                        device=meta,
+                    ).requires_grad_()
+                output = chunk.run_stage(inputs, batch.targets, batch.placement)
+                kept = memory.live
+                if stage == par.pp * par.pp_virtual_stages - 1:
+                    output.backward()
+                else:
+                    torch.autograd.backward(output, torch.empty_like(output))
+                del inputs, output
+            model.data_parallel.zero_grad()  # the gradient hooks take each step as a fresh one
+            return kept, memory.peak
+
+        kept, peak = _per_layer(chunk, step)
+        saved.append(kept)
+        peaks.append(peak)
     micro_batches = tokens.batch_accumulation_per_replica
     held_bytes, held = schedule_peak(par.pp_engine, par.pp, pp_rank, micro_batches, saved)
     waiting = held_bytes - max(saved) if held > 1 else 0  # the others, while the largest one runs
@@ -209,6 +221,25 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
         communicators=nccl,
         links=one_way,
     )
+
+
+def _per_layer(chunk: Llama, step: Callable[[], tuple[int, int]]) -> tuple[int, int]:
+    """`step()`'s (saved, peak) bytes for `chunk`. A deep chunk is stepped with its first SIMULATED_LAYERS - 1
+    and SIMULATED_LAYERS layers only, each further layer adding what the last one added (they are alike): a
+    128-layer stage is estimated as fast as a 2-layer one, and exactly (tests/diagnostics/test_doctor.py)."""
+    layers = chunk.layers
+    extra = len(layers) - SIMULATED_LAYERS
+    if extra <= 0:
+        return step()
+    measured = []
+    for count in (SIMULATED_LAYERS - 1, SIMULATED_LAYERS):
+        chunk.layers = DecoderLayers(dict(itertools.islice(layers.items(), count)))
+        try:
+            measured.append(step())
+        finally:
+            chunk.layers = layers
+    fewer, more = measured
+    return more[0] + extra * (more[0] - fewer[0]), more[1] + extra * (more[1] - fewer[1])
 
 
 def human(nbytes: float) -> str:

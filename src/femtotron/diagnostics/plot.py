@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from femtotron.errors import FemtotronError, UsageError
+from femtotron.errors import FemtotronError, PathError
 
 # file name -> (y-axis label, the record keys drawn, one line each, or a string: every key containing it).
 CHARTS = {
@@ -26,7 +26,7 @@ CHARTS = {
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise UsageError(
+        raise PathError(
             f"{path} does not exist: give run directories (logging.output_dir/general.run, e.g. runs/debug) "
             "of runs that have logged a step"
         )
@@ -85,5 +85,5 @@ def plot_runs(run_dirs: list[Path], out_dir: Path) -> list[Path]:
             written.append(out_dir / f"{name}.png")
         plt.close(fig)
     if not written:
-        raise UsageError(f"no step records to plot in the metrics.jsonl of {', '.join(runs)}")
+        raise PathError(f"no step records to plot in the metrics.jsonl of {', '.join(runs)}")
     return written

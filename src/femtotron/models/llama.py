@@ -84,13 +84,35 @@ class KVCache:
         return k, v
 
 
+# The cos and sin tables hold max_positions * head_dim floats each: past this a config from elsewhere is
+# refused rather than allowed to take the machine's memory (4 GiB: 4M positions at head_dim 128).
+MAX_ROTARY_BYTES = 2**32
+
+
 class Rotary(nn.Module):
     """Rotary position embedding with the rotate-half layout Hugging Face checkpoints use."""
 
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None = None
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: RopeScaling | None = None,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
+        device = device or torch.device("cpu")
+        if device.type == "meta":  # shapes only (doctor, the checkpoint tools): no tables computed
+            self.register_buffer("cos", torch.empty(max_positions, head_dim, device=device), persistent=False)
+            self.register_buffer("sin", torch.empty(max_positions, head_dim, device=device), persistent=False)
+            return
+        if 2 * 4 * max_positions * head_dim > MAX_ROTARY_BYTES:
+            raise ConfigError(
+                f"model.model_config.max_position_embeddings={max_positions} with head_dim={head_dim}: "
+                f"RoPE's tables would take {8 * max_positions * head_dim / 2**30:,.0f} GiB (at most "
+                f"{MAX_ROTARY_BYTES // 2**30} GiB). Lower max_position_embeddings to the context the model "
+                "is used with."
+            )
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         if scaling is not None:  # llama3: slow the low frequencies down, keep the high, ramp between
             wavelength = 2 * math.pi / inv_freq
@@ -101,8 +123,8 @@ class Rotary(nn.Module):
             inv_freq = inv_freq * (ramp.clamp(0, 1) * (1 - 1 / scaling.factor) + 1 / scaling.factor)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.register_buffer("cos", angles.cos().float().to(device), persistent=False)
+        self.register_buffer("sin", angles.sin().float().to(device), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> torch.Tensor:
         """x: (batch, heads, seq, head_dim) at `positions`: an int start, or a (batch, seq) tensor of them."""
@@ -267,8 +289,9 @@ class Llama(nn.Module):
         whole = Stage(index=0, layers=range(cfg.num_hidden_layers), embedding=True, head=True, cost=0.0)
         self.stage = stage = stage or whole
         make = ParamFactory(std, seed, dtype, device)
-        rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.rotary = rotary.to(device)
+        self.rotary = Rotary(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device=device
+        )
         hidden = cfg.hidden_size
         vocab = cfg.vocab_size
         tied = cfg.tie_word_embeddings

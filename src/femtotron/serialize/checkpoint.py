@@ -20,7 +20,10 @@ with a warning, because its saves will replace the old checkpoints of the same s
 A checkpoints directory, given or the run's own, is read through its `latest` file (`resolve`). Only a
 committed checkpoint counts: a step directory with its manifest, which appears by rename once the save is
 complete. A half-written `.tmp-step-*` is ignored with a warning, and when `latest` is missing or names no
-committed checkpoint the newest committed one is taken, also with a warning. Rank 0 alone decides and
+committed checkpoint the newest committed one is taken, also with a warning; so is one committed after
+the one `latest` names (a kill came before `latest` was updated: manifests record `committed_at`). Links
+are not checkpoints, and a save removes a link at its temporary directory rather than write through it: a
+run directory from elsewhere cannot send reads or writes outside it. Rank 0 alone decides and
 tells every rank (`agreed_resume_source`), because on a shared file system another node may not see the
 newest checkpoint yet.
 
@@ -34,8 +37,10 @@ Save and load take the pieces they need (`TrainingParts`), never the trainer.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +49,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from femtotron.atomic import atomic_path
+from femtotron.atomic import atomic_path, remove
 from femtotron.config import Config
+from femtotron.crash_points import crash_point
+from femtotron.data.run_data import data_changes, data_identity
+from femtotron.errors import ConfigError, FemtotronError
 from femtotron.layout import RankModel
 from femtotron.optim.zero import ZeroAdamW
 from femtotron.parallel.context import ParallelContext
@@ -206,8 +214,9 @@ def save(parts: TrainingParts) -> Path:
     prepared: Exception | None = None
     if ctx.rank == 0:
         try:
-            shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save of the same step
-            tmp.mkdir(parents=True, exist_ok=True)
+            remove(tmp)  # a crashed earlier save of the same step, or a link planted in a downloaded run
+            root.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
             if parts.tokenizer is not None:
                 parts.tokenizer.save(str(tmp / TOKENIZER_FILE))
         except OSError as e:
@@ -299,25 +308,33 @@ def run_state(parts: TrainingParts) -> dict[str, Any]:
         "world_size": parts.ctx.world_size,
         "global_batch_size": config.global_batch_size,
         "data": data_size(parts),
+        "data_identity": data_identity(parts.data, parts.tokenizer),
         "config": config.to_dict(),
     }
 
 
 def commit(tmp: Path, final: Path, state: dict[str, Any], records: list[dict[str, Any]]) -> None:
     """Write the manifest into the finished temporary directory, rename it into place, point `latest` at it
-    (a same-step one there is deleted only then). `records`: each rank's file, in rank order, then others."""
+    (a same-step one there is set aside as .old-step-N and deleted only then, so a kill at any point leaves
+    a step N to resume: `committed_checkpoints`). `records`: each rank's file, in rank order, then others.
+    `committed_at` orders commits for `resolve` when a kill left `latest` behind."""
     rng = {str(rank): record["file"] for rank, record in enumerate(records) if record.get("rng")}
-    write_synced(tmp / MANIFEST, json.dumps(build_manifest({**state, "rng": rng}, records), indent=1))
+    manifest = build_manifest({**state, "rng": rng, "committed_at": time.time_ns()}, records)
+    write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1))
     fsync_directory(tmp)
+    crash_point("checkpoint.manifest_written")
     replaced = final.parent / f".old-{final.name}"
-    if final.exists():
-        shutil.rmtree(replaced, ignore_errors=True)
+    if final.exists() or final.is_symlink():
+        remove(replaced)
         final.rename(replaced)
+        crash_point("checkpoint.set_aside")
     tmp.rename(final)
     fsync_directory(final.parent)
+    crash_point("checkpoint.renamed")
     with atomic_path(final.parent / LATEST) as path:
         Path(path).write_text(final.name + "\n")
-    shutil.rmtree(replaced, ignore_errors=True)
+    crash_point("checkpoint.latest_written")
+    remove(replaced)
 
 
 def prune(root: Path, keep: int | None, newest: Path) -> list[str]:
@@ -325,7 +342,7 @@ def prune(root: Path, keep: int | None, newest: Path) -> list[str]:
     later steps (left by a run that was rolled back) are not this run's to delete."""
     if not keep:
         return []
-    older = [p for p in committed_checkpoints(root) if p.name < newest.name]
+    older = [p for p in committed_checkpoints(root) if step_name(p) < newest.name]
     warnings = []
     for old in older[: max(len(older) - (keep - 1), 0)]:
         try:
@@ -335,9 +352,35 @@ def prune(root: Path, keep: int | None, newest: Path) -> list[str]:
     return warnings
 
 
+def step_name(path: Path) -> str:
+    """step-NNNNNNN, also for the .old-step-NNNNNNN a re-commit of that step set aside."""
+    return path.name.removeprefix(".old-")
+
+
 def committed_checkpoints(root: Path) -> list[Path]:
-    """The checkpoints under `root` that were committed (have a manifest), oldest first."""
-    return sorted(p for p in root.glob("step-*") if (p / MANIFEST).is_file())
+    """The checkpoints under `root` that were committed (have a manifest), oldest step first: step-N, or
+    the .old-step-N a re-commit of step N set aside if it was killed before step-N was back. Links are not
+    taken: a run from elsewhere may not send reads and saves outside its directory."""
+    found = {}
+    for path in sorted(root.glob(".old-step-*")) + sorted(root.glob("step-*")):  # step-N wins
+        if not path.is_symlink() and (path / MANIFEST).is_file():
+            found[step_name(path)] = path
+    return [found[name] for name in sorted(found)]
+
+
+def committed_after(named: Path, committed: list[Path], latest: Path) -> Path | None:
+    """The checkpoint committed after the one `latest` names (a kill between a commit's rename and its update
+    of `latest`), or None. Only the manifests written since `latest` are read; old ones count as older."""
+    since = latest.stat().st_mtime
+    later = [p for p in committed if p != named and (p / MANIFEST).stat().st_mtime >= since]
+    if not later:
+        return None
+    newest = max(later, key=committed_at)
+    return newest if committed_at(newest) > committed_at(named) else None
+
+
+def committed_at(directory: Path) -> int:
+    return read_manifest(directory).get("committed_at", 0)
 
 
 def resolve(path: Path, what: str = "checkpoints.resume_checkpoint_path") -> tuple[Path, list[str]]:
@@ -354,6 +397,11 @@ def resolve(path: Path, what: str = "checkpoints.resume_checkpoint_path") -> tup
         f"ignoring {tmp}: a save that did not finish (the process died while writing it)"
         for tmp in sorted(path.glob(".tmp-step-*"))
     ]
+    warnings += [
+        f"ignoring {link}: a link (to {link.resolve()}); a checkpoint must be a directory inside {path}"
+        for link in sorted(path.glob("step-*"))
+        if link.is_symlink()
+    ]
     committed = committed_checkpoints(path)
     if not committed:
         raise CheckpointError(
@@ -361,11 +409,19 @@ def resolve(path: Path, what: str = "checkpoints.resume_checkpoint_path") -> tup
             f"{MANIFEST}). Give another run's checkpoints, or start without it."
         )
     latest = path / LATEST
-    named = path / latest.read_text().strip() if latest.is_file() else None
-    if named is not None and named in committed:
-        return named, warnings
+    named = latest.read_text(errors="replace").strip() if latest.is_file() else None
+    by_name = {step_name(p): p for p in committed}
+    if named in by_name:
+        newer = committed_after(by_name[named], committed, latest)
+        if newer is None:
+            return by_name[named], warnings
+        warnings.append(
+            f"{latest} names {named}, but {newer.name} was committed after it (the run was killed before "
+            f"it updated {LATEST}); taking {newer.name}"
+        )
+        return newer, warnings
     warnings.append(
-        f"{latest} {'is missing' if named is None else f'names {named.name}, which is not committed'}; "
+        f"{latest} {'is missing' if named is None else f'names {named!r}, which is not committed'}; "
         f"taking the newest committed checkpoint, {committed[-1].name}"
     )
     return committed[-1], warnings
@@ -408,8 +464,30 @@ def resume_source(config: Config) -> ResumeSource:
             f"to {own_latest[0].name}; this run's saves replace them"
         )
         return ResumeSource(path=None, what="", warnings=[warning])
+    check_same_run(config, own_latest[0])
     what = "checkpoints.checkpoints_path (the run's own, checkpoints.auto_resume=true)"
     return ResumeSource(path=own, what=what, warnings=[])
+
+
+def run_name(config: dict[str, Any]) -> str:
+    """Which run a config is: its project and (templates expanded) run name, as a manifest's config has it."""
+    general = config.get("general", {})
+    return f"{general.get('project', 'femtotron')}/{general.get('run', 'run')}"
+
+
+def check_same_run(config: Config, newest: Path) -> None:
+    """Auto-resume continues this run only: a checkpoints_path shared by several runs (nanotron's configs
+    all say `checkpoints_path: checkpoints`) holds others' checkpoints too, and continuing one of them
+    would train on another run's weights and overwrite its steps."""
+    saved = run_name(read_manifest(newest)["config"])
+    ours = run_name(config.to_dict())
+    if saved != ours:
+        raise CheckpointError(
+            f"{newest} is a checkpoint of run {saved}, not of this run ({ours}): both save into "
+            f"{checkpoint_root(config)}. Give this run a checkpoints.checkpoints_path of its own (unset: "
+            "RUN_DIR/checkpoints), or, to continue that run on purpose, set "
+            f"checkpoints.resume_checkpoint_path={newest}."
+        )
 
 
 def decided_by_rank_0(ctx: ParallelContext, topic: str, decide: Callable[[], Any]) -> Any:
@@ -489,6 +567,47 @@ def check_model_matches(manifest: dict[str, Any], config: Config, directory: Pat
         )
 
 
+def check_data_matches(parts: TrainingParts, manifest: dict[str, Any], directory: Path) -> None:
+    """Refuse to resume on other data, another order of it or another tokenizer, saying what that would do,
+    unless checkpoints.resume_with_other_data (then warn). Checkpoints written before identities resume."""
+    saved = manifest.get("data_identity")
+    if not isinstance(saved, dict):
+        return
+    now = data_identity(parts.data, parts.tokenizer)
+    changes = data_changes(saved, now, manifest.get("consumed_samples", 0))
+    if changes and not parts.config.checkpoints.resume_with_other_data:
+        lines = "".join(f"\n  {change}" for change in changes)
+        raise ConfigError(
+            f"checkpoint {directory} was trained on other data:{lines}\nRestore the data settings of the "
+            f"checkpoint's config ({directory / MANIFEST}); or set checkpoints.resume_with_other_data=true "
+            "to resume on this data anyway; or start a new run."
+        )
+    for change in changes:
+        parts.log.warn(f"checkpoints.resume_with_other_data=true: resuming although {change}")
+
+
+def check_writable(parts: TrainingParts) -> None:
+    """A read-only or full checkpoints path fails before step 1, on every rank together, not at the first
+    save after minutes of training."""
+    root = checkpoint_root(parts.config)
+
+    def probe() -> None:
+        probe_file = root / f".write-probe-{os.getpid()}"
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            try:
+                write_synced(probe_file, "femtotron checks that checkpoints can be written here\n")
+            finally:
+                probe_file.unlink(missing_ok=True)
+        except OSError as e:
+            raise CheckpointError(
+                f"checkpoints cannot be written to {root} ({type(e).__name__}: {e}). Free space there or fix "
+                "its permissions, or set checkpoints.checkpoints_path to a writable directory."
+            ) from None
+
+    decided_by_rank_0(parts.ctx, "whether checkpoints can be written", probe)
+
+
 def load(
     parts: TrainingParts, path: Path, what: str = "checkpoints.resume_checkpoint_path"
 ) -> tuple[str, Path]:
@@ -500,7 +619,7 @@ def load(
     of the files. If any rank fails, all stop with the error.
     """
     ctx = parts.ctx
-    failure: CheckpointError | None = None
+    failure: FemtotronError | None = None
     summary = ""
     directory = path  # until rank 0 has resolved it, for the messages
 
@@ -517,9 +636,10 @@ def load(
             for name in files[ctx.rank :: ctx.world_size]:  # each file's checksum read by one rank only
                 reader.verify(name)
             check_model_matches(reader.manifest, parts.config, directory)
+            check_data_matches(parts, reader.manifest, directory)
             load_tensors(parts.model, parts.optimizer, reader)
             summary = restore_counters(parts, reader, directory)
-    except CheckpointError as e:
+    except FemtotronError as e:
         failure = e
     except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks, or they wait for a timeout
         failure = CheckpointError(
@@ -601,7 +721,7 @@ def restore_counters(parts: TrainingParts, reader: CheckpointReader, directory: 
         f"{state.consumed_tokens:,} tokens consumed)"
     )
     data = data_size(parts)
-    if manifest.get("data", data) != data:
+    if "data_identity" not in manifest and manifest.get("data", data) != data:  # written before identities
         parts.log.warn(
             f"the training data differs from the checkpoint's ({manifest['data']['tokens']:,} tokens, now "
             f"{data['tokens']:,}): the run continues at global sample {state.consumed_samples:,} of the new "

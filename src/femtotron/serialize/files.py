@@ -8,13 +8,19 @@
 
 Tensor names are `<kind>/<parameter name>`: `model` (weights, the model's dtype), `master` (fp32 masters,
 absent when the model is fp32), `exp_avg` and `exp_avg_sq` (Adam, fp32). Nothing unpickles: safetensors, JSON.
+
+A checkpoint may come from elsewhere, its manifest made by hand: every manifest read is checked before any
+tensor is (`check_manifest`), so that none reads outside its directory, leaves part of a tensor to
+`torch.empty`'s contents, or makes a reader allocate more than its files hold.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -22,8 +28,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from femtotron.atomic import atomic_path
 from femtotron.errors import FemtotronError
-from femtotron.serialize.geometry import Box, intersect, relative, volume
+from femtotron.serialize.geometry import Box, first_overlap, intersect, relative, volume
 
 FORMAT = "femtotron-checkpoint"
 VERSION = 1
@@ -96,9 +103,10 @@ def write_rank_file(
             }
         )
     path = directory / rank_file(rank)
-    save_file(tensors, str(path), metadata=metadata)
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+    with atomic_path(path) as tmp:
+        save_file(tensors, tmp, metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
     return file_record(path) | {"slices": records}
 
 
@@ -150,6 +158,11 @@ class CheckpointReader:
     def _path(self, name: str) -> Path:
         """The file `name`, after checking the manifest lists it, it exists and has the listed size."""
         path = self.directory / name
+        if path.resolve().parent != self.directory.resolve():
+            raise CheckpointError(
+                f"checkpoint file {path} is a link to {path.resolve()}, outside the checkpoint: a checkpoint "
+                "from elsewhere may not read other files. Copy the files themselves into the checkpoint."
+            )
         expected = self.manifest["files"].get(name)
         if expected is None:
             raise CheckpointError(
@@ -215,15 +228,17 @@ class CheckpointReader:
     def read(self, tensor: str, box: Box) -> torch.Tensor:
         """The part `box` of global tensor `tensor`, assembled from every slice that overlaps it."""
         entry = self._entry(tensor)
-        out = torch.empty([h - lo for lo, h in zip(*box, strict=True)], dtype=DTYPES[entry["dtype"]])
-        covered = 0
+        overlaps = []
         for piece in entry["slices"]:
             stored = (tuple(piece["start"]), tuple(piece["stop"]))
             overlap = intersect(box, stored)
-            if overlap is None:
-                continue
+            if overlap is not None:  # each file checked against the manifest before anything is allocated
+                overlaps.append((piece, stored, overlap, self._file(piece["file"])))
+        out = torch.empty([h - lo for lo, h in zip(*box, strict=True)], dtype=DTYPES[entry["dtype"]])
+        covered = 0
+        for piece, stored, overlap, file in overlaps:
             try:
-                values = self._file(piece["file"]).get_slice(piece["key"])[relative(overlap, stored[0])]
+                values = file.get_slice(piece["key"])[relative(overlap, stored[0])]
             except SafetensorError as e:
                 raise CheckpointError(
                     f"checkpoint file {self.directory / piece['file']}: cannot read "
@@ -262,9 +277,10 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         )
     try:
         manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(
-            f"{path} is not valid JSON ({e}): the checkpoint is damaged. Resume from an earlier checkpoint."
+            f"{path} is not valid JSON ({type(e).__name__}: {e}): the checkpoint is damaged. Resume from an "
+            "earlier checkpoint."
         ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f'{path} is not a femtotron checkpoint manifest (no "format": "{FORMAT}").')
@@ -279,4 +295,84 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             raise CheckpointError(
                 f"{path} lacks the field {key!r}: the manifest is damaged. Resume from an earlier checkpoint."
             )
+    check_manifest(manifest, path)
     return manifest
+
+
+def check_manifest(manifest: dict[str, Any], path: Path) -> None:
+    """Refuse a manifest (made by hand, or damaged) that would read outside the checkpoint, leave part of a
+    tensor unread, or allocate more than its files hold, with the entry that is wrong."""
+
+    def wrong(entry: str, rule: str) -> CheckpointError:
+        return CheckpointError(
+            f"{path}: {entry} {rule}: the manifest is damaged or was not written by femtotron. Resume from "
+            "an earlier checkpoint, or copy this one again from where it was saved."
+        )
+
+    counters = ("step", "consumed_samples", "consumed_tokens", "non_finite_skips", "optimizer_steps")
+    for key in (*counters, "committed_at"):
+        if key in manifest and (type(manifest[key]) is not int or manifest[key] < 0):
+            raise wrong(f'"{key}": {manifest[key]!r}', "is not a whole number >= 0")
+    for key in ("config", "mesh", "files", "tensors"):
+        if not isinstance(manifest[key], dict):
+            raise wrong(f'"{key}"', f"is a {type(manifest[key]).__name__}, not a mapping")
+    for name, record in manifest["files"].items():
+        if name in ("", ".", "..") or Path(name).name != name:
+            raise wrong(f"file {name!r}", "is not a plain file name inside the checkpoint directory")
+        if not isinstance(record, dict) or type(record.get("bytes")) is not int or record["bytes"] < 0:
+            raise wrong(f"file {name!r}", 'has no "bytes": a whole number >= 0')
+        if not isinstance(record.get("sha256"), str):
+            raise wrong(f"file {name!r}", 'has no "sha256" string')
+    needed = dict.fromkeys(manifest["files"], 0)  # bytes of slices per file, bounded by the file's size
+    for tensor, entry in manifest["tensors"].items():
+        check_tensor_entry(entry, needed, lambda rule, name=tensor: wrong(f"tensor {name!r}", rule))
+    for name, count in needed.items():
+        if count > manifest["files"][name]["bytes"]:
+            raise wrong(
+                f"file {name!r}",
+                f"is listed with {manifest['files'][name]['bytes']:,} bytes but holds "
+                f"slices of {count:,} bytes",
+            )
+
+
+def check_tensor_entry(entry: Any, needed: dict[str, int], wrong: Callable[[str], CheckpointError]) -> None:
+    """One tensor's entry: a known dtype, a shape, and slices inside it covering it exactly once, each in a
+    listed file (`needed`: bytes per file, added to)."""
+    if not isinstance(entry, dict):
+        raise wrong("is not a mapping")
+    if entry.get("dtype") not in DTYPES:
+        raise wrong(f"has dtype {entry.get('dtype')!r}; known: {', '.join(DTYPES)}")
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise wrong(f"has shape {shape!r}, not a list of whole numbers >= 0")
+    slices = entry.get("slices")
+    if not isinstance(slices, list):
+        raise wrong('has no list of "slices"')
+    boxes = []
+    for piece in slices:
+        if (
+            not isinstance(piece, dict)
+            or piece.get("file") not in needed
+            or not isinstance(piece.get("key"), str)
+        ):
+            raise wrong(f"has a slice {piece!r} whose file is not in the manifest's files (or has no key)")
+        start = piece.get("start")
+        stop = piece.get("stop")
+        if not (within(start, stop, shape)):
+            raise wrong(f"has a slice [{start}, {stop}) outside its shape {shape}")
+        boxes.append((tuple(start), tuple(stop)))
+        needed[piece["file"]] += volume(boxes[-1]) * DTYPES[entry["dtype"]].itemsize
+    overlap = first_overlap(boxes)
+    if overlap is not None:
+        raise wrong(f"has overlapping slices {overlap[0]} and {overlap[1]}")
+    covered = sum(volume(box) for box in boxes)
+    if covered != math.prod(shape):
+        raise wrong(f"has slices covering {covered:,} of its {math.prod(shape):,} elements")
+
+
+def within(start: Any, stop: Any, shape: list[int]) -> bool:
+    """Whether [start, stop) is a non-empty box of whole numbers inside `shape`."""
+    if not (isinstance(start, list) and isinstance(stop, list) and len(start) == len(stop) == len(shape)):
+        return False
+    bounds = zip(start, stop, shape, strict=True)
+    return all(type(low) is int and type(high) is int and 0 <= low < high <= n for low, high, n in bounds)

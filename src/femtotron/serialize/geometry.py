@@ -91,3 +91,16 @@ def volume(box: Box) -> int:
 def relative(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
     """`box` as slices of a tensor whose element 0 is at global position `origin`."""
     return tuple(slice(lo - o, h - o) for lo, h, o in zip(box[0], box[1], origin, strict=True))
+
+
+def first_overlap(boxes: list[Box]) -> tuple[Box, Box] | None:
+    """Two of `boxes` that share an element, or None: a sweep along dimension 0 in order of start, so each
+    box is compared only with those still open where it starts."""
+    open_boxes: list[Box] = []
+    for box in sorted(boxes):
+        open_boxes = [other for other in open_boxes if other[1][0] > box[0][0]]
+        for other in open_boxes:
+            if intersect(other, box) is not None:
+                return other, box
+        open_boxes.append(box)
+    return None

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,19 +25,20 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from tokenizers import Tokenizer
 
-from femtotron.atomic import atomic_path
+from femtotron.atomic import atomic_path, copy_file, remove, temporary_name
 from femtotron.config import Config, LlamaConfig, load_config_dict
-from femtotron.errors import ConfigError, FemtotronError
+from femtotron.data.tokenizer import load_tokenizer
+from femtotron.errors import ConfigError, FemtotronError, PathError
 from femtotron.layout import DTYPES
 from femtotron.models.hf_conversion import from_hf, hf_kind, to_hf
-from femtotron.models.llama import Llama
 from femtotron.serialize.weights import (
     CONFIG_FILE,
     TOKENIZER_FILE,
     WEIGHTS_FILE,
     load_weights,
+    shape_problem,
+    staged_outputs,
     write_config,
     write_parts,
 )
@@ -156,7 +157,8 @@ def open_hf(hf_dir: Path) -> OpenedHF:
     dtypes checked against the config from the headers, no tensor read."""
     config_path = hf_dir / HF_CONFIG
     if not config_path.is_file():
-        raise HFError(f"{config_path} does not exist: {hf_dir} is not a Hugging Face model directory.")
+        raise PathError(f"{config_path} does not exist: {hf_dir} is not a Hugging Face model directory.")
+    inside(hf_dir, HF_CONFIG)
     try:
         hf = json.loads(config_path.read_text())
     except ValueError as e:
@@ -165,7 +167,7 @@ def open_hf(hf_dir: Path) -> OpenedHF:
     handles: dict[str, Any] = {}
     for file, names in _weight_files(hf_dir).items():
         try:
-            f = safe_open(str(hf_dir / file), framework="pt")
+            f = safe_open(str(inside(hf_dir, file)), framework="pt")
         except (SafetensorError, OSError, TypeError) as e:
             raise HFError(
                 f"{hf_dir / file} cannot be read as safetensors: {str(e).splitlines()[0]}"
@@ -174,39 +176,49 @@ def open_hf(hf_dir: Path) -> OpenedHF:
         handles.update({name: f for name in names or f.keys() if "rotary_emb" not in name})  # noqa: SIM118
     if cfg.tie_word_embeddings:
         handles.pop("lm_head.weight", None)
-    expected = _expected(cfg)
-    missing = sorted(set(expected) - set(handles))
-    if missing:
-        raise HFError(
-            f"{hf_dir} lacks {len(missing)} tensor(s) its config.json needs: {', '.join(missing[:5])}"
-        )
+    shapes = {name: tuple(f.get_slice(name).get_shape()) for name, f in handles.items()}
+    problem = shape_problem(cfg, shapes, str(hf_dir), HF_CONFIG, to_hf)
+    if problem:
+        raise HFError(f"{problem}: the weights and the config are from different models.")
     for name, f in handles.items():
-        if name not in expected:
-            raise HFError(f"{hf_dir} holds {name}, which the model its config.json describes does not have")
-        header = f.get_slice(name)
-        if tuple(header.get_shape()) != expected[name]:
-            raise HFError(
-                f"{name} in {hf_dir} has shape {tuple(header.get_shape())}, but config.json makes it "
-                f"{expected[name]}: the weights and the config are from different models."
-            )
-        if header.get_dtype() not in ("F32", "BF16", "F16"):
-            raise HFError(f"{name} in {hf_dir} is {header.get_dtype()}: only F32, BF16 and F16 are read")
+        dtype = f.get_slice(name).get_dtype()
+        if dtype not in ("F32", "BF16", "F16"):
+            raise HFError(f"{name} in {hf_dir} is {dtype}: only F32, BF16 and F16 are read")
     return OpenedHF(cfg=cfg, config_json=hf, handles=handles)
+
+
+def inside(hf_dir: Path, name: str) -> Path:
+    """`hf_dir / name`, refused when it, links resolved, is outside `hf_dir` (an absolute name, `..`, a
+    link elsewhere): a directory from elsewhere may not have femtotron read, and copy out, other files. In
+    the Hugging Face cache, links from snapshots/REVISION/ into the repository's blobs/ are inside."""
+    root = hf_dir.resolve()
+    if root.parent.name == "snapshots":  # huggingface_hub: REPO/snapshots/REVISION/FILE -> ../../blobs/SHA
+        root = root.parent.parent
+    path = hf_dir / name
+    if not path.resolve().is_relative_to(root):
+        raise HFError(
+            f"{name} in {hf_dir} is {path.resolve()}, outside {hf_dir}: a model directory may only name its "
+            "own files. Copy the file itself into the directory (not a link) if you trust it."
+        )
+    return path
 
 
 def _weight_files(hf_dir: Path) -> dict[str, list[str] | None]:
     """The safetensors files to read, with the tensors each holds (None: all of them)."""
     if (hf_dir / INDEX).is_file():
         try:
-            weight_map = json.loads((hf_dir / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError):
+            weight_map = json.loads(inside(hf_dir, INDEX).read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            weight_map = None
+        if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
             raise HFError(
-                f"{hf_dir / INDEX} has no weight_map: re-save the model with save_pretrained"
-            ) from None
+                f"{hf_dir / INDEX} has no weight_map (tensor name -> file name): re-save the model with "
+                "save_pretrained"
+            )
         files: dict[str, list[str] | None] = {}
         for name, file in weight_map.items():
             files.setdefault(file, []).append(name)
-        missing = [file for file in files if not (hf_dir / file).is_file()]
+        missing = [file for file in files if not inside(hf_dir, file).is_file()]
         if missing:
             raise HFError(f"{hf_dir / INDEX} lists {', '.join(missing)}, which {hf_dir} does not have.")
         return files
@@ -222,25 +234,25 @@ def _weight_files(hf_dir: Path) -> dict[str, list[str] | None]:
     raise HFError(f"{hf_dir} has no {WEIGHTS_FILE} and no {INDEX}: no weights to read.")
 
 
-def _expected(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """HF's tensor names and shapes for `cfg` (femtotron's model on the meta device, mapped by name)."""
-    meta = Llama(cfg, std=0.02, seed=0, dtype=torch.float32, device=torch.device("meta")).state_dict()
-    return {name: tuple(tensor.shape) for name, tensor in to_hf(meta, cfg).items()}
-
-
 def read_as_run(hf_dir: Path, out: Path | None = None) -> tuple[Config, dict[str, torch.Tensor]]:
     """An HF Llama directory as a run would hold it: the config a run directory at `out` (default: the HF
-    directory itself) would have, and the weights by femtotron name."""
+    directory itself) would have, and the weights by femtotron name. The config, trained, continues from
+    those weights (`model.init_from`) in a run directory of its own, `OUT-train` beside `out`: a run
+    saves its weights into its run directory, and would overwrite the imported ones."""
     opened = open_hf(hf_dir)
     cfg = opened.cfg
     state = from_hf({name: f.get_tensor(name) for name, f in opened.handles.items()}, cfg)
     out = out or hf_dir
     dtype = opened.config_json.get("dtype") or opened.config_json.get("torch_dtype") or "float32"
-    tokenizer = str(out / TOKENIZER_FILE) if (hf_dir / TOKENIZER_FILE).is_file() else None
+    tokenizer = str(out / TOKENIZER_FILE) if inside(hf_dir, TOKENIZER_FILE).is_file() else None
     config = load_config_dict(
         {
-            "general": {"run": out.name},
-            "model": {"model_config": cfg.model_dump(), "dtype": dtype if dtype in DTYPES else "float32"},
+            "general": {"run": f"{out.name}-train"},
+            "model": {
+                "model_config": cfg.model_dump(),
+                "dtype": dtype if dtype in DTYPES else "float32",
+                "init_from": str(out.resolve()),
+            },
             "tokenizer": {"tokenizer_name_or_path": tokenizer},
             "tokens": {"sequence_length": min(cfg.max_position_embeddings, 4096), "train_steps": 1},
             "data": {"dataset_folder": "set data.dataset_folder to your tokenized data to train this model"},
@@ -255,35 +267,48 @@ def import_hf(hf_dir: Path, out: Path) -> Path:
     """A femtotron run directory (config.yaml, model.safetensors, tokenizer.json) from an HF Llama directory;
     `femtotron generate` reads it."""
     config, state = read_as_run(hf_dir, out)
-    tokenizer = hf_dir / TOKENIZER_FILE
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / WEIGHTS_FILE) as tmp:
-        save_file(state, tmp, metadata={"source": str(hf_dir)})
-    if tokenizer.is_file():
-        shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
-    write_config(out, config.to_dict())
-    write_parts(out, [WEIGHTS_FILE])
+    with staged_outputs(out, CONFIG_FILE, hf_dir) as staging:
+        with atomic_path(staging / WEIGHTS_FILE) as tmp:
+            save_file(state, tmp, metadata={"source": str(hf_dir)})
+        if (hf_dir / TOKENIZER_FILE).is_file():  # inside hf_dir: read_as_run checked
+            copy_file(hf_dir / TOKENIZER_FILE, staging / TOKENIZER_FILE)
+        write_config(staging, config.to_dict())
+        write_parts(staging, [WEIGHTS_FILE])
     return out
 
 
 def export_hf(source: Path, out: Path, dtype: str | None = None, shard_bytes: int = 5 * 10**9) -> Path:
     """An HF Llama directory from a run directory or a checkpoint saved at any mesh (gathered here)."""
+    with staged_outputs(out, HF_CONFIG, source) as staging, _run_directory(source, out) as run_dir:
+        _export(run_dir, staging, dtype, shard_bytes)
+    return out
+
+
+@contextmanager
+def _run_directory(source: Path, out: Path) -> Iterator[Path]:
+    """`source` if it is a run directory; else the checkpoint consolidated into a scratch directory in
+    `out` (there, one a killed export left is removed by the next export)."""
     if (source / CONFIG_FILE).is_file():
-        return _export(source, out, dtype, shard_bytes)
+        yield source
+        return
     from femtotron.serialize.offline import consolidate
 
-    with tempfile.TemporaryDirectory(dir=out.parent if out.parent.is_dir() else None) as scratch:
-        return _export(consolidate(source, Path(scratch)), out, dtype, shard_bytes)
+    scratch = Path(temporary_name(out / ".consolidated"))
+    try:
+        yield consolidate(source, scratch)
+    finally:
+        remove(scratch)
 
 
-def _export(run_dir: Path, out: Path, dtype: str | None, shard_bytes: int) -> Path:
+def _export(run_dir: Path, out: Path, dtype: str | None, shard_bytes: int) -> None:
+    special = _special_tokens(run_dir / TOKENIZER_FILE)  # a bad tokenizer is refused before any write
+    tokens = {f"{key}_token_id": token_id for key, (_, token_id) in special.items()}
     config, weights = load_weights(run_dir)
     cfg = config.model.model_config_
     dtype = dtype or config.model.dtype
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     state = {name: t.to(DTYPES[dtype]).contiguous() for name, t in to_hf(weights, cfg).items()}
-    out.mkdir(parents=True, exist_ok=True)
     shards = _shards(state, shard_bytes)
     for file, names in shards.items():
         with atomic_path(out / file) as tmp:
@@ -292,16 +317,19 @@ def _export(run_dir: Path, out: Path, dtype: str | None, shard_bytes: int) -> Pa
         weight_map = {name: file for file, names in shards.items() for name in names}
         total = sum(t.numel() * t.element_size() for t in state.values())
         _write_json(out / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    tokens = _special_tokens(run_dir / TOKENIZER_FILE)
     _write_json(out / HF_CONFIG, _hf_config(config, cfg, dtype, tokens))
     _write_json(out / "generation_config.json", {"_from_model_config": True, **tokens})
     if (run_dir / TOKENIZER_FILE).is_file():
-        shutil.copyfile(run_dir / TOKENIZER_FILE, out / TOKENIZER_FILE)
+        copy_file(run_dir / TOKENIZER_FILE, out / TOKENIZER_FILE)
+        # transformers reads the special tokens from here; a Llama has no padding token: eos pads.
+        named = {f"{key}_token": token for key, (token, _) in special.items()}
+        if "eos" in special:
+            named["pad_token"] = special["eos"][0]
+        tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **named}
         _write_json(
             out / "tokenizer_config.json",
-            {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_position_embeddings},
+            {**tokenizer_config, "model_max_length": cfg.max_position_embeddings},
         )
-    return out
 
 
 def _shards(state: dict[str, torch.Tensor], shard_bytes: int) -> dict[str, list[str]]:
@@ -320,20 +348,20 @@ def _shards(state: dict[str, torch.Tensor], shard_bytes: int) -> dict[str, list[
     return {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": names for i, names in enumerate(groups)}
 
 
-def _special_tokens(path: Path) -> dict[str, int]:
-    """bos/eos ids for config.json, from the tokenizer's special tokens (none without a tokenizer)."""
+def _special_tokens(path: Path) -> dict[str, tuple[str, int]]:
+    """The tokenizer's bos and eos tokens with their ids, by "bos" / "eos" (none without a tokenizer)."""
     if not path.is_file():
         return {}
-    added = Tokenizer.from_file(str(path)).get_added_tokens_decoder()
+    added = load_tokenizer(path).get_added_tokens_decoder()
     special = {t.content: i for i, t in added.items() if t.special}
     found = {}
     for key, pattern in (
-        ("bos_token_id", r"<s>|<\|begin_of_text\|>|<bos>"),
-        ("eos_token_id", r"</s>|<\|end_of_text\|>|<\|endoftext\|>|<eos>"),
+        ("bos", r"<s>|<\|begin_of_text\|>|<bos>"),
+        ("eos", r"</s>|<\|end_of_text\|>|<\|endoftext\|>|<eos>"),
     ):
-        ids = [i for token, i in special.items() if re.fullmatch(pattern, token)]
-        if ids:
-            found[key] = ids[0]
+        matches = [(token, i) for token, i in special.items() if re.fullmatch(pattern, token)]
+        if matches:
+            found[key] = matches[0]
     return found
 
 

@@ -11,18 +11,24 @@ tokenizer, in the form of a finished run directory (serialize/weights.py; `femto
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from femtotron.atomic import atomic_path
+from femtotron.atomic import atomic_path, copy_file, remove
 from femtotron.config import Config, load_config_dict
 from femtotron.layout import meta_rank_model
 from femtotron.serialize.checkpoint import commit, mesh_of, resolve, saved_slices
 from femtotron.serialize.files import CheckpointError, CheckpointReader, Slice, file_record, write_rank_file
-from femtotron.serialize.weights import TOKENIZER_FILE, WEIGHTS_FILE, write_config, write_parts
+from femtotron.serialize.weights import (
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+    staged_outputs,
+    write_config,
+    write_parts,
+)
 
 SOURCE = "the CHECKPOINT argument"
 
@@ -43,20 +49,21 @@ def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
         config = load_config_dict(manifest["config"], overrides=overrides)
         tmp = out / f".tmp-{directory.name}"
         final = out / directory.name
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove(tmp)  # a killed reshard's, or a link planted there: never written through
         tmp.mkdir(parents=True)
         # Offline there are no RNG states to keep: each rank's file holds its slices alone.
         records = [
             write_rank_file(tmp, rank, rank_slices(config, rank, reader), extra={}, metadata={})
             for rank in range(config.parallelism.world_size)
         ]
-        if (directory / TOKENIZER_FILE).is_file():
-            shutil.copyfile(directory / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
+        if copy_tokenizer(reader, tmp):
             records.append(file_record(tmp / TOKENIZER_FILE))
         # The run state as saved; build_manifest and commit write the rest again (format, files, rng...).
         rewritten = ("format", "version", "files", "tensors", "rng")
         state = {k: v for k, v in manifest.items() if k not in rewritten}
-        state.update(mesh=mesh_of(config), world_size=len(records), config=config.to_dict())
+        # The ranks of the new mesh: the records also list the tokenizer's file.
+        world_size = config.parallelism.world_size
+        state.update(mesh=mesh_of(config), world_size=world_size, config=config.to_dict())
         commit(tmp, final, state, records)
     return final
 
@@ -79,8 +86,10 @@ def consolidate(source: Path, out: Path, with_optimizer: bool = False) -> Path:
     """A run directory in `out`: full-shape weights (`model.safetensors`), `config.yaml` and the tokenizer;
     `with_optimizer`: also fp32 master weights and Adam moments (`optimizer.safetensors`, `<kind>/<name>`)."""
     directory, _ = resolve(source, SOURCE)
-    out.mkdir(parents=True, exist_ok=True)
-    with CheckpointReader(directory, verify_all=True) as reader:
+    with (
+        CheckpointReader(directory, verify_all=True) as reader,
+        staged_outputs(out, CONFIG_FILE, directory) as staging,
+    ):
 
         def full(tensor: str) -> torch.Tensor:
             shape = reader.shape(tensor)
@@ -92,15 +101,19 @@ def consolidate(source: Path, out: Path, with_optimizer: bool = False) -> Path:
             files["optimizer.safetensors"] = lambda name: not name.startswith("model/")
         for file, wanted in files.items():  # one file's tensors in memory at a time
             tensors = {name.removeprefix("model/"): full(name) for name in reader.tensors if wanted(name)}
-            with atomic_path(out / file) as tmp:
+            with atomic_path(staging / file) as tmp:
                 save_file(tensors, tmp, metadata={"step": step})
-        config = reader.manifest["config"]
-        named = (config.get("tokenizer") or {}).get("tokenizer_name_or_path")
-        if TOKENIZER_FILE in reader.manifest["files"]:
-            reader.verify(TOKENIZER_FILE)
-            shutil.copyfile(directory / TOKENIZER_FILE, out / TOKENIZER_FILE)
-        elif named and Path(named).is_file():  # a checkpoint written before checkpoints held their tokenizer
-            shutil.copyfile(named, out / TOKENIZER_FILE)
-    write_config(out, config)
-    write_parts(out, [WEIGHTS_FILE])
+        copy_tokenizer(reader, staging)
+        write_config(staging, reader.manifest["config"])
+        write_parts(staging, [WEIGHTS_FILE])
     return out
+
+
+def copy_tokenizer(reader: CheckpointReader, directory: Path) -> bool:
+    """The checkpoint's tokenizer.json into `directory`, checked against the manifest's sha256, if the
+    manifest lists one. Never a file the manifest's config names: that path can point anywhere."""
+    if TOKENIZER_FILE not in reader.manifest["files"]:
+        return False
+    reader.verify(TOKENIZER_FILE)
+    copy_file(reader.directory / TOKENIZER_FILE, directory / TOKENIZER_FILE)
+    return True

@@ -125,3 +125,51 @@ def test_M3_every_fix_the_imbalance_warning_suggests_is_accepted_by_the_rules_an
 def test_stage_parameters_add_up_to_the_model():
     cfg = model(7, 32000)
     assert sum(s.parameters for s in partition(cfg, 128, 3)) == cfg.parameter_count
+
+
+def dynamic_programme(cfg, seq: int, stages: int) -> list[range]:
+    """The exact dynamic programme over (stages, layers) partition() used before bisection, as reference."""
+    n = cfg.num_hidden_layers
+    layer = cfg.layer_flops(seq)
+    head = cfg.head_flops
+    best = [[float("inf")] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                candidate = max(best[k - 1][j], (i - j) * layer + (head if i == n else 0.0))
+                if candidate < best[k][i]:
+                    best[k][i] = candidate
+                    cut[k][i] = j
+    bounds = []
+    i = n
+    for k in range(stages, 0, -1):
+        bounds.append(range(cut[k][i], i))
+        i = cut[k][i]
+    return bounds[::-1]
+
+
+@pytest.mark.parametrize("vocab", [8, 256, 32000, 128000, 10**9])
+def test_E5_bisection_gives_the_dynamic_programmes_stages(vocab):
+    """The same layout as before, so checkpoints and runs keep their stages; with a head of 1e9 tokens'
+    vocabulary the head's cost absorbs a layer's in floating point (ties broken alike)."""
+    for layers in range(1, 25):
+        cfg = model(layers, vocab)
+        for stages in range(1, min(layers, 9) + 1):
+            found = [s.layers for s in partition(cfg, 128, stages)]
+            assert found == dynamic_programme(cfg, 128, stages), (layers, stages)
+
+
+def test_E5_1024_layers_over_8_stages_as_the_dynamic_programme():
+    cfg = model(1024, 32000)
+    assert [s.layers for s in partition(cfg, 128, 8)] == dynamic_programme(cfg, 128, 8)
+
+
+def test_E5_a_billion_layers_need_no_table_per_layer():
+    cfg = model(10**9, 32000)
+    stages = partition(cfg, 128, 8)
+    starts = [s.layers.start for s in stages]
+    assert starts[0] == 0 and [s.layers.stop for s in stages] == [*starts[1:], 10**9]
+    total = sum(s.cost for s in stages)
+    assert max(s.cost for s in stages) < total / 8 + cfg.layer_flops(128)  # within a layer of perfect

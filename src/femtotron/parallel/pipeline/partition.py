@@ -9,10 +9,13 @@ stage s of pp * v runs on pp rank s % pp, as its model chunk s // pp.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from femtotron.config import LlamaConfig
 
 # A stage this much above the mean cost is reported: the others wait for it every micro-batch.
@@ -39,8 +42,8 @@ class Stage:
 
 
 def partition(cfg: LlamaConfig, sequence_length: int, stages: int) -> list[Stage]:
-    """Split the layers over `stages` contiguous stages minimising the largest stage cost: an exact dynamic
-    programme over (stages, layers), cheap for any real model (a few hundred layers)."""
+    """Split the layers over `stages` contiguous stages minimising the largest stage cost, exactly, in
+    O(stages * log(layers)): no table per layer (1e9 layers would need gigabytes)."""
     n = cfg.num_hidden_layers
     if stages > n:
         raise ValueError(f"{stages} pipeline stages for {n} layers: every stage needs a layer")
@@ -50,23 +53,31 @@ def partition(cfg: LlamaConfig, sequence_length: int, stages: int) -> list[Stage
     def cost(start: int, stop: int) -> float:
         return (stop - start) * layer + (head if stop == n else 0.0)
 
-    # best[k][i]: the smallest possible maximum cost when the first i layers form k stages.
-    best = [[float("inf")] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        for i in range(k, n - (stages - k) + 1):
-            for j in range(k - 1, i):
-                candidate = max(best[k - 1][j], cost(j, i))
-                if candidate < best[k][i]:
-                    best[k][i] = candidate
-                    cut[k][i] = j
-    # Walk the cuts back from the last stage, which ends at layer n.
+    def before(k: int, j: int) -> float:
+        """The smallest possible maximum cost of the first j layers as k stages (none holds the head)."""
+        return -(-j // k) * layer if k else 0.0
+
+    def start_of(k: int, stop: int) -> int:
+        """Where stage k (from 1) ending at `stop` starts: the smallest j minimising max(before(k - 1, j),
+        cost(j, stop)), as a dynamic programme over every (stage, layer) pair trying j upwards finds it.
+        The first term grows with j, the second shrinks: the minimum is where they cross."""
+        low = k - 1  # each earlier stage needs a layer
+        high = stop if k > 1 else 1  # the first stage starts at layer 0
+        crossing = _first(low, high, lambda j: before(k - 1, j) >= cost(j, stop))
+        near = (crossing - 1, crossing)
+        slowest = {j: max(before(k - 1, j), cost(j, stop)) for j in near if low <= j < high}
+        best = min(slowest.values())
+        if slowest.get(crossing - 1) == best:  # below the crossing only the cost counts, which may stay flat
+            return _first(low, crossing, lambda j: cost(j, stop) <= best)
+        return crossing
+
+    # Walk back from the last stage, which ends at layer n.
     bounds = []
-    i = n
+    stop = n
     for k in range(stages, 0, -1):
-        bounds.append((cut[k][i], i))
-        i = cut[k][i]
+        start = start_of(k, stop)
+        bounds.append((start, stop))
+        stop = start
     bounds.reverse()
     emb = cfg.embedding_parameters
 
@@ -89,6 +100,11 @@ def partition(cfg: LlamaConfig, sequence_length: int, stages: int) -> list[Stage
         )
         for s, (start, stop) in enumerate(bounds)
     ]
+
+
+def _first(low: int, high: int, test: Callable[[int], bool]) -> int:
+    """The smallest j in [low, high) passing `test` (false, then true, as j grows), or `high`."""
+    return low + bisect_left(range(low, high), True, key=test)
 
 
 def stage_map(stages: list[Stage], pp: int) -> str:

@@ -1,0 +1,185 @@
+"""The checkpoint format on disk: hostile manifests built by hand are refused naming the entry, links are
+neither followed nor written through."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from helpers import write_yaml
+
+from femtotron.cli import main
+from femtotron.serialize.files import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointReader,
+    Slice,
+    build_manifest,
+    rank_file,
+    read_manifest,
+    write_rank_file,
+)
+
+VALUES = torch.arange(8, dtype=torch.float32).view(2, 4)
+
+
+def hand_checkpoint(directory):
+    """A checkpoint of one 2x4 tensor in two slices, one row each; returns its manifest."""
+    directory.mkdir()
+    rows = [Slice("model/w", (2, 4), ((row, 0), (row + 1, 4)), VALUES[row : row + 1]) for row in (0, 1)]
+    record = write_rank_file(directory, 0, rows, extra={}, metadata={})
+    manifest = build_manifest({"step": 1, "config": {}, "mesh": {}}, [record])
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+    return manifest
+
+
+def test_a_hand_built_checkpoint_reads_back(tmp_path):
+    hand_checkpoint(tmp_path / "ok")
+    with CheckpointReader(tmp_path / "ok", verify_all=True) as reader:
+        assert torch.equal(reader.read("model/w", ((0, 0), (2, 4))), VALUES)
+
+
+def test_S2_overlapping_slices_that_add_up_to_the_whole_are_refused(tmp_path):
+    # Both slices are row 0, twice: their volumes sum to the tensor's, but row 1 is in no file. Before, the
+    # sum passed and row 1 came back as whatever torch.empty held.
+    manifest = hand_checkpoint(tmp_path / "c")
+    slices = manifest["tensors"]["model/w"]["slices"]
+    slices[1] = {**slices[0], "key": slices[1]["key"]}
+    (tmp_path / "c" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(
+        CheckpointError, match=r"tensor 'model/w' has overlapping slices \(\(0, 0\), \(1, 4\)\)"
+    ):
+        CheckpointReader(tmp_path / "c")
+
+
+def set_in(path, value):
+    """A mutation of the manifest: set the entry at `path` (keys, "*" for the first slice) to `value`."""
+
+    def mutate(manifest):
+        entry = manifest
+        for key in path[:-1]:
+            entry = entry[key] if key != "*" else entry[0]
+        entry[path[-1]] = value
+        return manifest
+
+    return mutate
+
+
+def huge_shape(manifest):
+    entry = manifest["tensors"]["model/w"]
+    entry["shape"] = [2**20, 2**20]
+    entry["slices"] = [{**entry["slices"][0], "start": [0, 0], "stop": [2**20, 2**20]}]
+    return manifest
+
+
+TENSOR = ("tensors", "model/w")
+HOSTILE = {
+    "unknown dtype": (set_in((*TENSOR, "dtype"), "complex128"), "has dtype 'complex128'; known: float32"),
+    "slice past the tensor": (
+        set_in((*TENSOR, "slices", "*", "stop"), [1, 9]),
+        r"has a slice \[\[0, 0\], \[1, 9\]\) outside its shape \[2, 4\]",
+    ),
+    # 2^40 elements (4 TiB) would be allocated before any check: the file holds 32 bytes of slices.
+    "huge shape": (huge_shape, "is listed with .* bytes but holds slices of 4,398,046,511,104 bytes"),
+    "part of the tensor missing": (
+        lambda m: set_in((*TENSOR, "slices"), m["tensors"]["model/w"]["slices"][:1])(m),
+        "has slices covering 4 of its 8 elements",
+    ),
+    "files a list": (lambda m: {**m, "files": list(m["files"])}, '"files" is a list, not a mapping'),
+    "step not a number": (set_in(("step",), "7"), "\"step\": '7' is not a whole number >= 0"),
+    "absolute file name": (
+        lambda m: {**m, "files": {"/etc/passwd": next(iter(m["files"].values()))}},
+        "file '/etc/passwd' is not a plain file name inside the checkpoint directory",
+    ),
+    "file name with ..": (
+        lambda m: {**m, "files": {"../secret": next(iter(m["files"].values()))}},
+        "file '../secret' is not a plain file name inside the checkpoint directory",
+    ),
+}
+
+
+def write_hostile(directory, name):
+    """A hand-built checkpoint in `directory` whose manifest is `HOSTILE[name]`'s; returns the phrase."""
+    mutate, phrase = HOSTILE[name]
+    manifest = hand_checkpoint(directory)
+    (directory / MANIFEST).write_text(json.dumps(mutate(manifest)))
+    return phrase
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_manifest_is_refused_naming_the_entry(tmp_path, name):
+    phrase = write_hostile(tmp_path / "c", name)
+    with pytest.raises(CheckpointError, match=phrase) as info:
+        CheckpointReader(tmp_path / "c")
+    assert str(tmp_path / "c" / MANIFEST) in str(info.value)
+
+
+def test_E5_a_huge_shape_with_a_file_size_to_match_is_refused_before_anything_is_allocated(tmp_path):
+    # The manifest claims a 4 TiB tensor in a file it lists at 4 TiB: consistent on paper, so the reader
+    # must check the real file's size before it allocates the tensor's box.
+    manifest = huge_shape(hand_checkpoint(tmp_path / "c"))
+    next(iter(manifest["files"].values()))["bytes"] = 4 * 2**40
+    (tmp_path / "c" / MANIFEST).write_text(json.dumps(manifest))
+    with (
+        CheckpointReader(tmp_path / "c") as reader,
+        pytest.raises(CheckpointError, match="bytes but the manifest"),
+    ):
+        reader.read("model/w", ((0, 0), (2**20, 2**20)))
+
+
+def test_deeply_nested_json_is_a_damaged_manifest_not_a_recursion_error(tmp_path):
+    (tmp_path / MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="is not valid JSON \\(RecursionError"):
+        read_manifest(tmp_path)
+
+
+def test_a_file_that_links_out_of_the_checkpoint_is_refused(tmp_path):
+    hand_checkpoint(tmp_path / "c")
+    outside = tmp_path / "outside.safetensors"
+    (tmp_path / "c" / rank_file(0)).rename(outside)
+    (tmp_path / "c" / rank_file(0)).symlink_to(outside)
+    with (
+        CheckpointReader(tmp_path / "c") as reader,
+        pytest.raises(CheckpointError, match="outside the checkpoint"),
+    ):
+        reader.read("model/w", ((0, 0), (2, 4)))
+
+
+def test_a_rank_file_replaces_a_link_at_its_place_instead_of_writing_through_it(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_text("not yours")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / rank_file(0)).symlink_to(target)
+    write_rank_file(
+        tmp_path / "c", 0, [Slice("model/w", (2, 4), ((0, 0), (2, 4)), VALUES)], extra={}, metadata={}
+    )
+    assert target.read_text() == "not yours" and not (tmp_path / "c" / rank_file(0)).is_symlink()
+
+
+@pytest.mark.parametrize("name", [*HOSTILE, "nested JSON"])
+def test_S2_a_hostile_manifest_is_a_clear_error_in_every_command_that_reads_one(
+    tmp_path, tiny_config, capsys, name
+):
+    config = tiny_config("general.run=hostile", "tokens.train_steps=4")
+    step = config.run_dir / "checkpoints" / "step-0000004"
+    step.parent.mkdir(parents=True)
+    if name == "nested JSON":
+        hand_checkpoint(step)
+        (step / MANIFEST).write_text("{" + '"a":{' * 50_000 + "}" * 50_001)
+        phrase = "is not valid JSON"
+    else:
+        phrase = write_hostile(step, name)
+    (step.parent / "latest").write_text(step.name + "\n")
+    commands = {
+        "consolidate": ["consolidate", str(step), "--out", str(tmp_path / "consolidated")],
+        "reshard": ["reshard", str(step), "--out", str(tmp_path / "resharded"), "--tp", "2"],
+        "export-hf": ["export-hf", str(step), "--out", str(tmp_path / "hf")],
+        "auto-resume": ["train", write_yaml(config, tmp_path / "c.yaml")],
+    }
+    for verb, argv in commands.items():
+        assert main(argv) == CheckpointError.exit_code, verb
+        error = capsys.readouterr().err
+        assert error.startswith("femtotron: error: ") and re.search(phrase, error), (verb, error)
+        assert "Traceback" not in error
