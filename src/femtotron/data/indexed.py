@@ -66,7 +66,7 @@ def _describe(directory: str) -> str:
     if not os.path.isdir(directory):
         return f"directory {directory!r} does not exist"
     pairs, lone = _scan(directory)
-    none = f"{directory!r} holds zero .bin/.idx pairs"
+    none = f"{directory!r} holds zero .bin/.idx pairs and no datatrove .ds files"
     parts = [f"pairs in {directory!r}: {', '.join(pairs)}" if pairs else none]
     parts += [f"files without their partner: {', '.join(lone)}"] if lone else []
     return "; ".join(parts)
@@ -126,6 +126,9 @@ class IndexedDataset:
         self.sequence_pointers = np.frombuffer(idx, dtype="<i8", count=count, offset=offset + 4 * count)
         self.document_indices = np.frombuffer(idx, dtype="<i8", count=doc_count, offset=offset + 12 * count)
         self.num_tokens = int(self.sequence_lengths.sum(dtype=np.int64))
+        self.num_documents = doc_count - 1
+        self.files = [bin_path, idx_path]
+        self.name = bin_path  # what messages about its tokens name
         self._check_index(idx_path, count)
 
         itemsize = self.dtype.itemsize
@@ -179,29 +182,41 @@ class IndexedDataset:
         """Tokens `start ... stop` of all sequences concatenated in order (crossing document boundaries)."""
         return np.asarray(self._tokens[start:stop])
 
+    def num_samples(self, sequence_length: int) -> int:
+        return max(self.num_tokens - 1, 0) // sequence_length
+
+    def sample(self, i: int, sequence_length: int) -> np.ndarray:
+        """Tokens `[i*L, i*L + L + 1)` of the stream: consecutive samples overlap by one token."""
+        return self.tokens(i * sequence_length, (i + 1) * sequence_length + 1)
+
 
 class IndexedDatasetWriter:
     """Builds a `.bin`/`.idx` pair; both appear (atomically, by rename) only when `finalize()` runs.
-    `add_document(tokens)` is one document of one sequence; or, as Megatron: `add_item`s, `end_document`."""
+    `add_document(tokens)` is one document of one sequence; or, as Megatron: `add_item`s, `end_document`.
+    Subclasses write other layouts (preprocess.DatatroveWriter) by their suffixes, dtypes, `_index_bytes`."""
+
+    DATA_SUFFIX = ".bin"
+    INDEX_SUFFIX = ".idx"
+    DTYPES = tuple(DTYPE_CODES.values())
 
     def __init__(self, path_prefix: str | os.PathLike, dtype: np.dtype | type) -> None:
         self.path_prefix = os.fspath(path_prefix)
         self.dtype = np.dtype(dtype)
-        if self.dtype not in DTYPE_CODES.values():
-            raise ValueError(
-                f"dtype {self.dtype} has no code in the indexed format; use one of {DTYPE_CODES}"
-            )
+        if self.dtype not in self.DTYPES:
+            raise ValueError(f"dtype {self.dtype} cannot be stored in this format; use one of {self.DTYPES}")
+        self._data_path = f"{self.path_prefix}{self.DATA_SUFFIX}"
+        self._index_path = f"{self.path_prefix}{self.INDEX_SUFFIX}"
         directory = os.path.dirname(self.path_prefix) or "."
         try:
             os.makedirs(directory, exist_ok=True)
             for stale in remove_stale(directory, os.path.basename(self.path_prefix)):
                 print(f"femtotron: removed {stale}, left by a preprocess that was killed", file=sys.stderr)
-            self._tmp_bin = temporary_name(f"{self.path_prefix}.bin")
-            self._tmp_idx = temporary_name(f"{self.path_prefix}.idx")
+            self._tmp_bin = temporary_name(self._data_path)
+            self._tmp_idx = temporary_name(self._index_path)
             remove(self._tmp_bin)
             self._bin = open(self._tmp_bin, "xb")  # noqa: SIM115 (closed by finalize or abort)
         except OSError as e:
-            raise _cannot_write(self.path_prefix, e) from e
+            raise _cannot_write(f"{self._data_path}/{self.INDEX_SUFFIX}", e) from e
         self._lengths: list[int] = []
         self._documents: list[int] = [0]
 
@@ -216,7 +231,7 @@ class IndexedDatasetWriter:
         try:
             self._bin.write(array.astype(_le(self.dtype), copy=False).tobytes())
         except OSError as e:
-            raise _cannot_write(self.path_prefix, e) from e
+            raise _cannot_write(f"{self._data_path}/{self.INDEX_SUFFIX}", e) from e
         self._lengths.append(int(array.size))
 
     def end_document(self) -> None:
@@ -233,19 +248,19 @@ class IndexedDatasetWriter:
         try:
             self._bin.close()
             self._write_index()
-            remove(f"{self.path_prefix}.idx")
+            remove(self._index_path)
             crash_point("preprocess.idx_removed")
-            os.replace(self._tmp_bin, f"{self.path_prefix}.bin")
+            os.replace(self._tmp_bin, self._data_path)
             crash_point("preprocess.bin_renamed")
-            os.replace(self._tmp_idx, f"{self.path_prefix}.idx")
+            os.replace(self._tmp_idx, self._index_path)
         except OSError as e:
             self.abort()
-            raise _cannot_write(self.path_prefix, e) from e
+            raise _cannot_write(f"{self._data_path}/{self.INDEX_SUFFIX}", e) from e
         except BaseException:
             self.abort()
             raise
 
-    def _write_index(self) -> None:
+    def _index_bytes(self) -> list[bytes]:
         lengths = np.asarray(self._lengths, dtype=np.int64)
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
             raise ValueError("a sequence longer than 2**31 - 1 tokens cannot be indexed")
@@ -253,8 +268,11 @@ class IndexedDatasetWriter:
         np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
         header = _HEADER.pack(MAGIC, VERSION, _code(self.dtype), lengths.size, len(self._documents))
         documents = np.asarray(self._documents, dtype="<i8")
+        return [header, lengths.astype("<i4").tobytes(), pointers.tobytes(), documents.tobytes()]
+
+    def _write_index(self) -> None:
         with open(self._tmp_idx, "xb") as f:
-            f.writelines([header, lengths.astype("<i4").tobytes(), pointers.tobytes(), documents.tobytes()])
+            f.writelines(self._index_bytes())
         for path in (self._tmp_bin, self._tmp_idx):  # the usual permissions for what is shared
             os.chmod(path, 0o666 & ~current_umask())
 
@@ -275,9 +293,9 @@ class IndexedDatasetWriter:
             self.abort()
 
 
-def _cannot_write(prefix: str, error: OSError) -> Exception:
+def _cannot_write(files: str, error: OSError) -> Exception:
     """A full disk, a read-only file system or no permission, named with the dataset's files."""
-    return write_error(error, f"{prefix}.bin/.idx") or DataError(f"cannot write {prefix}.bin/.idx: {error}")
+    return write_error(error, files) or DataError(f"cannot write {files}: {error}")
 
 
 def _code(dtype: np.dtype) -> int:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from femtotron.batch import MicroBatch
+from femtotron.data.datatrove import DatatroveFolder, is_datatrove_folder
 from femtotron.data.indexed import IndexedDataset, resolve_dataset_prefixes
 from femtotron.errors import DataError
 
@@ -68,8 +69,10 @@ class _Blender:
 class Nanoset:
     """Samples of `sequence_length + 1` tokens (inputs and targets overlap by one) from blended datasets.
 
-    A dataset's documents form one token stream; its sample i is tokens `[i*L, i*L + L + 1)`, visited in a
-    fresh permutation each epoch (`np.random.default_rng((seed, dataset_index, epoch))`), so `nanoset[g]`
+    A Megatron dataset's documents form one token stream; its sample i is tokens `[i*L, i*L + L + 1)`; a
+    datatrove folder's sample i is its i-th window of L + 1 tokens, as datatrove cuts it (data/datatrove.py).
+    Each dataset's samples come in a fresh permutation each epoch
+    (`np.random.default_rng((seed, dataset_index, epoch))`), so `nanoset[g]`
     exists for every g >= 0. `weights` (normalised): each dataset's share; None: proportional to size."""
 
     def __init__(
@@ -84,10 +87,10 @@ class Nanoset:
         self.prefixes = [os.fspath(p) for p in prefixes]
         if not self.prefixes:
             raise DataError("no dataset given: the data section lists no dataset path")
-        self.datasets = [IndexedDataset(p) for p in self.prefixes]
+        self.datasets = [open_dataset(p) for p in self.prefixes]
         self.sequence_length = sequence_length
         self.seed = seed
-        self.samples_per_dataset = [max(ds.num_tokens - 1, 0) // sequence_length for ds in self.datasets]
+        self.samples_per_dataset = [ds.num_samples(sequence_length) for ds in self.datasets]
         for ds, n in zip(self.datasets, self.samples_per_dataset, strict=True):
             if ds.dtype.kind not in "iu":
                 raise DataError(f"{ds.path_prefix}.bin holds {ds.dtype} values, not token ids")
@@ -111,7 +114,7 @@ class Nanoset:
 
     @property
     def num_documents(self) -> int:
-        return sum(len(ds.document_indices) - 1 for ds in self.datasets)
+        return sum(ds.num_documents for ds in self.datasets)
 
     @property
     def num_tokens(self) -> int:
@@ -145,8 +148,17 @@ class Nanoset:
 
     def __getitem__(self, g: int) -> np.ndarray:
         dataset, sample = self.locate(g)
-        start = sample * self.sequence_length
-        return self.datasets[dataset].tokens(start, start + self.sequence_length + 1).astype(np.int64)
+        return self.datasets[dataset].sample(sample, self.sequence_length).astype(np.int64)
+
+
+def open_dataset(path: str) -> IndexedDataset | DatatroveFolder:
+    """A datatrove folder (it holds `*.ds` files), else a Megatron `.bin/.idx` prefix."""
+    return DatatroveFolder(path) if is_datatrove_folder(path) else IndexedDataset(path)
+
+
+def _resolve(folder: str) -> list[str]:
+    """A datatrove folder is one dataset, as nanotron blends by folder; a directory of pairs is each pair."""
+    return [folder] if is_datatrove_folder(folder) else resolve_dataset_prefixes(folder)
 
 
 def open_nanoset(folders: str | list[str] | dict[str, float], sequence_length: int, seed: int) -> Nanoset:
@@ -155,12 +167,12 @@ def open_nanoset(folders: str | list[str] | dict[str, float], sequence_length: i
         prefixes = []
         weights = []
         for folder, weight in folders.items():
-            found = resolve_dataset_prefixes(folder)
+            found = _resolve(folder)
             prefixes += found
             weights += [weight / len(found)] * len(found)  # a directory's pairs share its weight
         return Nanoset(prefixes, weights, sequence_length, seed)
     folders = [folders] if isinstance(folders, str) else folders
-    return Nanoset([p for f in folders for p in resolve_dataset_prefixes(f)], None, sequence_length, seed)
+    return Nanoset([p for f in folders for p in _resolve(f)], None, sequence_length, seed)
 
 
 class MicroBatchIterator:

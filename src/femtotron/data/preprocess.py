@@ -1,4 +1,5 @@
-"""Text documents -> tokens -> a Megatron-Core .bin/.idx pair, one EOS-terminated sequence per document."""
+"""Text documents -> tokens -> a Megatron-Core .bin/.idx pair (or datatrove's .ds/.ds.index), one
+EOS-terminated sequence per document."""
 
 from __future__ import annotations
 
@@ -12,11 +13,25 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from femtotron.data.datatrove import TOKEN_DTYPES, token_size_for
 from femtotron.data.documents import iter_documents
 from femtotron.data.indexed import IndexedDatasetWriter, token_dtype_for
 from femtotron.data.tokenizer import eos_token_id, load_tokenizer
 
 _CHUNK = 256  # documents per unit of work: large enough to amortise inter-process traffic
+
+
+class DatatroveWriter(IndexedDatasetWriter):
+    """Builds `PREFIX.ds` and `PREFIX.ds.index` (uint64 document ends) as datatrove writes them; both
+    appear only when `finalize()` runs, as for the Megatron pair (the old index removed first)."""
+
+    DATA_SUFFIX = ".ds"
+    INDEX_SUFFIX = ".ds.index"
+    DTYPES = tuple(TOKEN_DTYPES.values())
+
+    def _index_bytes(self) -> list[bytes]:
+        ends = np.concatenate([[0], np.cumsum(self._lengths, dtype=np.int64)])[self._documents[1:]]
+        return [ends.astype("<u8").tobytes()]
 
 
 @dataclass(frozen=True)
@@ -68,9 +83,11 @@ def preprocess(
     workers: int = 1,
     text_key: str = "text",
     progress: bool = True,
+    output_format: str = "megatron",
 ) -> PreprocessSummary:
-    """Tokenize `input_path` (.jsonl, .jsonl.gz or .txt) into `output_prefix`.bin/.idx, which appear only
-    when every document is written. `workers > 1` tokenizes in a process pool, byte-identically (in order)."""
+    """Tokenize `input_path` (.jsonl, .jsonl.gz or .txt) into `output_prefix`.bin/.idx (`output_format`
+    "datatrove": `.ds`/`.ds.index`), which appear only when every document is written. `workers > 1`
+    tokenizes in a process pool, byte-identically (in order)."""
     tokenizer_path = os.fspath(tokenizer_path)
     output_prefix = os.fspath(output_prefix)
     encoder = _Encoder(tokenizer_path)  # fails fast on a bad tokenizer, before any worker starts
@@ -79,7 +96,12 @@ def preprocess(
     bar = tqdm(
         desc=f"preprocess {input_path}", unit=" docs", file=sys.stderr, disable=None if progress else True
     )
-    with bar, IndexedDatasetWriter(output_prefix, encoder.dtype) as writer:
+    writer_class = IndexedDatasetWriter
+    dtype = encoder.dtype
+    if output_format == "datatrove":  # datatrove's token size, as its DocumentTokenizer decides it
+        writer_class = DatatroveWriter
+        dtype = TOKEN_DTYPES[token_size_for(encoder.tokenizer.get_vocab_size(with_added_tokens=True))]
+    with bar, writer_class(output_prefix, dtype) as writer:
         if workers > 1:
             # spawn, not fork: forking a process that already ran Rust thread pools can deadlock.
             context = multiprocessing.get_context("spawn")
@@ -89,7 +111,7 @@ def preprocess(
         else:
             documents, tokens = _write(map(encoder, chunks), writer, bar)
     return PreprocessSummary(
-        documents=documents, tokens=tokens, output_prefix=output_prefix, dtype=encoder.dtype.name
+        documents=documents, tokens=tokens, output_prefix=output_prefix, dtype=writer.dtype.name
     )
 
 

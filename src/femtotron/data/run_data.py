@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 
 from femtotron.batch import MicroBatch
 from femtotron.config import Config
+from femtotron.data.datatrove import DatatroveFolder, check_token_size
 from femtotron.data.nanoset import Nanoset, open_nanoset
 from femtotron.data.tokenizer import eos_token_id, tokenizer_for_model
 from femtotron.errors import ConfigError, DataError
@@ -49,13 +50,15 @@ def check_token_range(nanoset: Nanoset, vocab_size: int, key: str = "data.datase
     """Token ids must be < vocab_size: the start of every dataset file is scanned before the model is
     built."""
     for dataset in nanoset.datasets:
+        if isinstance(dataset, DatatroveFolder):
+            check_token_size(dataset, vocab_size, key)
         head = dataset.tokens(0, min(dataset.num_tokens, SCANNED_TOKENS))
         largest = int(head.max()) if head.size else 0
         if largest >= vocab_size:
             position = int(np.argmax(head == largest))
             count = int((head >= vocab_size).sum())
             raise DataError(
-                f"{dataset.path_prefix}.bin ({key}) holds token id {largest} (at token {position:,}; "
+                f"{dataset.name} ({key}) holds token id {largest} (at token {position:,}; "
                 f"{count:,} of the first {head.size:,} tokens are out of range), but "
                 f"model.model_config.vocab_size={vocab_size} allows ids 0..{vocab_size - 1}: it was "
                 f"tokenized with a larger vocabulary. Set model.model_config.vocab_size >= {largest + 1}, "
@@ -68,8 +71,8 @@ def data_identity(nanoset: Nanoset, tokenizer: Tokenizer | None) -> dict[str, An
     (their paths, and a digest of each .bin's and .idx's size and first and last MiB, which another corpus
     or another tokenization changes), the blend weights, the seed, the sequence length, the vocabulary."""
     digest = hashlib.sha256()
-    for prefix in nanoset.prefixes:
-        for path in (f"{prefix}.bin", f"{prefix}.idx"):
+    for dataset in nanoset.datasets:
+        for path in dataset.files:
             size = os.path.getsize(path)
             digest.update(f"{size}:".encode())
             with open(path, "rb") as f:
