@@ -1,7 +1,7 @@
 """femtotron: pretrain LLaMA-style models with data, tensor and pipeline parallelism and ZeRO-1.
 
-Verbs: train, doctor, check-tp, generate, inspect-data, reshard, consolidate, import-hf, export-hf,
-preprocess, train-tokenizer, plot.
+Verbs: train, doctor, check-tp, generate, inspect-data, convert-config, reshard, consolidate, import-hf,
+export-hf, preprocess, train-tokenizer, plot.
 Every problem a user can fix arrives as a FemtotronError and is printed as plain text with its
 exit code (2 for config errors); a traceback means a bug in femtotron.
 """
@@ -185,6 +185,30 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if fits else 1
 
 
+def cmd_convert_config(args: argparse.Namespace) -> None:
+    import yaml
+
+    from femtotron.atomic import atomic_path
+    from femtotron.config import load_config
+    from femtotron.config.load import is_nanotron
+    from femtotron.config.nanotron import translate
+
+    config = load_config(args.config)  # every problem at once, and the translation report (stderr)
+    with open(args.config, encoding="utf-8") as f:
+        data = yaml.safe_load(f)
+    if not is_nanotron(data):
+        raise ConfigError(f"{args.config} is a femtotron config already (no nanotron-only section or key)")
+    text = yaml.safe_dump(translate(data, {}).config, sort_keys=False)
+    if args.out is None:
+        print(text, end="")
+        return
+    with atomic_path(args.out) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(
+        f"femtotron: wrote {args.out} (run {config.general.run}); train it with `femtotron train {args.out}`"
+    )
+
+
 def cmd_inspect_data(args: argparse.Namespace) -> None:
     from femtotron.config import load_config
     from femtotron.data.nanoset import open_nanoset
@@ -212,10 +236,16 @@ def cmd_preprocess(args: argparse.Namespace) -> None:
     from femtotron.data.preprocess import preprocess
 
     summary = preprocess(
-        args.input, args.tokenizer, args.output_prefix, workers=args.workers, text_key=args.text_key
+        args.input,
+        args.tokenizer,
+        args.output_prefix,
+        workers=args.workers,
+        text_key=args.text_key,
+        output_format=args.format,
     )
+    files = ".ds/.ds.index" if args.format == "datatrove" else ".bin/.idx"
     print(
-        f"wrote {args.output_prefix}.bin/.idx: {summary.documents:,} documents, {summary.tokens:,} tokens "
+        f"wrote {args.output_prefix}{files}: {summary.documents:,} documents, {summary.tokens:,} tokens "
         f"({summary.dtype})"
     )
 
@@ -302,6 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--n", type=int, default=3, help="how many samples")
     ins.set_defaults(run=cmd_inspect_data)
 
+    conv = verbs.add_parser(
+        "convert-config", help="translate a nanotron config into femtotron's keys (docs/nanotron.md)"
+    )
+    conv.add_argument("config", help="a nanotron YAML config")
+    conv.add_argument("-o", "--out", default=None, help="the femtotron YAML to write (default: print it)")
+    conv.set_defaults(run=cmd_convert_config)
+
     re = verbs.add_parser("reshard", help="rewrite a checkpoint for another mesh (one process, no cluster)")
     re.add_argument("checkpoint", help="a step-NNNNNNN checkpoint, or a checkpoints directory (its latest)")
     re.add_argument(
@@ -351,12 +388,24 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", default=None, help="directory for the PNGs (default: FIRST_RUN_DIR/plots)")
     plot.set_defaults(run=cmd_plot)
 
-    pre = verbs.add_parser("preprocess", help="tokenize .jsonl[.gz] / .txt into Megatron .bin/.idx files")
+    pre = verbs.add_parser(
+        "preprocess", help="tokenize .jsonl[.gz] / .txt into Megatron .bin/.idx or datatrove .ds files"
+    )
     pre.add_argument(
         "--input", required=True, help=".jsonl, .jsonl.gz (one document per line) or .txt (one document)"
     )
     pre.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json")
-    pre.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    pre.add_argument(
+        "--output-prefix",
+        required=True,
+        help="writes PREFIX.bin and PREFIX.idx (datatrove: PREFIX.ds, .ds.index)",
+    )
+    pre.add_argument(
+        "--format",
+        choices=("megatron", "datatrove"),
+        default="megatron",
+        help="megatron: .bin/.idx; datatrove: .ds + .ds.index, as datatrove writes and nanotron reads",
+    )
     pre.add_argument("--workers", type=int, default=1)
     pre.add_argument("--text-key", default="text", help="JSON field holding the text")
     pre.set_defaults(run=cmd_preprocess)

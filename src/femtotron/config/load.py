@@ -25,6 +25,8 @@ _PLACEHOLDERS = {"tokens.train_steps": 1, "data.dataset_folder": "placeholder"}
 # The most values (keys, items, scalars) a config may hold once its YAML aliases are expanded. A real one
 # holds a few hundred; nested aliases (`&a [*b, *b, ...]`) can reach billions from a few hundred bytes.
 MAX_VALUES = 100_000
+# Sections only a nanotron config has: it is translated (config/nanotron.py).
+NANOTRON_SECTIONS = {"data_stages", "lighteval", "s3_upload", "metrics_logging", "profiler"}
 _TOO_DEEP = "nested too deeply to be a config (a few levels of sections are enough)"
 
 
@@ -58,6 +60,12 @@ def load_config(
             loader.dispose()
     lines: dict[str, int] = {}
     duplicates = _map_lines(node, "", lines) if node is not None else []
+    if is_nanotron(data):  # translated into femtotron's keys, or refused with every reason at once
+        from femtotron.config.nanotron import translate_or_fail
+
+        translation = translate_or_fail(data, lines, str(path))
+        data = translation.config
+        lines = translation.lines
     return _build(
         data,
         source=str(path),
@@ -65,6 +73,18 @@ def load_config(
         lines=lines,
         found=duplicates,
         sources=sources or {},
+    )
+
+
+def is_nanotron(data: Any) -> bool:
+    """A section only nanotron's schema has, or its model class flag (config/nanotron.py translates it)."""
+    if not isinstance(data, Mapping):
+        return False
+    model = data.get("model")
+    model_config = model.get("model_config") if isinstance(model, Mapping) else None
+    flags = {"is_llama_config", "is_qwen2_config"}
+    return bool(NANOTRON_SECTIONS & data.keys()) or (
+        isinstance(model_config, Mapping) and bool(flags & model_config.keys())
     )
 
 

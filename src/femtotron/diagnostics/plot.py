@@ -46,6 +46,7 @@ def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[flo
 
 def plot_runs(run_dirs: list[Path], out_dir: Path) -> list[Path]:
     """One PNG per chart with data, every run's lines on it; returns the files written."""
+    runs = {str(run_dir): read_records(run_dir) for run_dir in run_dirs}  # a wrong path first: it is cheap
     try:
         import matplotlib
 
@@ -55,7 +56,6 @@ def plot_runs(run_dirs: list[Path], out_dir: Path) -> list[Path]:
         raise FemtotronError(
             "femtotron plot needs matplotlib: `pip install femtotron[plot]` (or `pip install matplotlib`)"
         ) from None
-    runs = {str(run_dir): read_records(run_dir) for run_dir in run_dirs}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, (ylabel, keys) in CHARTS.items():

@@ -1,0 +1,527 @@
+"""A nanotron config (huggingface/nanotron at 2411b02, src/nanotron/config/) translated into femtotron's.
+
+`KEYS` is the one table: every key of nanotron's config classes and what femtotron does with it. Each is
+honored (same name, same meaning), translated (to another femtotron key, perhaps with its value changed:
+one report line each), of no effect (one summary line says why), or refused (every problem at once, each
+with its YAML line, the reason and what to do instead). A key that is not in the table is refused as
+unknown. docs/nanotron.md is rendered from the table (`render_table`). Imported only when load.py sees a
+nanotron config.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from femtotron.config.rules import Problem, raise_problems
+from femtotron.run_lock import LOCKED_ENV
+
+HONORED = "honored"
+TRANSLATED = "translated"
+NO_EFFECT = "no effect"
+REFUSED = "refused"
+# A value a translation drops: femtotron's default means the same.
+DROP = object()
+
+
+class Refusal(ValueError):
+    """A value femtotron cannot run: the message says why and what to do instead."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Key:
+    """How femtotron treats one nanotron key. `transform(value, parent)` gets the mapping holding the key."""
+
+    action: str
+    target: str = ""
+    why: str = ""
+    transform: Callable[[Any, Mapping[str, Any]], Any] | None = None
+
+
+def same() -> Key:
+    return Key(action=HONORED)
+
+
+def to(target: str, transform: Callable[[Any, Mapping[str, Any]], Any] | None = None, why: str = "") -> Key:
+    return Key(action=TRANSLATED, target=target, transform=transform, why=why)
+
+
+def no_effect(why: str) -> Key:
+    return Key(action=NO_EFFECT, why=why)
+
+
+def refused(why: str) -> Key:
+    return Key(action=REFUSED, why=why)
+
+
+def unless_default(default: Any, why: str) -> Key:
+    """No effect at nanotron's default value (or null); any other value is refused with `why`."""
+
+    def check(value: Any, parent: Mapping[str, Any]) -> Any:
+        if value is None or value == default:
+            return DROP
+        raise Refusal(why)
+
+    return Key(action=NO_EFFECT, why=f"only at {default!r}; other values refused: {why}", transform=check)
+
+
+def _dropping(*empty: Any) -> Callable[[Any, Mapping[str, Any]], Any]:
+    """Keep the value, except these, which mean femtotron's default."""
+    return lambda value, parent: DROP if value in empty else value
+
+
+def _default_if_null(default: Any) -> Callable[[Any, Mapping[str, Any]], Any]:
+    return lambda value, parent: default if value is None else value
+
+
+def _no_validation(value: Any, parent: Mapping[str, Any]) -> Any:
+    return 0 if value in (-1, None) else value
+
+
+def _dtype(value: Any, parent: Mapping[str, Any]) -> Any:
+    return DROP if value is None else str(value).removeprefix("torch.")
+
+
+def _upper(value: Any, parent: Mapping[str, Any]) -> Any:
+    return DROP if value is None else str(value).upper()
+
+
+def _min_lr(value: Any, parent: Mapping[str, Any]) -> Any:
+    return parent.get("learning_rate") if value is None else value
+
+
+def _padded_vocab(multiple: Any, parent: Mapping[str, Any]) -> Any:
+    vocab = (parent.get("model_config") or {}).get("vocab_size", 32000)
+    if not isinstance(multiple, int) or multiple <= 1 or not isinstance(vocab, int):
+        return DROP
+    return -(-vocab // multiple) * multiple  # nanotron pads the embedding rows to this many
+
+
+def _dataset_folder(value: Any, parent: Mapping[str, Any]) -> Any:
+    folders = parent.get("dataset_read_path") or value  # nanotron reads the local copy when given
+    weights = parent.get("dataset_weights")
+    if isinstance(folders, list) and isinstance(weights, list) and len(weights) == len(folders):
+        return dict(zip(folders, weights, strict=True))
+    return folders
+
+
+def _not_null(value: Any, parent: Mapping[str, Any]) -> Any:
+    raise Refusal(
+        "null (nanotron's random dummy data) is not supported yet; give dataset.dataset_folder, a folder "
+        "tokenized by datatrove or `femtotron preprocess`"
+    )
+
+
+def _profile_steps(value: Any, parent: Mapping[str, Any]) -> Any:
+    """torch.profiler's schedule (skip_first, then wait, warmup, active steps) as [first, last] traced."""
+    if parent.get("profiler_export_path") is None:
+        return DROP
+    if parent.get("repeat", 1) not in (0, 1):
+        raise Refusal("femtotron traces one window of steps; set repeat: 1")
+    before = sum(int(parent.get(k, 1)) for k in ("wait", "warmup")) + int(parent.get("skip_first", 3))
+    return [before + 1, before + int(parent.get("active", 1))]
+
+
+def _shared_experts(value: Any, parent: Mapping[str, Any]) -> Any:
+    if not parent.get("enable_shared_expert"):
+        return 0
+    size = parent.get("moe_intermediate_size", 1408)
+    if not isinstance(value, int) or value % size:
+        raise Refusal(
+            f"femtotron's shared expert is a whole number of experts of moe_intermediate_size ({size}); "
+            "set shared_expert_intermediate_size to a multiple of it"
+        )
+    return value // size
+
+
+def _all_layers(value: Any, parent: Mapping[str, Any]) -> Any:
+    if value in (None, [-1]):
+        return DROP
+    raise Refusal("femtotron puts experts in every layer; set layers: [-1]")
+
+
+def _one_stage(value: Any, parent: Mapping[str, Any]) -> Any:
+    if value == 1:
+        return DROP
+    raise Refusal("the one data stage must start at step 1 (several stages are not supported yet)")
+
+
+_NO_NETWORK = "femtotron reads local files only"
+_HF_DATASETS = (
+    "nanotron tokenizes a Hugging Face dataset at start; femtotron trains on tokenized files. Tokenize once "
+    "with `femtotron preprocess` (see docs/data.md) and set dataset.dataset_folder to its output"
+)
+_WITH_HF = "read only with hf_dataset_or_datasets, which is refused"
+_EVALUATE = (
+    "femtotron does not run evaluations during training. Export a checkpoint and evaluate it: "
+    "`femtotron export-hf RUN_DIR --out hf_model` then `lighteval accelerate "
+    '"model_name=hf_model" "leaderboard|hellaswag|0|0"` or `lm_eval --model hf --model_args '
+    "pretrained=hf_model --tasks hellaswag`; delete the lighteval section"
+)
+_MODEL_ZOO = "femtotron's Llama has no such feature yet; remove the key (or set it to its default)"
+_KERNEL = "a kernel choice in nanotron; femtotron's own kernels compute the same"
+_SCHEDULE = "[skip_first + wait + warmup + 1, ... + active], when profiler_export_path is set"
+_STAGE = "data_stages.*."
+_DATASET = _STAGE + "data.dataset."
+_MODEL = "model.model_config."
+_MOE = _MODEL + "moe_config."
+_LR = "optimizer.learning_rate_scheduler."
+
+# Every key of nanotron's Config, in the order they are translated (a key that reads another comes after it).
+KEYS: dict[str, Key] = {
+    "general.project": same(),
+    "general.run": to("general.run", _default_if_null("%date_%jobid"), "null: nanotron's %date_%jobid"),
+    "general.seed": to("general.seed", _dropping(None), "null: femtotron's default"),
+    "general.step": no_effect("femtotron resumes the step from the checkpoint itself"),
+    "general.consumed_train_samples": no_effect("femtotron resumes the samples from the checkpoint itself"),
+    "general.benchmark_csv_path": no_effect("femtotron's step records are in the run directory's log"),
+    "general.ignore_sanity_checks": no_effect("femtotron always checks the config before it starts"),
+    "parallelism.dp": same(),
+    "parallelism.pp": same(),
+    "parallelism.tp": same(),
+    # nanotron's default engine is all-forward-all-backward
+    "parallelism.pp_engine": to("parallelism.pp_engine", _default_if_null("afab"), "null: afab"),
+    "parallelism.tp_mode": to("parallelism.tp_mode", _upper, "upper-cased"),
+    "parallelism.tp_linear_async_communication": no_effect(
+        "an overlap of nanotron's tp collectives; femtotron's tp gives the same numbers without it"
+    ),
+    "parallelism.recompute_layer": same(),
+    "parallelism.tp_recompute_allgather": no_effect(
+        "nanotron's memory trade in REDUCE_SCATTER mode; femtotron's results are the same"
+    ),
+    "parallelism.expert_parallel_size": to("parallelism.ep"),
+    "parallelism.context_parallel_size": to("parallelism.cp"),
+    _MODEL + "bos_token_id": no_effect("femtotron reads special tokens from the tokenizer"),
+    _MODEL + "eos_token_id": no_effect("femtotron reads the end-of-document token from the tokenizer"),
+    _MODEL + "pad_token_id": no_effect("femtotron packs samples, it never pads"),
+    _MODEL + "hidden_act": same(),
+    _MODEL + "hidden_size": same(),
+    _MODEL + "initializer_range": no_effect("nanotron initialises from model.init_method.std, as femtotron"),
+    _MODEL + "intermediate_size": same(),
+    _MODEL + "is_llama_config": no_effect("names nanotron's model class; femtotron's model is Llama"),
+    _MODEL + "is_qwen2_config": no_effect("names nanotron's model class; femtotron builds it as a Llama"),
+    _MODEL + "max_position_embeddings": same(),
+    _MODEL + "num_attention_heads": same(),
+    _MODEL + "num_hidden_layers": same(),
+    _MODEL + "num_key_value_heads": same(),
+    _MODEL + "pretraining_tp": no_effect("a Hugging Face inference setting; training does not read it"),
+    _MODEL + "rms_norm_eps": same(),
+    _MODEL + "rope_scaling": same(),
+    _MODEL + "rope_theta": same(),
+    _MODEL + "rope_interleaved": unless_default(False, "femtotron's RoPE rotates halves (Llama 3's layout)"),
+    _MODEL + "rope_seq_len_interpolation_factor": unless_default(None, _MODEL_ZOO),
+    _MODEL + "tie_word_embeddings": same(),
+    _MODEL + "use_cache": no_effect("a generation setting; training keeps no cache"),
+    _MODEL + "vocab_size": same(),
+    _MODEL + "_attn_implementation": no_effect(_KERNEL),
+    _MODEL + "flex_attention_mask": unless_default(None, "for document masking set _use_doc_masking: true"),
+    _MODEL + "attention_bias": unless_default(False, _MODEL_ZOO),
+    _MODEL + "sliding_window_size": unless_default(None, _MODEL_ZOO),
+    _MODEL + "no_rope_layer": unless_default(None, _MODEL_ZOO),
+    _MODEL + "z_loss_enabled": unless_default(False, "femtotron has no LM-head z-loss yet; set it false"),
+    _MODEL + "z_loss_coefficient": no_effect("read only with z_loss_enabled, which is refused"),
+    _MODEL + "_fused_rotary_emb": no_effect(_KERNEL),
+    _MODEL + "_fused_rms_norm": no_effect(_KERNEL),
+    _MODEL + "_use_qkv_packed": no_effect(_KERNEL),
+    _MODEL + "_use_doc_masking": to("model.document_masking"),
+    _MODEL + "log_attn_probs": no_effect("a nanotron debugging log"),
+    _MODEL + "ring_attn_heads_k_stride": no_effect(
+        "a detail of nanotron's ring kernel; femtotron's cp rings"
+    ),
+    _MOE + "num_experts": to(_MODEL + "moe.num_experts"),
+    _MOE + "top_k": to(_MODEL + "moe.num_experts_per_tok"),
+    _MOE + "moe_intermediate_size": to(_MODEL + "moe.intermediate_size"),
+    _MOE + "shared_expert_intermediate_size": to(
+        _MODEL + "moe.num_shared_experts",
+        _shared_experts,
+        "in experts of moe_intermediate_size; 0 unless enabled",
+    ),
+    _MOE + "router_aux_loss_coef": to(_MODEL + "moe.aux_loss_coef"),
+    _MOE + "layers": Key(action=NO_EFFECT, why="only [-1] (every layer)", transform=_all_layers),
+    _MOE + "enable_shared_expert": no_effect("read with shared_expert_intermediate_size"),
+    _MOE + "token_dispatcher_type": no_effect("a communication pattern; the experts compute the same"),
+    "model.init_method.std": same(),
+    "model.init_method.scaling_method": unless_default(
+        "NUM_LAYERS", "femtotron scales output projections by 1/sqrt(2 * num_hidden_layers) (NUM_LAYERS)"
+    ),
+    "model.init_method.use_mup": refused("SpectralMupInit is not in femtotron; delete init_method.use_mup"),
+    "model.init_method.path": to("model.init_from", why="a Hugging Face directory or femtotron run"),
+    "model.dtype": to("model.dtype", _dtype, "`torch.bfloat16`: `bfloat16`"),
+    "model.make_vocab_size_divisible_by": to(
+        _MODEL + "vocab_size", _padded_vocab, "vocab_size rounded up to a multiple (nanotron pads the rows)"
+    ),
+    "model.ddp_bucket_cap_mb": to("parallelism.dp_bucket_size_mb"),
+    "tokenizer.tokenizer_name_or_path": same(),
+    "tokenizer.tokenizer_revision": unless_default(None, f"a hub revision; {_NO_NETWORK}"),
+    "tokenizer.tokenizer_max_length": no_effect("samples are tokens.sequence_length long"),
+    "checkpoints.checkpoints_path": same(),
+    "checkpoints.checkpoint_interval": same(),
+    "checkpoints.save_initial_state": same(),
+    "checkpoints.save_final_state": same(),
+    "checkpoints.resume_checkpoint_path": same(),
+    "checkpoints.load_lr_scheduler": unless_default(
+        True, "to start from a checkpoint's weights only, set model.init_from to it"
+    ),
+    "checkpoints.load_optimizer": unless_default(
+        True, "to start from a checkpoint's weights only, set model.init_from to it"
+    ),
+    "checkpoints.checkpoints_path_is_shared_file_system": no_effect(
+        "every rank writes its own shard and rank 0 commits"
+    ),
+    "logging.log_level": same(),
+    "logging.log_level_replica": no_effect("other ranks log warnings only; `train --debug` logs all"),
+    "logging.iteration_step_info_interval": same(),
+    "metrics_logging.log_level": no_effect("femtotron logs its one full step record always"),
+    "metrics_logging.log_detail_interval": no_effect("femtotron logs its one full step record always"),
+    "tokens.sequence_length": same(),
+    "tokens.train_steps": same(),
+    "tokens.micro_batch_size": same(),
+    "tokens.batch_accumulation_per_replica": same(),
+    "tokens.val_check_interval": to("tokens.val_check_interval", _no_validation, "-1: 0, no validation"),
+    "tokens.limit_val_batches": to("tokens.limit_val_batches", _dropping(0, None), "0: femtotron's default"),
+    "tokens.limit_test_batches": no_effect("nanotron's training runs no test batches"),
+    "optimizer.optimizer_factory.name": same(),
+    "optimizer.optimizer_factory.adam_eps": same(),
+    "optimizer.optimizer_factory.adam_beta1": same(),
+    "optimizer.optimizer_factory.adam_beta2": same(),
+    "optimizer.optimizer_factory.torch_adam_is_fused": same(),
+    "optimizer.zero_stage": same(),
+    "optimizer.weight_decay": same(),
+    "optimizer.clip_grad": same(),
+    "optimizer.accumulate_grad_in_fp32": same(),
+    _LR + "learning_rate": same(),
+    _LR + "lr_warmup_steps": same(),
+    _LR + "lr_warmup_style": same(),
+    _LR + "lr_decay_style": to(_LR + "lr_decay_style", _default_if_null("linear"), "null: linear"),
+    _LR + "lr_decay_steps": same(),
+    _LR + "lr_decay_starting_step": same(),
+    _LR + "min_decay_lr": to(_LR + "min_decay_lr", _min_lr, "null: the learning rate (no decay)"),
+    "optimizer.weight_decay_exclude_named_params": unless_default(
+        [], "femtotron decays every matrix and no norm; delete the list"
+    ),
+    "profiler.profiler_export_path": no_effect("traces go to <run dir>/profile/"),
+    "profiler.skip_first": to("profiling.profile_steps", _profile_steps, _SCHEDULE),
+    "profiler.wait": to("profiling.profile_steps", _profile_steps, _SCHEDULE),
+    "profiler.warmup": to("profiling.profile_steps", _profile_steps, _SCHEDULE),
+    "profiler.active": to("profiling.profile_steps", _profile_steps, _SCHEDULE),
+    "profiler.repeat": to("profiling.profile_steps", _profile_steps, "only 1"),
+    "profiler.record_shapes": no_effect("femtotron's trace settings are fixed"),
+    "profiler.profile_memory": no_effect("femtotron's trace settings are fixed"),
+    "profiler.with_stack": no_effect("femtotron's trace settings are fixed"),
+    "profiler.export_chrome_trace": no_effect("femtotron's trace settings are fixed"),
+    "lighteval": refused(_EVALUATE),
+    "s3_upload": refused(
+        "femtotron does not upload checkpoints; copy checkpoints_path with your own tool; delete s3_upload"
+    ),
+    "data_stages": no_effect("exactly one stage, starting at step 1 (several: not supported yet)"),
+    _STAGE + "name": no_effect("one stage: its name is not needed"),
+    _STAGE + "start_training_step": Key(action=NO_EFFECT, why="only 1", transform=_one_stage),
+    _STAGE + "sequence_length": no_effect("null or tokens.sequence_length; another is refused"),
+    _STAGE + "data.seed": to("data.seed", _dropping(None), "null: femtotron's default"),
+    _STAGE + "data.num_loading_workers": no_effect("femtotron memory-maps the data in the training process"),
+    _STAGE + "data.dataset": Key(action=NO_EFFECT, why="a section; null is refused", transform=_not_null),
+    _DATASET + "dataset_folder": to(
+        "data.dataset_folder",
+        _dataset_folder,
+        "with dataset_weights: {folder: weight}; dataset_read_path first",
+    ),
+    _DATASET + "dataset_weights": no_effect("read with dataset_folder: {folder: weight}"),
+    _DATASET + "dataset_read_path": no_effect("read with dataset_folder: its folders are the ones read"),
+    _DATASET + "tokenizer_name": no_effect("femtotron's tokenizer is tokenizer.tokenizer_name_or_path"),
+    _DATASET + "vocab_size": no_effect("the model's vocab_size is model_config.vocab_size"),
+    _DATASET + "token_size_in_bytes": no_effect("femtotron reads the token size from the folder"),
+    _DATASET + "return_positions": no_effect("femtotron finds document ends in the folder's index"),
+    _DATASET + "skip_in_stream": unless_default(False, "femtotron's sampler resumes exactly; set false"),
+    _DATASET + "pad_samples_to_global_batch_size": unless_default(False, "femtotron never pads; set false"),
+    _DATASET + "dataset_max_tokens": unless_default(None, "femtotron reads whole folders; delete it"),
+    _DATASET + "shuffle_files": unless_default(False, "femtotron shuffles samples with data.seed"),
+    _DATASET + "use_old_brrr_dataloader": unless_default(False, "delete it"),
+    _DATASET + "hf_dataset_or_datasets": refused(_HF_DATASETS),
+    _DATASET + "hf_dataset_splits": no_effect(_WITH_HF),
+    _DATASET + "hf_dataset_config_name": no_effect(_WITH_HF),
+    _DATASET + "dataset_processing_num_proc_per_process": no_effect(_WITH_HF),
+    _DATASET + "dataset_overwrite_cache": no_effect(_WITH_HF),
+    _DATASET + "text_column_name": no_effect(_WITH_HF),
+    _DATASET + "sft_dataloader": no_effect(_WITH_HF),
+    _DATASET + "debug_max_samples": no_effect(_WITH_HF),
+}
+
+# Every section of the table (`lighteval`, `model.model_config`, ...): null there means not set; but a
+# stage's `dataset: null` is nanotron's dummy data.
+_SECTIONS = {key.rsplit(".", 1)[0] for key in KEYS} - {_STAGE + "data.dataset"} | {"lighteval", "s3_upload"}
+
+
+@dataclass(kw_only=True)
+class Translation:
+    """A nanotron config in femtotron's keys, what was done to each key, and what cannot run."""
+
+    config: dict[str, Any]
+    lines: dict[str, int]
+    translated: list[str]
+    no_effect: list[str]
+    problems: list[Problem]
+
+    def report(self, source: str) -> str:
+        text = [f"femtotron: {source} is a nanotron config; translated into femtotron's (docs/nanotron.md):"]
+        text += [f"  nanotron {line}" for line in self.translated]
+        if self.no_effect:
+            text.append(
+                f"  no effect in femtotron ({len(self.no_effect)} keys, see docs/nanotron.md for why): "
+                + ", ".join(self.no_effect)
+            )
+        return "\n".join(text)
+
+
+def _leaves(data: Any, prefix: str = "") -> list[tuple[str, str, Any, Mapping[str, Any]]]:
+    """(table key, YAML path, value, parent) for every key in `data`, list items under data_stages as `*`;
+    a section refused whole (lighteval, s3_upload) is one leaf."""
+    found = []
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if value is None and _generic(path) in _SECTIONS:  # `profiler: null`: the section is absent
+            continue
+        if isinstance(value, Mapping) and not path.endswith((".rope_scaling", ".dataset_folder")):
+            pattern = _generic(path)
+            if pattern in KEYS and KEYS[pattern].action == REFUSED:
+                found.append((pattern, path, value, data))
+            else:
+                found += _leaves(value, path + ".")
+        elif path == "data_stages" and isinstance(value, list):
+            found.append((path, path, value, data))
+            for i, stage in enumerate(value):
+                if isinstance(stage, Mapping):
+                    found += _leaves(stage, f"{path}.{i}.")
+        else:
+            found.append((_generic(path), path, value, data))
+    return found
+
+
+def _generic(path: str) -> str:
+    parts = path.split(".")
+    if parts[0] == "data_stages" and len(parts) > 1:
+        parts[1] = "*"
+    return ".".join(parts)
+
+
+def translate(data: Mapping[str, Any], lines: Mapping[str, int]) -> Translation:
+    """`data` (a nanotron config) in femtotron's schema; problems hold every key femtotron cannot run."""
+    out: dict[str, Any] = {}
+    new_lines: dict[str, int] = {}
+    result = Translation(config=out, lines=new_lines, translated=[], no_effect=[], problems=[])
+    where: dict[str, list[tuple[str, Any, Mapping[str, Any]]]] = {}
+    for table_key, path, value, parent in _leaves(data):
+        if table_key not in KEYS:
+            result.problems.append(_unknown(table_key, path, lines))
+        where.setdefault(table_key, []).append((path, value, parent))
+    stages = data.get("data_stages")
+    if isinstance(stages, list) and len(stages) != 1:
+        message = (
+            f"{len(stages)} data stages: femtotron trains on one dataset for now (several stages are not "
+            "supported yet); keep one stage with start_training_step: 1, or train the stages one after "
+            "another with model.init_from"
+        )
+        result.problems.append(Problem(("data_stages",), message, (_line(lines, "data_stages"),)))
+    sequence = (data.get("tokens") or {}).get("sequence_length")
+    for table_key, entry in KEYS.items():
+        for path, value, parent in where.get(table_key, []):
+            if table_key == _STAGE + "sequence_length" and value not in (None, sequence):
+                message = f"a stage's own sequence_length ({value}) is not supported; set it to null"
+                result.problems.append(Problem((path,), message, (_line(lines, path),)))
+                continue
+            _apply(entry, table_key, path, value, parent, lines, result)
+    return result
+
+
+def _apply(
+    entry: Key,
+    table_key: str,
+    path: str,
+    value: Any,
+    parent: Mapping[str, Any],
+    lines: Mapping[str, int],
+    result: Translation,
+) -> None:
+    if entry.action == REFUSED:
+        result.problems.append(Problem((path,), f"refused: {entry.why}", (_line(lines, path),)))
+        return
+    try:
+        final = entry.transform(value, parent) if entry.transform is not None else value
+    except (TypeError, ValueError) as refusal:  # a Refusal, or a value of the wrong type
+        shown = "null" if value is None else repr(value)
+        result.problems.append(Problem((path,), f"{shown} is refused: {refusal}", (_line(lines, path),)))
+        return
+    if entry.action == NO_EFFECT or final is DROP:
+        if table_key not in result.no_effect:
+            result.no_effect.append(table_key)
+        return
+    target = entry.target or path
+    _set(result.config, target, final)
+    if path in lines:
+        result.lines[target] = lines[path]
+    if entry.action == TRANSLATED and (target != path or final != value):
+        result.translated.append(f"{path} -> {target} = {final!r}")
+
+
+def _set(config: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = config
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def _line(lines: Mapping[str, int], path: str) -> str:
+    return f"line {lines[path]}" if path in lines else ""
+
+
+def _unknown(table_key: str, path: str, lines: Mapping[str, int]) -> Problem:
+    section = table_key.rsplit(".", 1)[0] if "." in table_key else ""
+    leaf = table_key.rsplit(".", 1)[-1]
+    elsewhere = [k for k in KEYS if k.rsplit(".", 1)[-1] == leaf]
+    known = sorted(k.rsplit(".", 1)[-1] for k in KEYS if k.rsplit(".", 1)[0] == section)
+    where = (
+        f"nanotron's schema has it at {' or '.join(elsewhere)}; move it there"
+        if elsewhere
+        else f"nanotron's keys here: {', '.join(known) or 'none'}"
+    )
+    message = (
+        f"unknown key in a nanotron config (recognised by its nanotron-only sections); {where}. A config in "
+        "femtotron's own keys must not mix in nanotron's sections (`femtotron convert-config` converts one)"
+    )
+    return Problem((path,), message, (_line(lines, path),))
+
+
+_REPORTED: set[str] = set()  # the files whose translation this process has printed
+
+
+def translate_or_fail(data: Mapping[str, Any], lines: Mapping[str, int], source: str) -> Translation:
+    """`translate`, raising one ConfigError with every problem; the report is printed once (not by the
+    processes a run starts, which load the same file again)."""
+    result = translate(data, lines)
+    if result.problems:
+        n = len(result.problems)
+        header = f"Cannot run nanotron config {source} in femtotron: {n} problem{'s' if n != 1 else ''}"
+        raise_problems(header, result.problems)
+    first = source not in _REPORTED  # check-tp loads its config twice
+    if first and os.environ.get("RANK", "0") == "0" and not os.environ.get(LOCKED_ENV):
+        print(result.report(source), file=sys.stderr)
+    _REPORTED.add(source)
+    return result
+
+
+def render_table() -> str:
+    """The Markdown table of KEYS for docs/nanotron.md."""
+    rows = ["| nanotron key | femtotron | notes |", "|---|---|---|"]
+    for key, entry in KEYS.items():
+        if entry.action == HONORED:
+            what = "honored (same key)"
+        elif entry.action == TRANSLATED:
+            what = f"translated to `{entry.target}`"
+        else:
+            what = entry.action
+        notes = entry.why.replace("|", "\\|")
+        rows.append(f"| `{key}` | {what} | {notes} |")
+    return "\n".join(rows)

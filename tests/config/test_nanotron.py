@@ -1,0 +1,489 @@
+"""nanotron configs (the schema of huggingface/nanotron at 2411b02, src/nanotron/config/) in femtotron."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import TINY_MODEL, femtotron, write_patterned_tokens
+
+from femtotron.cli import main
+from femtotron.config import load_config
+from femtotron.config.load import is_nanotron
+from femtotron.config.nanotron import KEYS, NO_EFFECT, render_table, translate
+from femtotron.errors import ConfigError
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "nanotron.md"
+
+
+def tiny(tmp_path: Path, **changes: dict) -> dict:
+    """A nanotron config of the shape of nanotron's examples (config_tiny_llama.yaml), written from its
+    classes: one data stage, lighteval off, nanotron's defaults spelled out."""
+    config = {
+        "checkpoints": {
+            "checkpoint_interval": 10,
+            "checkpoints_path": str(tmp_path / "checkpoints"),
+            "checkpoints_path_is_shared_file_system": False,
+            "resume_checkpoint_path": None,
+            "save_initial_state": False,
+        },
+        "data_stages": [
+            {
+                "name": "Stable Training Stage",
+                "start_training_step": 1,
+                "data": {
+                    "dataset": {"dataset_folder": str(tmp_path / "data"), "return_positions": True},
+                    "num_loading_workers": 1,
+                    "seed": 42,
+                },
+            }
+        ],
+        "general": {
+            "benchmark_csv_path": None,
+            "consumed_train_samples": None,
+            "ignore_sanity_checks": True,
+            "project": "debug",
+            "run": "tiny_llama",
+            "seed": 42,
+            "step": None,
+        },
+        "lighteval": None,
+        "logging": {"iteration_step_info_interval": 1, "log_level": "info", "log_level_replica": "info"},
+        "model": {
+            "ddp_bucket_cap_mb": 25,
+            "dtype": "bfloat16",
+            "init_method": {"std": 0.025},
+            "make_vocab_size_divisible_by": 1,
+            "model_config": {
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "hidden_act": "silu",
+                "hidden_size": 16,
+                "initializer_range": 0.02,
+                "intermediate_size": 64,
+                "is_llama_config": True,
+                "max_position_embeddings": 256,
+                "num_attention_heads": 4,
+                "num_hidden_layers": 2,
+                "num_key_value_heads": 4,
+                "pad_token_id": None,
+                "pretraining_tp": 1,
+                "rms_norm_eps": 1e-5,
+                "rope_scaling": None,
+                "tie_word_embeddings": True,
+                "use_cache": True,
+                "vocab_size": 256,
+            },
+        },
+        "optimizer": {
+            "accumulate_grad_in_fp32": True,
+            "clip_grad": 1.0,
+            "learning_rate_scheduler": {
+                "learning_rate": 3e-4,
+                "lr_decay_starting_step": None,
+                "lr_decay_steps": 13,
+                "lr_decay_style": "cosine",
+                "lr_warmup_steps": 2,
+                "lr_warmup_style": "linear",
+                "min_decay_lr": 1e-5,
+            },
+            "optimizer_factory": {
+                "adam_beta1": 0.9,
+                "adam_beta2": 0.95,
+                "adam_eps": 1e-8,
+                "name": "adamW",
+                "torch_adam_is_fused": True,
+            },
+            "weight_decay": 0.01,
+            "zero_stage": 0,
+        },
+        "parallelism": {
+            "dp": 2,
+            "expert_parallel_size": 1,
+            "pp": 2,
+            "pp_engine": "1f1b",
+            "tp": 2,
+            "tp_linear_async_communication": True,
+            "tp_mode": "REDUCE_SCATTER",
+        },
+        "profiler": None,
+        "tokenizer": {
+            "tokenizer_max_length": None,
+            "tokenizer_name_or_path": "gpt2",
+            "tokenizer_revision": None,
+        },
+        "tokens": {
+            "batch_accumulation_per_replica": 1,
+            "limit_test_batches": 0,
+            "limit_val_batches": 0,
+            "micro_batch_size": 2,
+            "sequence_length": 256,
+            "train_steps": 15,
+            "val_check_interval": -1,
+        },
+    }
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split("__")
+        node = config
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+        node[leaf] = value
+    return config
+
+
+def write(tmp_path: Path, config: dict, name: str = "nanotron.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def test_a_nanotron_config_loads_as_the_femtotron_config_of_the_same_run(tmp_path, capsys):
+    config = load_config(write(tmp_path, tiny(tmp_path)))
+    par = config.parallelism
+    assert (par.dp, par.tp, par.pp, par.ep, par.tp_mode) == (2, 2, 2, 1, "REDUCE_SCATTER")
+    assert config.data.dataset_folder == str(tmp_path / "data")
+    assert config.data.seed == 42
+    assert config.tokens.val_check_interval == 0  # nanotron's -1: no validation
+    assert config.model.init_method.std == 0.025
+    assert config.model.model_config_.tie_word_embeddings
+    report = capsys.readouterr().err
+    assert "nanotron tokens.val_check_interval -> tokens.val_check_interval = 0" in report
+    assert "nanotron data_stages.0.data.dataset.dataset_folder -> data.dataset_folder" in report
+    no_effect = [line for line in report.splitlines() if "no effect in femtotron" in line]
+    assert len(no_effect) == 1 and "model.model_config.use_cache" in no_effect[0]
+    # The same run written in femtotron's own keys gives the same Config.
+    own = tiny(tmp_path)
+    femtotron = {
+        "general": {"project": "debug", "run": "tiny_llama", "seed": 42},
+        "model": {
+            "model_config": {
+                k: v
+                for k, v in own["model"]["model_config"].items()
+                if k in ("hidden_size", "intermediate_size", "max_position_embeddings", "num_attention_heads")
+                or k in ("num_hidden_layers", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings")
+                or k == "vocab_size"
+            },
+            "init_method": {"std": 0.025},
+        },
+        "tokenizer": {"tokenizer_name_or_path": "gpt2"},
+        "parallelism": {"dp": 2, "tp": 2, "pp": 2, "tp_mode": "REDUCE_SCATTER"},
+        "tokens": {"sequence_length": 256, "train_steps": 15, "micro_batch_size": 2},
+        "optimizer": {
+            "learning_rate_scheduler": {
+                **own["optimizer"]["learning_rate_scheduler"],
+                "lr_decay_style": "cosine",
+            }
+        },
+        "data": {"dataset_folder": str(tmp_path / "data"), "seed": 42},
+        "checkpoints": {"checkpoint_interval": 10, "checkpoints_path": str(tmp_path / "checkpoints")},
+    }
+    assert load_config(write(tmp_path, femtotron, "femtotron.yaml")) == config
+
+
+@pytest.mark.parametrize(
+    ("changes", "path", "expected"),
+    [
+        ({"parallelism__context_parallel_size": 2}, "parallelism.cp", 2),
+        ({"parallelism__expert_parallel_size": 1}, "parallelism.ep", 1),
+        ({"parallelism__pp_engine": None}, "parallelism.pp_engine", "afab"),  # nanotron's default
+        ({"parallelism__tp_mode": "all_reduce"}, "parallelism.tp_mode", "ALL_REDUCE"),
+        ({"model__ddp_bucket_cap_mb": 50}, "parallelism.dp_bucket_size_mb", 50),
+        ({"model__make_vocab_size_divisible_by": 100}, "model.model_config.vocab_size", 300),
+        ({"model__dtype": "torch.float32"}, "model.dtype", "float32"),
+        ({"model__init_method": {"path": "hf/llama"}}, "model.init_from", "hf/llama"),
+        (
+            {"model__model_config__is_llama_config": True, "model__model_config___use_doc_masking": True},
+            "model.document_masking",
+            True,
+        ),
+        ({"general__run": None}, "general.run", "%date_%jobid"),
+        ({"tokens__val_check_interval": 5, "tokens__limit_val_batches": 3}, "tokens.limit_val_batches", 3),
+        (
+            {"optimizer__learning_rate_scheduler__min_decay_lr": None},
+            "optimizer.learning_rate_scheduler.min_decay_lr",
+            3e-4,
+        ),
+        (
+            {"optimizer__learning_rate_scheduler__lr_decay_style": None},
+            "optimizer.learning_rate_scheduler.lr_decay_style",
+            "linear",
+        ),
+        (
+            {
+                "profiler": {
+                    "profiler_export_path": "tb",
+                    "skip_first": 3,
+                    "wait": 1,
+                    "warmup": 1,
+                    "active": 2,
+                }
+            },
+            "profiling.profile_steps",
+            [6, 7],
+        ),
+        (
+            {"data_stages__0__data__dataset": {"dataset_folder": ["a", "b"], "dataset_weights": [0.7, 0.3]}},
+            "data.dataset_folder",
+            {"a": 0.7, "b": 0.3},
+        ),
+        (
+            {"data_stages__0__data__dataset": {"dataset_folder": {"a": 0.6, "b": 0.4}}},
+            "data.dataset_folder",
+            {"a": 0.6, "b": 0.4},
+        ),
+        (
+            {"data_stages__0__data__dataset": {"dataset_folder": ["a"], "dataset_read_path": ["/local/a"]}},
+            "data.dataset_folder",
+            ["/local/a"],
+        ),
+    ],
+)
+def test_each_translated_key(tmp_path, changes, path, expected):
+    result = translate(tiny(tmp_path, **changes), {})
+    assert result.problems == []
+    node = result.config
+    for part in path.split("."):
+        node = node[part]
+    assert node == expected
+
+
+def test_nanotron_moe_config_becomes_femtotron_moe(tmp_path):
+    moe = {
+        "num_experts": 4,
+        "top_k": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+        "router_aux_loss_coef": 0.02,
+        "layers": [-1],
+        "enable_shared_expert": True,
+        "token_dispatcher_type": "alltoall",
+    }
+    changes = {"model__model_config__moe_config": moe, "model__model_config__is_qwen2_config": True}
+    config = load_config(write(tmp_path, tiny(tmp_path, **changes)))
+    got = config.model.model_config_.moe
+    assert (got.num_experts, got.num_experts_per_tok, got.intermediate_size) == (4, 2, 32)
+    assert (got.num_shared_experts, got.aux_loss_coef) == (2, 0.02)
+
+
+def test_what_femtotron_cannot_run_is_refused_all_at_once_with_lines(tmp_path):
+    config = tiny(
+        tmp_path,
+        lighteval={"batch_size": 16, "tasks": {"tasks": "hellaswag"}},
+        s3_upload={"upload_s3_path": "s3://bucket/x", "remove_after_upload": True},
+        model__init_method={"use_mup": True},
+        model__model_config__attention_bias=True,
+        model__model_config__sliding_window_size=512,
+        model__model_config__no_rope_layer=2,
+        optimizer__weight_decay_exclude_named_params=[".*norm.*"],
+        model__model_config__rope_interleaved=True,
+        data_stages__0__sequence_length=512,
+    )
+    config["data_stages"].append(
+        {"name": "b", "start_training_step": 10, "data": {"dataset": None, "seed": 1}}
+    )
+    path = write(tmp_path, config)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    fields = [p.path for p in caught.value.problems]
+    expected = [
+        "lighteval",
+        "s3_upload",
+        "model.init_method.use_mup",
+        "model.model_config.attention_bias",
+        "model.model_config.sliding_window_size",
+        "model.model_config.no_rope_layer",
+        "optimizer.weight_decay_exclude_named_params",
+        "model.model_config.rope_interleaved",
+        "data_stages",
+        "data_stages.1.start_training_step",
+        "data_stages.1.data.dataset",
+        "data_stages.0.sequence_length",
+    ]
+    assert sorted(fields) == sorted(expected)
+    text = path.read_text().splitlines()
+    for problem in caught.value.problems:
+        line = int(problem.locations[0].removeprefix("line "))
+        assert (
+            text[line - 1]
+            .strip()
+            .startswith(problem.path.rsplit(".", 1)[-1] if problem.path[-1] != "0" else "-")
+        )
+    message = str(caught.value)
+    assert "lm_eval --model hf" in message and "femtotron export-hf" in message
+    assert "SpectralMupInit" in message
+
+
+def test_hf_datasets_are_refused_with_the_preprocess_command(tmp_path):
+    dataset = {"hf_dataset_or_datasets": "stas/openwebtext-10k", "hf_dataset_splits": "train"}
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, tiny(tmp_path, data_stages__0__data__dataset=dataset)))
+    assert [p.path for p in caught.value.problems] == ["data_stages.0.data.dataset.hf_dataset_or_datasets"]
+    assert "femtotron preprocess" in str(caught.value)
+
+
+def test_a_key_missing_from_the_table_is_refused_as_unknown_naming_it(tmp_path):
+    config = tiny(tmp_path, parallelism__cp=2, model__model_config__not_a_key=1, optimizer__adam_eps=1e-8)
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, config))
+    paths = sorted(p.path for p in caught.value.problems)
+    assert paths == ["model.model_config.not_a_key", "optimizer.adam_eps", "parallelism.cp"]
+    assert "has it at optimizer.optimizer_factory.adam_eps; move it there" in str(caught.value)
+    assert "unknown key in a nanotron config" in str(caught.value)
+    assert "context_parallel_size" in str(caught.value)  # nanotron's keys of that section
+
+
+def every_key_config() -> dict:
+    """A value for every key of the table: a runnable one, or for refused keys one that is refused."""
+    values = {
+        "lighteval": {"batch_size": 16},
+        "s3_upload": {"upload_s3_path": "s3://bucket/run"},
+        "model.init_method.use_mup": True,
+        "model.init_method.path": "hf/llama",
+        "model.init_method.scaling_method": "NUM_LAYERS",
+        "data_stages.*.start_training_step": 1,
+        "model.make_vocab_size_divisible_by": 64,
+        "model.model_config.moe_config.layers": [-1],
+        "model.model_config.moe_config.enable_shared_expert": True,
+        "model.model_config.moe_config.shared_expert_intermediate_size": 64,
+        "model.model_config.moe_config.moe_intermediate_size": 32,
+        "data_stages.*.data.dataset.dataset_folder": ["a"],
+        "data_stages.*.data.dataset.dataset_weights": [1.0],
+        "data_stages.*.data.dataset.hf_dataset_or_datasets": "stas/openwebtext-10k",
+        "profiler.profiler_export_path": "tb",
+        "profiler.repeat": 1,
+    }
+    config: dict = {}
+    for key, entry in KEYS.items():
+        if any(other.startswith(key + ".") for other in KEYS):
+            continue  # a section: its keys are set
+        value = values.get(key, 2 if entry.action != NO_EFFECT else None)
+        *parents, leaf = key.replace("data_stages.*", "data_stages").split(".")
+        node = config
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    config["data_stages"] = [config.pop("data_stages")]
+    return config
+
+
+def test_every_key_of_the_table_is_handled_by_the_translation_in_exactly_one_way():
+    """Fails when the table and the translation disagree: every key is read, and lands in one place."""
+    config = every_key_config()
+    result = translate(config, {})
+    generic = [p.path.replace("data_stages.0", "data_stages.*") for p in result.problems]
+    translated = [
+        line.split(" -> ")[0].replace("data_stages.0", "data_stages.*") for line in result.translated
+    ]
+    honored = []
+    for key, entry in KEYS.items():
+        node = result.config
+        for part in key.split("."):
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        unchanged = entry.target == key and key not in translated  # translated to itself, value kept
+        if (entry.action == "honored" or unchanged) and node != {}:
+            honored.append(key)
+    sections = {k for k in KEYS if any(other.startswith(k + ".") for other in KEYS)} - {
+        "lighteval",
+        "s3_upload",
+    }
+    places = [*honored, *translated, *result.no_effect, *generic]
+    # the profiler's keys all translate to profiling.profile_steps; each key appears once
+    assert sorted(places) == sorted(set(places))
+    assert set(places) | sections == set(KEYS), set(KEYS) - set(places) - sections
+    assert set(generic) == {
+        "lighteval",
+        "s3_upload",
+        "model.init_method.use_mup",
+        "data_stages.*.data.dataset.hf_dataset_or_datasets",
+    }
+
+
+def test_the_docs_table_is_rendered_from_the_translation_table():
+    text = DOCS.read_text(encoding="utf-8")
+    start = text.index("<!-- nanotron-table -->") + len("<!-- nanotron-table -->\n")
+    end = text.index("<!-- /nanotron-table -->")
+    assert text[start:end].strip() == render_table(), (
+        "regenerate with femtotron.config.nanotron.render_table()"
+    )
+
+
+def test_recognition_needs_a_nanotron_only_section_or_flag(tmp_path):
+    assert is_nanotron(tiny(tmp_path))
+    assert is_nanotron({"model": {"model_config": {"is_llama_config": True}}})
+    assert not is_nanotron({"tokens": {"train_steps": 1}, "data": {"dataset_folder": "x"}})
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """The command line, in this process: (exit code, stdout, stderr)."""
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_doctor_and_convert_config_round_trip(tmp_path, capsys):
+    path = write(tmp_path, tiny(tmp_path))
+    code, out, err = cli(capsys, "doctor", str(path), "--device", "H100")
+    assert code == 0, err
+    assert err.count("is a nanotron config") == 1 and "fits:" in out
+    converted = tmp_path / "femtotron.yaml"
+    path = write(tmp_path, tiny(tmp_path), "other.yaml")  # a process prints a file's translation once
+    code, out, err = cli(capsys, "convert-config", str(path), "-o", str(converted))
+    assert code == 0, err
+    assert "nanotron tokens.val_check_interval -> tokens.val_check_interval = 0" in err
+    assert not is_nanotron(yaml.safe_load(converted.read_text()))
+    assert load_config(converted) == load_config(path)
+    code, out, err = cli(capsys, "convert-config", str(path))
+    assert yaml.safe_load(out) == yaml.safe_load(converted.read_text())
+    code, out, err = cli(capsys, "convert-config", str(converted))
+    assert code == 2 and "a femtotron config already" in err
+
+
+def test_doctor_refuses_a_qwen_moe_example_with_every_problem(tmp_path, capsys):
+    changes = {
+        "model__model_config__is_qwen2_config": True,
+        "model__model_config__attention_bias": True,
+        "model__model_config__z_loss_enabled": True,
+        "model__model_config__moe_config": {"num_experts": 4, "top_k": 2, "layers": [0]},
+    }
+    code, out, err = cli(capsys, "doctor", str(write(tmp_path, tiny(tmp_path, **changes))))
+    assert code == 2
+    assert "3 problems" in err
+    for key in ("attention_bias", "z_loss_enabled", "moe_config.layers"):
+        assert key in err
+
+
+def test_femtotron_rules_on_a_translated_config_name_the_nanotron_yaml_lines(tmp_path):
+    path = write(tmp_path, tiny(tmp_path, parallelism__context_parallel_size=3))
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    text = path.read_text().splitlines()
+    cp = [p for p in caught.value.problems if "parallelism.cp" in p.fields]
+    assert cp, str(caught.value)
+    where = cp[0].locations[cp[0].fields.index("parallelism.cp")]
+    assert text[int(where.removeprefix("line ")) - 1].strip() == "context_parallel_size: 3"
+
+
+@pytest.mark.distributed
+def test_train_runs_a_nanotron_config_and_its_run_directory_holds_femtotron_s(tmp_path):
+    dataset = write_patterned_tokens(tmp_path / "tokens")
+    model = {**tiny(tmp_path)["model"]["model_config"], **TINY_MODEL}
+    config = tiny(
+        tmp_path,
+        parallelism={"dp": 1, "tp": 1, "pp": 1, "tp_mode": "ALL_REDUCE", "expert_parallel_size": 1},
+        model__model_config=model,
+        model__dtype="float32",
+        tokenizer={"tokenizer_name_or_path": None},
+        tokens__sequence_length=32,
+        tokens__train_steps=2,
+        data_stages__0__data__dataset={"dataset_folder": dataset},
+        logging__iteration_step_info_interval=1,
+    )
+    path = write(tmp_path, config)
+    output = f"logging.output_dir={tmp_path / 'runs'}"  # overrides are femtotron's keys: nanotron has none
+    done = femtotron("train", str(path), output)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("is a nanotron config; translated") == 1
+    saved = tmp_path / "runs" / "tiny_llama" / "config.yaml"
+    assert not is_nanotron(yaml.safe_load(saved.read_text()))
+    assert load_config(saved) == load_config(path, [output])
