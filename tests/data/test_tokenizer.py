@@ -1,5 +1,7 @@
 import gzip
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, models
@@ -67,3 +69,24 @@ def test_a_full_disk_names_the_tokenizer_file(small_disk, tmp_path, texts):
     with pytest.raises(WriteError, match=f"cannot write {output}: No space left on device. Fix: free space"):
         train_tokenizer([source], vocab_size=300, output_path=output)
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "HuggingFaceTB/SmolLM2-135M"])
+def test_a_hub_name_is_refused_with_the_download_command(name, tmp_path, monkeypatch):
+    """nanotron configs name hub tokenizers; femtotron never fetches during a run."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=f"`huggingface-cli download {name} tokenizer.json --local-dir DIR`"):
+        load_tokenizer(name)
+
+
+def test_a_missing_file_path_is_not_taken_for_a_hub_name(tmp_path):
+    with pytest.raises(DataError, match="does not exist; train one with"):
+        load_tokenizer(tmp_path / "tokenizer.json")
+
+
+def test_a_local_hf_tokenizer_directory_is_read(tmp_path):
+    (tmp_path / "model").mkdir()
+    shutil.copyfile(
+        Path(__file__).parents[2] / "examples" / "tokenizer.json", tmp_path / "model" / "tokenizer.json"
+    )
+    assert load_tokenizer(tmp_path / "model").get_vocab_size() == 2048

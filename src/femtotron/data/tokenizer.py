@@ -60,6 +60,13 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
         path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
+        if _looks_like_a_hub_name(path):
+            raise DataError(
+                f"tokenizer {path} is not a file or directory here; it looks like a Hugging Face Hub name, "
+                "and femtotron reads tokenizers from local files only (a training run fetches nothing). "
+                f"Download it once: `huggingface-cli download {path} tokenizer.json --local-dir DIR`, then "
+                "set tokenizer.tokenizer_name_or_path=DIR."
+            )
         raise DataError(f"tokenizer file {path} does not exist; {_TRAIN_HINT}")
     try:
         return Tokenizer.from_file(path)
@@ -67,6 +74,13 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise DataError(
             f"tokenizer file {path} cannot be read as a HF tokenizers JSON file ({e}); {_TRAIN_HINT}"
         ) from e
+
+
+def _looks_like_a_hub_name(path: str) -> bool:
+    """`gpt2`, `HuggingFaceTB/SmolLM2-135M`: no file suffix, at most one slash, not absolute or relative."""
+    parts = path.split("/")
+    plain = len(parts) <= 2 and all(part and part not in (".", "..") for part in parts)
+    return plain and not path.startswith(("/", "~")) and not os.path.splitext(path)[1]
 
 
 def eos_token_id(tokenizer: Tokenizer) -> int:
