@@ -413,3 +413,9 @@ def make_read_only(mount_point: Path) -> None:
     """Remount a `small_disk` read-only: real EROFS."""
     if LIBC.mount(b"tmpfs", bytes(mount_point), b"tmpfs", MS_REMOUNT_READ_ONLY, None) != 0:
         raise OSError(ctypes.get_errno(), f"cannot remount {mount_point} read-only")
+
+
+def preprocess_command(source: Path, tokenizer: Path, prefix: Path, *options: str) -> list[str]:
+    """`femtotron preprocess` as a user types it, for a process of its own."""
+    command = [sys.executable, "-m", "femtotron", "preprocess", "--input", str(source)]
+    return [*command, "--tokenizer", str(tokenizer), "--output-prefix", str(prefix), *options]

@@ -7,7 +7,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ import torch
 from datatrove.data import Document
 from datatrove.pipeline.tokens.tokenizer import DocumentTokenizer, TokenizedFile
 from datatrove.utils.dataset import DatatroveFolderDataset
+from helpers import preprocess_command
 
 from femtotron.cli import main
 from femtotron.data.datatrove import DatatroveFolder
@@ -220,17 +220,7 @@ def test_killed_while_replacing_a_datatrove_file_leaves_it_refused_then_rewritte
     """Killed between the renames, the new .ds stands without its index: refused, never read with the old."""
     source = _write_jsonl(tmp_path / "c.jsonl", texts)
     prefix = tmp_path / "out" / "corpus"
-    command = [
-        sys.executable,
-        "-m",
-        "femtotron",
-        "preprocess",
-        "--input",
-        str(source),
-        "--format",
-        "datatrove",
-    ]
-    command += ["--tokenizer", str(tokenizer_path), "--output-prefix", str(prefix)]
+    command = preprocess_command(source, tokenizer_path, prefix, "--format", "datatrove")
     assert subprocess.run(command, capture_output=True).returncode == 0
     environment = {**os.environ, "FEMTOTRON_CRASH_AT": "preprocess.bin_renamed"}
     killed = subprocess.run(command, env=environment, capture_output=True)

@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import preprocess_command
 
 from femtotron.data.documents import iter_documents
 from femtotron.data.indexed import IndexedDataset, resolve_dataset_prefixes
@@ -222,15 +223,7 @@ def test_deeply_nested_json_line_is_named(tmp_path, tokenizer_path):
 
 @pytest.mark.distributed  # the command in a process of its own, its stderr a pipe as in a batch job's log
 def test_a_log_file_gets_no_progress_bar(tmp_path, texts, tokenizer_path):
-    command = [
-        sys.executable,
-        "-m",
-        "femtotron",
-        "preprocess",
-        "--input",
-        str(_many_short_documents(tmp_path)),
-    ]
-    command += ["--tokenizer", str(tokenizer_path), "--output-prefix", str(tmp_path / "corpus")]
+    command = preprocess_command(_many_short_documents(tmp_path), tokenizer_path, tmp_path / "corpus")
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "\r" not in result.stderr and "docs" not in result.stderr
