@@ -164,6 +164,20 @@ def write_patterned_tokens(prefix: Path, documents: int = 12, length: int = 700,
     return str(prefix)
 
 
+def tokenize_with_datatrove(folder, tokenizer_path, words: list[str], documents: int = 120, seed: int = 4):
+    """A folder as datatrove's DocumentTokenizer writes it (the tokenizer nanotron users run): two shuffled
+    files (ranks 0 and 1) with their .ds.index and .ds.metadata, of random sentences over `words`."""
+    from datatrove.data import Document  # a dev dependency only the data tests need
+    from datatrove.pipeline.tokens.tokenizer import DocumentTokenizer
+
+    rng = np.random.default_rng(seed)
+    texts = [" ".join(rng.choice(words, size=rng.integers(2, 40))) for _ in range(documents)]
+    for rank in (0, 1):
+        step = DocumentTokenizer(str(folder), str(tokenizer_path), eos_token="<|endoftext|>", seed=rank)
+        step.run((Document(text=t, id=str(i)) for i, t in enumerate(texts[rank::2])), rank=rank)
+    return folder
+
+
 def tiny_config_maker(runs_dir: Path, dataset: str):
     """Configs for a ~100k-parameter fp32 model on the patterned data; overrides are dotted keys."""
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 def cmd_train(args: argparse.Namespace) -> int | None:
     from femtotron.config import check_world_size, load_config
     from femtotron.config.sections import RUN_DATE, run_date
+    from femtotron.data.text_cache import tokenize_text_data, tokenized_by_rank_0
     from femtotron.launch import launched_by_torchrun
     from femtotron.serialize.checkpoint import already_done, decided_by_rank_0
     from femtotron.serialize.weights import check_own_weights
@@ -39,6 +40,9 @@ def cmd_train(args: argparse.Namespace) -> int | None:
             print(f"femtotron: {done}")
         return 0
     check_own_weights(config.run_dir)
+    if not launched_by_torchrun():  # before any rank starts: its progress bar is the user's
+        for line in tokenize_text_data(config):
+            print(f"femtotron: {line}", file=sys.stderr)
     if par.world_size > 1 and not launched_by_torchrun():
         return launch_train(args, config)
     # L1: checked on every rank, from the environment alone, before any process group exists.
@@ -65,6 +69,7 @@ def cmd_train(args: argparse.Namespace) -> int | None:
     with ParallelContext.from_config(config) as ctx:
         # Under torchrun or srun each rank read its own clock for %date: rank 0's name is the run's.
         config.general.run = decided_by_rank_0(ctx, "the run's name", lambda: config.general.run)
+        tokenized_by_rank_0(config, ctx.store, ctx.rank)  # ready already when a local launcher started us
         with held_by_rank_0(config.run_dir, ctx.store, ctx.rank, ctx.collective_timeout_seconds):
             Trainer(config, ctx).train()
     return None
@@ -211,15 +216,23 @@ def cmd_convert_config(args: argparse.Namespace) -> None:
 
 def cmd_inspect_data(args: argparse.Namespace) -> None:
     from femtotron.config import load_config
-    from femtotron.data.nanoset import open_nanoset
+    from femtotron.data.stages import DataStages
+    from femtotron.data.text_cache import tokenize_text_data
     from femtotron.data.tokenizer import load_tokenizer
     from femtotron.diagnostics.data_check import inspect_samples
 
     config = load_config(args.config, args.overrides)
-    nanoset = open_nanoset(config.data.dataset_folder, config.tokens.sequence_length, config.data.seed)
+    for line in tokenize_text_data(config):
+        print(line)
+    data = DataStages(config)
     path = config.tokenizer.tokenizer_name_or_path
     tokenizer = load_tokenizer(path) if path else None
-    print(inspect_samples(nanoset, tokenizer, config.tokens.sequence_length, args.n))
+    planned = data.planned(config.global_batch_size)
+    for index in range(len(data.stages)):
+        nanoset = data.continued(index, planned[: index + 1])  # what the stage reads in an uninterrupted run
+        if len(data.stages) > 1:
+            print(f"{data.describe(index, nanoset)}; its first samples:")
+        print(inspect_samples(nanoset, tokenizer, config.tokens.sequence_length, args.n))
 
 
 def cmd_plot(args: argparse.Namespace) -> None:

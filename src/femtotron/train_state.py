@@ -9,7 +9,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from femtotron.config import Config
-from femtotron.data.nanoset import Nanoset
+from femtotron.data.stages import DataStages, StageStart
 from femtotron.layout import RankModel
 from femtotron.optim.loss_scale import DynamicLossScaler
 from femtotron.optim.zero import ZeroAdamW
@@ -22,6 +22,7 @@ class TrainState:
     scaler: DynamicLossScaler  # fp16's dynamic loss scale (disabled, scale 1, for bf16 and fp32)
     step: int = 0  # optimizer steps done (skipped ones included: the schedule and the data moved on)
     consumed_samples: int = 0  # global samples read: where the data continues
+    stages: list[StageStart] = field(default_factory=list)  # the data stages entered (data/stages.py)
     consumed_tokens: int = 0  # target tokens that counted in the loss
     non_finite_skips: int = 0  # steps dropped with optimizer.on_non_finite=skip
     # (step, lr, grad norm) of the last applied steps: the history a divergence report shows
@@ -32,6 +33,7 @@ class TrainState:
         return {
             "step": self.step,
             "consumed_samples": self.consumed_samples,
+            "data_stages": [stage.to_dict() for stage in self.stages],
             "consumed_tokens": self.consumed_tokens,
             "non_finite_skips": self.non_finite_skips,
             "recent": [list(r) for r in self.recent],
@@ -44,6 +46,7 @@ class TrainState:
         checkpoint: a bf16 or fp32 run's scale is 1, which would be fp16's minimum)."""
         self.step = int(state["step"])
         self.consumed_samples = int(state["consumed_samples"])
+        self.stages = [StageStart.from_dict(record) for record in state.get("data_stages", [])]
         self.consumed_tokens = int(state.get("consumed_tokens", 0))
         self.non_finite_skips = int(state.get("non_finite_skips", 0))
         self.recent = deque((tuple(r) for r in state.get("recent", [])), maxlen=self.recent.maxlen)
@@ -60,6 +63,6 @@ class TrainingParts:
     model: RankModel
     optimizer: ZeroAdamW
     state: TrainState
-    data: Nanoset  # its size is recorded, and compared on resume
+    data: DataStages  # the identity of the stage a checkpoint is in is recorded, and compared on resume
     log: RunLog
     tokenizer: Tokenizer | None = None  # saved beside the tensors: a checkpoint is self-contained

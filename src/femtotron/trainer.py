@@ -18,6 +18,7 @@ from femtotron.config import Config
 from femtotron.dashboards import Dashboards
 from femtotron.data.nanoset import MicroBatchIterator
 from femtotron.data.run_data import check_batch_token_ids, document_end_id, open_run_data
+from femtotron.data.stages import StageStart
 from femtotron.diagnostics import failures, start_report
 from femtotron.diagnostics.compile_check import compile_report
 from femtotron.diagnostics.data_check import first_loss_warning
@@ -61,13 +62,15 @@ class Trainer:
         # Data first: a wrong dataset path must fail before minutes go into building the model.
         self.train_data, self.val_data, self.tokenizer = open_run_data(config)
         self.eos_id = document_end_id(config, self.tokenizer) if config.model.document_masking else None
+        # Reads the first data stage until `enter_stage` (before each step) points it at the step's stage.
         self.batches = MicroBatchIterator(
-            self.train_data,
+            self.train_data.nanosets[0],
             micro_batch_size=config.tokens.micro_batch_size,
             batch_accumulation=config.tokens.batch_accumulation_per_replica,
             dp_rank=ctx.dp_rank,
             dp_size=ctx.dp,
         )
+        self.stage_index: int | None = None  # the data stage `batches` reads: none before the first step
         self.model = build_rank_model(config, ctx)
         if config.model.compile:
             compile_layers(self.model.chunks, ctx.device)
@@ -148,6 +151,7 @@ class Trainer:
         if path is not None:
             summary, self.last_checkpoint = checkpoint.load(self.parts, path, what)
             self.log.info(summary)
+            self.state.stages = self.train_data.resumed(self.state.stages, self.state.step)
         last_saved = self.state.step if path is not None else None  # that state is on disk already
         self.log.start_at(self.state.step)  # the run starts: metrics.jsonl keeps the steps before it
         self.log.info(start_report.summary(self.parts, self.step_logger.yardstick))
@@ -314,13 +318,37 @@ class Trainer:
             f"lowered to {self.scaler.scale:g} ({self.scaler.skipped_steps} skipped so far)"
         )
 
+    def enter_stage(self, step: int) -> None:
+        """Read step `step`'s data stage: the one already read, or the next (logged as it starts), or after a
+        resume the one the checkpoint was in."""
+        index = self.train_data.index_at(step)
+        if index == self.stage_index:
+            return
+        stage = self.train_data.stages[index]
+        history = self.state.stages
+        starts = not history or history[-1].name != stage.name
+        if starts:
+            history.append(StageStart(name=stage.name, step=step, samples=self.state.consumed_samples))
+        nanoset = self.train_data.continued(index, history)
+        self.stage_index = index
+        self.batches.nanoset = nanoset
+        if len(self.train_data.stages) == 1:  # the start report describes the data
+            return
+        described = self.train_data.describe(index, nanoset)
+        if starts:
+            self.log.info(f"step {step}: {described}")
+        else:
+            read = self.state.consumed_samples - history[-1].samples
+            self.log.info(f"step {step}: continuing {described}; {read:,} of its samples read before")
+
     def compute_gradients(self) -> tuple[float, int, list[torch.Tensor]]:
         """Forward and backward over this step's micro-batches; returns loss, tokens and fp32 grads (with fp16
         still multiplied by the loss scale: `one_step` unscales them). Every rank of a dp replica reads the
         same micro-batches: the first pipeline stage needs the inputs, the last the targets, all the count."""
         ctx = self.ctx
         step = self.state.step + 1
-        whole = self.batches.step_at(self.state.consumed_samples)
+        self.enter_stage(step)
+        whole = self.batches.step_at(self.state.consumed_samples - self.state.stages[-1].samples)
         self.state.consumed_samples += self.config.global_batch_size
         check_batch_token_ids(whole, self.config.model.model_config_.vocab_size, ctx, step)
         on_host = [place_tokens(mb, ctx.cp, ctx.cp_rank, self.eos_id) for mb in whole]

@@ -295,9 +295,6 @@ def test_what_femtotron_cannot_run_is_refused_all_at_once_with_lines(tmp_path):
         "model.model_config.no_rope_layer",
         "optimizer.weight_decay_exclude_named_params",
         "model.model_config.rope_interleaved",
-        "data_stages",
-        "data_stages.1.start_training_step",
-        "data_stages.1.data.dataset",
         "data_stages.0.sequence_length",
     ]
     assert sorted(fields) == sorted(expected)

@@ -5,6 +5,7 @@ import json
 import helpers
 import numpy as np
 import pytest
+from helpers import tokenize_with_datatrove
 
 from femtotron.data.tokenizer import train_tokenizer
 
@@ -39,3 +40,9 @@ def small_disk(tmp_path):
     """A real 64 KiB tmpfs (root only), unmounted after the test (helpers.small_disk)."""
     with helpers.small_disk(tmp_path / "disk") as mount_point:
         yield mount_point
+
+
+@pytest.fixture(scope="session")
+def datatrove_folder(tmp_path_factory, tokenizer_path):
+    folder = tmp_path_factory.mktemp("datatrove") / "tokenized"
+    return tokenize_with_datatrove(folder, tokenizer_path, ["the", "model", "data", "loss", "rank"])

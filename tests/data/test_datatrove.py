@@ -11,8 +11,7 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from datatrove.data import Document
-from datatrove.pipeline.tokens.tokenizer import DocumentTokenizer, TokenizedFile
+from datatrove.pipeline.tokens.tokenizer import TokenizedFile
 from datatrove.utils.dataset import DatatroveFolderDataset
 from helpers import preprocess_command
 
@@ -30,22 +29,6 @@ from femtotron.trainer import Trainer
 def _write_jsonl(path, texts):
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
     return path
-
-
-@pytest.fixture(scope="session")
-def datatrove_folder(tmp_path_factory, tokenizer_path):
-    """Two shuffled files (ranks 0 and 1) with their .ds.index and .ds.metadata, as nanotron users hold."""
-    folder = tmp_path_factory.mktemp("datatrove") / "tokenized"
-    rng = np.random.default_rng(4)
-    texts = [
-        " ".join(rng.choice(["the", "model", "data", "loss", "rank"], size=rng.integers(2, 40)))
-        for _ in range(120)
-    ]
-    for rank in (0, 1):
-        step = DocumentTokenizer(str(folder), str(tokenizer_path), eos_token="<|endoftext|>", seed=rank)
-        documents = (Document(text=t, id=str(i)) for i, t in enumerate(texts[rank::2]))
-        step.run(documents, rank=rank)
-    return folder
 
 
 def _reference(folder, sequence_length, token_size=2):

@@ -21,7 +21,7 @@ from femtotron.config.rules import Problem, raise_problems, rule_problems
 
 # Stand-ins for required fields that are missing or invalid, so the other rules can still be checked.
 # Rules that read them are suppressed anyway, because those paths are already reported.
-_PLACEHOLDERS = {"tokens.train_steps": 1, "data.dataset_folder": "placeholder"}
+_PLACEHOLDERS = {"tokens.train_steps": 1, "data.seed": 1234}
 # The most values (keys, items, scalars) a config may hold once its YAML aliases are expanded. A real one
 # holds a few hundred; nested aliases (`&a [*b, *b, ...]`) can reach billions from a few hundred bytes.
 MAX_VALUES = 100_000

@@ -25,6 +25,8 @@ NO_EFFECT = "no effect"
 REFUSED = "refused"
 # A value a translation drops: femtotron's default means the same.
 DROP = object()
+# A list whose items are translated key by key (data_stages): reported once they are placed.
+SECTION = object()
 
 
 class Refusal(ValueError):
@@ -108,11 +110,16 @@ def _dataset_folder(value: Any, parent: Mapping[str, Any]) -> Any:
     return folders
 
 
-def _not_null(value: Any, parent: Mapping[str, Any]) -> Any:
-    raise Refusal(
-        "null (nanotron's random dummy data) is not supported yet; give dataset.dataset_folder, a folder "
-        "tokenized by datatrove or `femtotron preprocess`"
-    )
+def _synthetic(value: Any, parent: Mapping[str, Any]) -> Any:
+    if value is None:  # nanotron's dummy data
+        return True
+    raise Refusal("a stage's dataset is a section of dataset keys, or null for random tokens")
+
+
+def _stage_list(value: Any, parent: Mapping[str, Any]) -> Any:
+    if not isinstance(value, list) or not value:
+        raise Refusal("data_stages is a list of stages, each with name, start_training_step and data")
+    return SECTION
 
 
 def _profile_steps(value: Any, parent: Mapping[str, Any]) -> Any:
@@ -141,12 +148,6 @@ def _all_layers(value: Any, parent: Mapping[str, Any]) -> Any:
     if value in (None, [-1]):
         return DROP
     raise Refusal("femtotron puts experts in every layer; set layers: [-1]")
-
-
-def _one_stage(value: Any, parent: Mapping[str, Any]) -> Any:
-    if value == 1:
-        return DROP
-    raise Refusal("the one data stage must start at step 1 (several stages are not supported yet)")
 
 
 _NO_NETWORK = "femtotron reads local files only"
@@ -316,15 +317,19 @@ KEYS: dict[str, Key] = {
     "s3_upload": refused(
         "femtotron does not upload checkpoints; copy checkpoints_path with your own tool; delete s3_upload"
     ),
-    "data_stages": no_effect("exactly one stage, starting at step 1 (several: not supported yet)"),
-    _STAGE + "name": no_effect("one stage: its name is not needed"),
-    _STAGE + "start_training_step": Key(action=NO_EFFECT, why="only 1", transform=_one_stage),
+    "data_stages": to(
+        "data.stages",
+        _stage_list,
+        "sorted by start_training_step; a single stage's keys go into data itself",
+    ),
+    _STAGE + "name": to("data.stages.*.name"),
+    _STAGE + "start_training_step": to("data.stages.*.start_training_step"),
     _STAGE + "sequence_length": no_effect("null or tokens.sequence_length; another is refused"),
-    _STAGE + "data.seed": to("data.seed", _dropping(None), "null: femtotron's default"),
+    _STAGE + "data.seed": to("data.stages.*.seed", _dropping(None), "null: data.seed"),
     _STAGE + "data.num_loading_workers": no_effect("femtotron memory-maps the data in the training process"),
-    _STAGE + "data.dataset": Key(action=NO_EFFECT, why="a section; null is refused", transform=_not_null),
+    _STAGE + "data.dataset": to("data.stages.*.synthetic", _synthetic, "null: random tokens"),
     _DATASET + "dataset_folder": to(
-        "data.dataset_folder",
+        "data.stages.*.dataset_folder",
         _dataset_folder,
         "with dataset_weights: {folder: weight}; dataset_read_path first",
     ),
@@ -360,9 +365,17 @@ class Translation:
 
     config: dict[str, Any]
     lines: dict[str, int]
-    translated: list[str]
+    moves: list[tuple[str, str, Any]]  # (nanotron path, femtotron key, value) of each translated key
     no_effect: list[str]
     problems: list[Problem]
+
+    @property
+    def translated(self) -> list[str]:
+        """One line per translated key: `nanotron path -> femtotron key = value`."""
+        return [
+            f"{path} -> {target}" + ("" if value is SECTION else f" = {value!r}")
+            for path, target, value in self.moves
+        ]
 
     def report(self, source: str) -> str:
         text = [f"femtotron: {source} is a nanotron config; translated into femtotron's (docs/nanotron.md):"]
@@ -410,20 +423,12 @@ def translate(data: Mapping[str, Any], lines: Mapping[str, int]) -> Translation:
     """`data` (a nanotron config) in femtotron's schema; problems hold every key femtotron cannot run."""
     out: dict[str, Any] = {}
     new_lines: dict[str, int] = {}
-    result = Translation(config=out, lines=new_lines, translated=[], no_effect=[], problems=[])
+    result = Translation(config=out, lines=new_lines, moves=[], no_effect=[], problems=[])
     where: dict[str, list[tuple[str, Any, Mapping[str, Any]]]] = {}
     for table_key, path, value, parent in _leaves(data):
         if table_key not in KEYS:
             result.problems.append(_unknown(table_key, path, lines))
         where.setdefault(table_key, []).append((path, value, parent))
-    stages = data.get("data_stages")
-    if isinstance(stages, list) and len(stages) != 1:
-        message = (
-            f"{len(stages)} data stages: femtotron trains on one dataset for now (several stages are not "
-            "supported yet); keep one stage with start_training_step: 1, or train the stages one after "
-            "another with model.init_from"
-        )
-        result.problems.append(Problem(("data_stages",), message, (_line(lines, "data_stages"),)))
     sequence = (data.get("tokens") or {}).get("sequence_length")
     for table_key, entry in KEYS.items():
         for path, value, parent in where.get(table_key, []):
@@ -432,7 +437,48 @@ def translate(data: Mapping[str, Any], lines: Mapping[str, int]) -> Translation:
                 result.problems.append(Problem((path,), message, (_line(lines, path),)))
                 continue
             _apply(entry, table_key, path, value, parent, lines, result)
+    _place_stages(result, lines)
     return result
+
+
+def _place_stages(result: Translation, lines: Mapping[str, int]) -> None:
+    """The stages, translated as `data.stages.<i>` in the order the YAML lists them, sorted by their start
+    step as nanotron sorts them; a single stage's keys become data's own (femtotron's shorter form)."""
+    data = result.config.get("data", {})
+    stages = data.pop("stages", None)
+    if not stages:
+        return
+
+    def start(index: str) -> tuple[int, int]:
+        value = stages[index].get("start_training_step", 1)
+        return (value if isinstance(value, int) else 0, int(index))
+
+    order = sorted(stages, key=start)
+    if len(order) == 1:
+        only = stages[order[0]]
+        only.pop("name", None)
+        first = only.pop("start_training_step", 1)
+        if first != 1:
+            path = f"data_stages.{order[0]}.start_training_step"
+            message = (
+                f"the one data stage starts at step {first!r}: steps before it have no data; set it to 1"
+            )
+            result.problems.append(Problem((path,), message, (_line(lines, path),)))
+        data.update(only)
+        place = {f"data.stages.{order[0]}.": "data."}
+        summary = "data (the keys of its one stage)"
+    else:
+        data["stages"] = [stages[index] for index in order]
+        place = {f"data.stages.{index}.": f"data.stages.{new}." for new, index in enumerate(order)}
+        summary = f"data.stages ({len(order)} stages, in the order they start)"
+
+    def moved(key: str) -> str:
+        return next((new + key[len(old) :] for old, new in place.items() if key.startswith(old)), key)
+
+    result.lines = {moved(key): line for key, line in result.lines.items()}
+    result.moves = [("data_stages", summary, SECTION)] + [
+        (path, moved(target), value) for path, target, value in result.moves
+    ]
 
 
 def _apply(
@@ -453,16 +499,20 @@ def _apply(
         shown = "null" if value is None else repr(value)
         result.problems.append(Problem((path,), f"{shown} is refused: {refusal}", (_line(lines, path),)))
         return
+    if final is SECTION:  # its items are translated one by one
+        return
     if entry.action == NO_EFFECT or final is DROP:
         if table_key not in result.no_effect:
             result.no_effect.append(table_key)
         return
     target = entry.target or path
+    if "*" in target:  # a stage's key: data.stages.<its index in data_stages>
+        target = target.replace("*", path.split(".")[1])
     _set(result.config, target, final)
     if path in lines:
         result.lines[target] = lines[path]
     if entry.action == TRANSLATED and (target != path or final != value):
-        result.translated.append(f"{path} -> {target} = {final!r}")
+        result.moves.append((path, target, final))
 
 
 def _set(config: dict[str, Any], dotted: str, value: Any) -> None:

@@ -364,6 +364,88 @@ def decay_ends_below_the_peak(cfg: ConfigFields) -> Problem | None:
     )
 
 
+_SOURCES = (
+    "dataset_folder (tokenized data: a .bin/.idx prefix, a datatrove folder, a directory, a list or "
+    "{prefix: weight}), text_dataset (text tokenized at start) or synthetic: true (random tokens, for "
+    "throughput)"
+)
+
+
+def data_has_one_source(cfg: ConfigFields) -> Problem | None:
+    """The data section, or each of its stages, names exactly one source of samples."""
+    data = cfg.data
+    if data.stages:
+        given = data.sources_set
+        if given:
+            return Problem(
+                tuple(f"data.{key}" for key in ("stages", *given)),
+                f"with data.stages every stage names its own data; {', '.join(given)} beside them would be "
+                "unused. Fix: move it into the first stage, or delete data.stages.",
+            )
+        for i, stage in enumerate(data.stages):
+            if len(stage.sources_set) != 1:
+                return _source_problem(f"data.stages.{i}.", stage.sources_set)
+        return None
+    return None if len(data.sources_set) == 1 else _source_problem("data.", data.sources_set)
+
+
+def _source_problem(prefix: str, given: list[str]) -> Problem:
+    if not given:
+        return Problem(
+            (prefix + "dataset_folder",),
+            f"no training data: set {prefix}{_SOURCES}, or list data.stages.",
+        )
+    return Problem(
+        tuple(prefix + key for key in given),
+        f"{' and '.join(given)} are set together; a source of samples is one of them. Fix: keep one.",
+    )
+
+
+def text_needs_a_tokenizer(cfg: ConfigFields) -> Problem | None:
+    """Text is tokenized at start with the run's tokenizer: there must be one."""
+    if cfg.tokenizer.tokenizer_name_or_path is not None:
+        return None
+    stages = cfg.data.stages
+    for index, stage in enumerate(cfg.data.stage_list()):
+        if stage.text_dataset is not None:
+            where = f"data.stages.{index}.text_dataset" if stages else "data.text_dataset"
+            return Problem(
+                (where, "tokenizer.tokenizer_name_or_path"),
+                "text is tokenized at start with the run's tokenizer, and none is set. Fix: set "
+                "tokenizer.tokenizer_name_or_path to a tokenizer.json or a Hugging Face tokenizer directory.",
+            )
+    return None
+
+
+def stages_in_order(cfg: ConfigFields) -> Problem | None:
+    """Data stages start at step 1, in increasing order, under names of their own."""
+    stages = cfg.data.stages or []
+    names = [stage.name for stage in stages]
+    starts = [stage.start_training_step for stage in stages]
+    if stages and starts[0] != 1:
+        return Problem(
+            ("data.stages.0.start_training_step",),
+            f"the first data stage starts at step {starts[0]}: steps 1 to {starts[0] - 1} would have no "
+            "data. Fix: start_training_step: 1.",
+        )
+    for i in range(1, len(stages)):
+        if starts[i] <= starts[i - 1]:
+            return Problem(
+                (f"data.stages.{i}.start_training_step", f"data.stages.{i - 1}.start_training_step"),
+                f"stage {names[i]!r} starts at step {starts[i]}, not after stage {names[i - 1]!r} (step "
+                f"{starts[i - 1]}): stages are listed in the order they start. Fix: reorder them, or give "
+                "each its own start step.",
+            )
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            return Problem(
+                (f"data.stages.{i}.name",),
+                f"two data stages are named {name!r}: a checkpoint records its stage by name. Fix: "
+                "rename one.",
+            )
+    return None
+
+
 RULES: list[Callable[[ConfigFields], Problem | None]] = [
     heads_split_hidden,
     kv_heads_split_heads,
@@ -382,6 +464,9 @@ RULES: list[Callable[[ConfigFields], Problem | None]] = [
     zero_stage_implemented,
     loss_scale_range,
     decay_ends_below_the_peak,
+    data_has_one_source,
+    stages_in_order,
+    text_needs_a_tokenizer,
 ]
 
 

@@ -269,37 +269,97 @@ class OptimizerArgs(_Section):
 
 
 DatasetSpec = str | list[str] | dict[str, float]
+_SPEC_SHAPE = (
+    "must be a .bin/.idx path prefix or directory (string), a list of them, or a mapping {prefix: weight}"
+)
 
 
-class DataArgs(_Section):
-    dataset_folder: DatasetSpec = Field(
-        description="a .bin/.idx path prefix or a directory, a list of them, or {prefix: weight}"
+def _checked_spec(value: Any, handler: Any) -> Any:
+    """Replace pydantic's three union-branch errors with one sentence, and reject empty specs."""
+    if value is None:
+        return handler(value)
+    try:
+        spec = handler(value)
+    except ValidationError:
+        raise ValueError(_SPEC_SHAPE) from None
+    if not spec:
+        raise ValueError(_SPEC_SHAPE + ", and not empty")
+    if isinstance(spec, dict) and not all(math.isfinite(w) and w > 0 for w in spec.values()):
+        raise ValueError(
+            "every blend weight must be a finite number > 0 (drop a dataset instead of giving it weight 0)"
+        )
+    return spec
+
+
+class DataSource(_Section):
+    """Where training samples come from: tokenized datasets, or random tokens. Exactly one is set (a rule)."""
+
+    dataset_folder: DatasetSpec | None = Field(
+        None,
+        description="a .bin/.idx path prefix, a datatrove folder or a directory, a list of them, or "
+        "{prefix: weight}",
     )
-    validation_folder: DatasetSpec | None = None
-    seed: NonNegativeInt = 1234
+    # Random token ids, uniform over the vocabulary (nanotron's `dataset: null`): for throughput benchmarks.
+    # The loss cannot fall below ln(vocab_size).
+    synthetic: bool = False
+    # Untokenized text (nanotron's hf_dataset_or_datasets): a Hugging Face datasets directory (save_to_disk)
+    # or .jsonl / .jsonl.gz / .txt files, a directory of them, a list, or {path: weight}; tokenized at start
+    # with tokenizer.tokenizer_name_or_path into data.cache_dir and reused (data/text_cache.py).
+    text_dataset: DatasetSpec | None = None
+    text_column: str = "text"  # the column (or JSON key) holding the text
 
-    @field_validator("dataset_folder", "validation_folder", mode="wrap")
+    @field_validator("dataset_folder", "text_dataset", mode="wrap")
     @classmethod
     def _one_clear_error(cls, value: Any, handler: Any) -> Any:
-        """Replace pydantic's three union-branch errors with one sentence, and reject empty specs."""
-        if value is None:
-            return handler(value)
-        shape = (
-            "must be a .bin/.idx path prefix or directory (string), "
-            "a list of them, or a mapping {prefix: weight}"
-        )
-        try:
-            spec = handler(value)
-        except ValidationError:
-            raise ValueError(shape) from None
-        if not spec:
-            raise ValueError(shape + ", and not empty")
-        if isinstance(spec, dict) and not all(math.isfinite(w) and w > 0 for w in spec.values()):
-            raise ValueError(
-                "every blend weight must be a finite number > 0 (drop a dataset instead of "
-                "giving it weight 0)"
-            )
-        return spec
+        return _checked_spec(value, handler)
+
+    @property
+    def sources_set(self) -> list[str]:
+        """The source keys given: a valid section has exactly one."""
+        given = {
+            "dataset_folder": self.dataset_folder is not None,
+            "synthetic": self.synthetic,
+            "text_dataset": self.text_dataset is not None,
+        }
+        return [key for key, is_set in given.items() if is_set]
+
+
+class DataStage(DataSource):
+    """One stage of the training data (nanotron's data_stages): its samples are drawn from its own source,
+    from `start_training_step` until the next stage starts. A dataset an earlier stage read continues where
+    that stage left it (data/stages.py)."""
+
+    name: str
+    start_training_step: PositiveInt
+    seed: NonNegativeInt | None = None  # None: data.seed
+
+
+# The name of the one stage of a data section without `stages`.
+ONLY_STAGE = "training"
+
+
+class DataArgs(DataSource):
+    """The training data: one source here, or `stages`, each with its own source, switching at their steps."""
+
+    stages: list[DataStage] | None = None
+    validation_folder: DatasetSpec | None = None
+    seed: NonNegativeInt = 1234
+    cache_dir: str | None = None  # where text_dataset is tokenized to; None: <logging.output_dir>/data_cache
+
+    @field_validator("validation_folder", mode="wrap")
+    @classmethod
+    def _one_clear_validation_error(cls, value: Any, handler: Any) -> Any:
+        return _checked_spec(value, handler)
+
+    def stage_list(self) -> list[DataStage]:
+        """The run's stages in order, each with its seed resolved: `stages`, or the one this section is."""
+        if not self.stages:
+            source = {key: getattr(self, key) for key in DataSource.model_fields}
+            return [DataStage(name=ONLY_STAGE, start_training_step=1, seed=self.seed, **source)]
+        return [
+            stage.model_copy(update={"seed": self.seed if stage.seed is None else stage.seed})
+            for stage in self.stages
+        ]
 
 
 class CheckpointsArgs(_Section):

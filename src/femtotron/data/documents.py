@@ -1,7 +1,10 @@
-"""Reading raw text documents: the one reader shared by tokenizer training and preprocessing.
+"""Reading raw text documents: the one reader shared by tokenizer training, preprocessing and the text a run
+tokenizes at start (data/text_cache.py).
 
 `.jsonl` / `.jsonl.gz`: one JSON object per line, the text under `text_key` (blank lines are skipped).
-`.txt`: the whole file is one document.
+`.txt`: the whole file is one document. A Hugging Face `datasets` directory (`save_to_disk`): its rows in
+order, the text in column `text_key` (a `DatasetDict`: its "train" split), read a record batch at a time
+with pyarrow. Any other directory: the files in it and below ending in the suffixes above, in sorted order.
 """
 
 from __future__ import annotations
@@ -32,6 +35,19 @@ def iter_documents(
     """Yield the text of each document in `path`, in file order; a document or line longer than
     `max_characters` is refused."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        if is_hf_dataset(path):
+            yield from _hf_rows(path, text_key, max_characters)
+            return
+        files = text_files(path)
+        if not files:
+            raise DataError(
+                f"{path}: a directory without any {', '.join(SUFFIXES)} file, and not a Hugging Face "
+                "datasets directory (save_to_disk writes state.json or dataset_dict.json)"
+            )
+        for file in files:
+            yield from iter_documents(file, text_key, max_characters)
+        return
     if not path.endswith(SUFFIXES):
         raise DataError(f"{path}: unsupported input; expected a file ending in {', '.join(SUFFIXES)}")
     if not os.path.isfile(path):
@@ -56,6 +72,63 @@ def iter_documents(
         raise DataError(
             f"{path}: cannot be read as UTF-8 text{' (gzip)' if path.endswith('.gz') else ''}: {e}"
         ) from e
+
+
+def text_files(directory: str) -> list[str]:
+    """The text files in `directory` and below, in sorted order (the order documents are read)."""
+    found = [
+        os.path.join(root, name)
+        for root, _, names in os.walk(directory)
+        for name in names
+        if name.endswith(SUFFIXES)
+    ]
+    return sorted(found)
+
+
+def is_hf_dataset(path: str) -> bool:
+    """A directory `datasets`' save_to_disk wrote: a Dataset (state.json), DatasetDict (dataset_dict.json)."""
+    return any(os.path.isfile(os.path.join(path, name)) for name in ("state.json", "dataset_dict.json"))
+
+
+def _hf_rows(path: str, text_key: str, max_characters: int) -> Iterator[str]:
+    """The `text_key` column of a saved `datasets` Dataset, row by row (a DatasetDict: its "train" split)."""
+    dict_file = os.path.join(path, "dataset_dict.json")
+    if os.path.isfile(dict_file):
+        with open(dict_file, encoding="utf-8") as f:
+            splits = json.load(f).get("splits", [])
+        if "train" not in splits:
+            example = os.path.join(path, str(splits[0]) if splits else "SPLIT")
+            raise DataError(
+                f"{path}: a DatasetDict without a 'train' split (it has {', '.join(map(str, splits))}): "
+                f"point at the split to read, e.g. {example}"
+            )
+        yield from _hf_rows(os.path.join(path, "train"), text_key, max_characters)
+        return
+    try:
+        import pyarrow as pa
+    except ImportError:
+        raise DataError(
+            f"{path} is a Hugging Face datasets directory; reading it needs pyarrow: pip install "
+            "'femtotron[hf]' (or pyarrow)"
+        ) from None
+    with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
+        state = json.load(f)
+    for record in state.get("_data_files", []):
+        arrow = os.path.join(path, os.path.basename(str(record.get("filename", ""))))
+        with pa.memory_map(arrow) as source:
+            reader = pa.ipc.open_stream(source)  # datasets writes Arrow's streaming format
+            if text_key not in reader.schema.names:
+                raise DataError(
+                    f"{arrow}: no column {text_key!r} (it has {', '.join(reader.schema.names)}); give the "
+                    "column that holds the text (text_column, or --text-key)"
+                )
+            for batch in reader:
+                for row, text in enumerate(batch.column(text_key).to_pylist()):
+                    if not isinstance(text, str):
+                        raise DataError(f"{arrow}: column {text_key!r} holds {type(text).__name__}, not text")
+                    if len(text) > max_characters:
+                        raise _too_long(arrow, f"row {row} of a batch", max_characters)
+                    yield text
 
 
 def _too_long(path: str, where: str, max_characters: int) -> DataError:

@@ -15,8 +15,11 @@ import torch
 from femtotron.batch import MicroBatch
 from femtotron.data.datatrove import DatatroveFolder, is_datatrove_folder
 from femtotron.data.indexed import IndexedDataset, resolve_dataset_prefixes
+from femtotron.data.synthetic import SyntheticTokens
 from femtotron.errors import DataError
 
+# What a Nanoset draws samples from: a Megatron pair, a datatrove folder, or random tokens.
+Dataset = IndexedDataset | DatatroveFolder | SyntheticTokens
 _BLOCK = 1 << 16  # global samples per lazily built blending block
 
 
@@ -43,6 +46,12 @@ class _Blender:
         block, offset = divmod(g, _BLOCK)
         datasets, indices = self._block(block)
         return int(datasets[offset]), int(indices[offset])
+
+    def counts(self, g: int) -> np.ndarray:
+        """Samples each dataset gives among global samples [0, g)."""
+        block, offset = divmod(g, _BLOCK)
+        datasets, _ = self._block(block)
+        return self._starts[block] + np.bincount(datasets[:offset], minlength=len(self.weights))
 
     def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
         if block not in self._cache:
@@ -72,24 +81,34 @@ class Nanoset:
     A Megatron dataset's documents form one token stream; its sample i is tokens `[i*L, i*L + L + 1)`; a
     datatrove folder's sample i is its i-th window of L + 1 tokens, as datatrove cuts it (data/datatrove.py).
     Each dataset's samples come in a fresh permutation each epoch
-    (`np.random.default_rng((seed, dataset_index, epoch))`), so `nanoset[g]`
-    exists for every g >= 0. `weights` (normalised): each dataset's share; None: proportional to size."""
+    (`np.random.default_rng((*stream, epoch))`, the stream `(seed, dataset_index)`), so `nanoset[g]`
+    exists for every g >= 0. `weights` (normalised): each dataset's share; None: proportional to size.
+
+    `datasets`: paths (opened here) or opened datasets. A later data stage continues a dataset an earlier one
+    drew from (data/stages.py): `streams` gives it that stage's permutation stream and `skip` the draws that
+    stage made, so its k-th draw here is draw `skip + k` of the same stream.
+    """
 
     def __init__(
         self,
-        prefixes: Sequence[str | os.PathLike],
+        datasets: Sequence[str | os.PathLike | Dataset],
         weights: Sequence[float] | None,
         sequence_length: int,
         seed: int,
+        *,
+        streams: Sequence[tuple[int, ...]] | None = None,
+        skip: Sequence[int] | None = None,
     ) -> None:
         if sequence_length < 1:
             raise ValueError(f"sequence_length must be >= 1, got {sequence_length}")
-        self.prefixes = [os.fspath(p) for p in prefixes]
-        if not self.prefixes:
+        if not datasets:
             raise DataError("no dataset given: the data section lists no dataset path")
-        self.datasets = [open_dataset(p) for p in self.prefixes]
+        self.datasets = [open_dataset(d) if isinstance(d, (str, os.PathLike)) else d for d in datasets]
+        self.prefixes = [ds.path_prefix for ds in self.datasets]
         self.sequence_length = sequence_length
         self.seed = seed
+        self.streams = list(streams) if streams is not None else [(seed, d) for d in range(len(datasets))]
+        self.skip = list(skip) if skip is not None else [0] * len(datasets)
         self.samples_per_dataset = [ds.num_samples(sequence_length) for ds in self.datasets]
         for ds, n in zip(self.datasets, self.samples_per_dataset, strict=True):
             if ds.dtype.kind not in "iu":
@@ -134,15 +153,21 @@ class Nanoset:
         if g < 0:
             raise IndexError(f"global sample index must be >= 0, got {g}")
         dataset, k = self._blender.locate(g) if self._blender else (0, g)
-        epoch, position = divmod(k, self.samples_per_dataset[dataset])
+        epoch, position = divmod(k + self.skip[dataset], self.samples_per_dataset[dataset])
         return dataset, int(self._permutation(dataset, epoch)[position])
+
+    def draws(self, samples: int) -> list[int]:
+        """How many of global samples [0, samples) each dataset gives."""
+        if self._blender is None:
+            return [samples]
+        return self._blender.counts(samples).tolist()
 
     def _permutation(self, dataset: int, epoch: int) -> np.ndarray:
         key = (dataset, epoch)
         if key not in self._permutations:
             if len(self._permutations) >= 2 * len(self.datasets):  # epochs are walked forward: keep recent
                 self._permutations.pop(next(iter(self._permutations)))
-            rng = np.random.default_rng((self.seed, dataset, epoch))
+            rng = np.random.default_rng((*self.streams[dataset], epoch))
             self._permutations[key] = rng.permutation(self.samples_per_dataset[dataset])
         return self._permutations[key]
 
@@ -151,7 +176,7 @@ class Nanoset:
         return self.datasets[dataset].sample(sample, self.sequence_length).astype(np.int64)
 
 
-def open_dataset(path: str) -> IndexedDataset | DatatroveFolder:
+def open_dataset(path: str | os.PathLike) -> Dataset:
     """A datatrove folder (it holds `*.ds` files), else a Megatron `.bin/.idx` prefix."""
     return DatatroveFolder(path) if is_datatrove_folder(path) else IndexedDataset(path)
 

@@ -18,6 +18,8 @@ from femtotron.batch import MicroBatch
 from femtotron.config import Config
 from femtotron.data.datatrove import DatatroveFolder, check_token_size
 from femtotron.data.nanoset import Nanoset, open_nanoset
+from femtotron.data.stages import DataStages
+from femtotron.data.synthetic import SyntheticTokens
 from femtotron.data.tokenizer import eos_token_id, tokenizer_for_model
 from femtotron.errors import ConfigError, DataError
 from femtotron.parallel.context import ParallelContext
@@ -50,6 +52,8 @@ def check_token_range(nanoset: Nanoset, vocab_size: int, key: str = "data.datase
     """Token ids must be < vocab_size: the start of every dataset file is scanned before the model is
     built."""
     for dataset in nanoset.datasets:
+        if isinstance(dataset, SyntheticTokens):  # drawn below vocab_size
+            continue
         if isinstance(dataset, DatatroveFolder):
             check_token_size(dataset, vocab_size, key)
         head = dataset.tokens(0, min(dataset.num_tokens, SCANNED_TOKENS))
@@ -69,7 +73,8 @@ def check_token_range(nanoset: Nanoset, vocab_size: int, key: str = "data.datase
 def data_identity(nanoset: Nanoset, tokenizer: Tokenizer | None) -> dict[str, Any]:
     """What a checkpoint records of the data it trained on, to refuse a resume on other data: the datasets
     (their paths, and a digest of each .bin's and .idx's size and first and last MiB, which another corpus
-    or another tokenization changes), the blend weights, the seed, the sequence length, the vocabulary."""
+    or another tokenization changes), the blend weights, the seed, the sequence length, the vocabulary.
+    With data stages, those of the stage the checkpoint was in (`stage_identity`)."""
     digest = hashlib.sha256()
     for dataset in nanoset.datasets:
         for path in dataset.files:
@@ -90,6 +95,11 @@ def data_identity(nanoset: Nanoset, tokenizer: Tokenizer | None) -> dict[str, An
         "sequence_length": nanoset.sequence_length,
         "tokenizer": vocab,
     }
+
+
+def stage_identity(data: DataStages, index: int, tokenizer: Tokenizer | None) -> dict[str, Any]:
+    """The data identity of stage `index`, with its name: a resume compares it with the stage of that name."""
+    return {**data_identity(data.nanosets[index], tokenizer), "stage": data.stages[index].name}
 
 
 def data_changes(saved: dict[str, Any], now: dict[str, Any], samples: int) -> list[str]:
@@ -113,17 +123,19 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any], samples: int) -> li
     return changes
 
 
-def open_run_data(config: Config) -> tuple[Nanoset, Nanoset | None, Tokenizer | None]:
-    """The training and validation data and the tokenizer the run names, checked against the model's
-    vocabulary before the model is built (a wrong path or vocabulary fails in seconds, not after minutes)."""
+def open_run_data(config: Config) -> tuple[DataStages, Nanoset | None, Tokenizer | None]:
+    """The training data (every stage) and validation data and the tokenizer the run names, checked against
+    the model's vocabulary before the model is built (a wrong path or vocabulary fails in seconds, not after
+    minutes)."""
     sequence = config.tokens.sequence_length
-    seed = config.data.seed
     vocab = config.model.model_config_.vocab_size
-    train = open_nanoset(config.data.dataset_folder, sequence, seed)
+    train = DataStages(config)
     validation = config.data.validation_folder
-    val = open_nanoset(validation, sequence, seed) if validation is not None else None
+    val = open_nanoset(validation, sequence, config.data.seed) if validation is not None else None
     tokenizer = tokenizer_for_model(config.tokenizer.tokenizer_name_or_path, vocab)
-    check_token_range(train, vocab)
+    for i, nanoset in enumerate(train.nanosets):
+        key = f"data.stages.{i}.dataset_folder" if config.data.stages else "data.dataset_folder"
+        check_token_range(nanoset, vocab, key)
     if val is not None:
         check_token_range(val, vocab, key="data.validation_folder")
     return train, val, tokenizer

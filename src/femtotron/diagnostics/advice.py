@@ -87,6 +87,25 @@ def config_warnings(config: Config) -> list[str]:
             f"model.init_method.std={config.model.init_method.std:g} is large: activations grow layer by "
             "layer and the first steps can be NaN. The usual value is 0.02."
         )
+    return out + data_warnings(config)
+
+
+def data_warnings(config: Config) -> list[str]:
+    """Data stages the run never reaches, and random tokens said aloud."""
+    out = []
+    steps = config.tokens.train_steps
+    for i, stage in enumerate(config.data.stages or []):
+        if stage.start_training_step > steps:
+            out.append(
+                f"data.stages.{i} ({stage.name!r}) starts at step {stage.start_training_step}, after the "
+                f"run's last step (tokens.train_steps={steps}): it is never read. Raise train_steps, or move "
+                "its start_training_step earlier."
+            )
+    if any(stage.synthetic for stage in config.data.stage_list()):
+        out.append(
+            "data.synthetic: this run trains on random token ids, uniform over the vocabulary, to measure "
+            "throughput: the loss cannot fall below ln(vocab_size). Set data.dataset_folder to train a model."
+        )
     return out
 
 

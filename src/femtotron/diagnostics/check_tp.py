@@ -33,7 +33,9 @@ from torch import nn
 
 from femtotron.config import Config, load_config
 from femtotron.config.rules import rule_problems, with_changes
-from femtotron.data.nanoset import MicroBatchIterator, open_nanoset
+from femtotron.data.nanoset import MicroBatchIterator
+from femtotron.data.stages import open_source
+from femtotron.data.text_cache import tokenize_text_data, tokenized_by_rank_0
 from femtotron.errors import ConfigError, DataError, FemtotronError
 from femtotron.launch import check_local_devices, launch_local, launched_by_torchrun
 from femtotron.layout import tensor_parallel
@@ -267,7 +269,8 @@ def _dtype(config: Config) -> torch.dtype:
 def _first_micro_batch(config: Config, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The run's first training micro-batch (dp rank 0's), read as the trainer reads it."""
     tokens = config.tokens
-    data = open_nanoset(config.data.dataset_folder, tokens.sequence_length, config.data.seed)
+    first = config.data.stage_list()[0]
+    data = open_source(first, config, first.seed)
     batches = MicroBatchIterator(
         data, micro_batch_size=tokens.micro_batch_size, batch_accumulation=1, dp_rank=0, dp_size=1
     )
@@ -658,6 +661,7 @@ def run_check_tp(
     _dtype(config)
     if not launched_by_torchrun():
         # Data problems too are reported once, here, rather than by every rank.
+        tokenize_text_data(config)
         _first_micro_batch(config, torch.device("cpu"))
         check_local_devices(1, tp, 1)
         argv = ["check-tp", str(config_path), *overrides, "--tp", str(tp)]
@@ -672,6 +676,7 @@ def run_check_tp(
             f"without a launcher (it starts them itself), or pass --tp {world}."
         )
     with ParallelContext.from_config(config) as ctx:
+        tokenized_by_rank_0(config, ctx.store, ctx.rank)
         report = compare_tp(config, ctx, tolerance=tolerance)
     if ctx.rank == 0:
         print(format_report(report), flush=True)

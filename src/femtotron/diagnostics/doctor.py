@@ -238,6 +238,7 @@ def diagnose(
         f"config: every rule holds; layout dp={par.dp}{cp} tp={par.tp} pp={par.pp} = "
         f"{par.world_size} process(es)"
     ]
+    lines += data_plan(config)
     lines += [f"warning: {w}" for w in config_warnings(config)]
     if par.tp > gpus_per_node:
         lines.append(
@@ -293,6 +294,22 @@ def diagnose(
             )
             lines += fixes(config, budget, on_cpu)
     return "\n".join(lines), fits
+
+
+def data_plan(config: Config) -> list[str]:
+    """What each step trains on, from the config alone (doctor reads no data: inspect-data does)."""
+    stages = config.data.stage_list()
+    lines = ["data stages:"] if len(stages) > 1 else []
+    for i, stage in enumerate(stages):
+        following = stages[i + 1].start_training_step if i + 1 < len(stages) else None
+        last = following - 1 if following else config.tokens.train_steps
+        source = "random tokens (synthetic)" if stage.synthetic else f"{stage.dataset_folder}"
+        if len(stages) == 1:
+            lines.append(f"data: {source}, seed {stage.seed}")
+        else:
+            steps = f"steps {stage.start_training_step} to {last}"
+            lines.append(f"  {stage.name!r}: {steps}, {source}, seed {stage.seed}")
+    return lines
 
 
 def _memory_line(e: RankEstimate) -> str:

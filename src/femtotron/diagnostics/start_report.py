@@ -11,13 +11,11 @@ from femtotron.train_state import TrainingParts
 def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
     config = parts.config
     ctx = parts.ctx
-    data = parts.data
     scaler = parts.state.scaler
     mcfg = config.model.model_config_
     tokens = config.tokens
     par = config.parallelism
     accumulation = tokens.batch_accumulation_per_replica
-    epochs = data.epochs_for(config.global_batch_size * tokens.train_steps)
     model_line = (
         f"model: Llama {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, "
         f"{mcfg.num_attention_heads} heads ({mcfg.num_key_value_heads} kv), vocab {mcfg.vocab_size}: "
@@ -34,8 +32,7 @@ def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
         f"{len(set(ctx.hosts))} host(s), device {ctx.device}",
         f"batch: {tokens.micro_batch_size} x {tokens.sequence_length} tokens x {accumulation} micro-batches "
         f"x dp {ctx.dp} = {config.tokens_per_step:,} tokens per step, {tokens.train_steps} steps",
-        f"data: {data.num_documents:,} documents, {data.num_tokens:,} tokens, {data.samples_per_epoch:,} "
-        f"samples per epoch; this run sees {epochs:.2f} epochs",
+        *data_lines(parts),
         f"MFU is measured against {mfu_yardstick}",
         memory_summary(parts),
     ]
@@ -68,6 +65,29 @@ def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
         )
         lines.append(stage_map(parts.model.stages, ctx.pp))
     return "\n".join(lines)
+
+
+def data_lines(parts: TrainingParts) -> list[str]:
+    """What each data stage holds and how much of it the run reads (one line without stages)."""
+    config = parts.config
+    data = parts.data
+    lines = []
+    for i, (stage, nanoset) in enumerate(zip(data.stages, data.nanosets, strict=True)):
+        following = data.stages[i + 1].start_training_step if i + 1 < len(data.stages) else None
+        last = min(config.tokens.train_steps, following - 1) if following else config.tokens.train_steps
+        steps = max(last - stage.start_training_step + 1, 0)
+        name = f"data stage {stage.name!r} (steps {stage.start_training_step} to {last}): "
+        if stage.synthetic:
+            what = "random token ids uniform over the vocabulary (data.synthetic: for throughput; the loss "
+            what += "cannot fall)"
+        else:
+            epochs = nanoset.epochs_for(config.global_batch_size * steps)
+            what = (
+                f"{nanoset.num_documents:,} documents, {nanoset.num_tokens:,} tokens, "
+                f"{nanoset.samples_per_epoch:,} samples per epoch; this run sees {epochs:.2f} epochs"
+            )
+        lines.append((name if len(data.stages) > 1 else "data: ") + what)
+    return lines
 
 
 def _experts_line(parts: TrainingParts) -> str:

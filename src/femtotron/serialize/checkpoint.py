@@ -52,7 +52,7 @@ import torch
 from femtotron.atomic import atomic_path, remove
 from femtotron.config import Config
 from femtotron.crash_points import crash_point
-from femtotron.data.run_data import data_changes, data_identity
+from femtotron.data.run_data import data_changes, data_identity, stage_identity
 from femtotron.errors import ConfigError, FemtotronError
 from femtotron.layout import RankModel
 from femtotron.optim.zero import ZeroAdamW
@@ -291,9 +291,15 @@ def collect_records(store: Store, world: int, key: str, final: Path, timeout: fl
     return [records[r] for r in range(world)]
 
 
+def current_stage(parts: TrainingParts) -> int:
+    """The data stage of the step just done (of step 1 before any)."""
+    return parts.data.index_at(max(parts.state.step, 1))
+
+
 def data_size(parts: TrainingParts) -> dict[str, int]:
     """What the manifest records of the training data, to warn on resume when it changed."""
-    return {"samples_per_epoch": parts.data.samples_per_epoch, "tokens": parts.data.num_tokens}
+    nanoset = parts.data.nanosets[current_stage(parts)]
+    return {"samples_per_epoch": nanoset.samples_per_epoch, "tokens": nanoset.num_tokens}
 
 
 def run_state(parts: TrainingParts) -> dict[str, Any]:
@@ -308,7 +314,7 @@ def run_state(parts: TrainingParts) -> dict[str, Any]:
         "world_size": parts.ctx.world_size,
         "global_batch_size": config.global_batch_size,
         "data": data_size(parts),
-        "data_identity": data_identity(parts.data, parts.tokenizer),
+        "data_identity": stage_identity(parts.data, current_stage(parts), parts.tokenizer),
         "config": config.to_dict(),
     }
 
@@ -569,11 +575,14 @@ def check_model_matches(manifest: dict[str, Any], config: Config, directory: Pat
 
 def check_data_matches(parts: TrainingParts, manifest: dict[str, Any], directory: Path) -> None:
     """Refuse to resume on other data, another order of it or another tokenizer, saying what that would do,
-    unless checkpoints.resume_with_other_data (then warn). Checkpoints written before identities resume."""
+    unless checkpoints.resume_with_other_data (then warn). The data compared is that of the stage the
+    checkpoint was in, as the config now describes the stage of that name. Checkpoints written before
+    identities resume."""
     saved = manifest.get("data_identity")
     if not isinstance(saved, dict):
         return
-    now = data_identity(parts.data, parts.tokenizer)
+    stage = saved.get("stage", parts.data.stages[0].name)  # checkpoints from before stages had one
+    now = data_identity(parts.data.nanoset_of(str(stage), f"checkpoint {directory}"), parts.tokenizer)
     changes = data_changes(saved, now, manifest.get("consumed_samples", 0))
     if changes and not parts.config.checkpoints.resume_with_other_data:
         lines = "".join(f"\n  {change}" for change in changes)

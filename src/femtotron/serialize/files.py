@@ -313,6 +313,11 @@ def check_manifest(manifest: dict[str, Any], path: Path) -> None:
     for key in (*counters, "committed_at"):
         if key in manifest and (type(manifest[key]) is not int or manifest[key] < 0):
             raise wrong(f'"{key}": {manifest[key]!r}', "is not a whole number >= 0")
+    stages = manifest.get("data_stages", [])
+    for record in stages if isinstance(stages, list) else [None]:
+        whole = isinstance(record, dict) and isinstance(record.get("name"), str)
+        if not whole or not all(type(record.get(k)) is int and record[k] >= 0 for k in ("step", "samples")):
+            raise wrong('"data_stages"', "is not a list of records of a name, a step and samples")
     for key in ("config", "mesh", "files", "tensors"):
         if not isinstance(manifest[key], dict):
             raise wrong(f'"{key}"', f"is a {type(manifest[key]).__name__}, not a mapping")

@@ -1,0 +1,147 @@
+"""Untokenized text as training data (`text_dataset`, nanotron's `hf_dataset_or_datasets`): a Hugging Face
+`datasets` directory or .jsonl / .jsonl.gz / .txt files, tokenized once, at start, into `data.cache_dir`, and
+read from there by every later run while the text and the tokenizer are the same.
+
+A cached copy is named by a digest of what decides its tokens: each text file's path, size and modification
+time, the text column, and the tokenizer's vocabulary and rules. Changing any of them tokenizes again into a
+new name; the old copy is left (delete data.cache_dir to reclaim it). The .bin/.idx pair appears only when
+complete (data/preprocess.py), so a run killed while tokenizing leaves nothing taken for a finished copy.
+
+The process that starts a run tokenizes, before any rank exists (the local launcher, or the one process), so
+its progress bar is the user's. Under torchrun or Slurm, rank 0 tokenizes what is missing and the other
+ranks wait for its word through the rendezvous store (`tokenized_by_rank_0`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from collections.abc import Iterator
+
+from femtotron.config import Config
+from femtotron.config.sections import DataSource
+from femtotron.data.documents import SUFFIXES, is_hf_dataset, text_files
+from femtotron.data.tokenizer import load_tokenizer
+from femtotron.errors import DataError, FemtotronError
+from femtotron.parallel.store import Store
+
+# Text per tokenizing process: a small corpus is tokenized in this process (a pool takes a second to start).
+BYTES_PER_WORKER = 64 * 2**20
+# No time limit for rank 0's word: tokenizing a corpus takes as long as it takes, and if rank 0 dies its
+# store (or torchrun, which stops every rank when one fails) ends the wait.
+WAIT_FOREVER = 10 * 365 * 24 * 3600.0
+
+
+def cache_dir(config: Config) -> str:
+    return config.data.cache_dir or os.path.join(config.logging.output_dir, "data_cache")
+
+
+def _inputs(path: str) -> list[str]:
+    """The files whose contents a text source's tokens come from."""
+    if os.path.isfile(path):
+        return [path]
+    if not os.path.isdir(path):
+        raise DataError(
+            f"{path} (data text_dataset): no such file or directory. Give a Hugging Face datasets directory "
+            f"(save_to_disk), a file ending in {', '.join(SUFFIXES)}, or a directory of them; a Hub name "
+            "cannot be fetched here: download it first (`huggingface-cli download NAME --repo-type dataset "
+            "--local-dir DIR`) or tokenize it with `femtotron preprocess`."
+        )
+    if is_hf_dataset(path):
+        return sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
+    return text_files(path)
+
+
+def cached_prefix(path: str, text_column: str, tokenizer_path: str, directory: str) -> str:
+    """Where the tokens of text source `path` are (or will be) cached: a .bin/.idx prefix in `directory`."""
+    digest = hashlib.sha256()
+    for file in _inputs(path):
+        stat = os.stat(file)
+        digest.update(f"{os.path.relpath(file, path)}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+    digest.update(f"column:{text_column}\n".encode())
+    digest.update(load_tokenizer(tokenizer_path).to_str().encode())
+    name = os.path.basename(os.path.normpath(path)) or "text"
+    return os.path.join(directory, f"{name}-{digest.hexdigest()[:16]}")
+
+
+def _sources(config: Config) -> Iterator[tuple[str, DataSource]]:
+    """(where in the config, source) of every text source."""
+    stages = config.data.stages
+    for index, stage in enumerate(config.data.stage_list()):
+        if stage.text_dataset is not None:
+            yield (f"data.stages.{index}" if stages else "data"), stage
+
+
+def text_paths(source: DataSource) -> list[str]:
+    spec = source.text_dataset
+    return [spec] if isinstance(spec, str) else list(spec)
+
+
+def tokenized_spec(source: DataSource, config: Config) -> str | list[str] | dict[str, float]:
+    """The source's text_dataset with each path replaced by its cached tokens (weights kept)."""
+    directory = cache_dir(config)
+    tokenizer = config.tokenizer.tokenizer_name_or_path
+    column = source.text_column
+
+    def cached(path: str) -> str:
+        prefix = cached_prefix(path, column, tokenizer, directory)
+        if not os.path.isfile(f"{prefix}.idx"):
+            raise DataError(
+                f"{path} (text_dataset) is not tokenized yet (nor since it or the tokenizer changed): "
+                f"`femtotron train CONFIG` tokenizes it at start into {directory}, and so does "
+                "`femtotron inspect-data CONFIG`."
+            )
+        return prefix
+
+    spec = source.text_dataset
+    if isinstance(spec, dict):
+        return {cached(path): weight for path, weight in spec.items()}
+    return cached(spec) if isinstance(spec, str) else [cached(path) for path in spec]
+
+
+def tokenize_text_data(config: Config) -> list[str]:
+    """Tokenize every text source not cached yet (with a progress bar on a terminal); a line for each."""
+    from femtotron.data.preprocess import preprocess
+
+    lines = []
+    directory = cache_dir(config)
+    tokenizer = config.tokenizer.tokenizer_name_or_path
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    for where, source in _sources(config):
+        for path in text_paths(source):
+            prefix = cached_prefix(path, source.text_column, tokenizer, directory)
+            if os.path.isfile(f"{prefix}.bin") and os.path.isfile(f"{prefix}.idx"):
+                lines.append(f"{where}.text_dataset {path}: tokenized already, reading {prefix}.bin/.idx")
+                continue
+            os.makedirs(directory, exist_ok=True)
+            size = sum(os.path.getsize(file) for file in _inputs(path))
+            workers = max(1, min(cpus, size // BYTES_PER_WORKER))
+            print(
+                f"femtotron: tokenizing {path} ({where}.text_dataset) into {prefix}.bin/.idx", file=sys.stderr
+            )
+            summary = preprocess(path, tokenizer, prefix, workers=workers, text_key=source.text_column)
+            lines.append(
+                f"{where}.text_dataset {path}: tokenized {summary.documents:,} documents, {summary.tokens:,} "
+                f"tokens into {prefix}.bin/.idx"
+            )
+    return lines
+
+
+def tokenized_by_rank_0(config: Config, store: Store, rank: int) -> None:
+    """Under a launcher: rank 0 tokenizes what is missing, the others wait for its word (its error, if any,
+    becomes theirs, so every rank stops with the same message)."""
+    if next(_sources(config), None) is None:
+        return
+    key = store.fresh_key("text data")
+    if rank == 0:
+        try:
+            tokenize_text_data(config)
+        except FemtotronError as e:
+            store.post(key, f"error:{e}")
+            raise
+        store.post(key, "done")
+        return
+    word = store.collect([key], WAIT_FOREVER).get(key, "error:rank 0 gave no word on the text data")
+    if word != "done":
+        raise DataError(f"rank 0 could not tokenize the text data: {word.removeprefix('error:')}")

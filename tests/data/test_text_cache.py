@@ -1,0 +1,136 @@
+"""Text tokenized at start (data.text_dataset, nanotron's hf_dataset_or_datasets): a Hugging Face datasets
+directory written by `datasets` itself, or text files; tokenized once into data.cache_dir and reused."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from datasets import Dataset, DatasetDict
+from helpers import femtotron, write_yaml
+
+from femtotron.config import load_config_dict
+from femtotron.data.documents import iter_documents
+from femtotron.data.indexed import IndexedDataset
+from femtotron.data.preprocess import preprocess
+from femtotron.data.run_data import open_run_data
+from femtotron.data.text_cache import cached_prefix, tokenize_text_data
+from femtotron.errors import ConfigError, DataError
+from femtotron.parallel.context import ParallelContext
+from femtotron.trainer import Trainer
+
+
+@pytest.fixture
+def hf_dataset(tmp_path, texts):
+    """A datasets directory as `save_to_disk` writes it, with a second column that is not the text."""
+    path = tmp_path / "hf_text"
+    Dataset.from_dict({"text": texts, "id": list(range(len(texts)))}).save_to_disk(str(path))
+    return path
+
+
+def text_config(tmp_path, tokenizer_path, source, **data):
+    raw = {
+        "general": {"run": "text"},
+        "model": {
+            "model_config": {
+                "vocab_size": 448,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "max_position_embeddings": 64,
+            },
+            "dtype": "float32",
+        },
+        "tokenizer": {"tokenizer_name_or_path": str(tokenizer_path)},
+        "tokens": {"sequence_length": 16, "micro_batch_size": 2, "train_steps": 2},
+        "data": {"text_dataset": source, "cache_dir": str(tmp_path / "cache"), **data},
+        "logging": {"output_dir": str(tmp_path / "runs")},
+    }
+    return load_config_dict(raw)
+
+
+def test_a_datasets_directory_is_read_row_by_row_as_datasets_stores_it(hf_dataset, texts):
+    assert list(iter_documents(hf_dataset)) == texts
+    with pytest.raises(DataError, match=r"no column 'content' \(it has text, id\)"):
+        list(iter_documents(hf_dataset, text_key="content"))
+
+
+def test_a_dataset_dict_is_read_from_its_train_split(tmp_path, texts):
+    both = DatasetDict(
+        {"train": Dataset.from_dict({"text": texts}), "test": Dataset.from_dict({"text": ["x"]})}
+    )
+    both.save_to_disk(str(tmp_path / "dict"))
+    assert list(iter_documents(tmp_path / "dict")) == texts
+    DatasetDict({"validation": Dataset.from_dict({"text": ["x"]})}).save_to_disk(str(tmp_path / "no_train"))
+    with pytest.raises(DataError, match="without a 'train' split .* e.g. .*no_train/validation"):
+        list(iter_documents(tmp_path / "no_train"))
+
+
+def test_text_is_tokenized_once_into_the_cache_as_preprocess_would(
+    tmp_path, tokenizer_path, hf_dataset, texts
+):
+    config = text_config(tmp_path, tokenizer_path, str(hf_dataset))
+    with pytest.raises(DataError, match="is not tokenized yet"):
+        open_run_data(config)
+    lines = tokenize_text_data(config)
+    assert len(lines) == 1 and f"tokenized {len(texts)} documents" in lines[0]
+    prefix = cached_prefix(str(hf_dataset), "text", str(tokenizer_path), str(tmp_path / "cache"))
+    jsonl = tmp_path / "same.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    preprocess(jsonl, tokenizer_path, tmp_path / "reference", progress=False)
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"reference{suffix}").read_bytes() == open(prefix + suffix, "rb").read()
+    assert "tokenized already" in tokenize_text_data(config)[0]  # the next run reads the same copy
+    data, _, _ = open_run_data(config)
+    assert data.nanosets[0].prefixes == [prefix]
+
+
+def test_changing_the_text_or_the_tokenizer_tokenizes_again(tmp_path, tokenizer_path, texts):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(json.dumps({"body": texts[0]}) + "\n", encoding="utf-8")
+    (folder / "b.txt").write_text(texts[1], encoding="utf-8")
+    config = text_config(tmp_path, tokenizer_path, str(folder), text_column="body")
+    tokenize_text_data(config)
+    first = cached_prefix(str(folder), "body", str(tokenizer_path), str(tmp_path / "cache"))
+    assert IndexedDataset(first).num_documents == 2
+    (folder / "b.txt").write_text(texts[2] + " more", encoding="utf-8")
+    second = cached_prefix(str(folder), "body", str(tokenizer_path), str(tmp_path / "cache"))
+    assert second != first
+    assert "tokenized 2 documents" in tokenize_text_data(config)[0]
+    assert cached_prefix(str(folder), "text", str(tokenizer_path), str(tmp_path / "cache")) != second
+
+
+def test_a_hub_name_or_missing_tokenizer_is_refused_with_the_fix(tmp_path, tokenizer_path):
+    config = text_config(tmp_path, tokenizer_path, "HuggingFaceFW/fineweb-edu")
+    with pytest.raises(DataError, match="huggingface-cli download NAME --repo-type dataset"):
+        tokenize_text_data(config)
+    raw = text_config(tmp_path, tokenizer_path, "x").to_dict()
+    raw["tokenizer"]["tokenizer_name_or_path"] = None
+    with pytest.raises(ConfigError) as caught:
+        load_config_dict(raw)
+    assert caught.value.problems[0].fields == ("data.text_dataset", "tokenizer.tokenizer_name_or_path")
+
+
+def test_a_run_trains_on_tokenized_text_blended_with_other_text(tmp_path, tokenizer_path, hf_dataset, texts):
+    other = tmp_path / "other.txt"
+    other.write_text(" ".join(texts * 3), encoding="utf-8")
+    config = text_config(tmp_path, tokenizer_path, {str(hf_dataset): 0.7, str(other): 0.3})
+    tokenize_text_data(config)
+    trainer = Trainer(config, ParallelContext(), log_to_console=False)
+    assert np.allclose(trainer.train_data.nanosets[0].weights, [0.7, 0.3])
+    assert len(trainer.train()) == 2
+
+
+@pytest.mark.distributed
+def test_train_tokenizes_before_its_ranks_start_and_they_read_the_copy(tmp_path, tokenizer_path, hf_dataset):
+    config = text_config(tmp_path, tokenizer_path, str(hf_dataset))
+    path = write_yaml(config, tmp_path / "config.yaml")
+    done = femtotron("train", path, "parallelism.dp=2")
+    assert done.returncode == 0, done.stderr
+    assert "tokenized 40 documents" in done.stderr
+    assert os.listdir(tmp_path / "cache") and (tmp_path / "runs" / "text" / "model.safetensors").is_file()
+    again = femtotron("train", path, "parallelism.dp=2", "general.run=again")
+    assert again.returncode == 0, again.stderr
+    assert "tokenized already" in again.stderr
