@@ -12,6 +12,7 @@ from femtotron.config import Config
 from femtotron.data.stages import DataStages, StageStart
 from femtotron.layout import RankModel
 from femtotron.optim.loss_scale import DynamicLossScaler
+from femtotron.optim.lr_schedule import lr_at
 from femtotron.optim.zero import ZeroAdamW
 from femtotron.parallel.context import ParallelContext
 from femtotron.run_log import RunLog
@@ -25,6 +26,7 @@ class TrainState:
     stages: list[StageStart] = field(default_factory=list)  # the data stages entered (data/stages.py)
     consumed_tokens: int = 0  # target tokens that counted in the loss
     non_finite_skips: int = 0  # steps dropped with optimizer.on_non_finite=skip
+    lr_schedule_start: int = 0  # the step the lr schedule counts from (checkpoints.load_lr_scheduler=false)
     # (step, lr, grad norm) of the last applied steps: the history a divergence report shows
     recent: deque[tuple[int, float, float]] = field(default_factory=lambda: deque(maxlen=10))
 
@@ -37,9 +39,18 @@ class TrainState:
             "consumed_tokens": self.consumed_tokens,
             "non_finite_skips": self.non_finite_skips,
             "recent": [list(r) for r in self.recent],
-            "lr_schedule": {"last_lr": self.recent[-1][1] if self.recent else None},
+            "lr_schedule": {
+                "last_lr": self.recent[-1][1] if self.recent else None,
+                "start": self.lr_schedule_start,
+            },
             "loss_scale": self.scaler.state_dict(),
         }
+
+    def lr(self, config: Config) -> float:
+        """The learning rate of the next step, on the schedule counted from `lr_schedule_start`."""
+        start = self.lr_schedule_start
+        sched = config.optimizer.learning_rate_scheduler
+        return lr_at(self.step - start, sched, config.tokens.train_steps - start)
 
     def load_state_dict(self, state: dict[str, Any], loss_scale: bool) -> None:
         """Restore the counters; the loss scale only with `loss_scale` (an fp16 run resuming an fp16
@@ -49,6 +60,7 @@ class TrainState:
         self.stages = [StageStart.from_dict(record) for record in state.get("data_stages", [])]
         self.consumed_tokens = int(state.get("consumed_tokens", 0))
         self.non_finite_skips = int(state.get("non_finite_skips", 0))
+        self.lr_schedule_start = int(state.get("lr_schedule", {}).get("start", 0))
         self.recent = deque((tuple(r) for r in state.get("recent", [])), maxlen=self.recent.maxlen)
         if loss_scale and state.get("loss_scale"):
             self.scaler.load_state_dict(state["loss_scale"])

@@ -32,7 +32,6 @@ from femtotron.layout import DTYPES, build_pipeline, build_rank_model
 from femtotron.models.compile import compile_layers
 from femtotron.optim.clip import clip_grads_
 from femtotron.optim.loss_scale import DynamicLossScaler
-from femtotron.optim.lr_schedule import lr_at
 from femtotron.optim.zero import ZeroAdamW
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.context_parallel import place_tokens
@@ -243,7 +242,7 @@ class Trainer:
         comm.new_step(state.step + 1)
         loss, tokens, grads = self.compute_gradients()
         moe = self.router_metrics()
-        lr = lr_at(state.step, self.config.optimizer.learning_rate_scheduler, self.config.tokens.train_steps)
+        lr = state.lr(self.config)
         # fp16: back to true units before clipping; an overflow (agreed by every rank) with a finite loss
         # skips the step. A non-finite loss is a real divergence and is handled below.
         overflow = self.scaler.unscale_(grads, self.ctx) and math.isfinite(loss)

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import TINY_MODEL, femtotron, write_patterned_tokens
+from helpers import TINY_MODEL, build_llama, femtotron, llama_config, write_patterned_tokens
 
 from femtotron.cli import main
 from femtotron.config import load_config
 from femtotron.config.load import is_nanotron
-from femtotron.config.nanotron import KEYS, NO_EFFECT, render_table, translate
-from femtotron.errors import ConfigError
+from femtotron.config.nanotron import KEYS, NO_EFFECT, PARAMETER_NAMES, render_table, translate
+from femtotron.data.text_cache import tokenize_text_data
+from femtotron.errors import ConfigError, DataError
+from femtotron.optim.zero import decays
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "nanotron.md"
 
@@ -275,7 +278,7 @@ def test_what_femtotron_cannot_run_is_refused_all_at_once_with_lines(tmp_path):
         model__model_config__attention_bias=True,
         model__model_config__sliding_window_size=512,
         model__model_config__no_rope_layer=2,
-        optimizer__weight_decay_exclude_named_params=[".*norm.*"],
+        optimizer__weight_decay_exclude_named_params=[".*norm.*", "attention"],
         model__model_config__rope_interleaved=True,
         data_stages__0__sequence_length=512,
     )
@@ -311,12 +314,103 @@ def test_what_femtotron_cannot_run_is_refused_all_at_once_with_lines(tmp_path):
     assert "SpectralMupInit" in message
 
 
-def test_hf_datasets_are_refused_with_the_preprocess_command(tmp_path):
+def test_hf_datasets_become_text_tokenized_at_start_and_a_hub_name_is_refused_with_the_commands(tmp_path):
     dataset = {"hf_dataset_or_datasets": "stas/openwebtext-10k", "hf_dataset_splits": "train"}
+    dataset["text_column_name"] = "content"
+    config = load_config(write(tmp_path, tiny(tmp_path, data_stages__0__data__dataset=dataset)))
+    assert (config.data.text_dataset, config.data.text_column) == ("stas/openwebtext-10k", "content")
+    config.tokenizer.tokenizer_name_or_path = str(tmp_path / "tokenizer.json")
+    with pytest.raises(DataError) as caught:
+        tokenize_text_data(config)
+    assert "load_dataset('stas/openwebtext-10k', split='train').save_to_disk" in str(caught.value)
+    assert "femtotron preprocess --input data/openwebtext-10k" in str(caught.value)
+    split = {"hf_dataset_or_datasets": "local", "hf_dataset_splits": "validation"}
+    with pytest.raises(ConfigError, match=r"split's own directory \(DATASET_DIR/SPLIT\)"):
+        load_config(write(tmp_path, tiny(tmp_path, data_stages__0__data__dataset=split)))
+
+
+def test_several_stages_are_sorted_by_their_start_and_null_is_random_tokens(tmp_path, capsys):
+    """nanotron sorts its stages: the YAML's order does not matter, and a problem names the YAML's line."""
+    config = tiny(tmp_path)
+    config["data_stages"] = [
+        {"name": "decay", "start_training_step": 10, "data": {"dataset": {"dataset_folder": "b"}, "seed": 7}},
+        {"name": "warm", "start_training_step": 1, "data": {"dataset": None, "seed": None}},
+        {
+            "name": "stable",
+            "start_training_step": 3,
+            "data": {"dataset": {"dataset_folder": ["a", "b"], "dataset_weights": [0.2, 0.8]}},
+        },
+    ]
+    path = write(tmp_path, config)
+    loaded = load_config(path)
+    stages = [
+        (s.name, s.start_training_step, s.dataset_folder, s.synthetic, s.seed) for s in loaded.data.stages
+    ]
+    assert stages == [
+        ("warm", 1, None, True, None),
+        ("stable", 3, {"a": 0.2, "b": 0.8}, False, None),
+        ("decay", 10, "b", False, 7),
+    ]
+    assert (
+        "nanotron data_stages -> data.stages (3 stages, in the order they start)" in capsys.readouterr().err
+    )
+    config["data_stages"][0]["start_training_step"] = 3  # two stages starting at step 3
+    path = write(tmp_path, config)
     with pytest.raises(ConfigError) as caught:
-        load_config(write(tmp_path, tiny(tmp_path, data_stages__0__data__dataset=dataset)))
-    assert [p.path for p in caught.value.problems] == ["data_stages.0.data.dataset.hf_dataset_or_datasets"]
-    assert "femtotron preprocess" in str(caught.value)
+        load_config(path)
+    problem = caught.value.problems[0]
+    assert problem.fields == ("data.stages.2.start_training_step", "data.stages.1.start_training_step")
+    lines = path.read_text().splitlines()
+    assert all(
+        lines[int(at.removeprefix("line ")) - 1].strip() == "start_training_step: 3"
+        for at in problem.locations
+    )
+
+
+def test_starcoder2_is_refused_by_name_in_one_problem(tmp_path):
+    model = {"is_starcoder2_config": True, "n_layer": 2, "multi_query": True, "activation_function": "gelu"}
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, tiny(tmp_path, model__model_config=model)))
+    assert [p.path for p in caught.value.problems] == ["model.model_config.is_starcoder2_config"]
+    assert "Starcoder2" in str(caught.value) and "Llama or Qwen2" in str(caught.value)
+
+
+def test_weight_decay_exclusions_are_rewritten_over_femtotron_names(tmp_path):
+    """nanotron's regexes over its names become regexes over femtotron's for the same tensors; the optimizer
+    then leaves exactly those undecayed, and a pattern matching nothing is refused."""
+    patterns = [
+        ".*layernorm.*",
+        ".*final_layer_norm.*",
+        "model.token_position_embeddings.*",
+        "model.decoder.1.*attn.*",
+    ]
+    config = load_config(
+        write(tmp_path, tiny(tmp_path, optimizer__weight_decay_exclude_named_params=patterns))
+    )
+    ours = config.optimizer.weight_decay_exclude_named_params
+    model = build_llama(config.model.model_config_.model_copy(update={"num_hidden_layers": 2}))
+    excluded = {name for name, p in model.named_parameters() if not decays(name, p, ours)}
+    assert excluded == {
+        "embed_tokens.weight",
+        "norm.weight",
+        "layers.0.input_layernorm.weight",
+        "layers.0.post_attention_layernorm.weight",
+        "layers.1.input_layernorm.weight",
+        "layers.1.post_attention_layernorm.weight",
+        "layers.1.self_attn.qkv_proj.weight",
+        "layers.1.self_attn.o_proj.weight",
+    }
+    with pytest.raises(ConfigError, match="'.*bias' matches none of this model's parameters"):
+        load_config(write(tmp_path, tiny(tmp_path, optimizer__weight_decay_exclude_named_params=[".*bias"])))
+
+
+def test_the_parameter_name_table_covers_every_femtotron_parameter():
+    """Fails when a model parameter is renamed without the table that maps nanotron's names onto ours."""
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "num_shared_experts": 1}
+    for cfg in (llama_config(), llama_config(tie_word_embeddings=True), llama_config(moe=moe)):
+        for name, _ in build_llama(cfg).named_parameters():
+            generic = re.sub(r"^layers\.\d+\.", "layers.{i}.", name)
+            assert generic in PARAMETER_NAMES, name
 
 
 def test_a_key_missing_from_the_table_is_refused_as_unknown_naming_it(tmp_path):
@@ -347,6 +441,8 @@ def every_key_config() -> dict:
         "data_stages.*.data.dataset.dataset_folder": ["a"],
         "data_stages.*.data.dataset.dataset_weights": [1.0],
         "data_stages.*.data.dataset.hf_dataset_or_datasets": "stas/openwebtext-10k",
+        "optimizer.weight_decay_exclude_named_params": [".*layernorm.*"],
+        "model.model_config.is_starcoder2_config": False,
         "profiler.profiler_export_path": "tb",
         "profiler.repeat": 1,
     }
@@ -388,12 +484,7 @@ def test_every_key_of_the_table_is_handled_by_the_translation_in_exactly_one_way
     # the profiler's keys all translate to profiling.profile_steps; each key appears once
     assert sorted(places) == sorted(set(places))
     assert set(places) | sections == set(KEYS), set(KEYS) - set(places) - sections
-    assert set(generic) == {
-        "lighteval",
-        "s3_upload",
-        "model.init_method.use_mup",
-        "data_stages.*.data.dataset.hf_dataset_or_datasets",
-    }
+    assert set(generic) == {"lighteval", "s3_upload", "model.init_method.use_mup"}
 
 
 def test_the_docs_table_is_rendered_from_the_translation_table():
@@ -445,8 +536,8 @@ def test_doctor_refuses_a_qwen_moe_example_with_every_problem(tmp_path, capsys):
     }
     code, out, err = cli(capsys, "doctor", str(write(tmp_path, tiny(tmp_path, **changes))))
     assert code == 2
-    assert "3 problems" in err
-    for key in ("attention_bias", "z_loss_enabled", "moe_config.layers"):
+    assert "2 problems" in err
+    for key in ("attention_bias", "moe_config.layers"):
         assert key in err
 
 

@@ -104,8 +104,12 @@ def test_changing_the_text_or_the_tokenizer_tokenizes_again(tmp_path, tokenizer_
 
 def test_a_hub_name_or_missing_tokenizer_is_refused_with_the_fix(tmp_path, tokenizer_path):
     config = text_config(tmp_path, tokenizer_path, "HuggingFaceFW/fineweb-edu")
-    with pytest.raises(DataError, match="huggingface-cli download NAME --repo-type dataset"):
+    with pytest.raises(DataError) as caught:
         tokenize_text_data(config)
+    assert "datasets.load_dataset('HuggingFaceFW/fineweb-edu', split='train').save_to_disk" in str(
+        caught.value
+    )
+    assert f"femtotron preprocess --input data/fineweb-edu --tokenizer {tokenizer_path}" in str(caught.value)
     raw = text_config(tmp_path, tokenizer_path, "x").to_dict()
     raw["tokenizer"]["tokenizer_name_or_path"] = None
     with pytest.raises(ConfigError) as caught:

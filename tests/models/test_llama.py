@@ -68,6 +68,31 @@ def test_loss_is_summed_cross_entropy_over_valid_tokens():
     torch.testing.assert_close(loss_sum / count, expected)
 
 
+def test_the_logits_z_loss_adds_coef_times_log_z_squared_and_its_gradient():
+    """Against an autograd reference written here: cross-entropy plus 1e-2 * logsumexp(logits)^2 per counted
+    token, in value and in every gradient (the custom backward adds 2 coef log Z softmax)."""
+    coef = 1e-2
+    cfg = tiny_config(logits_z_loss_coef=coef)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    targets = ids[:, 1:].clone()
+    targets[0, :3] = -100
+    model = build(cfg)
+    loss_sum, _ = model(ids[:, :-1], targets)
+    loss_sum.backward()
+    reference = build(cfg)
+    hidden = reference.hidden_states(ids[:, :-1])
+    logits = reference.head_logits(hidden).float().flatten(0, 1)
+    valid = targets.flatten() != -100
+    cross_entropy = torch.nn.functional.cross_entropy(logits, targets.flatten(), reduction="sum")
+    expected = cross_entropy + coef * (logits.logsumexp(-1).square() * valid).sum()
+    expected.backward()
+    torch.testing.assert_close(loss_sum, expected)
+    plain, _ = build(tiny_config())(ids[:, :-1], targets)
+    assert loss_sum > plain  # the z term is there, and positive
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, msg=name)
+
+
 def test_init_is_a_function_of_seed_and_name_only():
     cfg = tiny_config()
     a, b, c = build(cfg, seed=1), build(cfg, seed=1), build(cfg, seed=2)

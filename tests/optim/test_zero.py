@@ -127,6 +127,29 @@ def test_fp32_decaying_every_tensor_would_be_caught():
         assert (param - other).abs().max() > 1e-6
 
 
+@pytest.mark.parametrize(
+    ("exclude", "decayed"), [([], [0, 1, 2]), (["p2", "p9"], [0, 1]), ([r"p[01]$"], [2])]
+)
+def test_named_exclusions_decay_every_other_tensor_as_nanotron_does(exclude, decayed):
+    """optimizer.weight_decay_exclude_named_params: every tensor decayed (1-D ones too) but the names a
+    pattern matches; against torch's AdamW with those groups."""
+    params = make_params(torch.float32)
+    reference = [p.detach().clone().requires_grad_() for p in params]
+    ours = single_process_optimizer(params, optimizer_section(weight_decay_exclude_named_params=exclude))
+    groups = [
+        {"params": [p for i, p in enumerate(reference) if (i in decayed) == want], "weight_decay": decay}
+        for want, decay in ((True, WEIGHT_DECAY), (False, 0.0))
+    ]
+    torch_adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=LR, betas=BETAS, eps=EPS)
+    loss_of(params, 0).backward()
+    loss_of(reference, 0).backward()
+    ours.data_parallel.finish_reduction()
+    ours.step(LR)
+    torch_adamw.step()
+    for param, expected in zip(params, reference, strict=True):
+        torch.testing.assert_close(param, expected, rtol=0, atol=1e-6)
+
+
 def test_bf16_grads_accumulate_in_fp32_masters_and_params_follow_the_masters():
     params = make_params(torch.bfloat16)
     optimizer = single_process_optimizer(params, optimizer_section(), micro_batches=4)

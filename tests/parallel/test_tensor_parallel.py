@@ -48,7 +48,9 @@ def _assert_same(ours, reference, exact, case: str) -> None:
 def _compare_models(rank: int, tp_size: int, kv_heads: int):
     ctx = ParallelContext(tp=tp_size, collective_timeout_seconds=60)
     for mode, tied in itertools.product(["ALL_REDUCE", "REDUCE_SCATTER"], [False, True]):
-        cfg = llama_config(num_key_value_heads=kv_heads, tie_word_embeddings=tied)
+        # the tied cases with the logits' z-loss too: its term and gradient from logits split over tp
+        z_loss = 1e-2 if tied else 0.0
+        cfg = llama_config(num_key_value_heads=kv_heads, tie_word_embeddings=tied, logits_z_loss_coef=z_loss)
         tp = TensorParallel(ctx.comm, ctx.tp_group, ctx.tp_rank, sequence_parallel=mode == "REDUCE_SCATTER")
         ours, fp32_reference = _tp_and_reference(cfg, tp, torch.float32)
         _assert_same(ours, fp32_reference, None, f"{mode} tied={tied} float32")
@@ -68,8 +70,8 @@ def _compare_models(rank: int, tp_size: int, kv_heads: int):
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp_size, kv_heads", [(2, 2), (4, 4)])
 def test_tensor_parallel_model_equals_one_device(tp_size, kv_heads):
-    """8 query heads with 2 or 4 kv heads (GQA), both tp_modes, tied and untied, fp32 and bf16 (native and
-    upcast): loss, logits and every gradient."""
+    """8 query heads with 2 or 4 kv heads (GQA), both tp_modes, tied (with the logits' z-loss) and untied,
+    fp32 and bf16 (native and upcast): loss, logits and every gradient."""
     run_ranks(_compare_models, tp_size, tp_size, kv_heads, timeout=240)
 
 
@@ -82,7 +84,7 @@ def test_three_optimizer_steps_equal_one_device(tiny_config, tp_size):
     references = []
     for mode, tied, dtype, native in [
         ("ALL_REDUCE", False, "float32", None),
-        ("REDUCE_SCATTER", True, "float32", None),
+        ("REDUCE_SCATTER", True, "float32", None),  # with the logits' z-loss
         ("REDUCE_SCATTER", False, "bfloat16", True),
         ("REDUCE_SCATTER", False, "bfloat16", False),
     ]:
@@ -93,6 +95,7 @@ def test_three_optimizer_steps_equal_one_device(tiny_config, tp_size):
             "optimizer.clip_grad=0.5",
             f"general.run={mode}-{tied}-{dtype}-{native}",
             *([SMOOTH_ADAM] if native is not None else []),
+            *(["model.model_config.logits_z_loss_coef=0.01"] if tied else []),
         ]
         with precision_path(native):
             reference = record_steps(tiny_config(*overrides, f"model.dtype={dtype}"), ParallelContext())

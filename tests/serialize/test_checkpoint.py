@@ -27,6 +27,7 @@ from helpers import (
 
 from femtotron.cli import main
 from femtotron.errors import ConfigError
+from femtotron.optim.lr_schedule import lr_at
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.tensor_parallel import full_tensor
 from femtotron.serialize import checkpoint
@@ -707,6 +708,37 @@ def test_resume_checkpoint_path_wins_over_the_run_s_own_checkpoints_with_a_warni
         f"WARNING: checkpoints.resume_checkpoint_path={other} is given, so the checkpoints of this run in "
         f"{own} (up to step-0000004) are not resumed"
     ) in out
+
+
+def test_another_run_s_checkpoint_taken_without_its_optimizer_or_schedule(tiny_config, capsys):
+    """nanotron's load_optimizer / load_lr_scheduler false: the weights (fp32 masters) and the step and data
+    position of the checkpoint, a fresh Adam and a schedule counted again from the resumed step. The run's
+    own later checkpoints then resume whole, the schedule's new start included."""
+    other = _checkpointed_run(tiny_config, "other")
+    more = [
+        f"checkpoints.resume_checkpoint_path={other}",
+        "checkpoints.load_optimizer=false",
+        "checkpoints.load_lr_scheduler=false",
+    ]
+    config = make(tiny_config, "fresh", *more, "checkpoints.checkpoint_interval=5", steps=6)
+    trainer = Trainer(config, ParallelContext())
+    path, what, _ = checkpoint.agreed_resume_source(config, trainer.ctx)
+    summary, _ = checkpoint.load(trainer.parts, path, what)
+    assert "Adam starts afresh" in summary and "the lr schedule starts again at step 5" in summary
+    assert trainer.optimizer.steps == 0 and trainer.state.step == 4 and trainer.state.lr_schedule_start == 4
+    assert all(not moment.any() for moment in trainer.optimizer.state("exp_avg"))
+    with checkpoint.CheckpointReader(other / "step-0000004") as reader:  # fp32: the weights are the masters
+        for name, param in trainer.model.named_parameters():
+            whole = (tuple(0 for _ in param.shape), tuple(param.shape))
+            assert torch.equal(param.detach(), reader.read(f"model/{name}", whole)), name
+    results = Trainer(config, ParallelContext(), log_to_console=False).train()
+    sched = config.optimizer.learning_rate_scheduler
+    assert [r.lr for r in results] == [lr_at(0, sched, 2), lr_at(1, sched, 2)]  # warm-up again, over 2 steps
+    whole = make(tiny_config, "fresh", "checkpoints.checkpoint_interval=5", steps=6)  # its own checkpoint
+    trainer = Trainer(whole, ParallelContext(), log_to_console=False)
+    path, what, _ = checkpoint.agreed_resume_source(whole, trainer.ctx)
+    checkpoint.load(trainer.parts, path, what)
+    assert trainer.optimizer.steps == 2 and trainer.state.lr_schedule_start == 4  # saved at the end, step 6
 
 
 def test_C3_a_same_layout_resume_restores_the_torch_numpy_and_python_rng_states(tiny_config):

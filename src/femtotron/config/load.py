@@ -82,7 +82,7 @@ def is_nanotron(data: Any) -> bool:
         return False
     model = data.get("model")
     model_config = model.get("model_config") if isinstance(model, Mapping) else None
-    flags = {"is_llama_config", "is_qwen2_config"}
+    flags = {"is_llama_config", "is_qwen2_config", "is_starcoder2_config"}
     return bool(NANOTRON_SECTIONS & data.keys()) or (
         isinstance(model_config, Mapping) and bool(flags & model_config.keys())
     )

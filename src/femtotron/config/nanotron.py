@@ -11,6 +11,7 @@ nanotron config.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,12 +36,14 @@ class Refusal(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class Key:
-    """How femtotron treats one nanotron key. `transform(value, parent)` gets the mapping holding the key."""
+    """How femtotron treats one nanotron key. `transform(value, parent)` gets the mapping holding the key, or
+    with `whole` the whole config."""
 
     action: str
     target: str = ""
     why: str = ""
     transform: Callable[[Any, Mapping[str, Any]], Any] | None = None
+    whole: bool = False
 
 
 def same() -> Key:
@@ -122,6 +125,106 @@ def _stage_list(value: Any, parent: Mapping[str, Any]) -> Any:
     return SECTION
 
 
+# femtotron's parameter names (models/llama.py, models/moe.py) and nanotron's for the same tensor (its Llama
+# and Qwen2 models at 2411b02); {i}: a layer, {e}: an expert (femtotron holds a layer's experts in one
+# tensor).
+_LAYER = "model.decoder.{i}.pp_block."
+PARAMETER_NAMES = {
+    "embed_tokens.weight": "model.token_position_embeddings.pp_block.token_embedding.weight",
+    "layers.{i}.input_layernorm.weight": _LAYER + "input_layernorm.weight",
+    "layers.{i}.self_attn.qkv_proj.weight": _LAYER + "attn.qkv_proj.weight",
+    "layers.{i}.self_attn.o_proj.weight": _LAYER + "attn.o_proj.weight",
+    "layers.{i}.post_attention_layernorm.weight": _LAYER + "post_attention_layernorm.weight",
+    "layers.{i}.mlp.gate_up_proj.weight": _LAYER + "mlp.gate_up_proj.weight",
+    "layers.{i}.mlp.down_proj.weight": _LAYER + "mlp.down_proj.weight",
+    "layers.{i}.mlp.router.weight": _LAYER + "mlp.router.weight",
+    "layers.{i}.mlp.experts.gate_up_proj": _LAYER + "mlp.experts.{e}.gate_up_proj.weight",
+    "layers.{i}.mlp.experts.down_proj": _LAYER + "mlp.experts.{e}.down_proj.weight",
+    "layers.{i}.mlp.shared_expert.gate_up_proj.weight": _LAYER + "mlp.shared_expert.gate_up_proj.weight",
+    "layers.{i}.mlp.shared_expert.down_proj.weight": _LAYER + "mlp.shared_expert.down_proj.weight",
+    "layers.{i}.mlp.shared_expert_gate.weight": _LAYER + "mlp.shared_expert_gate.weight",
+    "norm.weight": "model.final_layer_norm.pp_block.weight",
+    "lm_head.weight": "model.lm_head.pp_block.weight",
+}
+
+
+def _model_names(config: Mapping[str, Any]) -> dict[str, list[list[str]]]:
+    """For the model `config` describes: femtotron's name (generic) -> per layer, the nanotron names of the
+    tensor."""
+    model = (config.get("model") or {}).get("model_config") or {}
+    moe = model.get("moe_config")
+    layers = model.get("num_hidden_layers", 32)
+    experts = moe.get("num_experts", 8) if isinstance(moe, Mapping) else 0
+    shared = isinstance(moe, Mapping) and bool(moe.get("enable_shared_expert"))
+    tied = bool(model.get("tie_word_embeddings", False))
+    names: dict[str, list[list[str]]] = {}
+    for ours, theirs in PARAMETER_NAMES.items():
+        if (".mlp.router" in ours or ".mlp.experts" in ours) and not experts:
+            continue
+        if ".mlp.shared_expert" in ours and not shared:
+            continue
+        if ours in ("layers.{i}.mlp.gate_up_proj.weight", "layers.{i}.mlp.down_proj.weight") and experts:
+            continue
+        if ours == "lm_head.weight" and tied:
+            continue
+        per_layer = range(layers) if "{i}" in ours else [0]
+        names[ours] = [
+            [theirs.format(i=i, e=e) for e in range(max(experts, 1) if "{e}" in theirs else 1)]
+            for i in per_layer
+        ]
+    if tied:  # nanotron excludes tied parameters when a pattern matches either name
+        names["embed_tokens.weight"][0].append(PARAMETER_NAMES["lm_head.weight"])
+    return names
+
+
+def _excluded_from_decay(value: Any, config: Mapping[str, Any]) -> Any:
+    """nanotron's patterns (re.match over its names) as patterns over femtotron's names of the same tensors.
+    Each is checked against the model the config describes: one matching nothing is refused."""
+    if value is None:
+        return DROP
+    if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+        raise Refusal("a list of regular expressions")
+    patterns = []
+    for pattern in value:
+        try:
+            rule = re.compile(pattern)
+        except re.error as e:
+            raise Refusal(f"{pattern!r} is not a regular expression ({e})") from None
+        matched = [
+            _femtotron_pattern(rule, ours, per_layer) for ours, per_layer in _model_names(config).items()
+        ]
+        if not any(matched):
+            example = PARAMETER_NAMES["layers.{i}.input_layernorm.weight"].format(i=0)
+            raise Refusal(
+                f"{pattern!r} matches none of this model's parameters under nanotron's names (e.g. "
+                f"{example}); fix or delete it"
+            )
+        patterns += [found for found in matched if found and found not in patterns]
+    return patterns
+
+
+def _femtotron_pattern(rule: re.Pattern[str], ours: str, per_layer: list[list[str]]) -> str | None:
+    """The pattern over femtotron's name `ours` for the layers whose nanotron names `rule` matches, or None.
+    A tensor is decayed whole: a rule matching some of the experts in it is refused (a tied embedding's two
+    names are one tensor, excluded when either matches, as nanotron does)."""
+    counts = [sum(bool(rule.match(name)) for name in names) for names in per_layer]
+    layers = [i for i, count in enumerate(counts) if count]
+    experts = ".experts." in ours
+    if experts and any(0 < count < len(names) for count, names in zip(counts, per_layer, strict=True)):
+        raise Refusal(
+            f"{rule.pattern!r} matches some of the experts of a layer: femtotron holds a layer's experts in "
+            "one tensor, decayed alike; match all of them or none"
+        )
+    if not layers:
+        return None
+    which = "\\d+" if len(layers) == len(per_layer) else "(" + "|".join(map(str, layers)) + ")"
+    return re.escape(ours).replace(re.escape("{i}"), which) + "$"
+
+
+def _z_loss(enabled: Any, model_config: Mapping[str, Any]) -> Any:
+    return model_config.get("z_loss_coefficient", 1e-4) if enabled else DROP  # nanotron's default: 1e-4
+
+
 def _profile_steps(value: Any, parent: Mapping[str, Any]) -> Any:
     """torch.profiler's schedule (skip_first, then wait, warmup, active steps) as [first, last] traced."""
     if parent.get("profiler_export_path") is None:
@@ -152,10 +255,9 @@ def _all_layers(value: Any, parent: Mapping[str, Any]) -> Any:
 
 _NO_NETWORK = "femtotron reads local files only"
 _HF_DATASETS = (
-    "nanotron tokenizes a Hugging Face dataset at start; femtotron trains on tokenized files. Tokenize once "
-    "with `femtotron preprocess` (see docs/data.md) and set dataset.dataset_folder to its output"
+    "text (a local Hugging Face datasets directory or text files) tokenized at start into data.cache_dir; "
+    "a Hub name is refused then, with the commands that fetch and tokenize it"
 )
-_WITH_HF = "read only with hf_dataset_or_datasets, which is refused"
 _EVALUATE = (
     "femtotron does not run evaluations during training. Export a checkpoint and evaluate it: "
     "`femtotron export-hf RUN_DIR --out hf_model` then `lighteval accelerate "
@@ -187,11 +289,13 @@ KEYS: dict[str, Key] = {
     "parallelism.pp_engine": to("parallelism.pp_engine", _default_if_null("afab"), "null: afab"),
     "parallelism.tp_mode": to("parallelism.tp_mode", _upper, "upper-cased"),
     "parallelism.tp_linear_async_communication": no_effect(
-        "an overlap of nanotron's tp collectives; femtotron's tp gives the same numbers without it"
+        "nanotron overlaps its tp all-gathers with the GEMMs for speed; femtotron runs them one after the "
+        "other: the same numbers, without that overlap"
     ),
     "parallelism.recompute_layer": same(),
     "parallelism.tp_recompute_allgather": no_effect(
-        "nanotron's memory trade in REDUCE_SCATTER mode; femtotron's results are the same"
+        "nanotron keeps sharded activations and gathers them again in backward (REDUCE_SCATTER mode) to save "
+        "memory; femtotron keeps the gathered ones: the same numbers, more activation memory"
     ),
     "parallelism.expert_parallel_size": to("parallelism.ep"),
     "parallelism.context_parallel_size": to("parallelism.cp"),
@@ -204,6 +308,11 @@ KEYS: dict[str, Key] = {
     _MODEL + "intermediate_size": same(),
     _MODEL + "is_llama_config": no_effect("names nanotron's model class; femtotron's model is Llama"),
     _MODEL + "is_qwen2_config": no_effect("names nanotron's model class; femtotron builds it as a Llama"),
+    _MODEL + "is_starcoder2_config": unless_default(
+        False,
+        "Starcoder2 (LayerNorm with biases, a GELU MLP, multi-query attention with biases, dropout) is not "
+        "femtotron's model, which is a Llama (with or without experts); train a Llama or Qwen2 config",
+    ),
     _MODEL + "max_position_embeddings": same(),
     _MODEL + "num_attention_heads": same(),
     _MODEL + "num_hidden_layers": same(),
@@ -222,8 +331,8 @@ KEYS: dict[str, Key] = {
     _MODEL + "attention_bias": unless_default(False, _MODEL_ZOO),
     _MODEL + "sliding_window_size": unless_default(None, _MODEL_ZOO),
     _MODEL + "no_rope_layer": unless_default(None, _MODEL_ZOO),
-    _MODEL + "z_loss_enabled": unless_default(False, "femtotron has no LM-head z-loss yet; set it false"),
-    _MODEL + "z_loss_coefficient": no_effect("read only with z_loss_enabled, which is refused"),
+    _MODEL + "z_loss_enabled": to(_MODEL + "logits_z_loss_coef", _z_loss, "z_loss_coefficient when true"),
+    _MODEL + "z_loss_coefficient": no_effect("read with z_loss_enabled"),
     _MODEL + "_fused_rotary_emb": no_effect(_KERNEL),
     _MODEL + "_fused_rms_norm": no_effect(_KERNEL),
     _MODEL + "_use_qkv_packed": no_effect(_KERNEL),
@@ -263,20 +372,22 @@ KEYS: dict[str, Key] = {
     "checkpoints.save_initial_state": same(),
     "checkpoints.save_final_state": same(),
     "checkpoints.resume_checkpoint_path": same(),
-    "checkpoints.load_lr_scheduler": unless_default(
-        True, "to start from a checkpoint's weights only, set model.init_from to it"
-    ),
-    "checkpoints.load_optimizer": unless_default(
-        True, "to start from a checkpoint's weights only, set model.init_from to it"
-    ),
+    "checkpoints.load_lr_scheduler": same(),
+    "checkpoints.load_optimizer": same(),
     "checkpoints.checkpoints_path_is_shared_file_system": no_effect(
         "every rank writes its own shard and rank 0 commits"
     ),
     "logging.log_level": same(),
-    "logging.log_level_replica": no_effect("other ranks log warnings only; `train --debug` logs all"),
+    "logging.log_level_replica": no_effect(
+        "femtotron's other ranks print only what differs between ranks (their errors); `train --debug` "
+        "makes every rank log everything"
+    ),
     "logging.iteration_step_info_interval": same(),
-    "metrics_logging.log_level": no_effect("femtotron logs its one full step record always"),
-    "metrics_logging.log_detail_interval": no_effect("femtotron logs its one full step record always"),
+    "metrics_logging.log_level": no_effect(
+        "femtotron logs one step record (loss, lr, grad norm, throughput, MFU, memory, communication, expert "
+        "loads); nanotron's per-module statistics (log_level: 1) are not computed"
+    ),
+    "metrics_logging.log_detail_interval": no_effect("read with metrics_logging.log_level"),
     "tokens.sequence_length": same(),
     "tokens.train_steps": same(),
     "tokens.micro_batch_size": same(),
@@ -300,8 +411,12 @@ KEYS: dict[str, Key] = {
     _LR + "lr_decay_steps": same(),
     _LR + "lr_decay_starting_step": same(),
     _LR + "min_decay_lr": to(_LR + "min_decay_lr", _min_lr, "null: the learning rate (no decay)"),
-    "optimizer.weight_decay_exclude_named_params": unless_default(
-        [], "femtotron decays every matrix and no norm; delete the list"
+    "optimizer.weight_decay_exclude_named_params": Key(
+        action=TRANSLATED,
+        target="optimizer.weight_decay_exclude_named_params",
+        why="nanotron's regexes over its parameter names, rewritten over femtotron's (the same parameters)",
+        transform=_excluded_from_decay,
+        whole=True,
     ),
     "profiler.profiler_export_path": no_effect("traces go to <run dir>/profile/"),
     "profiler.skip_first": to("profiling.profile_steps", _profile_steps, _SCHEDULE),
@@ -344,14 +459,24 @@ KEYS: dict[str, Key] = {
     _DATASET + "dataset_max_tokens": unless_default(None, "femtotron reads whole folders; delete it"),
     _DATASET + "shuffle_files": unless_default(False, "femtotron shuffles samples with data.seed"),
     _DATASET + "use_old_brrr_dataloader": unless_default(False, "delete it"),
-    _DATASET + "hf_dataset_or_datasets": refused(_HF_DATASETS),
-    _DATASET + "hf_dataset_splits": no_effect(_WITH_HF),
-    _DATASET + "hf_dataset_config_name": no_effect(_WITH_HF),
-    _DATASET + "dataset_processing_num_proc_per_process": no_effect(_WITH_HF),
-    _DATASET + "dataset_overwrite_cache": no_effect(_WITH_HF),
-    _DATASET + "text_column_name": no_effect(_WITH_HF),
-    _DATASET + "sft_dataloader": no_effect(_WITH_HF),
-    _DATASET + "debug_max_samples": no_effect(_WITH_HF),
+    _DATASET + "hf_dataset_or_datasets": to("data.stages.*.text_dataset", why=_HF_DATASETS),
+    _DATASET + "hf_dataset_splits": unless_default(
+        "train", "point hf_dataset_or_datasets at the split's own directory (DATASET_DIR/SPLIT)"
+    ),
+    _DATASET + "hf_dataset_config_name": unless_default(
+        None, "a Hub dataset's configuration: point hf_dataset_or_datasets at its local copy instead"
+    ),
+    _DATASET + "dataset_processing_num_proc_per_process": no_effect(
+        "femtotron tokenizes with one process per 64 MiB of text, up to the CPUs it may use"
+    ),
+    _DATASET + "dataset_overwrite_cache": no_effect(
+        "the cached tokens are named by the text's files and the tokenizer: a change tokenizes again"
+    ),
+    _DATASET + "text_column_name": to("data.stages.*.text_column", _dropping(None), "null: text"),
+    _DATASET + "sft_dataloader": unless_default(
+        False, "femtotron pretrains on packed documents; it has no supervised fine-tuning data loader"
+    ),
+    _DATASET + "debug_max_samples": unless_default(None, "femtotron reads whole datasets; delete it"),
 }
 
 # Every section of the table (`lighteval`, `model.model_config`, ...): null there means not set; but a
@@ -396,7 +521,13 @@ def _leaves(data: Any, prefix: str = "") -> list[tuple[str, str, Any, Mapping[st
         path = f"{prefix}{key}"
         if value is None and _generic(path) in _SECTIONS:  # `profiler: null`: the section is absent
             continue
-        if isinstance(value, Mapping) and not path.endswith((".rope_scaling", ".dataset_folder")):
+        if path == "model.model_config" and isinstance(value, Mapping) and value.get("is_starcoder2_config"):
+            flag = path + ".is_starcoder2_config"  # its other keys are Starcoder2's: one refusal says it all
+            found.append((flag, flag, True, value))
+            continue
+        if isinstance(value, Mapping) and not path.endswith(
+            (".rope_scaling", ".dataset_folder", ".hf_dataset_or_datasets")
+        ):
             pattern = _generic(path)
             if pattern in KEYS and KEYS[pattern].action == REFUSED:
                 found.append((pattern, path, value, data))
@@ -436,7 +567,7 @@ def translate(data: Mapping[str, Any], lines: Mapping[str, int]) -> Translation:
                 message = f"a stage's own sequence_length ({value}) is not supported; set it to null"
                 result.problems.append(Problem((path,), message, (_line(lines, path),)))
                 continue
-            _apply(entry, table_key, path, value, parent, lines, result)
+            _apply(entry, table_key, path, value, parent, data, lines, result)
     _place_stages(result, lines)
     return result
 
@@ -451,7 +582,8 @@ def _place_stages(result: Translation, lines: Mapping[str, int]) -> None:
 
     def start(index: str) -> tuple[int, int]:
         value = stages[index].get("start_training_step", 1)
-        return (value if isinstance(value, int) else 0, int(index))
+        step = value if isinstance(value, int) else 0  # not a number: refused by femtotron's validation
+        return step, int(index)
 
     order = sorted(stages, key=start)
     if len(order) == 1:
@@ -487,6 +619,7 @@ def _apply(
     path: str,
     value: Any,
     parent: Mapping[str, Any],
+    root: Mapping[str, Any],
     lines: Mapping[str, int],
     result: Translation,
 ) -> None:
@@ -494,7 +627,8 @@ def _apply(
         result.problems.append(Problem((path,), f"refused: {entry.why}", (_line(lines, path),)))
         return
     try:
-        final = entry.transform(value, parent) if entry.transform is not None else value
+        given = root if entry.whole else parent
+        final = entry.transform(value, given) if entry.transform is not None else value
     except (TypeError, ValueError) as refusal:  # a Refusal, or a value of the wrong type
         shown = "null" if value is None else repr(value)
         result.problems.append(Problem((path,), f"{shown} is refused: {refusal}", (_line(lines, path),)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -103,6 +104,9 @@ class LlamaConfig(_Section):
     tie_word_embeddings: bool = False
     hidden_act: Literal["silu"] = "silu"
     moe: MoEConfig | None = None  # None: a dense Llama
+    # PaLM's z-loss on the LM head: each counted token adds coef * log(Z)^2 (Z the softmax's normaliser) to
+    # the loss, keeping the logits from drifting upwards in long bf16 runs (1e-4 is usual); 0: off.
+    logits_z_loss_coef: NonNegativeFloat = 0.0
 
     @model_validator(mode="after")
     def _resolve_kv_heads(self) -> LlamaConfig:
@@ -260,12 +264,28 @@ class LossScaleArgs(_Section):
 class OptimizerArgs(_Section):
     zero_stage: NonNegativeInt = 0  # 0 or 1; 2 and 3 are refused by a rule
     weight_decay: NonNegativeFloat = 0.01
+    # None: the matrices are decayed, norm scales not. A list (nanotron's rule): every parameter is decayed
+    # except those whose name a pattern matches from its start (re.match), e.g. ["embed_tokens", ".*norm"];
+    # names as in `layers.0.self_attn.qkv_proj.weight` (models/llama.py).
+    weight_decay_exclude_named_params: list[str] | None = None
     clip_grad: PositiveFloat | None = 1.0  # None: no gradient clipping
     on_non_finite: Literal["stop", "skip"] = "stop"  # a non-finite loss or grad norm: stop, or drop the step
     accumulate_grad_in_fp32: bool = True
     learning_rate_scheduler: LRSchedulerArgs = Field(default_factory=LRSchedulerArgs)
     optimizer_factory: AdamWArgs = Field(default_factory=AdamWArgs)
     loss_scale: LossScaleArgs = Field(default_factory=LossScaleArgs)
+
+    @field_validator("weight_decay_exclude_named_params")
+    @classmethod
+    def _compiles(cls, patterns: list[str] | None) -> list[str] | None:
+        for pattern in patterns or []:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(
+                    f"{pattern!r} is not a regular expression ({e}); escape it, e.g. '\\.'"
+                ) from None
+        return patterns
 
 
 DatasetSpec = str | list[str] | dict[str, float]
@@ -376,6 +396,11 @@ class CheckpointsArgs(_Section):
     # resume although the data, its blend, data.seed, tokens.sequence_length or the tokenizer changed since
     # the checkpoint (warned); false: refuse, saying what changed
     resume_with_other_data: bool = False
+    # Resuming from resume_checkpoint_path (another run's checkpoint): false starts Adam afresh (zero moments,
+    # step count 0) from its fp32 master weights; the run's own checkpoints always load whole.
+    load_optimizer: bool = True
+    # false: the learning-rate schedule (warm-up, decay) starts again at the resumed step, over the rest.
+    load_lr_scheduler: bool = True
 
 
 class LoggingArgs(_Section):

@@ -41,16 +41,22 @@ def _inputs(path: str) -> list[str]:
     """The files whose contents a text source's tokens come from."""
     if os.path.isfile(path):
         return [path]
-    if not os.path.isdir(path):
-        raise DataError(
-            f"{path} (data text_dataset): no such file or directory. Give a Hugging Face datasets directory "
-            f"(save_to_disk), a file ending in {', '.join(SUFFIXES)}, or a directory of them; a Hub name "
-            "cannot be fetched here: download it first (`huggingface-cli download NAME --repo-type dataset "
-            "--local-dir DIR`) or tokenize it with `femtotron preprocess`."
-        )
     if is_hf_dataset(path):
         return sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
     return text_files(path)
+
+
+def _missing(path: str, where: str, tokenizer: str) -> DataError:
+    """A text source that is not here: perhaps a Hub name, which a run does not fetch."""
+    local = os.path.join("data", os.path.basename(os.path.normpath(path)) or "text")
+    return DataError(
+        f"{path} ({where}.text_dataset): no such file or directory here; femtotron reads local text only "
+        f"(a Hugging Face datasets directory, files ending in {', '.join(SUFFIXES)}, or a directory of "
+        f'them). A Hub dataset is fetched once, then read from disk: `python -c "import datasets; '
+        f"datasets.load_dataset('{path}', split='train').save_to_disk('{local}')\"`, then set "
+        f"text_dataset: {local}, or tokenize it yourself: `femtotron preprocess --input {local} --tokenizer "
+        f"{tokenizer} --output-prefix {local}-tokens` and set dataset_folder: {local}-tokens."
+    )
 
 
 def cached_prefix(path: str, text_column: str, tokenizer_path: str, directory: str) -> str:
@@ -70,7 +76,8 @@ def _sources(config: Config) -> Iterator[tuple[str, DataSource]]:
     stages = config.data.stages
     for index, stage in enumerate(config.data.stage_list()):
         if stage.text_dataset is not None:
-            yield (f"data.stages.{index}" if stages else "data"), stage
+            where = f"data.stages.{index}" if stages else "data"
+            yield where, stage
 
 
 def text_paths(source: DataSource) -> list[str]:
@@ -110,6 +117,8 @@ def tokenize_text_data(config: Config) -> list[str]:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     for where, source in _sources(config):
         for path in text_paths(source):
+            if not os.path.exists(path):
+                raise _missing(path, where, tokenizer)
             prefix = cached_prefix(path, source.text_column, tokenizer, directory)
             if os.path.isfile(f"{prefix}.bin") and os.path.isfile(f"{prefix}.idx"):
                 lines.append(f"{where}.text_dataset {path}: tokenized already, reading {prefix}.bin/.idx")

@@ -363,6 +363,7 @@ class Llama(nn.Module):
             vocab_size=self.cfg.vocab_size,
             ignore_index=IGNORE_INDEX,
             tp=self.tp,
+            z_loss_coef=self.cfg.logits_z_loss_coef,
         )
 
     def logits(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:

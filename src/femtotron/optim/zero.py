@@ -9,12 +9,21 @@ weights, fp32 gradients) instead of 2 + 4 + 12. fp32 parameters are their own ma
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 from torch import nn
 
 from femtotron.parallel.data_parallel import DataParallel
+
+
+def decays(name: str, param: torch.Tensor, exclude: list[str] | None) -> bool:
+    """Whether AdamW decays a parameter. Without optimizer.weight_decay_exclude_named_params the matrices are
+    decayed and the norm scales (1-D) are not; with it, as nanotron, all but those a pattern matches."""
+    if exclude is None:
+        return param.dim() >= 2
+    return not any(re.match(pattern, name) for pattern in exclude)
 
 
 class ZeroAdamW:
@@ -30,7 +39,9 @@ class ZeroAdamW:
             self.masters = list(master_flat.split([piece.end - piece.start for piece in self.pieces]))
         self._grads: list[torch.Tensor] | None = None
         factory = cfg.optimizer_factory
-        decayed = [params[piece.param].dim() >= 2 for piece in self.pieces]  # norms are not decayed
+        exclude = cfg.weight_decay_exclude_named_params
+        names = data_parallel.names
+        decayed = [decays(names[piece.param], params[piece.param], exclude) for piece in self.pieces]
         groups = []
         for want in (True, False):
             members = [m for m, d in zip(self.masters, decayed, strict=True) if d == want]

@@ -104,7 +104,8 @@ def _conjugates(x: torch.Tensor, tp: TensorParallel, ahead: Callable, back: Call
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy from logits split over the vocabulary: three all-reduces of one number
-    per token (max, sum of exponentials, target logit) instead of gathering (tokens x vocab) logits."""
+    per token (max, sum of exponentials, target logit) instead of gathering (tokens x vocab) logits.
+    With `z_loss_coef` each valid token adds coef * log(Z)^2, Z the softmax's normaliser (PaLM's z-loss)."""
 
     @staticmethod
     def forward(
@@ -114,8 +115,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab_start: int,
         ignore_index: int,
         tp: TensorParallel,
+        z_loss_coef: float,
     ) -> torch.Tensor:
         ctx.logits_dtype = logits.dtype
+        ctx.z_loss_coef = z_loss_coef
         logits = logits.float()
         row_max = logits.max(dim=-1).values
         tp.comm.all_reduce(row_max, tp.group, op="max")
@@ -131,20 +134,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(~mine, 0.0)
         tp.comm.all_reduce(target_logit, tp.group)
-        losses = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
-        ctx.save_for_backward(exp, sum_exp, local_targets, mine, valid)
-        return losses.sum()
+        log_z = row_max + sum_exp.log()
+        losses = sum_exp.log() - target_logit + z_loss_coef * log_z.square()
+        ctx.save_for_backward(exp, sum_exp, local_targets, mine, valid, log_z)
+        return losses.masked_fill(~valid, 0.0).sum()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        exp, sum_exp, local_targets, mine, valid = ctx.saved_tensors
-        # d(loss)/d(logit) = softmax - one_hot(target), zero for ignored tokens.
+        exp, sum_exp, local_targets, mine, valid, log_z = ctx.saved_tensors
+        # d(loss)/d(logit) = softmax * (1 + 2 coef log Z) - one_hot(target), zero for ignored tokens.
         grad_logits = exp.div_(sum_exp.unsqueeze(-1))
+        if ctx.z_loss_coef:
+            grad_logits.mul_((1.0 + 2.0 * ctx.z_loss_coef * log_z).unsqueeze(-1))
         one_hot = mine.unsqueeze(-1).to(grad_logits.dtype)
         grad_logits.scatter_add_(-1, local_targets.unsqueeze(-1), -one_hot)
         scale = valid.to(grad_logits.dtype) * grad
         grad_logits.mul_(scale.unsqueeze(-1))
-        return grad_logits.to(ctx.logits_dtype), None, None, None, None
+        return grad_logits.to(ctx.logits_dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -154,17 +160,19 @@ def vocab_parallel_cross_entropy(
     vocab_size: int,
     ignore_index: int,
     tp: TensorParallel,
+    z_loss_coef: float = 0.0,
 ) -> torch.Tensor:
-    """Sum of cross-entropy over valid targets, from this rank's logits for [vocab_start, ...). Columns past
-    `vocab_size` (padding the vocabulary to a multiple of tp) get -inf: probability 0, no gradient."""
+    """Sum of cross-entropy (plus z-loss with `z_loss_coef`) over valid targets, from this rank's logits for
+    [vocab_start, ...). Columns past `vocab_size` (padding the vocabulary to a multiple of tp) get -inf:
+    probability 0, no gradient."""
     if vocab_start + logits.shape[-1] > vocab_size:  # a tiny vocabulary can leave a shard all padding
         ids = torch.arange(vocab_start, vocab_start + logits.shape[-1], device=logits.device)
         logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
-    if tp.size == 1:
+    if tp.size == 1 and not z_loss_coef:  # torch's fused kernel
         return torch.nn.functional.cross_entropy(
             logits.flatten(0, -2).float(), targets.flatten(), reduction="sum", ignore_index=ignore_index
         )
-    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, ignore_index, tp)
+    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, ignore_index, tp, z_loss_coef)
 
 
 def gather_full(tensor: torch.Tensor, dim: int | None, tp: TensorParallel, parts: int = 1) -> torch.Tensor:

@@ -76,6 +76,8 @@ from femtotron.serialize.weights import TOKENIZER_FILE, weights_present
 from femtotron.train_state import TrainingParts
 
 LATEST = "latest"
+# The resume source a person named: only its checkpoint may be loaded in part (load_optimizer=false, ...).
+EXPLICIT = "checkpoints.resume_checkpoint_path"
 # The model_config fields that decide the tensors' shapes, and what the experts compute: a checkpoint only
 # loads into an equal model.
 MODEL_FIELDS = (
@@ -461,7 +463,7 @@ def resume_source(config: Config) -> ResumeSource:
                 f"run in {own} (up to {own_latest[0].name}) are not resumed; remove "
                 "resume_checkpoint_path to continue from them"
             )
-        return ResumeSource(path=Path(given), what="checkpoints.resume_checkpoint_path", warnings=warnings)
+        return ResumeSource(path=Path(given), what=EXPLICIT, warnings=warnings)
     if not own_latest:
         return ResumeSource(path=None, what="", warnings=[])
     if not config.checkpoints.auto_resume:
@@ -617,9 +619,7 @@ def check_writable(parts: TrainingParts) -> None:
     decided_by_rank_0(parts.ctx, "whether checkpoints can be written", probe)
 
 
-def load(
-    parts: TrainingParts, path: Path, what: str = "checkpoints.resume_checkpoint_path"
-) -> tuple[str, Path]:
+def load(parts: TrainingParts, path: Path, what: str = EXPLICIT) -> tuple[str, Path]:
     """Restore the run from the checkpoint at (or latest under) `path`; return a line for the log and the
     checkpoint's directory.
 
@@ -646,8 +646,19 @@ def load(
                 reader.verify(name)
             check_model_matches(reader.manifest, parts.config, directory)
             check_data_matches(parts, reader.manifest, directory)
-            load_tensors(parts.model, parts.optimizer, reader)
+            ckpt = parts.config.checkpoints
+            explicit = what == EXPLICIT  # another run's checkpoint: it may be taken in part
+            moments = ckpt.load_optimizer or not explicit
+            load_tensors(parts.model, parts.optimizer, reader, moments=moments)
             summary = restore_counters(parts, reader, directory)
+            if not moments:
+                summary += "; Adam starts afresh from its master weights (checkpoints.load_optimizer=false)"
+            if explicit and not ckpt.load_lr_scheduler:
+                parts.state.lr_schedule_start = parts.state.step
+                summary += (
+                    f"; the lr schedule starts again at step {parts.state.step + 1} "
+                    "(checkpoints.load_lr_scheduler=false)"
+                )
     except FemtotronError as e:
         failure = e
     except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks, or they wait for a timeout
@@ -686,7 +697,11 @@ def fill(
         view[place.valid] = reader.read(tensor, place.target).to(device=view.device, dtype=view.dtype)
 
 
-def load_tensors(model: RankModel, optimizer: ZeroAdamW, reader: CheckpointReader) -> None:
+def load_tensors(
+    model: RankModel, optimizer: ZeroAdamW, reader: CheckpointReader, moments: bool = True
+) -> None:
+    """The weights and the optimizer's master weights; with `moments` Adam's moments and step count too,
+    without them a fresh Adam (zero moments, step 0)."""
     named = model.named_parameters()
     data_parallel = model.data_parallel
 
@@ -697,8 +712,8 @@ def load_tensors(model: RankModel, optimizer: ZeroAdamW, reader: CheckpointReade
         for name, param in named:
             whole = param.data.view(-1)
             fill(whole, param, start=0, stop=param.numel(), reader=reader, tensor=source("master", name))
-        optimizer.prepare_state(int(reader.manifest.get("optimizer_steps", 0)))
-        for kind in ("master", "exp_avg", "exp_avg_sq"):
+        optimizer.prepare_state(int(reader.manifest.get("optimizer_steps", 0)) if moments else 0)
+        for kind in ("master", "exp_avg", "exp_avg_sq") if moments else ("master",):
             for piece, target in zip(data_parallel.pieces, optimizer.state(kind), strict=True):
                 name, param = named[piece.param]
                 offset = data_parallel.offsets[piece.param]
