@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -575,3 +576,100 @@ def test_train_runs_a_nanotron_config_and_its_run_directory_holds_femtotron_s(tm
     saved = tmp_path / "runs" / "tiny_llama" / "config.yaml"
     assert not is_nanotron(yaml.safe_load(saved.read_text()))
     assert load_config(saved) == load_config(path, [output])
+
+
+@pytest.mark.distributed
+def test_a_nanotron_config_at_dp2_tp2_pp2_trains_as_femtotron_s_own_config_of_the_run(tmp_path):
+    """The same run written as nanotron writes it (two data stages, its keys) and in femtotron's own keys,
+    both trained by `femtotron train` on 8 processes: the same losses, step for step, bit for bit."""
+    first = write_patterned_tokens(tmp_path / "first")
+    second = write_patterned_tokens(tmp_path / "second", seed=1)
+    model = {**tiny(tmp_path)["model"]["model_config"], **TINY_MODEL, "num_hidden_layers": 4}
+    layout = {"dp": 2, "tp": 2, "pp": 2, "pp_engine": "1f1b", "tp_mode": "REDUCE_SCATTER"}
+    config = tiny(
+        tmp_path,
+        parallelism={**layout, "expert_parallel_size": 1, "tp_linear_async_communication": True},
+        model__model_config={**model, "z_loss_enabled": True, "z_loss_coefficient": 1e-3},
+        model__dtype="float32",
+        tokenizer={"tokenizer_name_or_path": None},
+        tokens={
+            "sequence_length": 32,
+            "train_steps": 4,
+            "micro_batch_size": 2,
+            "batch_accumulation_per_replica": 2,
+        },
+        optimizer__weight_decay_exclude_named_params=[".*layernorm.*", ".*final_layer_norm.*"],
+        checkpoints={"checkpoint_interval": 0, "checkpoints_path": str(tmp_path / "checkpoints")},
+    )
+    config["data_stages"] = [
+        {
+            "name": "decay",
+            "start_training_step": 3,
+            "data": {
+                "dataset": {"dataset_folder": [first, second], "dataset_weights": [0.5, 0.5]},
+                "seed": 3,
+            },
+        },
+        {
+            "name": "stable",
+            "start_training_step": 1,
+            "data": {"dataset": {"dataset_folder": first}, "seed": 3},
+        },
+    ]
+    own = {
+        "general": {"project": "debug", "run": "own", "seed": 42},
+        "model": {
+            "model_config": {
+                **TINY_MODEL,
+                "num_hidden_layers": 4,
+                "tie_word_embeddings": True,
+                "rms_norm_eps": 1e-5,
+                "max_position_embeddings": 256,
+                "logits_z_loss_coef": 1e-3,
+            },
+            "init_method": {"std": 0.025},
+            "dtype": "float32",
+        },
+        "parallelism": layout,
+        "tokens": {
+            "sequence_length": 32,
+            "train_steps": 4,
+            "micro_batch_size": 2,
+            "batch_accumulation_per_replica": 2,
+        },
+        "optimizer": {
+            "weight_decay_exclude_named_params": [
+                r"layers\.\d+\.input_layernorm\.weight$",
+                r"layers\.\d+\.post_attention_layernorm\.weight$",
+                r"norm\.weight$",
+            ],
+            "learning_rate_scheduler": {
+                **config["optimizer"]["learning_rate_scheduler"],
+                "lr_decay_style": "cosine",
+            },
+        },
+        "data": {
+            "stages": [
+                {"name": "stable", "start_training_step": 1, "dataset_folder": first, "seed": 3},
+                {
+                    "name": "decay",
+                    "start_training_step": 3,
+                    "dataset_folder": {first: 0.5, second: 0.5},
+                    "seed": 3,
+                },
+            ]
+        },
+        "logging": {"output_dir": str(tmp_path / "runs")},
+    }
+    output = f"logging.output_dir={tmp_path / 'runs'}"
+    nanotron_run = femtotron("train", str(write(tmp_path, config)), output, timeout=600)
+    assert nanotron_run.returncode == 0, nanotron_run.stderr
+    own_run = femtotron("train", str(write(tmp_path, own, "own.yaml")), timeout=600)
+    assert own_run.returncode == 0, own_run.stderr
+
+    def losses(run: str) -> list[float]:
+        records = (tmp_path / "runs" / run / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["loss"] for line in records if "loss" in json.loads(line)]
+
+    assert len(losses("tiny_llama")) == 4 and losses("tiny_llama") == losses("own")
+    assert "step 3: data stage 2 of 2, 'decay'" in nanotron_run.stdout
