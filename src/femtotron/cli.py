@@ -402,10 +402,14 @@ def build_parser() -> argparse.ArgumentParser:
     plot.set_defaults(run=cmd_plot)
 
     pre = verbs.add_parser(
-        "preprocess", help="tokenize .jsonl[.gz] / .txt into Megatron .bin/.idx or datatrove .ds files"
+        "preprocess",
+        help="tokenize text (.jsonl[.gz], .txt, a datasets directory) into .bin/.idx or datatrove .ds files",
     )
     pre.add_argument(
-        "--input", required=True, help=".jsonl, .jsonl.gz (one document per line) or .txt (one document)"
+        "--input",
+        required=True,
+        help=".jsonl, .jsonl.gz (one document per line), .txt (one document), a directory of them, or a "
+        "Hugging Face datasets directory (save_to_disk)",
     )
     pre.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json")
     pre.add_argument(

@@ -5,8 +5,9 @@ import math
 
 import numpy as np
 import pytest
-from helpers import tokenize_with_datatrove, write_patterned_tokens
+from helpers import tokenize_with_datatrove, write_patterned_tokens, write_yaml
 
+from femtotron.cli import main
 from femtotron.config import load_config_dict
 from femtotron.data.stages import DataStages, StageStart
 from femtotron.errors import ConfigError
@@ -202,3 +203,20 @@ def test_synthetic_tokens_train_and_say_so(tiny_config, capsys):
     log = capsys.readouterr().out
     assert "data.synthetic: this run trains on random token ids" in log
     assert "random token ids uniform over the vocabulary" in log
+
+
+def test_doctor_and_inspect_data_show_the_stages(
+    tiny_config, datatrove_folder, other_folder, tmp_path, capsys
+):
+    config = two_stages(tiny_config, datatrove_folder, other_folder, "shown", "tokens.train_steps=6")
+    path = write_yaml(config, tmp_path / "staged.yaml")
+    assert main(["doctor", path, "--device", "H100"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"data stages:\n  'stable': steps 1 to 3, {datatrove_folder}, seed 1234\n  'decay': steps 4 to 6"
+        in out
+    )
+    assert main(["inspect-data", path, "--n", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "data stage 1 of 2, 'stable' (steps 1 to 3)" in out and "data stage 2 of 2, 'decay'" in out
+    assert out.count("sample 0: ") == 2 and str(other_folder) in out
