@@ -14,7 +14,7 @@ from femtotron.data.documents import iter_documents
 from femtotron.data.indexed import IndexedDataset
 from femtotron.data.preprocess import preprocess
 from femtotron.data.run_data import open_run_data
-from femtotron.data.text_cache import cached_prefix, tokenize_text_data
+from femtotron.data.text_cache import cached_prefix, tokenize_text_data, tokenizer_digest
 from femtotron.errors import ConfigError, DataError
 from femtotron.parallel.context import ParallelContext
 from femtotron.trainer import Trainer
@@ -75,7 +75,9 @@ def test_text_is_tokenized_once_into_the_cache_as_preprocess_would(
         open_run_data(config)
     lines = tokenize_text_data(config)
     assert len(lines) == 1 and f"tokenized {len(texts)} documents" in lines[0]
-    prefix = cached_prefix(str(hf_dataset), "text", str(tokenizer_path), str(tmp_path / "cache"))
+    prefix = cached_prefix(
+        str(hf_dataset), "text", tokenizer_digest(str(tokenizer_path)), str(tmp_path / "cache")
+    )
     jsonl = tmp_path / "same.jsonl"
     jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
     preprocess(jsonl, tokenizer_path, tmp_path / "reference", progress=False)
@@ -93,13 +95,14 @@ def test_changing_the_text_or_the_tokenizer_tokenizes_again(tmp_path, tokenizer_
     (folder / "b.txt").write_text(texts[1], encoding="utf-8")
     config = text_config(tmp_path, tokenizer_path, str(folder), text_column="body")
     tokenize_text_data(config)
-    first = cached_prefix(str(folder), "body", str(tokenizer_path), str(tmp_path / "cache"))
+    digest = tokenizer_digest(str(tokenizer_path))
+    first = cached_prefix(str(folder), "body", digest, str(tmp_path / "cache"))
     assert IndexedDataset(first).num_documents == 2
     (folder / "b.txt").write_text(texts[2] + " more", encoding="utf-8")
-    second = cached_prefix(str(folder), "body", str(tokenizer_path), str(tmp_path / "cache"))
+    second = cached_prefix(str(folder), "body", digest, str(tmp_path / "cache"))
     assert second != first
     assert "tokenized 2 documents" in tokenize_text_data(config)[0]
-    assert cached_prefix(str(folder), "text", str(tokenizer_path), str(tmp_path / "cache")) != second
+    assert cached_prefix(str(folder), "text", digest, str(tmp_path / "cache")) != second
 
 
 def test_a_hub_name_or_missing_tokenizer_is_refused_with_the_fix(tmp_path, tokenizer_path):

@@ -405,12 +405,10 @@ def text_needs_a_tokenizer(cfg: ConfigFields) -> Problem | None:
     """Text is tokenized at start with the run's tokenizer: there must be one."""
     if cfg.tokenizer.tokenizer_name_or_path is not None:
         return None
-    stages = cfg.data.stages
     for index, stage in enumerate(cfg.data.stage_list()):
         if stage.text_dataset is not None:
-            where = f"data.stages.{index}.text_dataset" if stages else "data.text_dataset"
             return Problem(
-                (where, "tokenizer.tokenizer_name_or_path"),
+                (f"{cfg.data.stage_path(index)}.text_dataset", "tokenizer.tokenizer_name_or_path"),
                 "text is tokenized at start with the run's tokenizer, and none is set. Fix: set "
                 "tokenizer.tokenizer_name_or_path to a tokenizer.json or a Hugging Face tokenizer directory.",
             )

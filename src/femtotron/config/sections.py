@@ -24,6 +24,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -289,21 +290,24 @@ class OptimizerArgs(_Section):
 
 
 DatasetSpec = str | list[str] | dict[str, float]
-_SPEC_SHAPE = (
-    "must be a .bin/.idx path prefix or directory (string), a list of them, or a mapping {prefix: weight}"
-)
+_SPEC_SHAPES = {
+    "text_dataset": "must be a path to text (string), a list of them, or a mapping {path: weight}",
+    "tokens": "must be a .bin/.idx path prefix or directory (string), a list of them, or a mapping "
+    "{prefix: weight}",
+}
 
 
-def _checked_spec(value: Any, handler: Any) -> Any:
+def _checked_spec(value: Any, handler: Any, info: ValidationInfo) -> Any:
     """Replace pydantic's three union-branch errors with one sentence, and reject empty specs."""
     if value is None:
         return handler(value)
+    shape = _SPEC_SHAPES["text_dataset" if info.field_name == "text_dataset" else "tokens"]
     try:
         spec = handler(value)
     except ValidationError:
-        raise ValueError(_SPEC_SHAPE) from None
+        raise ValueError(shape) from None
     if not spec:
-        raise ValueError(_SPEC_SHAPE + ", and not empty")
+        raise ValueError(shape + ", and not empty")
     if isinstance(spec, dict) and not all(math.isfinite(w) and w > 0 for w in spec.values()):
         raise ValueError(
             "every blend weight must be a finite number > 0 (drop a dataset instead of giving it weight 0)"
@@ -330,8 +334,8 @@ class DataSource(_Section):
 
     @field_validator("dataset_folder", "text_dataset", mode="wrap")
     @classmethod
-    def _one_clear_error(cls, value: Any, handler: Any) -> Any:
-        return _checked_spec(value, handler)
+    def _one_clear_error(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        return _checked_spec(value, handler, info)
 
     @property
     def sources_set(self) -> list[str]:
@@ -358,6 +362,12 @@ class DataStage(DataSource):
 ONLY_STAGE = "training"
 
 
+def stage_end(stages: list[DataStage], index: int) -> int | None:
+    """The last step of stage `index`: the one before the next stage starts; None for the last stage."""
+    following = index + 1
+    return stages[following].start_training_step - 1 if following < len(stages) else None
+
+
 class DataArgs(DataSource):
     """The training data: one source here, or `stages`, each with its own source, switching at their steps."""
 
@@ -368,8 +378,12 @@ class DataArgs(DataSource):
 
     @field_validator("validation_folder", mode="wrap")
     @classmethod
-    def _one_clear_validation_error(cls, value: Any, handler: Any) -> Any:
-        return _checked_spec(value, handler)
+    def _one_clear_validation_error(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        return _checked_spec(value, handler, info)
+
+    def stage_path(self, index: int) -> str:
+        """Where stage `index`'s keys are in the config: `data.stages.<index>`, or `data` without stages."""
+        return f"data.stages.{index}" if self.stages else "data"
 
     def stage_list(self) -> list[DataStage]:
         """The run's stages in order, each with its seed resolved: `stages`, or the one this section is."""

@@ -134,8 +134,7 @@ def open_run_data(config: Config) -> tuple[DataStages, Nanoset | None, Tokenizer
     val = open_nanoset(validation, sequence, config.data.seed) if validation is not None else None
     tokenizer = tokenizer_for_model(config.tokenizer.tokenizer_name_or_path, vocab)
     for i, nanoset in enumerate(train.nanosets):
-        key = f"data.stages.{i}.dataset_folder" if config.data.stages else "data.dataset_folder"
-        check_token_range(nanoset, vocab, key)
+        check_token_range(nanoset, vocab, f"{config.data.stage_path(i)}.dataset_folder")
     if val is not None:
         check_token_range(val, vocab, key="data.validation_folder")
     return train, val, tokenizer

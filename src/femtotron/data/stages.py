@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from femtotron.config import Config
-from femtotron.config.sections import DataSource
+from femtotron.config.sections import DataSource, stage_end
 from femtotron.data.nanoset import Dataset, Nanoset, open_nanoset
 from femtotron.data.synthetic import SyntheticTokens
 from femtotron.data.text_cache import tokenized_spec
@@ -137,9 +137,8 @@ class DataStages:
     def describe(self, index: int, nanoset: Nanoset) -> str:
         """A stage's name, steps and datasets, with where each continues, for the log."""
         stage = self.stages[index]
-        last = (
-            f"{self.stages[index + 1].start_training_step - 1}" if index + 1 < len(self.stages) else "the end"
-        )
+        end = stage_end(self.stages, index)
+        last = "the end" if end is None else str(end)
         parts = []
         for dataset, weight, skip in zip(nanoset.datasets, nanoset.weights, nanoset.skip, strict=True):
             share = f" ({weight:.0%})" if len(nanoset.datasets) > 1 else ""

@@ -59,28 +59,31 @@ def _missing(path: str, where: str, tokenizer: str) -> DataError:
     )
 
 
-def cached_prefix(path: str, text_column: str, tokenizer_path: str, directory: str) -> str:
-    """Where the tokens of text source `path` are (or will be) cached: a .bin/.idx prefix in `directory`."""
+def tokenizer_digest(tokenizer_path: str) -> str:
+    """What decides a tokenizer's ids (its vocabulary and rules): read once per config, not once per path."""
+    return hashlib.sha256(load_tokenizer(tokenizer_path).to_str().encode()).hexdigest()
+
+
+def cached_prefix(path: str, text_column: str, tokenizer: str, directory: str) -> str:
+    """Where the tokens of text source `path` are (or will be) cached: a .bin/.idx prefix in `directory`.
+    `tokenizer`: the tokenizer's digest (`tokenizer_digest`)."""
     digest = hashlib.sha256()
     for file in _inputs(path):
         stat = os.stat(file)
         digest.update(f"{os.path.relpath(file, path)}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
-    digest.update(f"column:{text_column}\n".encode())
-    digest.update(load_tokenizer(tokenizer_path).to_str().encode())
+    digest.update(f"column:{text_column}\ntokenizer:{tokenizer}\n".encode())
     name = os.path.basename(os.path.normpath(path)) or "text"
     return os.path.join(directory, f"{name}-{digest.hexdigest()[:16]}")
 
 
 def _sources(config: Config) -> Iterator[tuple[str, DataSource]]:
     """(where in the config, source) of every text source."""
-    stages = config.data.stages
     for index, stage in enumerate(config.data.stage_list()):
         if stage.text_dataset is not None:
-            where = f"data.stages.{index}" if stages else "data"
-            yield where, stage
+            yield config.data.stage_path(index), stage
 
 
-def text_paths(source: DataSource) -> list[str]:
+def _text_paths(source: DataSource) -> list[str]:
     spec = source.text_dataset
     return [spec] if isinstance(spec, str) else list(spec)
 
@@ -88,7 +91,7 @@ def text_paths(source: DataSource) -> list[str]:
 def tokenized_spec(source: DataSource, config: Config) -> str | list[str] | dict[str, float]:
     """The source's text_dataset with each path replaced by its cached tokens (weights kept)."""
     directory = cache_dir(config)
-    tokenizer = config.tokenizer.tokenizer_name_or_path
+    tokenizer = tokenizer_digest(config.tokenizer.tokenizer_name_or_path)
     column = source.text_column
 
     def cached(path: str) -> str:
@@ -114,12 +117,16 @@ def tokenize_text_data(config: Config) -> list[str]:
     lines = []
     directory = cache_dir(config)
     tokenizer = config.tokenizer.tokenizer_name_or_path
+    sources = list(_sources(config))
+    for where, source in sources:  # a path that is not here, before the tokenizer is read
+        missing = [path for path in _text_paths(source) if not os.path.exists(path)]
+        if missing:
+            raise _missing(missing[0], where, tokenizer)
+    digest = tokenizer_digest(tokenizer) if sources else ""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    for where, source in _sources(config):
-        for path in text_paths(source):
-            if not os.path.exists(path):
-                raise _missing(path, where, tokenizer)
-            prefix = cached_prefix(path, source.text_column, tokenizer, directory)
+    for where, source in sources:
+        for path in _text_paths(source):
+            prefix = cached_prefix(path, source.text_column, digest, directory)
             if os.path.isfile(f"{prefix}.bin") and os.path.isfile(f"{prefix}.idx"):
                 lines.append(f"{where}.text_dataset {path}: tokenized already, reading {prefix}.bin/.idx")
                 continue

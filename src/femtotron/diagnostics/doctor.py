@@ -14,6 +14,7 @@ import torch
 
 from femtotron.config import Config, check_world_size
 from femtotron.config.rules import rule_problems, with_changes
+from femtotron.config.sections import stage_end
 from femtotron.diagnostics.advice import config_warnings, imbalance_warning, pipeline_bubble
 from femtotron.diagnostics.memory import (
     GIB,
@@ -301,8 +302,7 @@ def data_plan(config: Config) -> list[str]:
     stages = config.data.stage_list()
     lines = ["data stages:"] if len(stages) > 1 else []
     for i, stage in enumerate(stages):
-        following = stages[i + 1].start_training_step if i + 1 < len(stages) else None
-        last = following - 1 if following else config.tokens.train_steps
+        last = stage_end(stages, i) or config.tokens.train_steps
         source = "random tokens (synthetic)" if stage.synthetic else f"{stage.dataset_folder}"
         if len(stages) == 1:
             lines.append(f"data: {source}, seed {stage.seed}")

@@ -3,6 +3,7 @@ warnings about legal but risky settings (N1, N2, P2, M3, T3)."""
 
 from __future__ import annotations
 
+from femtotron.config.sections import stage_end
 from femtotron.diagnostics.advice import config_warnings, imbalance_warning, pipeline_bubble
 from femtotron.parallel.pipeline.partition import stage_map
 from femtotron.train_state import TrainingParts
@@ -73,8 +74,7 @@ def data_lines(parts: TrainingParts) -> list[str]:
     data = parts.data
     lines = []
     for i, (stage, nanoset) in enumerate(zip(data.stages, data.nanosets, strict=True)):
-        following = data.stages[i + 1].start_training_step if i + 1 < len(data.stages) else None
-        last = min(config.tokens.train_steps, following - 1) if following else config.tokens.train_steps
+        last = min(config.tokens.train_steps, stage_end(data.stages, i) or config.tokens.train_steps)
         steps = max(last - stage.start_training_step + 1, 0)
         name = f"data stage {stage.name!r} (steps {stage.start_training_step} to {last}): "
         if stage.synthetic:
