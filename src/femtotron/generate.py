@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from femtotron.config import Config
 from femtotron.data.tokenizer import eos_token_id, load_tokenizer
@@ -47,7 +50,7 @@ def sample(
     temperature: float = 0.8,
     top_k: int | None = 50,
     seed: int = 0,
-    stop_id: int | None = None,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> list[int]:
     """Autoregressive sampling (temperature 0: greedy) with a key/value cache. When the context outgrows the
     model's max_position_embeddings it is cropped to its last half and the cache rebuilt from those tokens:
@@ -76,9 +79,39 @@ def sample(
             next_id = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
         ids.append(next_id)
         feed = [next_id]
-        if next_id == stop_id:
+        if next_id in stop_ids:
             break
-    return [i for i in ids[len(prompt_ids) :] if i != stop_id]
+    return [i for i in ids[len(prompt_ids) :] if i not in stop_ids]
+
+
+@dataclass(frozen=True)
+class PromptConvention:
+    """How a prompt becomes the model's first tokens, and which tokens end the text."""
+
+    prompt_ids: list[int]
+    stop_ids: frozenset[int]
+    description: str  # for the log
+
+
+def prompt_convention(config: Config, tokenizer: Tokenizer, prompt: str) -> PromptConvention:
+    """The conventions the model was trained with (`tokenizer.add_special_tokens`): a Hugging Face model's
+    tokenizer post-processor (BOS, or nothing) and its generation_config.json's EOS ids; or, for a model
+    femtotron trained on EOS-separated documents, an EOS first, as a fresh document begins."""
+    if config.tokenizer.add_special_tokens:
+        prompt_ids = tokenizer.encode(prompt).ids
+        stop_ids = frozenset(config.tokenizer.eos_token_ids) or frozenset({eos_token_id(tokenizer)})
+        added = prompt_ids[: len(prompt_ids) - len(tokenizer.encode(prompt, add_special_tokens=False).ids)]
+        begins = f"with {tokenizer.decode(added, skip_special_tokens=False)!r}" if added else "with nothing"
+        description = f"the tokenizer's post-processor begins the prompt {begins}"
+    else:
+        eos = eos_token_id(tokenizer)
+        prompt_ids = [eos] + tokenizer.encode(prompt, add_special_tokens=False).ids
+        stop_ids = frozenset({eos})
+        description = (
+            f"the prompt begins after EOS ({tokenizer.id_to_token(eos)!r}), as a document in training"
+        )
+    names = ", ".join(repr(tokenizer.id_to_token(i)) for i in sorted(stop_ids))
+    return PromptConvention(prompt_ids, stop_ids, f"{description}; generation stops at {names}")
 
 
 def generate_text(
@@ -101,16 +134,15 @@ def generate_text(
             )
         tokenizer_path = Path(config.tokenizer.tokenizer_name_or_path)
     tokenizer = load_tokenizer(tokenizer_path)
-    eos = eos_token_id(tokenizer)
-    # Documents were separated by EOS in training, so EOS is also how a fresh document begins.
-    prompt_ids = [eos] + tokenizer.encode(prompt, add_special_tokens=False).ids
+    convention = prompt_convention(config, tokenizer, prompt)
+    print(f"generate: {convention.description}", file=sys.stderr)
     new_ids = sample(
         model,
-        prompt_ids,
+        convention.prompt_ids,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
         seed=seed,
-        stop_id=eos,
+        stop_ids=convention.stop_ids,
     )
     return prompt + tokenizer.decode(new_ids)

@@ -50,10 +50,11 @@ def emulated_low_precision(x: torch.Tensor) -> bool:
     return x.dtype != torch.float32 and on_this_cpu(x) and not native_on_cpu
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if emulated_low_precision(x):
-        return F.linear(x.float(), weight.float()).to(x.dtype)
-    return F.linear(x, weight)
+        fp32_bias = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), fp32_bias).to(x.dtype)
+    return F.linear(x, weight, bias)
 
 
 # torch._grouped_mm exists from torch 2.8 (CUDA only), with a CPU kernel from 2.9.

@@ -114,6 +114,14 @@ def working_tp(cfg: ConfigFields) -> list[int]:
 def heads_split_hidden(cfg: ConfigFields) -> Problem | None:
     m = cfg.model.model_config_
     fields = (M + "hidden_size", M + "num_attention_heads")
+    if m.head_dim != m.hidden_size // m.num_attention_heads:  # set on its own (Qwen3): need not fill hidden
+        if m.head_dim % 2 == 0:
+            return None
+        return Problem(
+            (M + "head_dim",),
+            f"head_dim={m.head_dim} is odd; RoPE rotates pairs of dims, so it must be even. Fix: head_dim="
+            f"{m.head_dim + 1}.",
+        )
     if m.hidden_size % m.num_attention_heads:
         return Problem(
             fields,
@@ -220,6 +228,18 @@ def layers_within_bound(cfg: ConfigFields) -> Problem | None:
         (M + "num_hidden_layers",),
         f"num_hidden_layers={layers} is more than {MAX_LAYERS} (rule: at most {MAX_LAYERS}; the largest "
         f"models have about 130). Fix: num_hidden_layers={MAX_LAYERS} or fewer; check the config's source.",
+    )
+
+
+def no_rope_layers_exist(cfg: ConfigFields) -> Problem | None:
+    m = cfg.model.model_config_
+    outside = sorted(i for i in set(m.no_rope_layers) if i >= m.num_hidden_layers)
+    if not outside:
+        return None
+    return Problem(
+        (M + "no_rope_layers", M + "num_hidden_layers"),
+        f"no_rope_layers lists layers {outside}, but the model has layers 0 to {m.num_hidden_layers - 1}. "
+        "Fix: list the indices (from 0) of layers that exist.",
     )
 
 
@@ -452,6 +472,7 @@ RULES: list[Callable[[ConfigFields], Problem | None]] = [
     experts_split_over_tp_and_ep,
     experts_split_over_data_parallel_ranks,
     layers_within_bound,
+    no_rope_layers_exist,
     enough_layers_for_the_stages,
     interleaving_needs_several_ranks,
     interleaving_needs_several_chunks,

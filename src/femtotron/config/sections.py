@@ -108,18 +108,33 @@ class LlamaConfig(_Section):
     # PaLM's z-loss on the LM head: each counted token adds coef * log(Z)^2 (Z the softmax's normaliser) to
     # the loss, keeping the logits from drifting upwards in long bf16 runs (1e-4 is usual); 0: off.
     logits_z_loss_coef: NonNegativeFloat = 0.0
+    # The features the model families of models/families.py turn on, each usable on its own.
+    head_dim: PositiveInt | None = None  # None: hidden_size / num_attention_heads (Qwen3 sets its own)
+    qkv_bias: bool = False  # biases on q, k and v (Qwen2, Qwen2.5, Qwen2-MoE)
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3, Qwen3-MoE)
+    no_rope_layers: list[NonNegativeInt] = []  # layers whose attention has no RoPE (SmolLM3: every 4th)
+    # Granite's scalings: the embedding's output and each block's residual branch multiplied, the attention
+    # scores scaled by attention_multiplier instead of 1/sqrt(head_dim), the logits divided by logits_scaling.
+    embedding_multiplier: PositiveFloat = 1.0
+    residual_multiplier: PositiveFloat = 1.0
+    attention_multiplier: PositiveFloat | None = None
+    logits_scaling: PositiveFloat = 1.0
 
     @model_validator(mode="after")
-    def _resolve_kv_heads(self) -> LlamaConfig:
+    def _resolve_heads(self) -> LlamaConfig:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
         return self
 
     # The model's numbers, computed here once: the model, the pipeline partition, MFU and the rules use them.
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def attention_width(self) -> int:
+        """The width of the query heads together, and of the attention output: hidden_size unless head_dim is
+        set apart from it."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def layer_parameters(self) -> int:
@@ -135,8 +150,15 @@ class LlamaConfig(_Section):
     def _attention_and_norms(self) -> int:
         h = self.hidden_size
         kv = self.num_key_value_heads * self.head_dim  # the width of k and of v: smaller than h under GQA
-        # q and o are h x h, k and v are h x kv, and each RMSNorm has h weights.
-        return 2 * h * h + 2 * h * kv + 2 * h
+        # q and o are h x attention_width, k and v are h x kv, and each RMSNorm has h weights.
+        matrices = 2 * h * self.attention_width + 2 * h * kv
+        return matrices + self._attention_vectors + 2 * h
+
+    @property
+    def _attention_vectors(self) -> int:
+        """The q, k, v biases and the q/k norms' weights: parameters that are not matmul weights."""
+        biases = (self.attention_width + 2 * self.num_key_value_heads * self.head_dim) * self.qkv_bias
+        return biases + 2 * self.head_dim * self.qk_norm
 
     def _mlp_parameters(self, active: bool) -> int:
         h = self.hidden_size
@@ -166,9 +188,10 @@ class LlamaConfig(_Section):
 
     def layer_flops(self, sequence_length: int) -> float:
         """Forward FLOPs per token of one decoder layer: 2 per matmul weight it goes through, and causal
-        attention's scores and weighted sum (4 * sequence * hidden in full, halved by the causal mask)."""
-        matmuls = self.active_layer_parameters - 2 * self.hidden_size
-        return 2.0 * matmuls + 2.0 * sequence_length * self.hidden_size
+        attention's scores and weighted sum (4 * sequence * attention_width in full, halved by the causal
+        mask)."""
+        matmuls = self.active_layer_parameters - 2 * self.hidden_size - self._attention_vectors
+        return 2.0 * matmuls + 2.0 * sequence_length * self.attention_width
 
     @property
     def head_flops(self) -> float:
@@ -197,10 +220,18 @@ class ModelArgs(_Section):
     document_masking: bool = False
     # The first weights: a Hugging Face Llama directory, a run directory or a checkpoint (serialize/init.py).
     init_from: str | None = None
+    # The transformers class `export-hf` writes (import-hf sets the one it read; models/families.py lists
+    # them). None: the first whose model computes model_config.
+    hf_architecture: str | None = None
 
 
 class TokenizerArgs(_Section):
     tokenizer_name_or_path: str | None = None  # path to a tokenizer.json
+    # How `generate` begins a prompt. False: after the EOS token, as femtotron's data separates documents.
+    # True: with what the tokenizer's post-processor adds (a BOS, or nothing), as a Hugging Face model was
+    # trained; import-hf sets it, with the ids its generation_config.json stops at.
+    add_special_tokens: bool = False
+    eos_token_ids: list[NonNegativeInt] = []  # the ids generation stops at; empty: the tokenizer's EOS
 
 
 class ParallelismArgs(_Section):

@@ -5,6 +5,10 @@ matmul, and contiguous per-tp-rank blocks; `models/hf_conversion.py` maps them):
 key/value head its group's query heads, then its key, then its value (Megatron's layout: a tp rank's rows
 are whole GQA groups); `mlp.gate_up_proj`, gate and up as one (2, intermediate_size, hidden_size) weight.
 Every parameter is made by `make_param` and carries its `ShardInfo`.
+
+The features other model families add (config/sections.py `LlamaConfig`, models/families.py says which
+family turns on which) are each a few lines here: biases on qkv_proj, per-head q/k norms, a head_dim of its
+own, layers without RoPE, and Granite's multipliers.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from femtotron.parallel.tensor_parallel import (
     enter_column_parallel,
     gather_full,
     shard_size,
+    sum_gradient_over_tp,
     vocab_parallel_cross_entropy,
 )
 from femtotron.precision import linear
@@ -66,6 +71,22 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 (bf16 loses the small variances), scale in the model's dtype.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class HeadNorm(nn.Module):
+    """An RMSNorm over each query or key head (Qwen3's q_norm, k_norm): one (head_dim,) weight shared by every
+    head. A tp rank normalises its own heads, so the weight's gradient is summed over tp."""
+
+    def __init__(self, make: ParamFactory, name: str, head_dim: int, eps: float, tp: TensorParallel) -> None:
+        super().__init__()
+        self.eps = eps
+        self.tp = tp
+        self.weight = make(f"{name}.weight", (head_dim,), None)  # replicated over tp
+        self.output_split_dim = 1  # (batch, heads, sequence, head_dim): the heads are split over tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = sum_gradient_over_tp(self.weight, self.tp)
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class KVCache:
@@ -147,9 +168,10 @@ class Attention(nn.Module):
         name: str,
         cfg: LlamaConfig,
         out_std: float,
-        rotary: Rotary,
+        rotary: Rotary | None,
         parallel: Parallel,
     ) -> None:
+        """`rotary` None: no position embedding in this layer (`no_rope_layers`)."""
         super().__init__()
         tp = parallel.tp
         heads = cfg.num_attention_heads
@@ -166,11 +188,25 @@ class Attention(nn.Module):
         self.group_size = heads // kv_heads
         self.local_kv_heads = kv_heads // tp.size
         qkv_rows = (heads + 2 * kv_heads) * self.head_dim
-        self.qkv_proj = ColumnParallelLinear(make, f"{name}.qkv_proj", hidden, qkv_rows, make.std, tp)
-        self.o_proj = RowParallelLinear(make, f"{name}.o_proj", heads * self.head_dim, hidden, out_std, tp)
+        self.qkv_proj = ColumnParallelLinear(
+            make, f"{name}.qkv_proj", hidden, qkv_rows, make.std, tp, bias=cfg.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(make, f"{name}.o_proj", cfg.attention_width, hidden, out_std, tp)
+        self.q_norm = None
+        self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = HeadNorm(make, f"{name}.q_norm", self.head_dim, cfg.rms_norm_eps, tp)
+            self.k_norm = HeadNorm(make, f"{name}.k_norm", self.head_dim, cfg.rms_norm_eps, tp)
         self.rotary = rotary
+        # The kernels scale the scores by 1/sqrt(head_dim): another scale (Granite's) is applied to q.
+        self.query_scale = 1.0
+        if cfg.attention_multiplier is not None:
+            self.query_scale = cfg.attention_multiplier * math.sqrt(self.head_dim)
         self.cp = parallel.cp
         self.output_split_dim = self.o_proj.output_split_dim
+
+    def _positioned(self, x: torch.Tensor, positions: int | torch.Tensor) -> torch.Tensor:
+        return x if self.rotary is None else self.rotary(x, positions)
 
     def forward(
         self, x: torch.Tensor, cache: KVCache | None = None, placement: TokenPlacement | None = None
@@ -181,14 +217,19 @@ class Attention(nn.Module):
         q = qkv[:, :, :, :-2].reshape(b, s, -1, self.head_dim).transpose(1, 2)
         k = qkv[:, :, :, -2].transpose(1, 2)
         v = qkv[:, :, :, -1].transpose(1, 2)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
         if placement is not None:  # a cp rank's part of the sequences, or documents (or both)
-            q = self.rotary(q, placement.positions)
-            k = self.rotary(k, placement.positions)
+            q = self._positioned(q, placement.positions)
+            k = self._positioned(k, placement.positions)
             out = ring_attention(q, k, v, placement, self.cp)
         else:
             start = cache.length if cache is not None else 0
-            q = self.rotary(q, start)
-            k = self.rotary(k, start)
+            q = self._positioned(q, start)
+            k = self._positioned(k, start)
             if cache is not None:
                 k, v = cache.extend(self, k, v)
             # Against a cache the new position sees all the earlier ones (one at a time after the first).
@@ -231,7 +272,8 @@ class DecoderLayer(nn.Module):
         hidden = cfg.hidden_size
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(make, f"{name}.input_layernorm", hidden, eps, tp)
-        self.self_attn = Attention(make, f"{name}.self_attn", cfg, out_std, rotary, parallel)
+        layer_rotary = None if index in cfg.no_rope_layers else rotary
+        self.self_attn = Attention(make, f"{name}.self_attn", cfg, out_std, layer_rotary, parallel)
         self.post_attention_layernorm = RMSNorm(make, f"{name}.post_attention_layernorm", hidden, eps, tp)
         if cfg.moe is None:
             self.mlp = MLP(make, f"{name}.mlp", hidden, cfg.intermediate_size, out_std, tp)
@@ -240,12 +282,16 @@ class DecoderLayer(nn.Module):
             shared_mlp = MLP(make, f"{name}.mlp.shared_expert", hidden, inner, out_std, tp) if inner else None
             self.mlp = MoE(make, f"{name}.mlp", index, cfg, out_std, parallel, stats, shared_mlp)
         self.output_split_dim = self.mlp.output_split_dim
+        self.residual_multiplier = cfg.residual_multiplier
 
     def forward(
         self, x: torch.Tensor, cache: KVCache | None = None, placement: TokenPlacement | None = None
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cache, placement)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self._scaled(self.self_attn(self.input_layernorm(x), cache, placement))
+        return x + self._scaled(self.mlp(self.post_attention_layernorm(x)))
+
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        return branch if self.residual_multiplier == 1.0 else branch * self.residual_multiplier
 
 
 class DecoderLayers(nn.ModuleDict):
@@ -320,7 +366,11 @@ class Llama(nn.Module):
     def hidden_states(
         self, inputs: torch.Tensor, cache: KVCache | None = None, placement: TokenPlacement | None = None
     ) -> torch.Tensor:
-        x = self.embed_tokens(inputs) if self.stage.embedding else inputs
+        x = inputs
+        if self.stage.embedding:
+            x = self.embed_tokens(inputs)
+            if self.cfg.embedding_multiplier != 1.0:
+                x = x * self.cfg.embedding_multiplier
         recompute = self.recompute_layer and torch.is_grad_enabled()
         for layer in self.layers.values():
             # Non-reentrant checkpoint: backward runs through the ordinary autograd graph (the
@@ -343,8 +393,10 @@ class Llama(nn.Module):
         """Logits for this rank's vocabulary shard [vocab_start, vocab_start + padded_vocab / tp)."""
         x = self.norm(x)
         if self.cfg.tie_word_embeddings:
-            return linear(enter_column_parallel(x, self.tp), self.embed_tokens.weight)
-        return self.lm_head(x)
+            logits = linear(enter_column_parallel(x, self.tp), self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(x)
+        return logits if self.cfg.logits_scaling == 1.0 else logits / self.cfg.logits_scaling
 
     def run_stage(
         self, inputs: torch.Tensor, targets: torch.Tensor, placement: TokenPlacement | None = None

@@ -86,6 +86,15 @@ def enter_column_parallel(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return _conjugates(x, tp, ahead=_same, back=_sum)
 
 
+def sum_gradient_over_tp(weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """A weight every tp rank holds whole but applies to its own heads only (the q/k norms): its gradient
+    summed over tp. Under REDUCE_SCATTER the trainer sums every replicated weight's gradient over tp already
+    (each rank saw part of the sequence), so there it is the weight as it is."""
+    if tp.size == 1 or tp.sequence_parallel:
+        return weight
+    return _conjugates(weight, tp, ahead=_same, back=_sum)
+
+
 def leave_row_parallel(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Sum a row-parallel layer's partial outputs: whole (ALL_REDUCE) or this rank's sequence shard."""
     if tp.size == 1:
@@ -195,8 +204,9 @@ def _split(name: str, what: str, n: int, tp: TensorParallel) -> None:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T, W's rows (output features) split over tp, the output too. `parts` > 1: (parts, d_out, d_in),
-    split along d_out (MLP gate, up): one matmul, output [part 0 | part 1 | ...] of this rank's features."""
+    """y = x W^T (+ b), W's rows (output features) split over tp, the output and `bias` too. `parts` > 1:
+    (parts, d_out, d_in), split along d_out (MLP gate, up): one matmul, output [part 0 | part 1 | ...] of this
+    rank's features."""
 
     def __init__(
         self,
@@ -208,6 +218,7 @@ class ColumnParallelLinear(nn.Module):
         tp: TensorParallel,
         pad: bool = False,
         parts: int = 1,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         if not pad:
@@ -220,11 +231,15 @@ class ColumnParallelLinear(nn.Module):
             shape = (parts, d_out, d_in)
             dim = 1
         self.weight = make(f"{name}.weight", shape, std, shard_dim=dim, rank=tp.rank, world=tp.size)
+        self.bias = None
+        if bias:  # zeros at init, split with the weight's rows
+            self.bias = make(f"{name}.bias", shape[:-1], 0.0, shard_dim=dim, rank=tp.rank, world=tp.size)
         self.output_split_dim = -1
         self.output_parts = parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(enter_column_parallel(x, self.tp), self.weight.flatten(0, -2))
+        bias = None if self.bias is None else self.bias.flatten()
+        return linear(enter_column_parallel(x, self.tp), self.weight.flatten(0, -2), bias)
 
 
 class RowParallelLinear(nn.Module):

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from femtotron.atomic import atomic_path, remove
-from femtotron.config import Config
+from femtotron.config import Config, LlamaConfig
 from femtotron.crash_points import crash_point
 from femtotron.data.run_data import data_changes, data_identity, stage_identity
 from femtotron.errors import ConfigError, FemtotronError
@@ -94,6 +94,14 @@ MODEL_FIELDS = (
     "moe.num_shared_experts",
     "moe.shared_expert_gate",
     "moe.router_norm",
+    "head_dim",
+    "qkv_bias",
+    "qk_norm",
+    "no_rope_layers",
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "logits_scaling",
 )
 
 
@@ -550,13 +558,15 @@ def already_done(config: Config) -> str | None:
 
 
 def model_differences(saved: dict[str, Any], config: Config, where: str, fields=MODEL_FIELDS) -> list[str]:
-    """The model_config fields (by default those that decide the tensors' shapes) that differ, as lines."""
+    """The model_config fields (by default those that decide the tensors' shapes and what the model computes
+    with them) that differ, as lines. `saved` is read as a LlamaConfig: a manifest written before a field
+    existed has its default."""
 
     def flat(values: dict[str, Any]) -> dict[str, Any]:  # moe's keys as moe.KEY; its dense MLP size is unused
         moe = {f"moe.{key}": value for key, value in (values.get("moe") or {}).items()}
         return values | moe | ({"intermediate_size": None} if moe else {})
 
-    theirs = flat(saved)
+    theirs = flat(LlamaConfig.model_validate(saved).model_dump(mode="json"))
     ours = flat(config.model.model_config_.model_dump(mode="json"))
     return [
         f"model.model_config.{field}: {where} {theirs.get(field)!r}, config {ours.get(field)!r}"

@@ -14,6 +14,7 @@ The names, and the two fused weights, are mapped by models/hf_conversion.py. Onl
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterator
@@ -31,7 +32,16 @@ from femtotron.config import Config, LlamaConfig, load_config_dict
 from femtotron.data.tokenizer import load_tokenizer
 from femtotron.errors import ConfigError, FemtotronError, PathError
 from femtotron.layout import DTYPES
-from femtotron.models.hf_conversion import from_hf, hf_kind, to_hf
+from femtotron.models.families import (
+    BY_ARCHITECTURE,
+    BY_MODEL_TYPE,
+    FIELDS,
+    REFUSED,
+    Family,
+    family_of,
+    sliding_layers,
+)
+from femtotron.models.hf_conversion import from_hf, to_hf
 from femtotron.serialize.weights import (
     CONFIG_FILE,
     TOKENIZER_FILE,
@@ -45,31 +55,9 @@ from femtotron.serialize.weights import (
 
 HF_CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"  # which file holds which tensor, when the weights are split
-# config.json keys that are LlamaConfig fields of the same name and meaning.
-FIELDS = tuple(
-    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
-    "max_position_embeddings rms_norm_eps tie_word_embeddings hidden_act".split()
-)
+GENERATION_CONFIG = "generation_config.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-# The architectures read and written, by config.json's "architectures" and "model_type".
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-}
-# Per model type, what femtotron's model does not have, with the value that means "not used".
-ABSENT = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1, "sliding_window": None}
-ABSENT_IN = {
-    "llama": ABSENT,
-    "mixtral": ABSENT | {"router_jitter_noise": 0.0},
-    # Qwen2-MoE writes sliding_window 0 and says whether it is used
-    "qwen2_moe": {
-        "qkv_bias": False,
-        "use_sliding_window": False,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-    },
-}
 
 
 class HFError(FemtotronError):
@@ -78,69 +66,61 @@ class HFError(FemtotronError):
     exit_code = 2
 
 
-def llama_config(hf: dict[str, Any], where: Path) -> LlamaConfig:
-    """LlamaConfig from an HF config.json's contents; what femtotron's Llama does not compute is refused."""
-    problems = []
-    architectures = hf.get("architectures") or [hf.get("model_type")]
-    kinds = [ARCHITECTURES.get(name, name) for name in architectures]  # a class, or a model_type
-    model_type = kinds[0] if len(kinds) == 1 and kinds[0] in ABSENT_IN else "llama"
-    if kinds != [model_type]:
-        problems.append(f"architectures={architectures}: {', '.join(ARCHITECTURES)} are supported")
-    if model_type == "qwen2_moe":  # transformers' default, which Qwen's own config.json files leave implicit
-        hf = {"qkv_bias": True} | hf
-    problems += [
-        f"{key}={hf[key]!r}: femtotron's model has none (needs {default!r})"
-        for key, default in ABSENT_IN[model_type].items()
-        if hf.get(key, default) != default
+def family_in(hf: dict[str, Any], where: Path) -> Family:
+    """The family config.json names by its "architectures" (or, without them, its "model_type")."""
+    architectures = hf.get("architectures") or []
+    named = [BY_ARCHITECTURE.get(name) for name in architectures]
+    if not architectures and hf.get("model_type") in BY_MODEL_TYPE:
+        return BY_MODEL_TYPE[hf["model_type"]]
+    if len(named) == 1 and named[0] is not None:
+        return named[0]
+    refused = [f"{name}: {REFUSED[name]}" for name in architectures if name in REFUSED]
+    supported = ", ".join(BY_ARCHITECTURE)
+    raise HFError(
+        f"{where} describes a model femtotron cannot load:\n  - "
+        + "\n  - ".join(
+            refused or [f"architectures={architectures or hf.get('model_type')}: {supported} are supported"]
+        )
+    )
+
+
+def llama_config(hf: dict[str, Any], where: Path) -> tuple[LlamaConfig, Family]:
+    """LlamaConfig from an HF config.json's contents, and its family; what femtotron's Llama does not compute
+    is refused, each thing named."""
+    family = family_in(hf, where)
+    problems = [
+        f"{key}={hf[key]!r}: femtotron's model has none (needs {off!r})"
+        for key, off in family.not_used.items()
+        if hf.get(key, off) != off
     ]
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "llama3"):
         problems.append(f"rope type {kind!r} (rope_parameters / rope_scaling): plain RoPE and llama3 only")
+    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        problems.append("partial_rotary_factor: femtotron's RoPE rotates the whole head")
+    window = hf.get("sliding_window")
+    sliding = sliding_layers(family, hf)
+    if sliding and window < hf.get("max_position_embeddings", 0):
+        problems.append(
+            f"sliding_window={window} (layers {sliding[0]}-{sliding[-1]}) < max_position_embeddings="
+            f"{hf.get('max_position_embeddings')}: femtotron's attention has no sliding window, so it would "
+            f"differ beyond {window} positions"
+        )
     values = {key: hf[key] for key in FIELDS if hf.get(key) is not None}
-    if model_type != "llama":
-        values["moe"] = _moe_config(hf, model_type, problems)
+    try:
+        values |= family.read(hf)
+    except (ConfigError, KeyError) as e:
+        problems.append(str(e))
     values["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     if kind == "llama3":
         values["rope_scaling"] = {key: rope[key] for key in SCALING if key in rope}
-    head_dim = hf.get("head_dim")
-    heads = values.get("num_attention_heads")
-    if head_dim is not None and heads and head_dim * heads != values.get("hidden_size"):
-        problems.append(f"head_dim={head_dim}: femtotron's heads are hidden_size / num_attention_heads")
     if problems:
         raise HFError(f"{where} describes a model femtotron cannot load:\n  - " + "\n  - ".join(problems))
     try:
-        return LlamaConfig(**values)
+        return LlamaConfig(**values), family
     except ValueError as e:
         raise HFError(f"{where} holds values femtotron's Llama cannot take: {e}") from None
-
-
-def _moe_config(hf: dict[str, Any], model_type: str, problems: list[str]) -> dict[str, Any]:
-    """model_config.moe from a Mixtral or Qwen2-MoE config.json (transformers' default for an absent key)."""
-    moe = {
-        "num_experts_per_tok": hf.get("num_experts_per_tok", 2),
-        "aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
-    }
-    if model_type == "mixtral":
-        return moe | {
-            "num_experts": hf.get("num_local_experts", 8),
-            "intermediate_size": hf["intermediate_size"],
-        }
-    inner = hf.get("moe_intermediate_size", 1408)
-    shared = hf.get("shared_expert_intermediate_size", 5632)
-    if shared % inner or not shared:
-        problems.append(
-            f"shared_expert_intermediate_size={shared}: femtotron's shared experts are a multiple (>= 1) of "
-            f"moe_intermediate_size={inner}"
-        )
-    norm = "topk_then_softmax" if hf.get("norm_topk_prob") else "softmax_then_topk"
-    return moe | dict(
-        num_experts=hf.get("num_experts", 60),
-        intermediate_size=inner,
-        num_shared_experts=shared // inner,
-        shared_expert_gate=True,
-        router_norm=norm,
-    )
 
 
 @dataclass(frozen=True)
@@ -148,6 +128,7 @@ class OpenedHF:
     """An HF model directory, checked and open (`open_hf`)."""
 
     cfg: LlamaConfig  # femtotron's model config for it
+    family: Family
     config_json: dict[str, Any]  # its config.json as read
     handles: dict[str, Any]  # by HF tensor name, the open safetensors file holding it
 
@@ -163,7 +144,7 @@ def open_hf(hf_dir: Path) -> OpenedHF:
         hf = json.loads(config_path.read_text())
     except ValueError as e:
         raise HFError(f"{config_path} is not JSON: {e}") from None
-    cfg = llama_config(hf, config_path)
+    cfg, family = llama_config(hf, config_path)
     handles: dict[str, Any] = {}
     for file, names in _weight_files(hf_dir).items():
         try:
@@ -177,14 +158,14 @@ def open_hf(hf_dir: Path) -> OpenedHF:
     if cfg.tie_word_embeddings:
         handles.pop("lm_head.weight", None)
     shapes = {name: tuple(f.get_slice(name).get_shape()) for name, f in handles.items()}
-    problem = shape_problem(cfg, shapes, str(hf_dir), HF_CONFIG, to_hf)
+    problem = shape_problem(cfg, shapes, str(hf_dir), HF_CONFIG, functools.partial(to_hf, family=family))
     if problem:
         raise HFError(f"{problem}: the weights and the config are from different models.")
     for name, f in handles.items():
         dtype = f.get_slice(name).get_dtype()
         if dtype not in ("F32", "BF16", "F16"):
             raise HFError(f"{name} in {hf_dir} is {dtype}: only F32, BF16 and F16 are read")
-    return OpenedHF(cfg=cfg, config_json=hf, handles=handles)
+    return OpenedHF(cfg=cfg, family=family, config_json=hf, handles=handles)
 
 
 def inside(hf_dir: Path, name: str) -> Path:
@@ -241,7 +222,7 @@ def read_as_run(hf_dir: Path, out: Path | None = None) -> tuple[Config, dict[str
     saves its weights into its run directory, and would overwrite the imported ones."""
     opened = open_hf(hf_dir)
     cfg = opened.cfg
-    state = from_hf({name: f.get_tensor(name) for name, f in opened.handles.items()}, cfg)
+    state = from_hf({name: f.get_tensor(name) for name, f in opened.handles.items()}, cfg, opened.family)
     out = out or hf_dir
     dtype = opened.config_json.get("dtype") or opened.config_json.get("torch_dtype") or "float32"
     tokenizer = str(out / TOKENIZER_FILE) if inside(hf_dir, TOKENIZER_FILE).is_file() else None
@@ -252,8 +233,13 @@ def read_as_run(hf_dir: Path, out: Path | None = None) -> tuple[Config, dict[str
                 "model_config": cfg.model_dump(),
                 "dtype": dtype if dtype in DTYPES else "float32",
                 "init_from": str(out.resolve()),
+                "hf_architecture": opened.family.architecture,
             },
-            "tokenizer": {"tokenizer_name_or_path": tokenizer},
+            "tokenizer": {
+                "tokenizer_name_or_path": tokenizer,
+                "add_special_tokens": True,
+                "eos_token_ids": _eos_token_ids(hf_dir, opened.config_json),
+            },
             "tokens": {"sequence_length": min(cfg.max_position_embeddings, 4096), "train_steps": 1},
             "data": {"dataset_folder": "set data.dataset_folder to your tokenized data to train this model"},
             "logging": {"output_dir": str(out.parent)},
@@ -261,6 +247,22 @@ def read_as_run(hf_dir: Path, out: Path | None = None) -> tuple[Config, dict[str
         source=str(hf_dir / HF_CONFIG),
     )
     return config, state
+
+
+def _eos_token_ids(hf_dir: Path, config_json: dict[str, Any]) -> list[int]:
+    """The ids transformers' `generate` stops at: generation_config.json's eos_token_id, else config.json's
+    (an id or a list of them; none: the tokenizer's EOS)."""
+    path = hf_dir / GENERATION_CONFIG
+    eos = None
+    if path.is_file():
+        try:
+            eos = json.loads(inside(hf_dir, GENERATION_CONFIG).read_text()).get("eos_token_id")
+        except (ValueError, AttributeError):
+            raise HFError(f"{path} is not a JSON object: re-save the model with save_pretrained") from None
+    if eos is None:
+        eos = config_json.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    return [i for i in ids if isinstance(i, int) and i >= 0]
 
 
 def import_hf(hf_dir: Path, out: Path) -> Path:
@@ -272,6 +274,8 @@ def import_hf(hf_dir: Path, out: Path) -> Path:
             save_file(state, tmp, metadata={"source": str(hf_dir)})
         if (hf_dir / TOKENIZER_FILE).is_file():  # inside hf_dir: read_as_run checked
             copy_file(hf_dir / TOKENIZER_FILE, staging / TOKENIZER_FILE)
+        if (hf_dir / TOKENIZER_CONFIG).is_file():  # kept for export-hf: the special tokens as they were
+            copy_file(inside(hf_dir, TOKENIZER_CONFIG), staging / TOKENIZER_CONFIG)
         write_config(staging, config.to_dict())
         write_parts(staging, [WEIGHTS_FILE])
     return out
@@ -304,11 +308,15 @@ def _export(run_dir: Path, out: Path, dtype: str | None, shard_bytes: int) -> No
     special = _special_tokens(run_dir / TOKENIZER_FILE)  # a bad tokenizer is refused before any write
     tokens = {f"{key}_token_id": token_id for key, (_, token_id) in special.items()}
     config, weights = load_weights(run_dir)
+    eos_ids = config.tokenizer.eos_token_ids  # an imported model's, as its generation_config.json had them
+    if eos_ids:
+        tokens["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     cfg = config.model.model_config_
     dtype = dtype or config.model.dtype
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
-    state = {name: t.to(DTYPES[dtype]).contiguous() for name, t in to_hf(weights, cfg).items()}
+    family = family_of(cfg, config.model.hf_architecture)
+    state = {name: t.to(DTYPES[dtype]).contiguous() for name, t in to_hf(weights, cfg, family).items()}
     shards = _shards(state, shard_bytes)
     for file, names in shards.items():
         with atomic_path(out / file) as tmp:
@@ -318,8 +326,11 @@ def _export(run_dir: Path, out: Path, dtype: str | None, shard_bytes: int) -> No
         total = sum(t.numel() * t.element_size() for t in state.values())
         _write_json(out / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
     _write_json(out / HF_CONFIG, _hf_config(config, cfg, dtype, tokens))
-    _write_json(out / "generation_config.json", {"_from_model_config": True, **tokens})
-    if (run_dir / TOKENIZER_FILE).is_file():
+    _write_json(out / GENERATION_CONFIG, {"_from_model_config": True, **tokens})
+    if (run_dir / TOKENIZER_FILE).is_file() and (run_dir / TOKENIZER_CONFIG).is_file():  # an import's own
+        copy_file(run_dir / TOKENIZER_FILE, out / TOKENIZER_FILE)
+        copy_file(run_dir / TOKENIZER_CONFIG, out / TOKENIZER_CONFIG)
+    elif (run_dir / TOKENIZER_FILE).is_file():
         copy_file(run_dir / TOKENIZER_FILE, out / TOKENIZER_FILE)
         # transformers reads the special tokens from here; a Llama has no padding token: eos pads.
         named = {f"{key}_token": token for key, (token, _) in special.items()}
@@ -327,7 +338,7 @@ def _export(run_dir: Path, out: Path, dtype: str | None, shard_bytes: int) -> No
             named["pad_token"] = special["eos"][0]
         tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **named}
         _write_json(
-            out / "tokenizer_config.json",
+            out / TOKENIZER_CONFIG,
             {**tokenizer_config, "model_max_length": cfg.max_position_embeddings},
         )
 
@@ -365,41 +376,26 @@ def _special_tokens(path: Path) -> dict[str, tuple[str, int]]:
     return found
 
 
-def _architecture(cfg: LlamaConfig) -> dict[str, Any]:
-    """The transformers class computing `cfg`, and its config.json keys beyond the Llama ones."""
-    kind = hf_kind(cfg)
-    moe = cfg.moe
-    keys = {"architectures": [next(a for a, t in ARCHITECTURES.items() if t == kind)], "model_type": kind}
-    keys |= ABSENT_IN[kind]  # what femtotron's model does not have, as "not used"
-    if moe is None:
-        return keys
-    keys |= {"num_experts_per_tok": moe.num_experts_per_tok, "router_aux_loss_coef": moe.aux_loss_coef}
-    if kind == "mixtral":
-        return keys | {"num_local_experts": moe.num_experts, "intermediate_size": moe.intermediate_size}
-    # femtotron fuses the shared experts into one MLP; Qwen2-MoE names that MLP's size.
-    shared = moe.num_shared_experts * moe.intermediate_size
-    return keys | dict(
-        num_experts=moe.num_experts,
-        moe_intermediate_size=moe.intermediate_size,
-        shared_expert_intermediate_size=shared,
-        norm_topk_prob=moe.router_norm == "topk_then_softmax",
-    )
-
-
 def _hf_config(config: Config, cfg: LlamaConfig, dtype: str, tokens: dict[str, int]) -> dict[str, Any]:
+    """config.json for `cfg` as its family (models/families.py) spells it."""
+    family = family_of(cfg, config.model.hf_architecture)
     scaling = cfg.rope_scaling.model_dump(exclude={"rope_type"}) if cfg.rope_scaling else {}
     kind = "llama3" if scaling else "default"
     return {
         **{key: getattr(cfg, key) for key in FIELDS},
-        **_architecture(cfg),
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
+        **family.not_used,  # what femtotron's model does not have, as "not used"
+        **family.write(cfg),
         "rope_theta": cfg.rope_theta,  # transformers 4.x reads these two, 5.x rope_parameters
         "rope_scaling": {"rope_type": "llama3", **scaling} if scaling else None,
         "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": kind, **scaling},
-        "head_dim": cfg.head_dim,
         "initializer_range": config.model.init_method.std,
         "torch_dtype": dtype,
         "dtype": dtype,
         "use_cache": True,
+        # a family's defaults are its real tokenizer's ids (SmolLM3 pads with 128004): none unless known
+        **dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id")),
         **tokens,
     }
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from femtotron.config import Config, LlamaConfig, load_config
 from femtotron.errors import ConfigError
-from femtotron.models.hf_conversion import EXPERT_NAMES, hf_kind
+from femtotron.models.hf_conversion import disk_rows
 from femtotron.models.llama import Llama
 from femtotron.serialize.checkpoint import MODEL_FIELDS, fill, model_differences, resolve
 from femtotron.serialize.files import CheckpointReader
@@ -38,6 +38,7 @@ class HFFiles:
         self.directory = directory
         opened = open_hf(directory)
         self.cfg = opened.cfg
+        self.family = opened.family
         self.handles = opened.handles
         meta = Llama(self.cfg, std=0.02, seed=0, dtype=torch.float32, device=torch.device("meta"))
         self.shapes = {name: tuple(t.shape) for name, t in meta.state_dict().items()}
@@ -45,16 +46,22 @@ class HFFiles:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.shapes[name]
 
-    def _rows(self, name: str, low: int, high: int, columns: slice) -> torch.Tensor:
-        return self.handles[name].get_slice(name)[low:high, columns]
+    def _rows(self, name: str, low: int, high: int, columns: slice | None) -> torch.Tensor:
+        """Rows [low, high) of HF's tensor `name` (the `columns` of each; None: a vector)."""
+        disk_name, first = disk_rows(name, self.cfg, self.family)
+        rows = self.handles[disk_name].get_slice(disk_name)
+        return (
+            rows[first + low : first + high] if columns is None else rows[first + low : first + high, columns]
+        )
 
     def read(self, name: str, box: Box) -> torch.Tensor:
         starts, stops = box
         # The HF name of the module holding `name`, e.g. model.layers.3.self_attn.
         prefix = "model." + name.rsplit(".", 2)[0] + "."
-        columns = slice(starts[-1], stops[-1])
+        kind = name.rsplit(".", 1)[1]  # weight, or bias
+        columns = slice(starts[-1], stops[-1]) if len(starts) > 1 else None
         if ".mlp.experts." in name or ".mlp.router." in name:  # per expert in HF: w1/w3/w2 or gate/up/down
-            block, gate, up, down = EXPERT_NAMES[hf_kind(self.cfg)]
+            block, gate, up, down = self.family.experts
             layer = f"model.{name.split('.mlp.')[0]}.{block}."
             if name.endswith("router.weight"):
                 return self._rows(layer + "gate.weight", starts[0], stops[0], columns)
@@ -72,10 +79,9 @@ class HFFiles:
         if name.endswith("gate_up_proj.weight"):  # (2, inner, hidden): gate, then up
             parts = [prefix + "gate_proj.weight", prefix + "up_proj.weight"][starts[0] : stops[0]]
             return torch.stack([self._rows(part, starts[1], stops[1], columns) for part in parts])
-        if not name.endswith("self_attn.qkv_proj.weight"):
+        if ".self_attn.qkv_proj." not in name:
             hf_name = name if name == "lm_head.weight" else "model." + name
-            rows = self.handles[hf_name].get_slice(hf_name)
-            return rows[starts[0] : stops[0]] if len(starts) == 1 else rows[starts[0] : stops[0], columns]
+            return self._rows(hf_name, starts[0], stops[0], columns)
         # Per key/value head: its group of query rows, then its key rows, then its value rows.
         group = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
         head = self.cfg.head_dim
@@ -84,13 +90,13 @@ class HFFiles:
             kv, part = divmod(row // head, group + 2)
             # `first`: the row of HF's q, k or v weight where this head starts.
             if part < group:
-                hf_name = prefix + "q_proj.weight"
+                hf_name = f"{prefix}q_proj.{kind}"
                 first = (kv * group + part) * head
             elif part == group:
-                hf_name = prefix + "k_proj.weight"
+                hf_name = f"{prefix}k_proj.{kind}"
                 first = kv * head
             else:
-                hf_name = prefix + "v_proj.weight"
+                hf_name = f"{prefix}v_proj.{kind}"
                 first = kv * head
             # The part of this head's rows that the box asks for.
             low = max(row, starts[0]) - row

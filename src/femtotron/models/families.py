@@ -1,0 +1,311 @@
+"""The Hugging Face model families femtotron reads and writes, each in one place.
+
+A `Family` says what transformers calls it (its class and model_type), which of the model's features
+(`LlamaConfig`'s fields in FEATURES) it turns on and how its config.json spells them, the config.json values
+that mean "off" for what femtotron's model does not compute (refused when on), and how its tensors are named
+on disk. The model, tensor parallelism, checkpoints and doctor know only the features; `import-hf`,
+`export-hf` and `init_from` know the families through this file alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from femtotron.config import LlamaConfig
+from femtotron.config.sections import MoEConfig
+from femtotron.errors import ConfigError
+
+# config.json keys that are LlamaConfig fields of the same name and meaning, in every family.
+FIELDS = tuple(
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+    "max_position_embeddings rms_norm_eps tie_word_embeddings hidden_act head_dim".split()
+)
+# The fields a family turns on, with the value that means "off" (a from-scratch Llama's).
+FEATURES = {
+    "qkv_bias": False,
+    "qk_norm": False,
+    "no_rope_layers": [],
+    "embedding_multiplier": 1.0,
+    "residual_multiplier": 1.0,
+    "attention_multiplier": None,
+    "logits_scaling": 1.0,
+    "moe": None,
+}
+GRANITE_SCALINGS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+# What femtotron's model does not have, as config.json spells "not used", in most families: attention_bias
+# also puts a bias on o_proj (Llama, Qwen3), which femtotron's model lacks.
+NOT_USED = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1, "attention_dropout": 0.0}
+FULL_ATTENTION = "full_attention"
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str  # the transformers class, config.json's "architectures"
+    model_type: str
+    features: frozenset[str] = frozenset()  # the FEATURES it can turn on
+    # its own config.json keys -> LlamaConfig values (beyond FIELDS and RoPE), and back
+    read: Callable[[dict[str, Any]], dict[str, Any]] = lambda hf: {}
+    write: Callable[[LlamaConfig], dict[str, Any]] = lambda cfg: {}
+    not_used: dict[str, Any] = field(default_factory=lambda: dict(NOT_USED))
+    # how its sliding window is switched on: "always" when `sliding_window` is set (Mistral, Mixtral, Phi-3),
+    # "layer_types" per layer (Qwen2 and later: `use_sliding_window`, `max_window_layers`), None: it has none
+    window: str | None = None
+    moe_fits: Callable[[MoEConfig], bool] = lambda moe: False
+    experts: tuple[str, str, str, str] | None = None  # the MoE block's name, and an expert's gate, up, down
+    fused_on_disk: bool = False  # Phi-3: qkv_proj and gate_up_proj are single tensors on disk too
+
+    def computes(self, cfg: LlamaConfig) -> bool:
+        """Whether transformers' class computes `cfg`: every feature `cfg` turns on is one it has."""
+        if cfg.moe is not None and not self.moe_fits(cfg.moe):
+            return False
+        on = {name for name, off in FEATURES.items() if getattr(cfg, name) != off}
+        return on <= self.features
+
+
+def _smollm3_read(hf: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM3's `no_rope_layers` has a 1 for each layer with RoPE; absent, every `no_rope_layer_interval`-th
+    layer has none (transformers' default)."""
+    interval = hf.get("no_rope_layer_interval", 4)
+    layers = hf.get("num_hidden_layers", 36)
+    uses_rope = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    return {"no_rope_layers": [i for i, rope in enumerate(uses_rope) if not rope]}
+
+
+def _smollm3_write(cfg: LlamaConfig) -> dict[str, Any]:
+    uses_rope = [int(i not in cfg.no_rope_layers) for i in range(cfg.num_hidden_layers)]
+    return {"no_rope_layers": uses_rope, "use_sliding_window": False, "sliding_window": None}
+
+
+def _granite_read(hf: dict[str, Any]) -> dict[str, Any]:
+    # Granite's attention_multiplier is the scores' scale itself (1.0 by default, not 1/sqrt(head_dim)).
+    return {key: hf.get(key, 1.0) for key in GRANITE_SCALINGS}
+
+
+def _granite_write(cfg: LlamaConfig) -> dict[str, Any]:
+    values = {key: getattr(cfg, key) for key in GRANITE_SCALINGS}
+    if values["attention_multiplier"] is None:
+        values["attention_multiplier"] = cfg.head_dim**-0.5
+    return values
+
+
+def _mixtral_read(hf: dict[str, Any]) -> dict[str, Any]:
+    moe = {
+        "num_experts": hf.get("num_local_experts", 8),
+        "num_experts_per_tok": hf.get("num_experts_per_tok", 2),
+        "intermediate_size": hf["intermediate_size"],
+        "aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
+    }
+    return {"moe": moe}
+
+
+def _mixtral_write(cfg: LlamaConfig) -> dict[str, Any]:
+    moe = cfg.moe
+    return {
+        "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.num_experts_per_tok,
+        "intermediate_size": moe.intermediate_size,
+        "router_aux_loss_coef": moe.aux_loss_coef,
+        "sliding_window": None,
+    }
+
+
+def _router_norm(hf: dict[str, Any]) -> str:
+    """Qwen's `norm_topk_prob`: the k chosen probabilities renormalised, or a softmax over all experts'."""
+    return "topk_then_softmax" if hf.get("norm_topk_prob") else "softmax_then_topk"
+
+
+def _qwen_moe_read(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2-MoE (Qwen1.5-MoE) and Qwen3-MoE's experts. Qwen2-MoE's shared experts are one MLP of
+    `shared_expert_intermediate_size`, which femtotron holds as that many experts of moe_intermediate_size."""
+    inner = hf.get("moe_intermediate_size", 1408 if "shared_expert_intermediate_size" in hf else 768)
+    moe = {
+        "num_experts": hf.get("num_experts", hf.get("num_local_experts", 60)),
+        "num_experts_per_tok": hf.get("num_experts_per_tok", 4),
+        "intermediate_size": inner,
+        "aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
+        "router_norm": _router_norm(hf),
+    }
+    shared = hf.get("shared_expert_intermediate_size", 0)
+    if shared:
+        if shared % inner:
+            raise ConfigError(
+                f"shared_expert_intermediate_size={shared}: femtotron's shared experts are a multiple of "
+                f"moe_intermediate_size={inner}"
+            )
+        moe |= {"num_shared_experts": shared // inner, "shared_expert_gate": True}
+    return {"moe": moe}
+
+
+def _qwen_moe_write(cfg: LlamaConfig) -> dict[str, Any]:
+    moe = cfg.moe
+    values = {
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.num_experts_per_tok,
+        "moe_intermediate_size": moe.intermediate_size,
+        "router_aux_loss_coef": moe.aux_loss_coef,
+        "norm_topk_prob": moe.router_norm == "topk_then_softmax",
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "use_sliding_window": False,
+    }
+    if moe.num_shared_experts:
+        values["shared_expert_intermediate_size"] = moe.num_shared_experts * moe.intermediate_size
+    return values
+
+
+def _qwen2_moe_read(hf: dict[str, Any]) -> dict[str, Any]:
+    return _qwen_moe_read(hf) | {"qkv_bias": hf.get("qkv_bias", True)}  # transformers' default: biases
+
+
+def _qwen2_moe_write(cfg: LlamaConfig) -> dict[str, Any]:
+    return _qwen_moe_write(cfg) | {"qkv_bias": cfg.qkv_bias, "sliding_window": 0}
+
+
+def _qwen3_moe_write(cfg: LlamaConfig) -> dict[str, Any]:
+    return _qwen_moe_write(cfg) | {"sliding_window": None}
+
+
+def _no_window(cfg: LlamaConfig) -> dict[str, Any]:
+    return {"use_sliding_window": False, "sliding_window": None}
+
+
+QWEN_NOT_USED = {"attention_dropout": 0.0}  # Qwen2 has no attention_bias key: its q, k, v always have biases
+MOE_LAYERS = {"decoder_sparse_step": 1, "mlp_only_layers": []}  # every layer a mixture of experts
+MIXTURES = ("moe",)
+QWEN_EXPERTS = ("mlp", "gate_proj", "up_proj", "down_proj")
+
+# In the order `export-hf` tries them for a model of femtotron's own: the first that computes it.
+FAMILIES = (
+    Family("LlamaForCausalLM", "llama"),
+    Family("MistralForCausalLM", "mistral", write=lambda cfg: {"sliding_window": None}, window="always"),
+    Family(
+        "Qwen2ForCausalLM",
+        "qwen2",
+        features=frozenset({"qkv_bias"}),
+        read=lambda hf: {"qkv_bias": True},
+        write=_no_window,
+        not_used=QWEN_NOT_USED,
+        window="layer_types",
+    ),
+    Family(
+        "Qwen3ForCausalLM",
+        "qwen3",
+        features=frozenset({"qk_norm"}),
+        read=lambda hf: {"qk_norm": True},
+        write=_no_window,
+        window="layer_types",
+    ),
+    Family(
+        "SmolLM3ForCausalLM",
+        "smollm3",
+        features=frozenset({"no_rope_layers"}),
+        read=_smollm3_read,
+        write=_smollm3_write,
+        window="layer_types",
+    ),
+    Family(
+        "GraniteForCausalLM",
+        "granite",
+        features=frozenset(GRANITE_SCALINGS),
+        read=_granite_read,
+        write=_granite_write,
+    ),
+    Family(
+        "Phi3ForCausalLM",
+        "phi3",
+        write=lambda cfg: {"sliding_window": None},
+        not_used={"attention_dropout": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0},
+        window="always",
+        fused_on_disk=True,
+    ),
+    Family(
+        "MixtralForCausalLM",
+        "mixtral",
+        features=frozenset(MIXTURES),
+        read=_mixtral_read,
+        write=_mixtral_write,
+        not_used=NOT_USED | {"router_jitter_noise": 0.0},
+        window="always",
+        moe_fits=lambda moe: moe.num_shared_experts == 0 and moe.router_norm == "topk_then_softmax",
+        experts=("block_sparse_moe", "w1", "w3", "w2"),
+    ),
+    Family(
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        features=frozenset({"qk_norm", *MIXTURES}),
+        read=lambda hf: _qwen_moe_read(hf) | {"qk_norm": True},
+        write=_qwen3_moe_write,
+        not_used=NOT_USED | MOE_LAYERS,
+        window="layer_types",
+        moe_fits=lambda moe: moe.num_shared_experts == 0,
+        experts=QWEN_EXPERTS,
+    ),
+    Family(
+        "Qwen2MoeForCausalLM",
+        "qwen2_moe",
+        features=frozenset({"qkv_bias", *MIXTURES}),
+        read=_qwen2_moe_read,
+        write=_qwen2_moe_write,
+        not_used=QWEN_NOT_USED | MOE_LAYERS,
+        window="layer_types",
+        moe_fits=lambda moe: moe.num_shared_experts > 0 and moe.shared_expert_gate,
+        experts=QWEN_EXPERTS,
+    ),
+)
+BY_ARCHITECTURE = {family.architecture: family for family in FAMILIES}
+BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
+# Families transformers has that femtotron refuses, with what it lacks for them.
+REFUSED = {
+    "Olmo2ForCausalLM": "OLMo2's norms come after attention and the MLP, and its q/k norms span all heads "
+    "together; femtotron's model normalises before each block and per head",
+    "Gemma2ForCausalLM": "Gemma 2 needs GeGLU, (1 + w) norms, norms after each block, logit soft-capping and "
+    "alternating sliding windows, which femtotron's model does not have",
+    "Gemma3ForCausalLM": "Gemma 3 needs GeGLU, (1 + w) norms, norms after each block and alternating sliding "
+    "windows with their own RoPE, which femtotron's model does not have",
+    "Starcoder2ForCausalLM": "Starcoder2 uses LayerNorm with biases and a GELU MLP, not RMSNorm and SwiGLU",
+}
+
+
+def family_named(architecture: str) -> Family:
+    if architecture in BY_ARCHITECTURE:
+        return BY_ARCHITECTURE[architecture]
+    raise ConfigError(
+        f"model.hf_architecture={architecture!r}: femtotron writes {', '.join(BY_ARCHITECTURE)}. Choose one, "
+        "or leave it unset for the first that computes the model."
+    )
+
+
+def family_of(cfg: LlamaConfig, architecture: str | None = None) -> Family:
+    """The family `export-hf` writes `cfg` as: `architecture` (model.hf_architecture, set by `import-hf`),
+    else the first of FAMILIES whose transformers class computes it."""
+    candidates = [family_named(architecture)] if architecture else list(FAMILIES)
+    for family in candidates:
+        if family.computes(cfg):
+            return family
+    on = sorted(name for name, off in FEATURES.items() if getattr(cfg, name) != off)
+    able = [f.architecture for f in FAMILIES if f.computes(cfg)]
+    if architecture and able:
+        fix = f"model.hf_architecture one of {', '.join(able)}"
+    else:  # no family has these features together, or not this mixture of experts
+        fix = (
+            "turn off some of these features; a mixture of experts must be Mixtral's (no shared experts, "
+            "router_norm topk_then_softmax), Qwen2-MoE's (gated shared experts) or Qwen3-MoE's (none shared)"
+        )
+    which = f"{architecture} does not compute" if architecture else "no transformers class computes"
+    raise ConfigError(f"model.model_config turns on {', '.join(on) or 'no feature'}: {which} that. Fix: {fix}.")
+
+
+def sliding_layers(family: Family, hf: dict[str, Any]) -> list[int]:
+    """The layers whose attention transformers limits to `sliding_window` positions back."""
+    layers = range(hf.get("num_hidden_layers", 0))
+    if family.window == "always":
+        return list(layers) if hf.get("sliding_window") else []
+    if family.window != "layer_types":
+        return []
+    types = hf.get("layer_types")
+    if types is None:  # before transformers 4.53: derived from these two
+        first = hf.get("max_window_layers", 28)
+        types = ["sliding_attention" if hf.get("use_sliding_window") and i >= first else "" for i in layers]
+    return [i for i, kind in enumerate(types) if kind == "sliding_attention"]
