@@ -6,10 +6,13 @@ import subprocess
 # pool started would wait on workers they do not have.
 os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 
+import numpy as np
 import pytest
 import torch
-from helpers import tiny_config_maker, write_patterned_tokens
+from helpers import TINY_VOCAB, tiny_config_maker, write_patterned_tokens
+from tokenizers import Tokenizer, models
 
+from femtotron.data.indexed import IndexedDatasetWriter
 from femtotron.parallel.comm import EMULATE_NCCL
 
 
@@ -98,3 +101,44 @@ def no_launcher(monkeypatch):
         "SLURM_NTASKS",
     ):
         monkeypatch.delenv(name, raising=False)
+
+
+# The documents of the document-masking tests: patterned tokens, each document ended by this id.
+DOCUMENT_END = 0
+
+
+def write_documents(prefix, documents=200, seed=0) -> str:
+    """Documents of 3 to 20 patterned tokens, each ended by DOCUMENT_END: boundaries in every sample."""
+    rng = np.random.default_rng(seed)
+    writer = IndexedDatasetWriter(str(prefix), np.uint16)
+    for _ in range(documents):
+        length = int(rng.integers(3, 21))
+        tokens = [int(rng.integers(1, TINY_VOCAB))]
+        for _ in range(length - 2):
+            tokens.append((5 * tokens[-1] + 3) % (TINY_VOCAB - 1) + 1)
+        writer.add_document(np.array([*tokens, DOCUMENT_END], dtype=np.uint16))
+    writer.finalize()
+    return str(prefix)
+
+
+def write_tokenizer(path) -> str:
+    vocab = {"<|endoftext|>": DOCUMENT_END, **{f"t{i}": i for i in range(1, TINY_VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    tokenizer.save(str(path))
+    return str(path)
+
+
+@pytest.fixture
+def documents_config(tiny_config, tmp_path):
+    data, tokenizer = write_documents(tmp_path / "documents"), write_tokenizer(tmp_path / "tokenizer.json")
+
+    def make(*overrides):
+        return tiny_config(
+            "model.document_masking=true",
+            f"data.dataset_folder={data}",
+            f"tokenizer.tokenizer_name_or_path={tokenizer}",
+            *overrides,
+        )
+
+    return make

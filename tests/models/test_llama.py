@@ -1,6 +1,6 @@
 import pytest
 import torch
-from helpers import BF16_PATHS, build_llama, hf_llama, llama_config, precision_path
+from helpers import BF16_PATHS, build_llama, check_layouts, hf_llama, llama_config, precision_path
 
 from femtotron.attention import fused_kernel_takes_kv_groups
 from femtotron.errors import ConfigError
@@ -240,3 +240,66 @@ def test_rotary_refuses_tables_no_machine_should_hold_naming_the_field():
         ConfigError, match="max_position_embeddings=200000000 with head_dim=128: RoPE's tables"
     ):
         Rotary(128, 2 * 10**8, 10000.0)
+
+
+# Every feature the model families turn on, together: head_dim apart from hidden / heads (4 x 24 = 96 wide
+# attention in a 64 wide model), q/k/v biases, per-head q/k norms, a layer without RoPE, Granite's scalings.
+FEATURES = (
+    "model.model_config.head_dim=24",
+    "model.model_config.qkv_bias=true",
+    "model.model_config.qk_norm=true",
+    "model.model_config.no_rope_layers=[1]",
+    "model.model_config.embedding_multiplier=2.0",
+    "model.model_config.residual_multiplier=0.7",
+    "model.model_config.attention_multiplier=0.2",
+    "model.model_config.logits_scaling=1.5",
+)
+MOE = (
+    "model.model_config.moe.num_experts=4",
+    "model.model_config.moe.num_experts_per_tok=2",
+    "model.model_config.moe.intermediate_size=32",
+)
+
+
+@pytest.mark.distributed
+def test_the_families_features_equal_one_process_in_every_layout(documents_config):
+    """With every feature on, on documents (masked): tp2 in both modes (biases split with their rows, the
+    q/k norms' gradients summed over tp), pp2 with recomputation, cp2 (the ring, document masking), dp2 with
+    ZeRO-1, and the MoE model's experts over ep2; loss, full-shape gradients and 3 optimizer steps equal one
+    process (bf16 on both CPU paths at tp2)."""
+    check_layouts(
+        lambda *overrides: documents_config(*FEATURES, *overrides),
+        {
+            ("parallelism.tp=2",): [("float32", None, ()), ("bfloat16", True, ()), ("bfloat16", False, ())],
+            ("parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"): [("float32", None, ())],
+            ("parallelism.pp=2",): [("float32", None, ("parallelism.recompute_layer=true",))],
+            ("parallelism.cp=2",): [("float32", None, ())],
+            ("parallelism.dp=2",): [("float32", None, ("optimizer.zero_stage=1",))],
+            ("parallelism.dp=2", "parallelism.ep=2"): [("float32", None, MOE)],
+        },
+    )
+
+
+def test_the_features_change_the_model_and_count_their_parameters():
+    """Each feature on its own changes the loss (so the layout test above can fail), and the parameter count
+    the FLOPs and doctor use is the model's."""
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    plain = llama_config(num_hidden_layers=2)
+    base = build_llama(plain)(ids, ids)[0].item()
+    for change in (
+        {"head_dim": 24},
+        {"qk_norm": True},
+        {"no_rope_layers": [1]},
+        {"embedding_multiplier": 2.0},
+        {"residual_multiplier": 0.7},
+        {"attention_multiplier": 0.2},
+        {"logits_scaling": 1.5},
+    ):
+        cfg = plain.model_copy(update=change)
+        model = build_llama(cfg)
+        assert sum(p.numel() for p in model.parameters()) == cfg.parameter_count, change
+        assert abs(model(ids, ids)[0].item() - base) > 1e-4, change
+    biased = plain.model_copy(update={"qkv_bias": True})
+    model = build_llama(biased)
+    assert sum(p.numel() for p in model.parameters()) == biased.parameter_count
+    assert not any(p.any() for name, p in model.named_parameters() if name.endswith(".bias"))  # zeros at init

@@ -9,14 +9,12 @@ import pytest
 import torch
 from distributed import run_ranks
 from helpers import (
-    TINY_VOCAB,
     assert_close_to_reference,
     build_llama,
     check_layouts,
     llama_config,
     precision_path,
 )
-from tokenizers import Tokenizer, models
 
 from femtotron import attention
 from femtotron.attention import (
@@ -27,7 +25,6 @@ from femtotron.attention import (
     math_attention_with_lse_backward,
 )
 from femtotron.batch import MicroBatch
-from femtotron.data.indexed import IndexedDatasetWriter
 from femtotron.diagnostics.doctor import ring_bytes
 from femtotron.diagnostics.start_report import cp_host_warnings
 from femtotron.errors import ConfigError
@@ -341,43 +338,6 @@ def test_document_masking_equals_each_document_on_its_own(dtype, native):
         assert_close_to_reference(grads[name], grad, exact_grads.get(name), label=name)
     plain = build_llama(cfg)(batch.inputs, batch.targets)[0].item()
     assert abs(plain - reference_loss) > 1e-3  # masking changed something: the test can fail
-
-
-def write_documents(prefix, documents=200, seed=0) -> str:
-    """Documents of 3 to 20 patterned tokens, each ended by EOS (0): several boundaries in every sample."""
-    rng = np.random.default_rng(seed)
-    writer = IndexedDatasetWriter(str(prefix), np.uint16)
-    for _ in range(documents):
-        length = int(rng.integers(3, 21))
-        tokens = [int(rng.integers(1, TINY_VOCAB))]
-        for _ in range(length - 2):
-            tokens.append((5 * tokens[-1] + 3) % (TINY_VOCAB - 1) + 1)
-        writer.add_document(np.array([*tokens, EOS], dtype=np.uint16))
-    writer.finalize()
-    return str(prefix)
-
-
-def write_tokenizer(path) -> str:
-    vocab = {"<|endoftext|>": EOS, **{f"t{i}": i for i in range(1, TINY_VOCAB)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
-    tokenizer.add_special_tokens(["<|endoftext|>"])
-    tokenizer.save(str(path))
-    return str(path)
-
-
-@pytest.fixture
-def documents_config(tiny_config, tmp_path):
-    data, tokenizer = write_documents(tmp_path / "documents"), write_tokenizer(tmp_path / "tokenizer.json")
-
-    def make(*overrides):
-        return tiny_config(
-            "model.document_masking=true",
-            f"data.dataset_folder={data}",
-            f"tokenizer.tokenizer_name_or_path={tokenizer}",
-            *overrides,
-        )
-
-    return make
 
 
 CP_CASES = {

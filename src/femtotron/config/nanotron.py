@@ -133,6 +133,7 @@ PARAMETER_NAMES = {
     "embed_tokens.weight": "model.token_position_embeddings.pp_block.token_embedding.weight",
     "layers.{i}.input_layernorm.weight": _LAYER + "input_layernorm.weight",
     "layers.{i}.self_attn.qkv_proj.weight": _LAYER + "attn.qkv_proj.weight",
+    "layers.{i}.self_attn.qkv_proj.bias": _LAYER + "attn.qkv_proj.bias",
     "layers.{i}.self_attn.o_proj.weight": _LAYER + "attn.o_proj.weight",
     "layers.{i}.post_attention_layernorm.weight": _LAYER + "post_attention_layernorm.weight",
     "layers.{i}.mlp.gate_up_proj.weight": _LAYER + "mlp.gate_up_proj.weight",
@@ -166,6 +167,8 @@ def _model_names(config: Mapping[str, Any]) -> dict[str, list[list[str]]]:
         if ours in ("layers.{i}.mlp.gate_up_proj.weight", "layers.{i}.mlp.down_proj.weight") and experts:
             continue
         if ours == "lm_head.weight" and tied:
+            continue
+        if ours.endswith(".bias") and not model.get("attention_bias"):
             continue
         per_layer = range(layers) if "{i}" in ours else [0]
         names[ours] = [
@@ -219,6 +222,16 @@ def _femtotron_pattern(rule: re.Pattern[str], ours: str, per_layer: list[list[st
         return None
     which = "\\d+" if len(layers) == len(per_layer) else "(" + "|".join(map(str, layers)) + ")"
     return re.escape(ours).replace(re.escape("{i}"), which) + "$"
+
+
+def _no_rope_layers(every: Any, model_config: Mapping[str, Any]) -> Any:
+    """nanotron's `no_rope_layer: N` skips RoPE in every N-th layer (layer i when (i + 1) % N == 0)."""
+    if every is None:
+        return DROP
+    if not isinstance(every, int) or every < 1:
+        raise Refusal("no_rope_layer is a whole number N >= 1: every N-th layer has no RoPE")
+    layers = model_config.get("num_hidden_layers", 32)
+    return [i for i in range(layers) if (i + 1) % every == 0]
 
 
 def _z_loss(enabled: Any, model_config: Mapping[str, Any]) -> Any:
@@ -328,9 +341,14 @@ KEYS: dict[str, Key] = {
     _MODEL + "vocab_size": same(),
     _MODEL + "_attn_implementation": no_effect(_KERNEL),
     _MODEL + "flex_attention_mask": unless_default(None, "for document masking set _use_doc_masking: true"),
-    _MODEL + "attention_bias": unless_default(False, _MODEL_ZOO),
-    _MODEL + "sliding_window_size": unless_default(None, _MODEL_ZOO),
-    _MODEL + "no_rope_layer": unless_default(None, _MODEL_ZOO),
+    _MODEL + "attention_bias": to(_MODEL + "qkv_bias", why="biases on q, k and v (Qwen2), as nanotron's"),
+    _MODEL + "sliding_window_size": unless_default(
+        None,
+        "femtotron's attention has no sliding window yet; remove the key to attend to the whole sequence",
+    ),
+    _MODEL + "no_rope_layer": to(
+        _MODEL + "no_rope_layers", _no_rope_layers, "N: layers N-1, 2N-1, ... (SmolLM3)"
+    ),
     _MODEL + "z_loss_enabled": to(_MODEL + "logits_z_loss_coef", _z_loss, "z_loss_coefficient when true"),
     _MODEL + "z_loss_coefficient": no_effect("read with z_loss_enabled"),
     _MODEL + "_fused_rotary_emb": no_effect(_KERNEL),

@@ -294,7 +294,9 @@ def family_of(cfg: LlamaConfig, architecture: str | None = None) -> Family:
             "router_norm topk_then_softmax), Qwen2-MoE's (gated shared experts) or Qwen3-MoE's (none shared)"
         )
     which = f"{architecture} does not compute" if architecture else "no transformers class computes"
-    raise ConfigError(f"model.model_config turns on {', '.join(on) or 'no feature'}: {which} that. Fix: {fix}.")
+    raise ConfigError(
+        f"model.model_config turns on {', '.join(on) or 'no feature'}: {which} that. Fix: {fix}."
+    )
 
 
 def sliding_layers(family: Family, hf: dict[str, Any]) -> list[int]:
