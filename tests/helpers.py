@@ -294,6 +294,20 @@ BASE = (
 )
 
 
+# Every feature the model families turn on, together: head_dim apart from hidden / heads (4 x 24 = 96 wide
+# attention in a 64 wide model), q/k/v biases, per-head q/k norms, a layer without RoPE, Granite's scalings.
+FEATURES = (
+    "model.model_config.head_dim=24",
+    "model.model_config.qkv_bias=true",
+    "model.model_config.qk_norm=true",
+    "model.model_config.no_rope_layers=[1]",
+    "model.model_config.embedding_multiplier=2.0",
+    "model.model_config.residual_multiplier=0.7",
+    "model.model_config.attention_multiplier=0.2",
+    "model.model_config.logits_scaling=1.5",
+)
+
+
 def layout_case(make, dtype, native, *overrides, accumulation=2, dp=1):
     """Global batch 8 samples of 32 tokens for every dp."""
     return make(

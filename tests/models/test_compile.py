@@ -13,6 +13,7 @@ import pytest
 from distributed import run_ranks
 from helpers import (
     BF16_PATHS,
+    FEATURES,
     NEEDS_CXX,
     SMOOTH_ADAM,
     Steps,
@@ -66,6 +67,18 @@ def test_a_mixture_of_experts_compiled_equals_eager(tiny_config):
 
     eager, compiled = steps_eager_and_compiled(config_of)
     assert_steps_match(compiled, eager, label="moe")
+
+
+@NEEDS_CXX
+def test_the_families_features_compiled_equal_eager(tiny_config):
+    """q/k/v biases, per-head q/k norms, a head_dim of its own, a layer without RoPE and Granite's scalings
+    compiled (tests/models/test_llama.py has them in every layout)."""
+
+    def config_of(compiled):
+        return tiny_config(f"model.compile={compiled}", "model.model_config.num_hidden_layers=2", *FEATURES)
+
+    eager, compiled = steps_eager_and_compiled(config_of)
+    assert_steps_match(compiled, eager, label="features")
 
 
 @NEEDS_CXX

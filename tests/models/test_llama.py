@@ -1,6 +1,6 @@
 import pytest
 import torch
-from helpers import BF16_PATHS, build_llama, check_layouts, hf_llama, llama_config, precision_path
+from helpers import BF16_PATHS, FEATURES, build_llama, check_layouts, hf_llama, llama_config, precision_path
 
 from femtotron.attention import fused_kernel_takes_kv_groups
 from femtotron.errors import ConfigError
@@ -242,18 +242,6 @@ def test_rotary_refuses_tables_no_machine_should_hold_naming_the_field():
         Rotary(128, 2 * 10**8, 10000.0)
 
 
-# Every feature the model families turn on, together: head_dim apart from hidden / heads (4 x 24 = 96 wide
-# attention in a 64 wide model), q/k/v biases, per-head q/k norms, a layer without RoPE, Granite's scalings.
-FEATURES = (
-    "model.model_config.head_dim=24",
-    "model.model_config.qkv_bias=true",
-    "model.model_config.qk_norm=true",
-    "model.model_config.no_rope_layers=[1]",
-    "model.model_config.embedding_multiplier=2.0",
-    "model.model_config.residual_multiplier=0.7",
-    "model.model_config.attention_multiplier=0.2",
-    "model.model_config.logits_scaling=1.5",
-)
 MOE = (
     "model.model_config.moe.num_experts=4",
     "model.model_config.moe.num_experts_per_tok=2",

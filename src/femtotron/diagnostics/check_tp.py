@@ -427,6 +427,8 @@ _OUTPUT_ADVICE = {
     "(ALL_REDUCE) / reduce-scatter (REDUCE_SCATTER) of the partial lookups",
     "RMSNorm": "a replicated layer: its weight must be identical on every tp rank, and under REDUCE_SCATTER "
     "it normalises this rank's sequence shard",
+    "HeadNorm": "the q/k norm of this rank's heads: its weight must be identical on every tp rank, and the "
+    "heads it normalises those of this rank's rows of qkv_proj",
     "loss": "the vocab-parallel cross-entropy: its max / sum-of-exponentials / target-logit all-reduces over "
     "tp, or the padded vocabulary columns not masked out",
 }

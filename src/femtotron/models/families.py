@@ -40,7 +40,7 @@ NOT_USED = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1, "at
 FULL_ATTENTION = "full_attention"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Family:
     architecture: str  # the transformers class, config.json's "architectures"
     model_type: str
@@ -178,11 +178,16 @@ QWEN_EXPERTS = ("mlp", "gate_proj", "up_proj", "down_proj")
 
 # In the order `export-hf` tries them for a model of femtotron's own: the first that computes it.
 FAMILIES = (
-    Family("LlamaForCausalLM", "llama"),
-    Family("MistralForCausalLM", "mistral", write=lambda cfg: {"sliding_window": None}, window="always"),
+    Family(architecture="LlamaForCausalLM", model_type="llama"),
     Family(
-        "Qwen2ForCausalLM",
-        "qwen2",
+        architecture="MistralForCausalLM",
+        model_type="mistral",
+        write=lambda cfg: {"sliding_window": None},
+        window="always",
+    ),
+    Family(
+        architecture="Qwen2ForCausalLM",
+        model_type="qwen2",
         features=frozenset({"qkv_bias"}),
         read=lambda hf: {"qkv_bias": True},
         write=_no_window,
@@ -190,39 +195,39 @@ FAMILIES = (
         window="layer_types",
     ),
     Family(
-        "Qwen3ForCausalLM",
-        "qwen3",
+        architecture="Qwen3ForCausalLM",
+        model_type="qwen3",
         features=frozenset({"qk_norm"}),
         read=lambda hf: {"qk_norm": True},
         write=_no_window,
         window="layer_types",
     ),
     Family(
-        "SmolLM3ForCausalLM",
-        "smollm3",
+        architecture="SmolLM3ForCausalLM",
+        model_type="smollm3",
         features=frozenset({"no_rope_layers"}),
         read=_smollm3_read,
         write=_smollm3_write,
         window="layer_types",
     ),
     Family(
-        "GraniteForCausalLM",
-        "granite",
+        architecture="GraniteForCausalLM",
+        model_type="granite",
         features=frozenset(GRANITE_SCALINGS),
         read=_granite_read,
         write=_granite_write,
     ),
     Family(
-        "Phi3ForCausalLM",
-        "phi3",
+        architecture="Phi3ForCausalLM",
+        model_type="phi3",
         write=lambda cfg: {"sliding_window": None},
         not_used={"attention_dropout": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0},
         window="always",
         fused_on_disk=True,
     ),
     Family(
-        "MixtralForCausalLM",
-        "mixtral",
+        architecture="MixtralForCausalLM",
+        model_type="mixtral",
         features=frozenset(MIXTURES),
         read=_mixtral_read,
         write=_mixtral_write,
@@ -232,8 +237,8 @@ FAMILIES = (
         experts=("block_sparse_moe", "w1", "w3", "w2"),
     ),
     Family(
-        "Qwen3MoeForCausalLM",
-        "qwen3_moe",
+        architecture="Qwen3MoeForCausalLM",
+        model_type="qwen3_moe",
         features=frozenset({"qk_norm", *MIXTURES}),
         read=lambda hf: _qwen_moe_read(hf) | {"qk_norm": True},
         write=_qwen3_moe_write,
@@ -243,8 +248,8 @@ FAMILIES = (
         experts=QWEN_EXPERTS,
     ),
     Family(
-        "Qwen2MoeForCausalLM",
-        "qwen2_moe",
+        architecture="Qwen2MoeForCausalLM",
+        model_type="qwen2_moe",
         features=frozenset({"qkv_bias", *MIXTURES}),
         read=_qwen2_moe_read,
         write=_qwen2_moe_write,

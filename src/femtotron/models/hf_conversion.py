@@ -55,10 +55,11 @@ def to_hf(
         if ".self_attn.qkv_proj." in name:  # its weight, or its bias
             module, kind = name.rsplit(".qkv_proj.", 1)
             prefix = f"model.{module}."
-            grouped = tensor.view(kv_heads, group + 2, head_dim, *tensor.shape[1:])
-            out[f"{prefix}q_proj.{kind}"] = grouped[:, :group].reshape(-1, *tensor.shape[1:])
-            out[f"{prefix}k_proj.{kind}"] = grouped[:, group].reshape(-1, *tensor.shape[1:])
-            out[f"{prefix}v_proj.{kind}"] = grouped[:, group + 1].reshape(-1, *tensor.shape[1:])
+            rest = tensor.shape[1:]  # (hidden,) for the weight, () for the bias
+            grouped = tensor.view(kv_heads, group + 2, head_dim, *rest)
+            out[f"{prefix}q_proj.{kind}"] = grouped[:, :group].reshape(-1, *rest)
+            out[f"{prefix}k_proj.{kind}"] = grouped[:, group].reshape(-1, *rest)
+            out[f"{prefix}v_proj.{kind}"] = grouped[:, group + 1].reshape(-1, *rest)
         elif name.endswith("gate_up_proj.weight"):
             prefix = "model." + name.removesuffix("gate_up_proj.weight")
             gate, up = tensor.unbind(0)
