@@ -94,7 +94,7 @@ def _mixtral_read(hf: dict[str, Any]) -> dict[str, Any]:
     moe = {
         "num_experts": hf.get("num_local_experts", 8),
         "num_experts_per_tok": hf.get("num_experts_per_tok", 2),
-        "intermediate_size": hf["intermediate_size"],
+        "intermediate_size": hf.get("intermediate_size", 14336),  # transformers' default
         "aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
     }
     return {"moe": moe}

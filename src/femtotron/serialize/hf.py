@@ -1,14 +1,15 @@
 """Hugging Face model directories in and out: `femtotron import-hf` and `femtotron export-hf`.
 
-    HF_DIR/                          what `save_pretrained` of LlamaForCausalLM,
-      config.json                    MixtralForCausalLM or Qwen2MoeForCausalLM writes:
-                                     the model's hyper-parameters
-      generation_config.json
+    HF_DIR/                          what `save_pretrained` of a family in models/families.py
+      config.json                    (Llama, Mistral, Qwen2/3, SmolLM3, Granite, Phi-3, Mixtral,
+                                     Qwen2/3-MoE) writes: the model's hyper-parameters
+      generation_config.json         the ids generation stops at
       model.safetensors              or model-00001-of-0000N.safetensors ... with
       model.safetensors.index.json   which file holds which tensor
       tokenizer.json, tokenizer_config.json
 
-The names, and the two fused weights, are mapped by models/hf_conversion.py. Only safetensors are read:
+What a family's config.json keys mean is models/families.py's; the names, and the fused weights, are mapped
+by models/hf_conversion.py. Only safetensors are read:
 `.bin` and `.pt` files are pickles, and loading one can run any code.
 """
 
@@ -74,14 +75,11 @@ def family_in(hf: dict[str, Any], where: Path) -> Family:
         return BY_MODEL_TYPE[hf["model_type"]]
     if len(named) == 1 and named[0] is not None:
         return named[0]
-    refused = [f"{name}: {REFUSED[name]}" for name in architectures if name in REFUSED]
-    supported = ", ".join(BY_ARCHITECTURE)
-    raise HFError(
-        f"{where} describes a model femtotron cannot load:\n  - "
-        + "\n  - ".join(
-            refused or [f"architectures={architectures or hf.get('model_type')}: {supported} are supported"]
-        )
-    )
+    reasons = [f"{name}: {REFUSED[name]}" for name in architectures if name in REFUSED]
+    if not reasons:
+        named_as = architectures or hf.get("model_type")
+        reasons = [f"architectures={named_as}: {', '.join(BY_ARCHITECTURE)} are supported"]
+    raise HFError(f"{where} describes a model femtotron cannot load:\n  - " + "\n  - ".join(reasons))
 
 
 def llama_config(hf: dict[str, Any], where: Path) -> tuple[LlamaConfig, Family]:
@@ -101,7 +99,7 @@ def llama_config(hf: dict[str, Any], where: Path) -> tuple[LlamaConfig, Family]:
         problems.append("partial_rotary_factor: femtotron's RoPE rotates the whole head")
     window = hf.get("sliding_window")
     sliding = sliding_layers(family, hf)
-    if sliding and window < hf.get("max_position_embeddings", 0):
+    if sliding and window and window < hf.get("max_position_embeddings", 0):
         problems.append(
             f"sliding_window={window} (layers {sliding[0]}-{sliding[-1]}) < max_position_embeddings="
             f"{hf.get('max_position_embeddings')}: femtotron's attention has no sliding window, so it would "
@@ -110,7 +108,7 @@ def llama_config(hf: dict[str, Any], where: Path) -> tuple[LlamaConfig, Family]:
     values = {key: hf[key] for key in FIELDS if hf.get(key) is not None}
     try:
         values |= family.read(hf)
-    except (ConfigError, KeyError) as e:
+    except ConfigError as e:
         problems.append(str(e))
     values["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     if kind == "llama3":
@@ -325,13 +323,14 @@ def _export(run_dir: Path, out: Path, dtype: str | None, shard_bytes: int) -> No
         weight_map = {name: file for file, names in shards.items() for name in names}
         total = sum(t.numel() * t.element_size() for t in state.values())
         _write_json(out / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _write_json(out / HF_CONFIG, _hf_config(config, cfg, dtype, tokens))
+    _write_json(out / HF_CONFIG, _hf_config(config, family, dtype, tokens))
     _write_json(out / GENERATION_CONFIG, {"_from_model_config": True, **tokens})
-    if (run_dir / TOKENIZER_FILE).is_file() and (run_dir / TOKENIZER_CONFIG).is_file():  # an import's own
-        copy_file(run_dir / TOKENIZER_FILE, out / TOKENIZER_FILE)
+    if not (run_dir / TOKENIZER_FILE).is_file():
+        return
+    copy_file(run_dir / TOKENIZER_FILE, out / TOKENIZER_FILE)
+    if (run_dir / TOKENIZER_CONFIG).is_file():  # an imported model's own, as import-hf copied it
         copy_file(run_dir / TOKENIZER_CONFIG, out / TOKENIZER_CONFIG)
-    elif (run_dir / TOKENIZER_FILE).is_file():
-        copy_file(run_dir / TOKENIZER_FILE, out / TOKENIZER_FILE)
+    else:
         # transformers reads the special tokens from here; a Llama has no padding token: eos pads.
         named = {f"{key}_token": token for key, (token, _) in special.items()}
         if "eos" in special:
@@ -376,9 +375,9 @@ def _special_tokens(path: Path) -> dict[str, tuple[str, int]]:
     return found
 
 
-def _hf_config(config: Config, cfg: LlamaConfig, dtype: str, tokens: dict[str, int]) -> dict[str, Any]:
-    """config.json for `cfg` as its family (models/families.py) spells it."""
-    family = family_of(cfg, config.model.hf_architecture)
+def _hf_config(config: Config, family: Family, dtype: str, tokens: dict[str, int]) -> dict[str, Any]:
+    """config.json for the run's model as `family` (models/families.py) spells it."""
+    cfg = config.model.model_config_
     scaling = cfg.rope_scaling.model_dump(exclude={"rope_type"}) if cfg.rope_scaling else {}
     kind = "llama3" if scaling else "default"
     return {
