@@ -305,6 +305,14 @@ FEATURES = (
     "model.model_config.residual_multiplier=0.7",
     "model.model_config.attention_multiplier=0.2",
     "model.model_config.logits_scaling=1.5",
+    "model.model_config.sliding_window=5",
+    "model.model_config.full_attention_layers=[0]",
+)
+# OLMo2's: norms after each block, q/k norms over all the heads together (a weight split with the heads).
+OLMO2_FEATURES = (
+    "model.model_config.qk_norm=true",
+    "model.model_config.qk_norm_span=all_heads",
+    "model.model_config.norm_placement=after",
 )
 
 

@@ -9,6 +9,8 @@ What precision attention computes in is precision.py's policy (`attention_dtype`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -19,22 +21,40 @@ _CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
-    """`causal` False: every query sees every key (one new position against a generation's cache)."""
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, window: int | None = None
+) -> torch.Tensor:
+    """`causal` False: every query sees every key (one new position against a generation's cache). The
+    queries are the last of the keys' positions. `window`: a query sees only the keys fewer than `window`
+    positions before it (itself included), as transformers' sliding window."""
     dtype = attention_dtype(q)
-    return _causal_attention(q.to(dtype), k.to(dtype), v.to(dtype), causal).to(q.dtype)
+    return _causal_attention(q.to(dtype), k.to(dtype), v.to(dtype), causal, window).to(q.dtype)
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int | None
+) -> torch.Tensor:
     # Memory estimates: keep what a fused kernel keeps (output, log-sum-exp), as on GPUs and CPUs.
     if q.is_meta:
         return _CPU_FLASH(q, k, v, 0.0, True)[0]
+    keys = k.shape[-2]
+    mask = None
+    if window is not None and keys > window:  # the window hides some key from some query
+        query_index = torch.arange(keys - q.shape[-2], keys, device=q.device)[:, None]
+        distance = query_index - torch.arange(keys, device=q.device)
+        mask = (distance >= 0) & (distance < window)
     groups = q.shape[1] // k.shape[1]
     capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-    if groups > 1 and not fused_kernel_takes_kv_groups(q.device.type, q.dtype, capability):
+    takes_groups = fused_kernel_takes_kv_groups(q.device.type, q.dtype, capability) and (
+        mask is None or not q.is_cuda  # CUDA's flash kernel takes no mask
+    )
+    if groups > 1 and not takes_groups:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+    causal = causal and mask is None  # the window's mask holds the causal one
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
+    )
 
 
 # CUDA's fused kernels (torch 2.13), which also return the log-sum-exp, and whose backward takes it: flash
@@ -51,6 +71,16 @@ EFFICIENT_BIAS_ALIGNMENT = 8
 # Document masking, per block: each query's document (batch, queries) and each key's (batch, keys). A query
 # sees only the keys of its own document.
 Documents = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Window:
+    """A sliding window, per block: each query's and each key's index in the whole sequence ((queries,),
+    (keys,)); a query sees only the keys fewer than `size` indices before it (itself included)."""
+
+    query_index: torch.Tensor
+    key_index: torch.Tensor
+    size: int
 
 
 def block_kernel(
@@ -83,21 +113,26 @@ def _kernel_of(q: torch.Tensor, masked: bool) -> str:
 
 
 def attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, documents: Documents | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    documents: Documents | None,
+    window: Window | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block of attention (k, v with the KV heads) and its fp32 log-sum-exp per query (-inf: sees no key),
-    whole or `causal` (the queries' own block: key i is query i's token), and under `documents` each query
-    seeing only its own document's keys. The kernel is `block_kernel`'s; each one's backward takes the
-    output and lse of all blocks merged (ring attention)."""
-    kernel = _kernel_of(q, documents is not None)
+    whole or `causal` (the queries' own block: key i is query i's token), under `documents` each query
+    seeing only its own document's keys, under `window` only the keys in its window. The kernel is
+    `block_kernel`'s; each one's backward takes the output and lse of all blocks merged (ring attention)."""
+    kernel = _kernel_of(q, documents is not None or window is not None)
     if kernel == "cpu flash":
-        return _cpu_flash_attention(q, k, v, causal, documents)
+        return _cpu_flash_attention(q, k, v, causal, documents, window)
     if kernel == "flash":
         out, lse, *_ = _FLASH(q, k, v, 0.0, causal)
         return out, lse
     if kernel == "efficient":
-        return _efficient_attention(q, k, v, causal, documents)
-    return math_attention_with_lse(q, k, v, causal, documents)
+        return _efficient_attention(q, k, v, causal, documents, window)
+    return math_attention_with_lse(q, k, v, causal, documents, window)
 
 
 def attention_with_lse_backward(
@@ -109,11 +144,14 @@ def attention_with_lse_backward(
     lse: torch.Tensor,
     causal: bool,
     documents: Documents | None,
+    window: Window | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of one block's q, k, v, given the output and log-sum-exp of every block together."""
-    kernel = _kernel_of(q, documents is not None)
+    masked = documents is not None or window is not None
+    kernel = _kernel_of(q, masked)
     if kernel == "cpu flash":
-        mask = None if documents is None else _additive(_visible_in_block(documents, causal, q, k), q.dtype)
+        visible = _visible(documents, window, causal, slice(0, q.shape[-2]), k.shape[-2], q.device)
+        mask = _additive(visible, q.dtype) if masked else None
         return _CPU_FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask)
     if kernel == "flash":
         # Without dropout the random state is not read; it has the shapes the forward gives it. The two
@@ -125,33 +163,43 @@ def attention_with_lse_backward(
             grad_out, q, k, v, out, lse.contiguous(), None, None, *lengths, 0.0, causal, rng_state, unused
         )
     if kernel == "efficient":
-        return _efficient_attention_backward(grad_out, q, k, v, out, lse, causal, documents)
-    return math_attention_with_lse_backward(grad_out, q, k, v, out, lse, causal, documents)
+        return _efficient_attention_backward(grad_out, q, k, v, out, lse, causal, documents, window)
+    return math_attention_with_lse_backward(grad_out, q, k, v, out, lse, causal, documents, window)
 
 
 def _cpu_flash_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, documents: Documents | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    documents: Documents | None,
+    window: Window | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if documents is None:
+    if documents is None and window is None:
         return _CPU_FLASH(q, k, v, 0.0, causal)
-    visible = _visible_in_block(documents, causal, q, k)
+    visible = _visible(documents, window, causal, slice(0, q.shape[-2]), k.shape[-2], q.device)
     out, lse = _CPU_FLASH(q, k, v, 0.0, causal, attn_mask=_additive(visible, q.dtype))
     # The kernel gives a query that sees nothing a log-sum-exp of 0.
     return out, lse.masked_fill(~visible.any(-1), float("-inf"))
 
 
 def _efficient_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, documents: Documents
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    documents: Documents | None,
+    window: Window | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The memory-efficient kernel with the documents (and the causal mask) as a bias, built for a chunk of
-    query rows at a time; the kernel takes as many K/V heads as query heads."""
+    """The memory-efficient kernel with the documents, the window and the causal mask as a bias, built for a
+    chunk of query rows at a time; the kernel takes as many K/V heads as query heads."""
     k = _grouped(k, q)
     v = _grouped(v, q)
     outs = []
     lses = []
     for rows in _row_chunks(q.shape[-2], q.shape[0] * k.shape[-2]):
         keys = rows.stop if causal else k.shape[-2]  # causal rows see no key past their last
-        visible = _visible(documents, causal, rows, keys, q.device)
+        visible = _visible(documents, window, causal, rows, keys, q.device)
         out, lse, *_ = _EFFICIENT(q[:, :, rows], k[:, :, :keys], v[:, :, :keys], _bias(visible, q), True)
         unseen = ~visible.any(-1)  # queries that see no key here: the kernel may leave NaN in their output
         outs.append(out.masked_fill(unseen.unsqueeze(-1), 0))
@@ -167,7 +215,8 @@ def _efficient_attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     causal: bool,
-    documents: Documents,
+    documents: Documents | None,
+    window: Window | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_efficient_attention`'s backward, chunk by chunk as it ran: the repeated K/V heads' gradients add up
     over the chunks (fp32), then over each KV head's group."""
@@ -178,7 +227,7 @@ def _efficient_attention_backward(
     for rows in _row_chunks(q.shape[-2], q.shape[0] * k.shape[-2]):
         keys = rows.stop if causal else k.shape[-2]
         inputs = [t[:, :, rows] for t in (grad_out, q)] + [t[:, :, :keys] for t in keys_and_values]
-        bias = _bias(_visible(documents, causal, rows, keys, q.device), q)
+        bias = _bias(_visible(documents, window, causal, rows, keys, q.device), q)
         # Its output's layout, (batch, rows, heads, head_dim), which the backward assumes of `out`.
         chunk_out = out[:, :, rows].transpose(1, 2).contiguous().transpose(1, 2)
         chunk_lse = _padded_lse(lse[:, :, rows])
@@ -197,7 +246,7 @@ def _bias(visible: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     each row starting at a multiple of EFFICIENT_BIAS_ALIGNMENT elements, one copy for all the heads."""
     keys = visible.shape[-1]
     padded = F.pad(_additive(visible, q.dtype), (0, -keys % EFFICIENT_BIAS_ALIGNMENT))
-    return padded[..., :keys].expand(-1, q.shape[1], -1, -1)
+    return padded[..., :keys].expand(q.shape[0], q.shape[1], -1, -1)
 
 
 def _padded_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -206,7 +255,12 @@ def _padded_lse(lse: torch.Tensor) -> torch.Tensor:
 
 
 def math_attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, documents: Documents | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    documents: Documents | None,
+    window: Window | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`attention_with_lse` written out in fp32, SCORES_PER_CHUNK query rows' scores at a time."""
     keys = _grouped(k, q).float()  # all the query heads', once
@@ -214,7 +268,9 @@ def math_attention_with_lse(
     outs = []
     lses = []
     for rows in _row_chunks(q.shape[-2], q.shape[0] * q.shape[1] * k.shape[-2]):
-        probabilities, lse = _probabilities(q[:, :, rows], keys, causal, documents, rows)
+        probabilities, lse = _probabilities(
+            q[:, :, rows], keys, _visible(documents, window, causal, rows, k.shape[-2], q.device)
+        )
         outs.append((probabilities @ values).to(q.dtype))
         lses.append(lse)
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
@@ -229,6 +285,7 @@ def math_attention_with_lse_backward(
     lse: torch.Tensor,
     causal: bool,
     documents: Documents | None,
+    window: Window | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flash attention's backward by autograd, a chunk of query rows at a time: with the softmax normalised by
     the merged `lse` (held fixed), the scores' gradient P * (dP - rowsum(dO * O)) is that of
@@ -242,7 +299,8 @@ def math_attention_with_lse_backward(
         delta = (grad * out[:, :, rows].float()).sum(-1, keepdim=True)
         with torch.enable_grad():
             queries = q[:, :, rows].detach().float().requires_grad_()
-            probabilities, _ = _probabilities(queries, keys[0], causal, documents, rows, lse[:, :, rows])
+            allowed = _visible(documents, window, causal, rows, k.shape[-2], q.device)
+            probabilities, _ = _probabilities(queries, keys[0], allowed, lse[:, :, rows])
             weighted = probabilities @ keys[1]
             ((grad * weighted).sum() - (delta * probabilities).sum()).backward()
         grad_q[:, :, rows] = queries.grad
@@ -266,22 +324,27 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _visible(
-    documents: Documents | None, causal: bool, rows: slice, keys: int, device: torch.device
+    documents: Documents | None,
+    window: Window | None,
+    causal: bool,
+    rows: slice,
+    keys: int,
+    device: torch.device,
 ) -> torch.Tensor | None:
-    """Which query of `rows` sees which of the first `keys` keys: those of its own document, causally up to
-    its own position; (batch, 1, rows, keys) under `documents`, else (rows, keys) (None: all see all)."""
+    """Which query of `rows` sees which of the first `keys` keys: those of its own document, in its window,
+    causally up to its own position; (batch, 1, rows, keys) under `documents`, else (rows, keys) (None: all
+    see all)."""
     allowed = None
     if documents is not None:
         query_documents, key_documents = documents
         allowed = (query_documents[:, rows, None] == key_documents[:, None, :keys]).unsqueeze(1)
+    if window is not None:
+        near = window.query_index[rows, None] - window.key_index[None, :keys] < window.size
+        allowed = near if allowed is None else allowed & near
     if not causal:
         return allowed
     tril = torch.ones(rows.stop - rows.start, keys, dtype=torch.bool, device=device).tril(rows.start)
     return tril if allowed is None else allowed & tril
-
-
-def _visible_in_block(documents: Documents, causal: bool, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    return _visible(documents, causal, slice(0, q.shape[-2]), k.shape[-2], q.device)
 
 
 def _grouped(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -295,17 +358,11 @@ def _summed_over_groups(grad: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
 
 
 def _probabilities(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    causal: bool,
-    documents: Documents | None,
-    rows: slice,
-    lse: torch.Tensor | None = None,
+    queries: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor | None, lse: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 softmax of `queries` (the block's `rows`) against `keys` (fp32, all the query heads'), normalised
-    by `lse` (else their own), and that lse."""
+    """fp32 softmax of `queries` against `keys` (fp32, all the query heads') where `allowed` (`_visible`),
+    normalised by `lse` (else their own), and that lse."""
     scores = queries.float() @ keys.transpose(-1, -2) * queries.shape[-1] ** -0.5
-    allowed = _visible(documents, causal, rows, keys.shape[-2], queries.device)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     lse = scores.logsumexp(-1) if lse is None else lse

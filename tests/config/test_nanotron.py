@@ -276,7 +276,6 @@ def test_what_femtotron_cannot_run_is_refused_all_at_once_with_lines(tmp_path):
         lighteval={"batch_size": 16, "tasks": {"tasks": "hellaswag"}},
         s3_upload={"upload_s3_path": "s3://bucket/x", "remove_after_upload": True},
         model__init_method={"use_mup": True},
-        model__model_config__sliding_window_size=512,
         optimizer__weight_decay_exclude_named_params=[".*norm.*", "attention"],
         model__model_config__rope_interleaved=True,
         data_stages__0__sequence_length=512,
@@ -292,7 +291,6 @@ def test_what_femtotron_cannot_run_is_refused_all_at_once_with_lines(tmp_path):
         "lighteval",
         "s3_upload",
         "model.init_method.use_mup",
-        "model.model_config.sliding_window_size",
         "optimizer.weight_decay_exclude_named_params",
         "model.model_config.rope_interleaved",
         "data_stages.0.sequence_length",
@@ -538,15 +536,18 @@ def test_doctor_refuses_a_qwen_moe_example_with_every_problem(tmp_path, capsys):
 
 
 def test_qwen2_biases_and_smollm3_layers_without_rope_translate(tmp_path):
+    """Also the sliding window, which nanotron's Qwen model skips in the layers without RoPE."""
     changes = {
         "model__model_config__attention_bias": True,
         "model__model_config__no_rope_layer": 2,
+        "model__model_config__sliding_window_size": 8,
         "model__model_config__num_hidden_layers": 4,
         "optimizer__weight_decay_exclude_named_params": [".*qkv_proj.bias"],
     }
     config = load_config(write(tmp_path, tiny(tmp_path, **changes)))
     model = config.model.model_config_
     assert model.qkv_bias and model.no_rope_layers == [1, 3]  # nanotron: (i + 1) % 2 == 0
+    assert model.sliding_window == 8 and model.full_attention_layers == [1, 3]
     assert config.optimizer.weight_decay_exclude_named_params == [r"layers\.\d+\.self_attn\.qkv_proj\.bias$"]
 
 

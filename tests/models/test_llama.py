@@ -1,6 +1,15 @@
 import pytest
 import torch
-from helpers import BF16_PATHS, FEATURES, build_llama, check_layouts, hf_llama, llama_config, precision_path
+from helpers import (
+    BF16_PATHS,
+    FEATURES,
+    OLMO2_FEATURES,
+    build_llama,
+    check_layouts,
+    hf_llama,
+    llama_config,
+    precision_path,
+)
 
 from femtotron.attention import fused_kernel_takes_kv_groups
 from femtotron.errors import ConfigError
@@ -198,6 +207,29 @@ def test_repeated_kv_heads_give_the_same_attention_and_gradients_as_enable_gqa(m
         torch.testing.assert_close(repeated, grouped)
 
 
+@pytest.mark.parametrize("queries", [12, 1], ids=["whole sequence", "one position against a cache"])
+@pytest.mark.parametrize("window", [1, 4, 12])
+def test_a_sliding_window_shows_each_query_the_window_latest_keys(queries, window):
+    """causal_attention's window (GQA, forward and backward) against softmax over the keys 0 <= i - j <
+    window, as transformers masks them: the queries are the last of the 12 keys' positions."""
+    from femtotron.attention import causal_attention
+
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, queries, 8, generator=generator, requires_grad=True)
+    k, v = (torch.randn(2, 2, 12, 8, generator=generator, requires_grad=True) for _ in range(2))
+    out = causal_attention(q, k, v, causal=queries > 1, window=window)
+    distance = torch.arange(12 - queries, 12)[:, None] - torch.arange(12)
+    allowed = (distance >= 0) & (distance < window)
+    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 8**0.5
+    reference = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.repeat_interleave(2, 1)
+    torch.testing.assert_close(out, reference)
+    grad = torch.randn_like(out)
+    ours = torch.autograd.grad((grad * out).sum(), (q, k, v))
+    theirs = torch.autograd.grad((grad * reference).sum(), (q, k, v))
+    for got, expected in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(got, expected)
+
+
 def test_fp32_on_cuda_multiplies_in_tf32_unless_nvidia_tf32_override_is_0(monkeypatch):
     matmul = torch.backends.cuda.matmul
     before, matmul.allow_tf32 = matmul.allow_tf32, False
@@ -268,6 +300,21 @@ def test_the_families_features_equal_one_process_in_every_layout(documents_confi
     )
 
 
+@pytest.mark.distributed
+def test_olmo2_s_norms_equal_one_process_in_every_layout(documents_config):
+    """Norms after each block and q/k norms over all heads (each tp rank's sum of squares summed over tp, its
+    slice of the weight split with its heads): tp2 in both modes (bf16 on both CPU paths), pp2, cp2."""
+    check_layouts(
+        lambda *overrides: documents_config(*OLMO2_FEATURES, *overrides),
+        {
+            ("parallelism.tp=2",): [("float32", None, ()), ("bfloat16", True, ()), ("bfloat16", False, ())],
+            ("parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"): [("float32", None, ())],
+            ("parallelism.pp=2",): [("float32", None, ("parallelism.recompute_layer=true",))],
+            ("parallelism.cp=2",): [("float32", None, ())],
+        },
+    )
+
+
 def test_the_features_change_the_model_and_count_their_parameters():
     """Each feature on its own changes the loss (so the layout test above can fail), and the parameter count
     the FLOPs and doctor use is the model's."""
@@ -282,6 +329,10 @@ def test_the_features_change_the_model_and_count_their_parameters():
         {"residual_multiplier": 0.7},
         {"attention_multiplier": 0.2},
         {"logits_scaling": 1.5},
+        {"sliding_window": 4},
+        {"qk_norm": True, "qk_norm_span": "all_heads"},
+        {"norm_placement": "after"},
+        {"sliding_window": 4, "full_attention_layers": [0]},
     ):
         cfg = plain.model_copy(update=change)
         model = build_llama(cfg)

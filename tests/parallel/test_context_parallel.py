@@ -18,6 +18,7 @@ from helpers import (
 
 from femtotron import attention
 from femtotron.attention import (
+    Window,
     attention_with_lse,
     attention_with_lse_backward,
     block_kernel,
@@ -171,14 +172,18 @@ def _block_documents(rows=12, cols=24):
     return query_documents, key_documents
 
 
+KINDS = ("causal", "full", "masked", "masked causal", "windowed causal", "masked windowed causal")
 BLOCK_CASES = [
-    *[("cpu flash", kind) for kind in ("causal", "full", "masked", "masked causal")],
-    *[("written out", kind) for kind in ("causal", "full", "masked", "masked causal")],
+    *[("cpu flash", kind) for kind in KINDS],
+    *[("written out", kind) for kind in KINDS],
     ("flash", "causal"),
     ("flash", "full"),
     ("efficient", "masked"),
     ("efficient", "masked causal"),
+    ("efficient", "windowed causal"),
+    ("efficient", "masked windowed causal"),
 ]
+WINDOW = 5
 
 
 @pytest.mark.parametrize("kernel, kind", BLOCK_CASES)
@@ -188,11 +193,15 @@ def test_two_blocks_merged_by_log_sum_exp_are_attention_over_all_keys(kernel, ki
     and log-sum-exp, merged, and each block's backward from the merged output and log-sum-exp, give the
     output and the q, k, v gradients of plain softmax attention over all the keys (autograd). The kernels
     with a per-row buffer take their 12 query rows in chunks (as at long sequences, to bound its memory):
-    the written-out one a row at a time, the efficient one 5 at a time."""
+    the written-out one a row at a time, the efficient one 5 at a time. Windowed: the queries and the first
+    block's keys are at indices 12-23 of the sequence, the second block's at 0-11, and each query sees the
+    WINDOW latest keys."""
     monkeypatch.setattr(attention, "SCORES_PER_CHUNK", 2 * 12 * 5)
     _run_as(kernel, monkeypatch)
     q, k, v = _qkv(cols=24)
     query_documents, key_documents = _block_documents()
+    if "windowed" in kind:  # each query sees its own key at least: the window hides the second block's
+        key_documents[:, :12] = query_documents
     allowed = torch.ones(2, 1, 12, 24, dtype=torch.bool)
     if kind == "causal":  # the first block is the queries' own (causal), the second is earlier keys
         allowed[..., :12] = torch.ones(12, 12, dtype=torch.bool).tril()
@@ -202,15 +211,22 @@ def test_two_blocks_merged_by_log_sum_exp_are_attention_over_all_keys(kernel, ki
     documents = [
         (query_documents, key_documents[:, cols]) if kind.startswith("masked") else None for cols, _ in blocks
     ]
-    if kind == "masked causal":  # the mask and the causal mask together: the own block under document masking
+    if kind.endswith("masked causal"):  # with the causal mask: the own block under document masking
         allowed[..., :12] &= torch.ones(12, 12, dtype=torch.bool).tril()
+    windows = [None, None]
+    if "windowed" in kind:
+        query_index = torch.arange(12, 24)
+        key_index = torch.cat([query_index, torch.arange(12)])
+        distance = query_index[:, None] - key_index[None, :]
+        allowed = allowed & (distance >= 0) & (distance < WINDOW)
+        windows = [Window(query_index, key_index[cols], WINDOW) for cols, _ in blocks]
     results = [
-        attention_with_lse(q, k[:, :, cols], v[:, :, cols], causal, block_documents)
-        for (cols, causal), block_documents in zip(blocks, documents, strict=True)
+        attention_with_lse(q, k[:, :, cols], v[:, :, cols], causal, block_documents, block_window)
+        for (cols, causal), block_documents, block_window in zip(blocks, documents, windows, strict=True)
     ]
     lse = torch.logaddexp(results[0][1], results[1][1])
     out = sum(o * (block_lse - lse).exp().unsqueeze(-1) for o, block_lse in results)
-    if kind.startswith("masked"):
+    if kind in ("masked", "masked causal"):
         assert torch.isinf(results[0][1][..., 3]).all() and torch.isfinite(lse).all()
 
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -221,9 +237,9 @@ def test_two_blocks_merged_by_log_sum_exp_are_attention_over_all_keys(kernel, ki
     expected = torch.autograd.grad((grad_out * reference).sum(), inputs)
     grads = [
         attention_with_lse_backward(
-            grad_out, q, k[:, :, cols], v[:, :, cols], out, lse, causal, block_documents
+            grad_out, q, k[:, :, cols], v[:, :, cols], out, lse, causal, block_documents, block_window
         )
-        for (cols, causal), block_documents in zip(blocks, documents, strict=True)
+        for (cols, causal), block_documents, block_window in zip(blocks, documents, windows, strict=True)
     ]
     torch.testing.assert_close(grads[0][0] + grads[1][0], expected[0])
     torch.testing.assert_close(torch.cat([grads[0][1], grads[1][1]], dim=2), expected[1])
@@ -340,6 +356,7 @@ def test_document_masking_equals_each_document_on_its_own(dtype, native):
     assert abs(plain - reference_loss) > 1e-3  # masking changed something: the test can fail
 
 
+SLIDING_WINDOW = ("model.model_config.sliding_window=6", "model.model_config.full_attention_layers=[1]")
 CP_CASES = {
     ("parallelism.cp=2",): [
         ("float32", None, ()),
@@ -347,14 +364,16 @@ CP_CASES = {
         ("bfloat16", False, ()),
         ("float32", None, ("optimizer.zero_stage=1", "parallelism.recompute_layer=true")),
     ],
-    # Guards the ring's direction: at cp = 2 the following and the preceding rank are the same one.
-    ("parallelism.cp=4",): [("float32", None, ())],
+    # Guards the ring's direction: at cp = 2 the following and the preceding rank are the same one. With a
+    # sliding window of 6 over chunks of 4 tokens, some blocks are skipped, some masked, some whole.
+    ("parallelism.cp=4",): [("float32", None, ()), ("float32", None, SLIDING_WINDOW)],
 }
 
 
 @pytest.mark.distributed
 def test_context_parallel_equals_one_process(tiny_config):
-    """cp = 2 (fp32, bf16 on both CPU paths, ZeRO-1 over the cp ranks with recomputation) and cp = 4: loss and
+    """cp = 2 (fp32, bf16 on both CPU paths, ZeRO-1 over the cp ranks with recomputation) and cp = 4 (also
+    with a sliding window): loss and
     full-shape gradients of one step, then 3 steps' losses, grad norms and weight changes equal one process;
     every rank logs the same loss."""
     check_layouts(tiny_config, CP_CASES)
@@ -413,15 +432,16 @@ def test_some_ring_blocks_are_skipped_under_document_masking():
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_which_blocks_are_seen_and_their_masks_are_the_brute_force_ones(cp):
-    """On random layouts (documents of one token to longer than the sequence, spanning chunks and ranks):
-    `visible` (the first query against the last key) says whether any query of the rank sees any key of the
-    other causally within its document, and each block's rows, columns and documents mark exactly the pairs
-    that do (none outside them)."""
+    """On random layouts (documents of one token to longer than the sequence, spanning chunks and ranks; a
+    sliding window or none): `visible` (the first query against the last key) and the block's `in_window` say
+    whether any query of the rank sees any key of the other causally within its document and window, and each
+    block's rows, columns, documents and window mark exactly the pairs that do (none outside them)."""
     rng = np.random.default_rng(cp)
     seen = []
     for _ in range(100):
         chunk = int(rng.integers(1, 6))
         length = 2 * cp * chunk
+        window = int(rng.integers(1, length + 2)) if rng.random() < 0.5 else None
         tokens = torch.from_numpy(rng.integers(1, 9, (3, length + 1)))
         tokens[torch.from_numpy(rng.random(tokens.shape) < rng.choice([0.0, 0.05, 0.2, 0.5, 0.9]))] = EOS
         batch = MicroBatch.from_tokens(tokens)
@@ -432,15 +452,19 @@ def test_which_blocks_are_seen_and_their_masks_are_the_brute_force_ones(cp):
             for source in range(cp):
                 keys = zigzag_indices(length, cp, source)
                 same = documents[:, queries, None] == documents[:, None, keys]
-                sees = same & (queries[:, None] >= keys[None, :])
-                assert placement.visible[source] == bool(sees.any())
+                distance = queries[:, None] - keys[None, :]
+                sees = same & (distance >= 0) & (distance < (window or length))
+                of = _block_of(rank, source, 2 * chunk, placement.documents, window=window, cp_size=cp)
+                assert (placement.visible[source] and of.in_window) == bool(sees.any())
                 if source != rank:
-                    seen.append(placement.visible[source])
-                of = _block_of(rank, source, 2 * chunk, placement.documents)
+                    seen.append(placement.visible[source] and of.in_window)
                 block = torch.zeros_like(sees)
                 shape = (len(range(2 * chunk)[of.rows]), len(range(2 * chunk)[of.cols]))
-                visible = attention._visible(of.documents, of.causal, slice(0, shape[0]), shape[1], "cpu")
-                block[:, of.rows, of.cols] = visible.squeeze(1)
+                if of.in_window:
+                    visible = attention._visible(
+                        of.documents, of.window, of.causal, slice(0, shape[0]), shape[1], "cpu"
+                    )
+                    block[:, of.rows, of.cols] = visible.squeeze(1)
                 assert torch.equal(block, sees)
     assert any(seen) and not all(seen)  # some blocks are seen, some not: either answer can be wrong
 

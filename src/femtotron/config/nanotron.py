@@ -342,9 +342,11 @@ KEYS: dict[str, Key] = {
     _MODEL + "_attn_implementation": no_effect(_KERNEL),
     _MODEL + "flex_attention_mask": unless_default(None, "for document masking set _use_doc_masking: true"),
     _MODEL + "attention_bias": to(_MODEL + "qkv_bias", why="biases on q, k and v (Qwen2), as nanotron's"),
-    _MODEL + "sliding_window_size": unless_default(
-        None,
-        "femtotron's attention has no sliding window yet; remove the key to attend to the whole sequence",
+    _MODEL + "sliding_window_size": to(
+        _MODEL + "sliding_window",
+        _dropping(None),
+        "each query sees this many latest keys; nanotron's layers without RoPE attend to all "
+        "(full_attention_layers)",
     ),
     _MODEL + "no_rope_layer": to(
         _MODEL + "no_rope_layers", _no_rope_layers, "N: layers N-1, 2N-1, ... (SmolLM3)"
@@ -587,7 +589,16 @@ def translate(data: Mapping[str, Any], lines: Mapping[str, int]) -> Translation:
                 continue
             _apply(entry, table_key, path, value, parent, data, lines, result)
     _place_stages(result, lines)
+    _full_attention_without_rope(result)
     return result
+
+
+def _full_attention_without_rope(result: Translation) -> None:
+    """nanotron's Qwen model gives its layers without RoPE no sliding window: full_attention_layers here."""
+    model_config = result.config.get("model", {}).get("model_config", {})
+    if model_config.get("sliding_window") is None or not model_config.get("no_rope_layers"):
+        return
+    model_config["full_attention_layers"] = list(model_config["no_rope_layers"])
 
 
 def _place_stages(result: Translation, lines: Mapping[str, int]) -> None:

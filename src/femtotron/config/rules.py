@@ -231,16 +231,24 @@ def layers_within_bound(cfg: ConfigFields) -> Problem | None:
     )
 
 
-def no_rope_layers_exist(cfg: ConfigFields) -> Problem | None:
+def listed_layers_exist(cfg: ConfigFields) -> Problem | None:
+    """no_rope_layers and full_attention_layers name layers of the model; the latter only with a window."""
     m = cfg.model.model_config_
-    outside = sorted(i for i in set(m.no_rope_layers) if i >= m.num_hidden_layers)
-    if not outside:
-        return None
-    return Problem(
-        (M + "no_rope_layers", M + "num_hidden_layers"),
-        f"no_rope_layers lists layers {outside}, but the model has layers 0 to {m.num_hidden_layers - 1}. "
-        "Fix: list the indices (from 0) of layers that exist.",
-    )
+    for key in ("no_rope_layers", "full_attention_layers"):
+        outside = sorted(i for i in set(getattr(m, key)) if i >= m.num_hidden_layers)
+        if outside:
+            return Problem(
+                (M + key, M + "num_hidden_layers"),
+                f"{key} lists layers {outside}, but the model has layers 0 to {m.num_hidden_layers - 1}. "
+                "Fix: list the indices (from 0) of layers that exist.",
+            )
+    if m.full_attention_layers and m.sliding_window is None:
+        return Problem(
+            (M + "full_attention_layers", M + "sliding_window"),
+            "full_attention_layers lists the layers without the sliding window, but sliding_window is not "
+            "set. Fix: set sliding_window, or remove full_attention_layers.",
+        )
+    return None
 
 
 def enough_layers_for_the_stages(cfg: ConfigFields) -> Problem | None:
@@ -472,7 +480,7 @@ RULES: list[Callable[[ConfigFields], Problem | None]] = [
     experts_split_over_tp_and_ep,
     experts_split_over_data_parallel_ranks,
     layers_within_bound,
-    no_rope_layers_exist,
+    listed_layers_exist,
     enough_layers_for_the_stages,
     interleaving_needs_several_ranks,
     interleaving_needs_several_chunks,

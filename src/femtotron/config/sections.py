@@ -112,6 +112,12 @@ class LlamaConfig(_Section):
     head_dim: PositiveInt | None = None  # None: hidden_size / num_attention_heads (Qwen3 sets its own)
     qkv_bias: bool = False  # biases on q, k and v (Qwen2, Qwen2.5, Qwen2-MoE)
     qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3, Qwen3-MoE)
+    # what each q/k norm spans: one head (one head_dim weight shared by all), or all the heads of the
+    # projection together (OLMo2: a weight per query or key feature)
+    qk_norm_span: Literal["head", "all_heads"] = "head"
+    # "before": each block's input is normalised (Llama); "after": its output, before it joins the residual
+    # stream (OLMo2)
+    norm_placement: Literal["before", "after"] = "before"
     no_rope_layers: list[NonNegativeInt] = []  # layers whose attention has no RoPE (SmolLM3: every 4th)
     # Granite's scalings: the embedding's output and each block's residual branch multiplied, the attention
     # scores scaled by attention_multiplier instead of 1/sqrt(head_dim), the logits divided by logits_scaling.
@@ -119,6 +125,10 @@ class LlamaConfig(_Section):
     residual_multiplier: PositiveFloat = 1.0
     attention_multiplier: PositiveFloat | None = None
     logits_scaling: PositiveFloat = 1.0
+    # A sliding window (Mistral, Phi-3, Qwen2 with use_sliding_window): each query sees only the keys fewer
+    # than sliding_window positions before it, itself included, in every layer but full_attention_layers.
+    sliding_window: PositiveInt | None = None
+    full_attention_layers: list[NonNegativeInt] = []
 
     @model_validator(mode="after")
     def _resolve_heads(self) -> LlamaConfig:
@@ -157,8 +167,10 @@ class LlamaConfig(_Section):
     @property
     def _attention_vectors(self) -> int:
         """The q, k, v biases and the q/k norms' weights: parameters that are not matmul weights."""
-        biases = (self.attention_width + 2 * self.num_key_value_heads * self.head_dim) * self.qkv_bias
-        return biases + 2 * self.head_dim * self.qk_norm
+        kv_width = self.num_key_value_heads * self.head_dim
+        biases = (self.attention_width + 2 * kv_width) * self.qkv_bias
+        norms = 2 * self.head_dim if self.qk_norm_span == "head" else self.attention_width + kv_width
+        return biases + norms * self.qk_norm
 
     def _mlp_parameters(self, active: bool) -> int:
         h = self.hidden_size
@@ -186,12 +198,27 @@ class LlamaConfig(_Section):
         inactive = self.num_hidden_layers * (self.layer_parameters - self.active_layer_parameters)
         return self.parameter_count - inactive
 
+    def windowed(self, layer: int) -> bool:
+        """Whether `layer`'s attention has the sliding window."""
+        return self.sliding_window is not None and layer not in self.full_attention_layers
+
     def layer_flops(self, sequence_length: int) -> float:
-        """Forward FLOPs per token of one decoder layer: 2 per matmul weight it goes through, and causal
-        attention's scores and weighted sum (4 * sequence * attention_width in full, halved by the causal
-        mask)."""
+        """Forward FLOPs per token of a decoder layer (the mean of the model's layers): 2 per matmul weight it
+        goes through, and attention's scores and weighted sum, 4 * attention_width per key a query sees."""
         matmuls = self.active_layer_parameters - 2 * self.hidden_size - self._attention_vectors
-        return 2.0 * matmuls + 2.0 * sequence_length * self.attention_width
+        layers = self.num_hidden_layers
+        full = len({i for i in self.full_attention_layers if i < layers}) if self.sliding_window else layers
+        seen = full * self._keys_seen(sequence_length, False)
+        seen += (layers - full) * self._keys_seen(sequence_length, True)
+        return 2.0 * matmuls + 4.0 * self.attention_width * seen / layers
+
+    def _keys_seen(self, sequence_length: int, windowed: bool) -> float:
+        """The mean number of keys a query sees: half the sequence under the causal mask; with a window w
+        shorter than the sequence, w for all but the first w queries (w - w^2 / 2s)."""
+        window = self.sliding_window
+        if not windowed or window is None or sequence_length <= window:
+            return sequence_length / 2
+        return window - window**2 / (2 * sequence_length)
 
     @property
     def head_flops(self) -> float:

@@ -1,7 +1,8 @@
 """The Hugging Face model families femtotron reads and writes, each in one place.
 
 A `Family` says what transformers calls it (its class and model_type), which of the model's features
-(`LlamaConfig`'s fields in FEATURES) it turns on and how its config.json spells them, the config.json values
+(`LlamaConfig`'s fields in FEATURES) it turns on and how its config.json spells them (its sliding window
+among them), the config.json values
 that mean "off" for what femtotron's model does not compute (refused when on), and how its tensors are named
 on disk. The model, tensor parallelism, checkpoints and doctor know only the features; `import-hf`,
 `export-hf` and `init_from` know the families through this file alone.
@@ -26,12 +27,16 @@ FIELDS = tuple(
 FEATURES = {
     "qkv_bias": False,
     "qk_norm": False,
+    "qk_norm_span": "head",
+    "norm_placement": "before",
     "no_rope_layers": [],
     "embedding_multiplier": 1.0,
     "residual_multiplier": 1.0,
     "attention_multiplier": None,
     "logits_scaling": 1.0,
     "moe": None,
+    "sliding_window": None,
+    "full_attention_layers": [],
 }
 GRANITE_SCALINGS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 # What femtotron's model does not have, as config.json spells "not used", in most families: attention_bias
@@ -45,23 +50,24 @@ class Family:
     architecture: str  # the transformers class, config.json's "architectures"
     model_type: str
     features: frozenset[str] = frozenset()  # the FEATURES it can turn on
+    requires: frozenset[str] = frozenset()  # those it always has (Qwen2's biases, Qwen3's q/k norms)
     # its own config.json keys -> LlamaConfig values (beyond FIELDS and RoPE), and back
     read: Callable[[dict[str, Any]], dict[str, Any]] = lambda hf: {}
     write: Callable[[LlamaConfig], dict[str, Any]] = lambda cfg: {}
     not_used: dict[str, Any] = field(default_factory=lambda: dict(NOT_USED))
-    # how its sliding window is switched on: "always" when `sliding_window` is set (Mistral, Mixtral, Phi-3),
-    # "layer_types" per layer (Qwen2 and later: `use_sliding_window`, `max_window_layers`), None: it has none
-    window: str | None = None
+    # the layers its config.json gives the sliding window (`sliding_window` positions)
+    sliding: Callable[[dict[str, Any]], list[int]] = lambda hf: []
     moe_fits: Callable[[MoEConfig], bool] = lambda moe: False
     experts: tuple[str, str, str, str] | None = None  # the MoE block's name, and an expert's gate, up, down
     fused_on_disk: bool = False  # Phi-3: qkv_proj and gate_up_proj are single tensors on disk too
 
     def computes(self, cfg: LlamaConfig) -> bool:
-        """Whether transformers' class computes `cfg`: every feature `cfg` turns on is one it has."""
+        """Whether transformers' class computes `cfg`: every feature `cfg` turns on is one it has, and those
+        it always has are on."""
         if cfg.moe is not None and not self.moe_fits(cfg.moe):
             return False
         on = {name for name, off in FEATURES.items() if getattr(cfg, name) != off}
-        return on <= self.features
+        return self.requires <= on <= self.features
 
 
 def _smollm3_read(hf: dict[str, Any]) -> dict[str, Any]:
@@ -75,7 +81,7 @@ def _smollm3_read(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _smollm3_write(cfg: LlamaConfig) -> dict[str, Any]:
     uses_rope = [int(i not in cfg.no_rope_layers) for i in range(cfg.num_hidden_layers)]
-    return {"no_rope_layers": uses_rope, "use_sliding_window": False, "sliding_window": None}
+    return {"no_rope_layers": uses_rope} | _window_by_layer_type(cfg)
 
 
 def _granite_read(hf: dict[str, Any]) -> dict[str, Any]:
@@ -107,7 +113,7 @@ def _mixtral_write(cfg: LlamaConfig) -> dict[str, Any]:
         "num_experts_per_tok": moe.num_experts_per_tok,
         "intermediate_size": moe.intermediate_size,
         "router_aux_loss_coef": moe.aux_loss_coef,
-        "sliding_window": None,
+        "sliding_window": cfg.sliding_window,
     }
 
 
@@ -148,7 +154,6 @@ def _qwen_moe_write(cfg: LlamaConfig) -> dict[str, Any]:
         "norm_topk_prob": moe.router_norm == "topk_then_softmax",
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
-        "use_sliding_window": False,
     }
     if moe.num_shared_experts:
         values["shared_expert_intermediate_size"] = moe.num_shared_experts * moe.intermediate_size
@@ -160,15 +165,56 @@ def _qwen2_moe_read(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _qwen2_moe_write(cfg: LlamaConfig) -> dict[str, Any]:
-    return _qwen_moe_write(cfg) | {"qkv_bias": cfg.qkv_bias, "sliding_window": 0}
+    return _qwen_moe_write(cfg) | {"qkv_bias": cfg.qkv_bias} | _window_by_layer_type(cfg)
 
 
 def _qwen3_moe_write(cfg: LlamaConfig) -> dict[str, Any]:
-    return _qwen_moe_write(cfg) | {"sliding_window": None}
+    return _qwen_moe_write(cfg) | _window_when_used(cfg)
 
 
-def _no_window(cfg: LlamaConfig) -> dict[str, Any]:
-    return {"use_sliding_window": False, "sliding_window": None}
+def _all_layers(hf: dict[str, Any]) -> list[int]:
+    """Mistral, Mixtral, Phi-3: every layer has the window when `sliding_window` is set."""
+    return list(range(hf.get("num_hidden_layers", 0))) if hf.get("sliding_window") else []
+
+
+def _all_layers_when_used(hf: dict[str, Any]) -> list[int]:
+    """Qwen3-MoE: every layer has the window under `use_sliding_window`."""
+    return _all_layers(hf) if hf.get("use_sliding_window") else []
+
+
+def _by_layer_type(default: Callable[[dict[str, Any], int], bool]) -> Callable[[dict[str, Any]], list[int]]:
+    """Qwen2, Qwen3, Qwen2-MoE, SmolLM3: under `use_sliding_window`, the layers `layer_types` names
+    "sliding_attention"; without layer_types (configs before transformers 4.53) those `default` picks."""
+
+    def sliding(hf: dict[str, Any]) -> list[int]:
+        if not (hf.get("use_sliding_window") and hf.get("sliding_window")):
+            return []
+        layers = range(hf.get("num_hidden_layers", 0))
+        types = hf.get("layer_types") or ["sliding_attention" if default(hf, i) else "" for i in layers]
+        return [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+
+    return sliding
+
+
+def _window_everywhere(cfg: LlamaConfig) -> dict[str, Any]:
+    return {"sliding_window": cfg.sliding_window}
+
+
+def _window_when_used(cfg: LlamaConfig) -> dict[str, Any]:
+    return {"use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window}
+
+
+def _window_by_layer_type(cfg: LlamaConfig) -> dict[str, Any]:
+    kinds = ["sliding_attention" if cfg.windowed(i) else FULL_ATTENTION for i in range(cfg.num_hidden_layers)]
+    return _window_when_used(cfg) | {"layer_types": kinds}
+
+
+# transformers' layer types for a config without them: Qwen2 and Qwen3 slide from max_window_layers on,
+# Qwen2-MoE on the even layers below it, SmolLM3 on its layers without RoPE.
+_QWEN_WINDOW = _by_layer_type(lambda hf, i: i >= hf.get("max_window_layers", 28))
+_QWEN2_MOE_WINDOW = _by_layer_type(lambda hf, i: i % 2 == 0 and i < hf.get("max_window_layers", 28))
+_SMOLLM3_WINDOW = _by_layer_type(lambda hf, i: i in _smollm3_read(hf)["no_rope_layers"])
+WINDOWS = frozenset({"sliding_window", "full_attention_layers"})
 
 
 QWEN_NOT_USED = {"attention_dropout": 0.0}  # Qwen2 has no attention_bias key: its q, k, v always have biases
@@ -176,39 +222,52 @@ MOE_LAYERS = {"decoder_sparse_step": 1, "mlp_only_layers": []}  # every layer a 
 MIXTURES = ("moe",)
 QWEN_EXPERTS = ("mlp", "gate_proj", "up_proj", "down_proj")
 
+SLIDING = frozenset({"sliding_window"})  # a window on every layer
+OLMO2 = frozenset({"qk_norm", "qk_norm_span", "norm_placement"})  # norms after each block, q/k over all heads
 # In the order `export-hf` tries them for a model of femtotron's own: the first that computes it.
 FAMILIES = (
     Family(architecture="LlamaForCausalLM", model_type="llama"),
     Family(
         architecture="MistralForCausalLM",
         model_type="mistral",
-        write=lambda cfg: {"sliding_window": None},
-        window="always",
+        features=SLIDING,
+        write=_window_everywhere,
+        sliding=_all_layers,
     ),
     Family(
         architecture="Qwen2ForCausalLM",
+        requires=frozenset({"qkv_bias"}),
         model_type="qwen2",
-        features=frozenset({"qkv_bias"}),
+        features=frozenset({"qkv_bias", *WINDOWS}),
         read=lambda hf: {"qkv_bias": True},
-        write=_no_window,
+        write=_window_by_layer_type,
         not_used=QWEN_NOT_USED,
-        window="layer_types",
+        sliding=_QWEN_WINDOW,
     ),
     Family(
         architecture="Qwen3ForCausalLM",
+        requires=frozenset({"qk_norm"}),
         model_type="qwen3",
-        features=frozenset({"qk_norm"}),
+        features=frozenset({"qk_norm", *WINDOWS}),
         read=lambda hf: {"qk_norm": True},
-        write=_no_window,
-        window="layer_types",
+        write=_window_by_layer_type,
+        sliding=_QWEN_WINDOW,
     ),
     Family(
         architecture="SmolLM3ForCausalLM",
         model_type="smollm3",
-        features=frozenset({"no_rope_layers"}),
+        features=frozenset({"no_rope_layers", *WINDOWS}),
         read=_smollm3_read,
         write=_smollm3_write,
-        window="layer_types",
+        sliding=_SMOLLM3_WINDOW,
+    ),
+    Family(
+        architecture="Olmo2ForCausalLM",
+        model_type="olmo2",
+        features=OLMO2,
+        requires=OLMO2,
+        read=lambda hf: {"qk_norm": True, "qk_norm_span": "all_heads", "norm_placement": "after"},
+        not_used={"attention_bias": False, "attention_dropout": 0.0},
     ),
     Family(
         architecture="GraniteForCausalLM",
@@ -220,41 +279,45 @@ FAMILIES = (
     Family(
         architecture="Phi3ForCausalLM",
         model_type="phi3",
-        write=lambda cfg: {"sliding_window": None},
+        features=SLIDING,
+        write=_window_everywhere,
         not_used={"attention_dropout": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0},
-        window="always",
+        sliding=_all_layers,
         fused_on_disk=True,
     ),
     Family(
         architecture="MixtralForCausalLM",
+        requires=frozenset(MIXTURES),
         model_type="mixtral",
-        features=frozenset(MIXTURES),
+        features=frozenset({*MIXTURES, *SLIDING}),
         read=_mixtral_read,
         write=_mixtral_write,
         not_used=NOT_USED | {"router_jitter_noise": 0.0},
-        window="always",
+        sliding=_all_layers,
         moe_fits=lambda moe: moe.num_shared_experts == 0 and moe.router_norm == "topk_then_softmax",
         experts=("block_sparse_moe", "w1", "w3", "w2"),
     ),
     Family(
         architecture="Qwen3MoeForCausalLM",
+        requires=frozenset({"qk_norm", *MIXTURES}),
         model_type="qwen3_moe",
-        features=frozenset({"qk_norm", *MIXTURES}),
+        features=frozenset({"qk_norm", *MIXTURES, *SLIDING}),
         read=lambda hf: _qwen_moe_read(hf) | {"qk_norm": True},
         write=_qwen3_moe_write,
         not_used=NOT_USED | MOE_LAYERS,
-        window="layer_types",
+        sliding=_all_layers_when_used,
         moe_fits=lambda moe: moe.num_shared_experts == 0,
         experts=QWEN_EXPERTS,
     ),
     Family(
         architecture="Qwen2MoeForCausalLM",
+        requires=frozenset(MIXTURES),
         model_type="qwen2_moe",
-        features=frozenset({"qkv_bias", *MIXTURES}),
+        features=frozenset({"qkv_bias", *MIXTURES, *WINDOWS}),
         read=_qwen2_moe_read,
         write=_qwen2_moe_write,
         not_used=QWEN_NOT_USED | MOE_LAYERS,
-        window="layer_types",
+        sliding=_QWEN2_MOE_WINDOW,
         moe_fits=lambda moe: moe.num_shared_experts > 0 and moe.shared_expert_gate,
         experts=QWEN_EXPERTS,
     ),
@@ -263,8 +326,6 @@ BY_ARCHITECTURE = {family.architecture: family for family in FAMILIES}
 BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
 # Families transformers has that femtotron refuses, with what it lacks for them.
 REFUSED = {
-    "Olmo2ForCausalLM": "OLMo2's norms come after attention and the MLP, and its q/k norms span all heads "
-    "together; femtotron's model normalises before each block and per head",
     "Gemma2ForCausalLM": "Gemma 2 needs GeGLU, (1 + w) norms, norms after each block, logit soft-capping and "
     "alternating sliding windows, which femtotron's model does not have",
     "Gemma3ForCausalLM": "Gemma 3 needs GeGLU, (1 + w) norms, norms after each block and alternating sliding "
@@ -302,17 +363,3 @@ def family_of(cfg: LlamaConfig, architecture: str | None = None) -> Family:
     raise ConfigError(
         f"model.model_config turns on {', '.join(on) or 'no feature'}: {which} that. Fix: {fix}."
     )
-
-
-def sliding_layers(family: Family, hf: dict[str, Any]) -> list[int]:
-    """The layers whose attention transformers limits to `sliding_window` positions back."""
-    layers = range(hf.get("num_hidden_layers", 0))
-    if family.window == "always":
-        return list(layers) if hf.get("sliding_window") else []
-    if family.window != "layer_types":
-        return []
-    types = hf.get("layer_types")
-    if types is None:  # before transformers 4.53: derived from these two
-        first = hf.get("max_window_layers", 28)
-        types = ["sliding_attention" if hf.get("use_sliding_window") and i >= first else "" for i in layers]
-    return [i for i, kind in enumerate(types) if kind == "sliding_attention"]

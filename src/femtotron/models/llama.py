@@ -8,7 +8,7 @@ Every parameter is made by `make_param` and carries its `ShardInfo`.
 
 The features other model families add (config/sections.py `LlamaConfig`, models/families.py says which
 family turns on which) are each a few lines here: biases on qkv_proj, per-head q/k norms, a head_dim of its
-own, layers without RoPE, and Granite's multipliers.
+own, layers without RoPE, Granite's multipliers, and a sliding window.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from femtotron.parallel.tensor_parallel import (
     gather_full,
     shard_size,
     sum_gradient_over_tp,
+    sum_over_tp,
     vocab_parallel_cross_entropy,
 )
 from femtotron.precision import linear
@@ -87,6 +88,26 @@ class HeadNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = sum_gradient_over_tp(self.weight, self.tp)
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class HeadsNorm(nn.Module):
+    """An RMSNorm over all the query or key heads of a token together (OLMo2's q_norm, k_norm): one weight per
+    feature, split over tp with the heads; each rank's sum of squares is summed over tp."""
+
+    def __init__(self, make: ParamFactory, name: str, width: int, eps: float, tp: TensorParallel) -> None:
+        super().__init__()
+        self.eps = eps
+        self.tp = tp
+        self.width = width
+        self.weight = make(f"{name}.weight", (width,), None, shard_dim=0, rank=tp.rank, world=tp.size)
+        self.output_split_dim = 1  # (batch, heads, sequence, head_dim): the heads are split over tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, heads, sequence, head_dim = x.shape
+        flat = x.transpose(1, 2).reshape(batch, sequence, heads * head_dim).float()
+        squares = sum_over_tp(flat.pow(2).sum(-1, keepdim=True), self.tp)
+        normed = (flat * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
+        return (self.weight * normed).view(batch, sequence, heads, head_dim).transpose(1, 2)
 
 
 class KVCache:
@@ -170,8 +191,10 @@ class Attention(nn.Module):
         out_std: float,
         rotary: Rotary | None,
         parallel: Parallel,
+        window: int | None,
     ) -> None:
-        """`rotary` None: no position embedding in this layer (`no_rope_layers`)."""
+        """`rotary` None: no position embedding in this layer (`no_rope_layers`). `window`: the sliding
+        window's size, None: the layer attends to the whole sequence."""
         super().__init__()
         tp = parallel.tp
         heads = cfg.num_attention_heads
@@ -194,10 +217,15 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(make, f"{name}.o_proj", cfg.attention_width, hidden, out_std, tp)
         self.q_norm = None
         self.k_norm = None
-        if cfg.qk_norm:
-            self.q_norm = HeadNorm(make, f"{name}.q_norm", self.head_dim, cfg.rms_norm_eps, tp)
-            self.k_norm = HeadNorm(make, f"{name}.k_norm", self.head_dim, cfg.rms_norm_eps, tp)
+        eps = cfg.rms_norm_eps
+        if cfg.qk_norm and cfg.qk_norm_span == "head":
+            self.q_norm = HeadNorm(make, f"{name}.q_norm", self.head_dim, eps, tp)
+            self.k_norm = HeadNorm(make, f"{name}.k_norm", self.head_dim, eps, tp)
+        elif cfg.qk_norm:
+            self.q_norm = HeadsNorm(make, f"{name}.q_norm", cfg.attention_width, eps, tp)
+            self.k_norm = HeadsNorm(make, f"{name}.k_norm", kv_heads * self.head_dim, eps, tp)
         self.rotary = rotary
+        self.window = window
         # The kernels scale the scores by 1/sqrt(head_dim): another scale (Granite's) is applied to q.
         self.query_scale = 1.0
         if cfg.attention_multiplier is not None:
@@ -225,7 +253,7 @@ class Attention(nn.Module):
         if placement is not None:  # a cp rank's part of the sequences, or documents (or both)
             q = self._positioned(q, placement.positions)
             k = self._positioned(k, placement.positions)
-            out = ring_attention(q, k, v, placement, self.cp)
+            out = ring_attention(q, k, v, placement, self.cp, self.window)
         else:
             start = cache.length if cache is not None else 0
             q = self._positioned(q, start)
@@ -233,7 +261,7 @@ class Attention(nn.Module):
             if cache is not None:
                 k, v = cache.extend(self, k, v)
             # Against a cache the new position sees all the earlier ones (one at a time after the first).
-            out = causal_attention(q, k, v, causal=start == 0)
+            out = causal_attention(q, k, v, causal=start == 0, window=self.window)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -271,10 +299,20 @@ class DecoderLayer(nn.Module):
         out_std = make.std / math.sqrt(2 * cfg.num_hidden_layers)
         hidden = cfg.hidden_size
         eps = cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(make, f"{name}.input_layernorm", hidden, eps, tp)
-        layer_rotary = None if index in cfg.no_rope_layers else rotary
-        self.self_attn = Attention(make, f"{name}.self_attn", cfg, out_std, layer_rotary, parallel)
+        # The norms by their Hugging Face names: before each block, input_layernorm before attention and
+        # post_attention_layernorm before the MLP (Llama); after (OLMo2), post_attention_layernorm on the
+        # attention's output and post_feedforward_layernorm on the MLP's.
+        self.norms_after = cfg.norm_placement == "after"
+        if not self.norms_after:
+            self.input_layernorm = RMSNorm(make, f"{name}.input_layernorm", hidden, eps, tp)
         self.post_attention_layernorm = RMSNorm(make, f"{name}.post_attention_layernorm", hidden, eps, tp)
+        if self.norms_after:
+            self.post_feedforward_layernorm = RMSNorm(
+                make, f"{name}.post_feedforward_layernorm", hidden, eps, tp
+            )
+        layer_rotary = None if index in cfg.no_rope_layers else rotary
+        window = cfg.sliding_window if cfg.windowed(index) else None
+        self.self_attn = Attention(make, f"{name}.self_attn", cfg, out_std, layer_rotary, parallel, window)
         if cfg.moe is None:
             self.mlp = MLP(make, f"{name}.mlp", hidden, cfg.intermediate_size, out_std, tp)
         else:
@@ -287,6 +325,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cache: KVCache | None = None, placement: TokenPlacement | None = None
     ) -> torch.Tensor:
+        if self.norms_after:
+            x = x + self._scaled(self.post_attention_layernorm(self.self_attn(x, cache, placement)))
+            return x + self._scaled(self.post_feedforward_layernorm(self.mlp(x)))
         x = x + self._scaled(self.self_attn(self.input_layernorm(x), cache, placement))
         return x + self._scaled(self.mlp(self.post_attention_layernorm(x)))
 

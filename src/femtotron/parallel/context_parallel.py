@@ -19,6 +19,9 @@ packed sample (documents end at the end-of-document token), and RoPE positions r
 The same ring computes it, each block masked by document. A block where no query sees any key is skipped,
 which on long packed sequences of short documents skips most of them.
 
+A sliding window (`model.sliding_window`): a query sees only the keys fewer than the window's size before
+it. A block wholly outside every query's window is skipped, one wholly inside is computed without a mask.
+
 The kernel for each block is attention.py's `attention_with_lse`: the CPU's flash kernel; on GPUs flash for
 the mask-free blocks and memory-efficient attention for the masked ones; written out in fp32 where neither
 applies. Each returns the log-sum-exp the merge needs.
@@ -30,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from femtotron.attention import Documents, attention_with_lse, attention_with_lse_backward
+from femtotron.attention import Documents, Window, attention_with_lse, attention_with_lse_backward
 from femtotron.batch import MicroBatch, TokenPlacement
 from femtotron.parallel.comm import Group, GroupMember, Work
 from femtotron.precision import attention_dtype
@@ -120,19 +123,32 @@ def _sees_any_key(rank: int, source: int, documents: torch.Tensor) -> bool:
     return bool((queries[:, 0] == keys[:, -1]).any())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Block:
-    """Which local queries (rows) see which keys of another cp rank's block (columns), whether causally, and
-    under document masking the documents of those queries and keys (attention.Documents). Both are in
-    sequence order, as a rank's two chunks are."""
+    """Which local queries (rows) see which keys of another cp rank's block (columns), whether causally,
+    under document masking the documents of those queries and keys (attention.Documents), and the sliding
+    window where it hides some of the keys from some query. Both are in sequence order, as a rank's two
+    chunks are. `in_window`: some query has some key in its window."""
 
     rows: slice
     cols: slice
     causal: bool
     documents: Documents | None
+    window: Window | None = None
+    in_window: bool = True
 
 
-def _block_of(rank: int, source: int, local_length: int, documents: torch.Tensor | None) -> Block:
+def _block_of(
+    rank: int,
+    source: int,
+    local_length: int,
+    documents: torch.Tensor | None,
+    *,
+    window: int | None = None,
+    cp_size: int = 1,
+    device: torch.device | None = None,
+) -> Block:
+    """The block of `source`'s keys for `rank`'s queries (`window`: the sliding window's size)."""
     chunk = local_length // 2
     if source == rank:
         rows = slice(None)
@@ -144,12 +160,24 @@ def _block_of(rank: int, source: int, local_length: int, documents: torch.Tensor
         rows = slice(chunk, None)
         cols = slice(None)
     seen = None if documents is None else (documents[rank][:, rows], documents[source][:, cols])
-    return Block(rows=rows, cols=cols, causal=source == rank, documents=seen)
+    block = Block(rows=rows, cols=cols, causal=source == rank, documents=seen)
+    if window is None:
+        return block
+    length = local_length * cp_size
+    query_index = zigzag_indices(length, cp_size, rank, device)[rows]
+    key_index = zigzag_indices(length, cp_size, source, device)[cols]
+    # Indices grow along a block, and every key of another rank's block precedes every query.
+    in_window = bool(query_index[0] - key_index[-1] < window)
+    needs_mask = bool(query_index[-1] - key_index[0] >= window)
+    sliding = Window(query_index, key_index, window) if needs_mask else None
+    return replace(block, window=sliding, in_window=in_window)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, placement: TokenPlacement, cp: ContextParallel) -> torch.Tensor:
+    def forward(
+        ctx, q, k, v, placement: TokenPlacement, cp: ContextParallel, window: int | None
+    ) -> torch.Tensor:
         ctx.dtype = q.dtype
         dtype = attention_dtype(q)
         q = q.to(dtype)
@@ -162,14 +190,15 @@ class _RingAttention(torch.autograd.Function):
         for step, source in enumerate(_sources(cp)):
             if step < cp.size - 1:
                 shifts.append(cp.start_shift(kv, step))
-            if placement.visible[source]:
-                block = _block_of(cp.rank, source, q.shape[2], placement.documents)
+            block = _ring_block(cp, source, q, placement, window)
+            if placement.visible[source] and block.in_window:
                 block_out, block_lse = attention_with_lse(
                     q[:, :, block.rows],
                     kv[0][:, :, block.cols],
                     kv[1][:, :, block.cols],
                     causal=block.causal,
                     documents=block.documents,
+                    window=block.window,
                 )
                 _merge(out[:, :, block.rows], lse[:, :, block.rows], block_out, block_lse)
             if step < cp.size - 1:
@@ -179,6 +208,7 @@ class _RingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.placement = placement
         ctx.cp = cp
+        ctx.window = window
         return out.to(ctx.dtype)
 
     @staticmethod
@@ -195,8 +225,8 @@ class _RingAttention(torch.autograd.Function):
             if step < cp.size - 1:
                 shifts.append(cp.start_shift(kv, 2 * step))
             grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            if placement.visible[source]:
-                block = _block_of(cp.rank, source, q.shape[2], placement.documents)
+            block = _ring_block(cp, source, q, placement, ctx.window)
+            if placement.visible[source] and block.in_window:
                 rows = block.rows
                 cols = block.cols
                 dq, dk, dv = attention_with_lse_backward(
@@ -208,6 +238,7 @@ class _RingAttention(torch.autograd.Function):
                     lse=lse[:, :, rows],
                     causal=block.causal,
                     documents=block.documents,
+                    window=block.window,
                 )
                 grad_q[:, :, rows] += dq
                 grad_kv[0][:, :, cols] += dk
@@ -221,7 +252,15 @@ class _RingAttention(torch.autograd.Function):
                 kv = cp.finish_shift(shifts[-2])
         grad_kv = cp.finish_shift(grads_in)
         cp.finish_sends(shifts)
-        return grad_q.to(ctx.dtype), grad_kv[0].to(ctx.dtype), grad_kv[1].to(ctx.dtype), None, None
+        return grad_q.to(ctx.dtype), grad_kv[0].to(ctx.dtype), grad_kv[1].to(ctx.dtype), None, None, None
+
+
+def _ring_block(
+    cp: ContextParallel, source: int, q: torch.Tensor, placement: TokenPlacement, window: int | None
+) -> Block:
+    return _block_of(
+        cp.rank, source, q.shape[2], placement.documents, window=window, cp_size=cp.size, device=q.device
+    )
 
 
 def _sources(cp: ContextParallel) -> list[int]:
@@ -239,8 +278,14 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
 
 @torch.compiler.disable  # model.compile: the ring's transfers end the layer's compiled graphs, as tp's do
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, placement: TokenPlacement, cp: ContextParallel
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    placement: TokenPlacement,
+    cp: ContextParallel,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries to the keys and values of the whole sequence (document-masked
-    when `placement.documents`); q: (batch, heads, local sequence, head_dim), k and v with the KV heads."""
-    return _RingAttention.apply(q, k, v, placement, cp)
+    when `placement.documents`, each query seeing the `window` latest keys when set); q: (batch, heads, local
+    sequence, head_dim), k and v with the KV heads."""
+    return _RingAttention.apply(q, k, v, placement, cp, window)

@@ -95,6 +95,14 @@ def sum_gradient_over_tp(weight: torch.Tensor, tp: TensorParallel) -> torch.Tens
     return _conjugates(weight, tp, ahead=_same, back=_sum)
 
 
+def sum_over_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """A sum of which each tp rank holds a part and needs the whole (over all heads, each rank holding some):
+    summed forward, and its gradient summed backward, each rank's loss depending on it through its heads."""
+    if tp.size == 1:
+        return x
+    return _conjugates(x, tp, ahead=_sum, back=_sum)
+
+
 def leave_row_parallel(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Sum a row-parallel layer's partial outputs: whole (ALL_REDUCE) or this rank's sequence shard."""
     if tp.size == 1:

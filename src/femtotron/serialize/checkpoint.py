@@ -102,6 +102,8 @@ MODEL_FIELDS = (
     "residual_multiplier",
     "attention_multiplier",
     "logits_scaling",
+    "sliding_window",
+    "full_attention_layers",
 )
 
 

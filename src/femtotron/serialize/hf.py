@@ -40,7 +40,6 @@ from femtotron.models.families import (
     REFUSED,
     Family,
     family_of,
-    sliding_layers,
 )
 from femtotron.models.hf_conversion import from_hf, to_hf
 from femtotron.serialize.weights import (
@@ -97,15 +96,11 @@ def llama_config(hf: dict[str, Any], where: Path) -> tuple[LlamaConfig, Family]:
         problems.append(f"rope type {kind!r} (rope_parameters / rope_scaling): plain RoPE and llama3 only")
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         problems.append("partial_rotary_factor: femtotron's RoPE rotates the whole head")
-    window = hf.get("sliding_window")
-    sliding = sliding_layers(family, hf)
-    if sliding and window and window < hf.get("max_position_embeddings", 0):
-        problems.append(
-            f"sliding_window={window} (layers {sliding[0]}-{sliding[-1]}) < max_position_embeddings="
-            f"{hf.get('max_position_embeddings')}: femtotron's attention has no sliding window, so it would "
-            f"differ beyond {window} positions"
-        )
     values = {key: hf[key] for key in FIELDS if hf.get(key) is not None}
+    sliding = family.sliding(hf)
+    if sliding:
+        values["sliding_window"] = hf["sliding_window"]
+        values["full_attention_layers"] = [i for i in range(hf["num_hidden_layers"]) if i not in sliding]
     try:
         values |= family.read(hf)
     except ConfigError as e:
