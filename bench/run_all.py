@@ -51,13 +51,19 @@ SCRIPTS = {
     "context_parallel": (["--quick"], []),
     "moe": (["--quick"], []),
     "size": (["--longest=0"], ["--longest=0"]),
+    "families": (
+        ["--family=llama,qwen3,olmo2,mixtral", "--pairs=1", "--steps=1"],
+        ["--family=all", "--pairs=3"],
+    ),
 }
+SCRIPT_OF = {"families": "throughput"}  # an entry that runs another entry's script with its own arguments
 
 
 def run_script(name: str, arguments: list[str]) -> tuple[list[dict], str, float]:
     """Its headline figures, the command, and the seconds it took; a script that fails stops `make bench`
     with its output."""
-    command = [sys.executable, str(ROOT / "bench" / f"{name}.py"), *arguments]
+    script = SCRIPT_OF.get(name, name)
+    command = [sys.executable, str(ROOT / "bench" / f"{script}.py"), *arguments]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -66,7 +72,7 @@ def run_script(name: str, arguments: list[str]) -> tuple[list[dict], str, float]
     figures = [
         json.loads(line[len(HEADLINE) :]) for line in done.stdout.splitlines() if line.startswith(HEADLINE)
     ]
-    return figures, shlex.join(["python", f"bench/{name}.py", *arguments]), seconds
+    return figures, shlex.join(["python", f"bench/{script}.py", *arguments]), seconds
 
 
 def cpu_line() -> str:

@@ -522,17 +522,22 @@ def test_doctor_and_convert_config_round_trip(tmp_path, capsys):
     assert code == 2 and "a femtotron config already" in err
 
 
-def test_doctor_refuses_a_qwen_moe_example_with_every_problem(tmp_path, capsys):
+def test_a_qwen_moe_example_s_expert_layers_translate_and_a_layer_it_lacks_is_refused(tmp_path, capsys):
+    """nanotron's moe_config.layers (the layers with experts) becomes moe.dense_layers (the others)."""
     changes = {
         "model__model_config__is_qwen2_config": True,
         "model__model_config__attention_bias": True,
         "model__model_config__z_loss_enabled": True,
-        "model__model_config__moe_config": {"num_experts": 4, "top_k": 2, "layers": [0]},
+        "model__model_config__num_hidden_layers": 4,
+        "model__model_config__moe_config": {"num_experts": 4, "top_k": 2, "layers": [0, 2]},
     }
+    config = load_config(write(tmp_path, tiny(tmp_path, **changes)))
+    assert config.model.model_config_.moe.dense_layers == [1, 3]
+    changes["model__model_config__moe_config"]["layers"] = [0, 4]
     code, out, err = cli(capsys, "doctor", str(write(tmp_path, tiny(tmp_path, **changes))))
     assert code == 2
-    assert "1 problem" in err and "moe_config.layers" in err
-    assert "attention_bias" not in err  # Qwen2's q/k/v biases: model_config.qkv_bias
+    assert "1 problem" in err and "moe_config.layers" in err and "from 0 to 3" in err
+    assert "attention_bias -> model.model_config.qkv_bias" in err  # translated, not a problem
 
 
 def test_qwen2_biases_and_smollm3_layers_without_rope_translate(tmp_path):

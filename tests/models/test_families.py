@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import BF16_PATHS, assert_close_to_reference, precision_path
 from safetensors import safe_open
 from tokenizers import AddedToken, Tokenizer, processors
 
@@ -82,6 +83,19 @@ CASES = {
         "Qwen2Config",
         "Qwen2ForCausalLM",
         {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+        False,
+    ),
+    # Dense layers among the experts: Qwen3-MoE's mlp_only_layers, Qwen2-MoE's decoder_sparse_step.
+    "qwen3_moe dense": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"num_experts": 4, "mlp_only_layers": [1], **MOE},
+        False,
+    ),
+    "qwen2_moe dense": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {"num_experts": 4, "shared_expert_intermediate_size": 64, "decoder_sparse_step": 2, **MOE},
         False,
     ),
     "qwen3_moe window": (
@@ -195,10 +209,30 @@ def test_a_family_imports_decodes_like_transformers_and_exports_back_bit_identic
         assert torch.equal(again(ids).logits, hf(ids).logits)
 
 
+@BF16_PATHS
+@pytest.mark.parametrize("family", list(CASES))
+def test_a_family_in_bf16_is_as_close_to_fp32_as_transformers_in_bf16(tmp_path, family, native):
+    """Both models in bf16, on this CPU's two bf16 paths: femtotron's logits lie within the distance bf16
+    rounding puts transformers' from the fp32 logits (assert_close_to_reference's bound), so no cast in a
+    family's features is missing or misplaced; a wrong one is off by the size of the logits. Every token
+    takes every expert: bf16 rounding flips near-tied routing choices in any two implementations (femtotron's
+    router logits are fp32, transformers' bf16), a difference of the size of the logits."""
+    values = CASES[family][2]
+    experts = values.get("num_experts", values.get("num_local_experts"))
+    hf = hf_family(tmp_path / "hf", family, **({"num_experts_per_tok": experts} if experts else {}))
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    _, ours = load_run(tmp_path / "run")
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), precision_path(native):
+        exact = hf(ids).logits
+        theirs = hf.to(torch.bfloat16)(ids).logits.float()
+        got = ours.to(torch.bfloat16).logits(ids).float()
+    assert_close_to_reference(got, theirs, exact, label=family)
+
+
 @pytest.mark.parametrize(
     "family, changes, message",
     [
-        ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]: femtotron's model has none"),
         (
             "phi3",
             {

@@ -246,6 +246,25 @@ def test_parameter_and_flop_counts_count_every_expert_and_the_active_ones():
     assert cfg.layer_flops(64) - dense.layer_flops(64) == 2 * (4 * h + 3 * h * f + h)  # router, shared, gate
 
 
+def test_dense_layers_among_the_experts_are_counted_and_routed_by_none():
+    """moe.dense_layers: those layers have a dense MLP of intermediate_size (Qwen-MoE's mlp_only_layers), the
+    counts take each layer as it is, and only the layers with experts record routing or collapse."""
+    cfg = moe_config(dense_layers=[0])
+    model = build_llama(cfg)
+    assert cfg.parameter_count == sum(p.numel() for p in model.parameters())
+    h, f = cfg.hidden_size, 32
+    assert cfg.parameter_count - cfg.active_parameter_count == 2 * 3 * h * f  # layer 1's untaken experts
+    assert type(model.layers[0].mlp).__name__ == "MLP" and type(model.layers[1].mlp).__name__ == "MoE"
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    model.router_stats.reset(gradient_scale=1.0)
+    model(ids, ids)[0].backward()
+    assert not model.router_stats.values[0].any() and model.router_stats.values[1, :4].sum() == 2 * 16 * 2
+    watch = RouterCollapse(cfg)
+    collapsed = torch.tensor([[20.0, 18.0, 1.0, 1.0]])  # the loads of the one layer with experts
+    warnings = [watch.observe(collapsed) for _ in range(COLLAPSE_STEPS)]
+    assert "router collapse in layer 1:" in warnings[-1][0]
+
+
 def test_a_collapsed_router_is_warned_about_after_many_steps_naming_the_layer():
     watch = RouterCollapse(moe_config())
     balanced, collapsed = torch.tensor([10.0, 10.0, 10.0, 10.0]), torch.tensor([20.0, 18.0, 1.0, 1.0])

@@ -44,16 +44,21 @@ def test_expert_parallel_equals_one_process(tiny_config):
 
 
 SHARED = ("model.model_config.moe.num_shared_experts=1", "model.model_config.moe.shared_expert_gate=true")
+DENSE_LAYERS = ("model.model_config.moe.dense_layers=[0,3]",)  # Qwen-MoE's mlp_only_layers
 
 
 @pytest.mark.distributed
 def test_expert_parallel_with_tp_cp_and_pp_equals_one_process(tiny_config):
     """dp2 x ep2 with tp2 inside the experts (both tp modes, shared experts under sequence parallelism, ZeRO-1
-    over each group's replicas), ep over cp ranks, and with pp2."""
+    over each group's replicas), ep over cp ranks, and with pp2; dense layers among the experts (their own
+    layer on each pipeline stage) under tp and pp."""
     check_layouts(
         lambda *overrides: tiny_config(*MOE, *overrides),
         {
-            ("parallelism.dp=2", "parallelism.ep=2", "parallelism.tp=2"): [("float32", None, ())],
+            ("parallelism.dp=2", "parallelism.ep=2", "parallelism.tp=2"): [
+                ("float32", None, ()),
+                ("float32", None, DENSE_LAYERS),
+            ],
             (
                 "parallelism.dp=2",
                 "parallelism.ep=2",
@@ -63,7 +68,10 @@ def test_expert_parallel_with_tp_cp_and_pp_equals_one_process(tiny_config):
             # Guards the aux loss's assignments summed over cp (the only layout case with cp and MoE;
             # tests/models/test_moe.py tests the shares directly).
             ("parallelism.cp=2", "parallelism.ep=2"): [("float32", None, ())],
-            ("parallelism.dp=2", "parallelism.ep=2", "parallelism.pp=2"): [("float32", None, ())],
+            ("parallelism.dp=2", "parallelism.ep=2", "parallelism.pp=2"): [
+                ("float32", None, ()),
+                ("float32", None, DENSE_LAYERS),
+            ],
         },
     )
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 from distributed import run_ranks
+from helpers import OLMO2_FEATURES
 from safetensors.torch import load_file
 
 from femtotron.cli import main
@@ -259,6 +260,50 @@ def test_an_moe_checkpoint_resharded_over_expert_parallel_ranks_and_back_keeps_e
         assert original.keys() == again.keys()
         for name, tensor in original.items():
             assert torch.equal(again[name], tensor), name
+
+
+# The families' features together: OLMo2's norms (q/k weights split with the heads), biases split with their
+# rows, a head_dim of its own, a layer without RoPE, a sliding window, Granite's scalings, and experts with a
+# dense layer among them.
+EVERY_FEATURE = (
+    *OLMO2_FEATURES,
+    "model.model_config.head_dim=24",
+    "model.model_config.qkv_bias=true",
+    "model.model_config.no_rope_layers=[1]",
+    "model.model_config.sliding_window=5",
+    "model.model_config.full_attention_layers=[0]",
+    "model.model_config.residual_multiplier=0.7",
+    "model.model_config.moe.num_experts=4",
+    "model.model_config.moe.intermediate_size=32",
+    "model.model_config.moe.dense_layers=[2]",
+)
+
+
+def test_a_checkpoint_with_every_model_feature_reshards_consolidates_and_is_diagnosed(
+    tiny_config, tmp_path, capsys
+):
+    """One process -> dp2 x tp2 x ep2 -> consolidated: every weight, master and Adam moment as saved (the
+    q/k norms' weights split by heads in between); the config counts the model's parameters, and `doctor`
+    checks it and estimates its memory (on the meta device)."""
+    run = config(tiny_config, "features", *EVERY_FEATURE, "checkpoints.checkpoint_interval=2", steps=2)
+    Trainer(run, ParallelContext(), log_to_console=False).train()
+    checkpoints = run.run_dir / "checkpoints"
+    weights, optimizer = consolidated(checkpoints, tmp_path / "original")
+    mesh = ["--dp", "2", "--tp", "2", "--ep", "2", "optimizer.zero_stage=1"]
+    assert main(["reshard", str(checkpoints), "--out", str(tmp_path / "mesh"), *mesh]) == 0
+    manifest = files.read_manifest(tmp_path / "mesh" / "step-0000002")
+    q_norm = manifest["tensors"]["model/layers.0.self_attn.q_norm.weight"]["slices"]
+    assert {(piece["start"][0], piece["stop"][0]) for piece in q_norm} == {(0, 48), (48, 96)}  # by heads
+    round_weights, round_optimizer = consolidated(tmp_path / "mesh", tmp_path / "round")
+    for original, again in ((weights, round_weights), (optimizer, round_optimizer)):
+        assert original.keys() == again.keys()
+        for name, tensor in original.items():
+            assert torch.equal(again[name], tensor), name
+    mcfg = run.model.model_config_
+    assert mcfg.parameter_count == sum(tensor.numel() for tensor in weights.values())
+    capsys.readouterr()
+    assert main(["doctor", str(tmp_path / "round" / "config.yaml"), "--device", "H100"]) == 0
+    assert "config: every rule holds" in capsys.readouterr().out  # its memory estimate built the model
 
 
 def test_a_resharded_checkpoint_records_its_new_world_size_and_resumes_as_written_offline(

@@ -260,10 +260,14 @@ def _shared_experts(value: Any, parent: Mapping[str, Any]) -> Any:
     return value // size
 
 
-def _all_layers(value: Any, parent: Mapping[str, Any]) -> Any:
+def _dense_layers(value: Any, config: Mapping[str, Any]) -> Any:
+    """nanotron's moe_config.layers lists the layers with experts ([-1]: all); femtotron lists the others."""
     if value in (None, [-1]):
         return DROP
-    raise Refusal("femtotron puts experts in every layer; set layers: [-1]")
+    layers = config.get("model", {}).get("model_config", {}).get("num_hidden_layers", 32)
+    if not isinstance(value, list) or not all(isinstance(i, int) and 0 <= i < layers for i in value):
+        raise Refusal(f"layers lists the layers with experts, from 0 to {layers - 1}, or is [-1] for all")
+    return [i for i in range(layers) if i not in value]
 
 
 _NO_NETWORK = "femtotron reads local files only"
@@ -370,7 +374,13 @@ KEYS: dict[str, Key] = {
         "in experts of moe_intermediate_size; 0 unless enabled",
     ),
     _MOE + "router_aux_loss_coef": to(_MODEL + "moe.aux_loss_coef"),
-    _MOE + "layers": Key(action=NO_EFFECT, why="only [-1] (every layer)", transform=_all_layers),
+    _MOE + "layers": Key(
+        action=TRANSLATED,
+        target=_MODEL + "moe.dense_layers",
+        why="the layers with experts ([-1]: all); the others are dense",
+        transform=_dense_layers,
+        whole=True,
+    ),
     _MOE + "enable_shared_expert": no_effect("read with shared_expert_intermediate_size"),
     _MOE + "token_dispatcher_type": no_effect("a communication pattern; the experts compute the same"),
     "model.init_method.std": same(),

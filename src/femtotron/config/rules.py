@@ -167,7 +167,7 @@ def heads_split_over_tp(cfg: ConfigFields) -> Problem | None:
 def mlp_splits_over_tp(cfg: ConfigFields) -> Problem | None:
     m = cfg.model.model_config_
     tp = cfg.parallelism.tp
-    if m.intermediate_size % tp == 0 or m.moe is not None:  # a mixture of experts has no dense MLP
+    if m.intermediate_size % tp == 0 or m.moe_layer_count == m.num_hidden_layers:  # no dense MLP
         return None
     return Problem(
         (M + "intermediate_size", "parallelism.tp"),
@@ -232,10 +232,14 @@ def layers_within_bound(cfg: ConfigFields) -> Problem | None:
 
 
 def listed_layers_exist(cfg: ConfigFields) -> Problem | None:
-    """no_rope_layers and full_attention_layers name layers of the model; the latter only with a window."""
+    """no_rope_layers, full_attention_layers and moe.dense_layers name layers of the model; the second only
+    with a window."""
     m = cfg.model.model_config_
-    for key in ("no_rope_layers", "full_attention_layers"):
-        outside = sorted(i for i in set(getattr(m, key)) if i >= m.num_hidden_layers)
+    lists = {"no_rope_layers": m.no_rope_layers, "full_attention_layers": m.full_attention_layers}
+    if m.moe is not None:
+        lists["moe.dense_layers"] = m.moe.dense_layers
+    for key, listed in lists.items():
+        outside = sorted(i for i in set(listed) if i >= m.num_hidden_layers)
         if outside:
             return Problem(
                 (M + key, M + "num_hidden_layers"),

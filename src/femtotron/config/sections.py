@@ -71,7 +71,8 @@ class RopeScaling(_Section):
 
 
 class MoEConfig(_Section):
-    """A mixture of experts in place of every layer's MLP (models/moe.py). Dropless unless capacity_factor."""
+    """A mixture of experts in place of the MLP of every layer but `dense_layers` (models/moe.py). Dropless
+    unless capacity_factor."""
 
     num_experts: PositiveInt = 8
     num_experts_per_tok: PositiveInt = 2  # top-k
@@ -89,6 +90,9 @@ class MoEConfig(_Section):
     # None: dropless. Else each expert takes at most ceil(factor * tokens * k / num_experts) of a rank's
     # tokens per micro-batch, in token order; the rest skip it (counted as dropped).
     capacity_factor: PositiveFloat | None = None
+    # Layers with a dense MLP of LlamaConfig.intermediate_size instead of the experts (Qwen-MoE's
+    # mlp_only_layers and decoder_sparse_step, nanotron's moe_config.layers).
+    dense_layers: list[NonNegativeInt] = []
 
 
 class LlamaConfig(_Section):
@@ -147,14 +151,36 @@ class LlamaConfig(_Section):
         return self.num_attention_heads * self.head_dim
 
     @property
-    def layer_parameters(self) -> int:
-        """One decoder layer: q, k, v, o, the gated MLP (or router, experts, shared experts), two RMSNorms."""
-        return self._attention_and_norms + self._mlp_parameters(active=False)
+    def layer_parameters(self) -> float:
+        """A decoder layer's parameters, the mean over the layers (a dense layer among experts has fewer): q,
+        k, v, o, the gated MLP (or router, experts, shared experts), two RMSNorms."""
+        return self._layers_parameters(active=False) / self.num_hidden_layers
 
     @property
-    def active_layer_parameters(self) -> int:
-        """The parameters one token goes through in a layer: with experts, k of them (and the shared)."""
-        return self._attention_and_norms + self._mlp_parameters(active=True)
+    def active_layer_parameters(self) -> float:
+        """The parameters one token goes through in a layer (the mean): with experts, k of them (and the
+        shared)."""
+        return self._layers_parameters(active=True) / self.num_hidden_layers
+
+    def has_experts(self, layer: int) -> bool:
+        return self.moe is not None and layer not in self.moe.dense_layers
+
+    @property
+    def moe_layer_count(self) -> int:
+        """How many layers have experts (counted, not listed: the pipeline's estimates take any depth)."""
+        if self.moe is None:
+            return 0
+        layers = self.num_hidden_layers
+        return layers - len({i for i in self.moe.dense_layers if i < layers})
+
+    def _layers_parameters(self, active: bool) -> int:
+        """All the decoder layers' parameters (`active`: those one token goes through)."""
+        moe_layers = self.moe_layer_count
+        dense_mlp = 3 * self.hidden_size * self.intermediate_size
+        mlps = (self.num_hidden_layers - moe_layers) * dense_mlp + moe_layers * self._experts_parameters(
+            active
+        )
+        return self.num_hidden_layers * self._attention_and_norms + mlps
 
     @property
     def _attention_and_norms(self) -> int:
@@ -172,11 +198,12 @@ class LlamaConfig(_Section):
         norms = 2 * self.head_dim if self.qk_norm_span == "head" else self.attention_width + kv_width
         return biases + norms * self.qk_norm
 
-    def _mlp_parameters(self, active: bool) -> int:
+    def _experts_parameters(self, active: bool) -> int:
+        """A mixture of experts' router, experts (`active`: k of them) and shared experts."""
         h = self.hidden_size
         moe = self.moe
         if moe is None:
-            return 3 * h * self.intermediate_size
+            return 0
         experts = moe.num_experts_per_tok if active else moe.num_experts
         shared = 3 * h * moe.num_shared_experts * moe.intermediate_size + h * moe.shared_expert_gate
         return h * moe.num_experts + experts * 3 * h * moe.intermediate_size + shared
@@ -188,15 +215,16 @@ class LlamaConfig(_Section):
     @property
     def parameter_count(self) -> int:
         """Every parameter: embedding, layers, final norm and LM head (the embedding itself when tied)."""
-        heads = 1 if self.tie_word_embeddings else 2
-        layers = self.num_hidden_layers * self.layer_parameters
-        return heads * self.embedding_parameters + layers + self.hidden_size
+        return self._counted(active=False)
 
     @property
     def active_parameter_count(self) -> int:
         """The parameters one token goes through (all of them in a dense model)."""
-        inactive = self.num_hidden_layers * (self.layer_parameters - self.active_layer_parameters)
-        return self.parameter_count - inactive
+        return self._counted(active=True)
+
+    def _counted(self, active: bool) -> int:
+        heads = 1 if self.tie_word_embeddings else 2
+        return heads * self.embedding_parameters + self._layers_parameters(active) + self.hidden_size
 
     def windowed(self, layer: int) -> bool:
         """Whether `layer`'s attention has the sliding window."""

@@ -429,8 +429,8 @@ _OUTPUT_ADVICE = {
     "it normalises this rank's sequence shard",
     "HeadNorm": "the q/k norm of this rank's heads: its weight must be identical on every tp rank, and the "
     "heads it normalises those of this rank's rows of qkv_proj",
-    "HeadsNorm": "the q/k norm over all heads (OLMo2): this rank's slice of its weight must be that of its own "
-    "heads, and each rank's sum of squares must be summed over tp (forward and backward)",
+    "HeadsNorm": "the q/k norm over all heads (OLMo2): this rank's slice of its weight must be that of its "
+    "own heads, and each rank's sum of squares must be summed over tp (forward and backward)",
     "loss": "the vocab-parallel cross-entropy: its max / sum-of-exponentials / target-logit all-reduces over "
     "tp, or the padded vocabulary columns not masked out",
 }

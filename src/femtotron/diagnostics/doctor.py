@@ -181,7 +181,7 @@ def expert_fraction(config: Config) -> float:
     if mcfg.moe is None:
         return 0.0
     per_expert = 3 * mcfg.hidden_size * mcfg.moe.intermediate_size  # gate, up and down
-    experts = mcfg.num_hidden_layers * mcfg.moe.num_experts * per_expert
+    experts = mcfg.moe_layer_count * mcfg.moe.num_experts * per_expert
     held = experts / ep
     return held / (held + mcfg.parameter_count - experts)
 
@@ -200,7 +200,7 @@ def all_to_all_bytes(config: Config) -> int:
     counts = (par.ep - 1) * moe.num_experts // par.ep * 8
     forwards = 2 if par.recompute_layer else 1
     per_layer = forwards * (counts + 2 * away) + 2 * away
-    return int(per_layer * mcfg.num_hidden_layers / par.pp * tokens.batch_accumulation_per_replica)
+    return int(per_layer * mcfg.moe_layer_count / par.pp * tokens.batch_accumulation_per_replica)
 
 
 def ring_bytes(config: Config) -> int:

@@ -18,7 +18,7 @@ def step_metrics(
 ) -> tuple[dict[str, float], torch.Tensor]:
     """The step's records summed over `groups` (the dp x cp and pp ranks: every micro-batch and layer), the
     losses' shares also over `sp_group` (tp under sequence parallelism): metrics.jsonl's `moe/` keys, and the
-    tokens per expert of each layer (layers, experts)."""
+    tokens per expert of each layer with experts (layers, experts)."""
     values = stats.values.clone()
     for group in groups:
         comm.all_reduce(values, group)
@@ -26,7 +26,7 @@ def step_metrics(
         values[:, stats.experts + AUX :] = comm.all_reduce(
             values[:, stats.experts + AUX :].contiguous(), sp_group
         )
-    values = values.cpu()  # one copy from the device, then plain arithmetic
+    values = values[stats.moe_layers].cpu()  # the layers with experts: one copy, then plain arithmetic
     loads = values[:, : stats.experts]
     extra = values[:, stats.experts :].sum(0)
     per_micro_batch = len(values) * micro_batches  # the losses are means over layers and micro-batches
@@ -36,8 +36,8 @@ def step_metrics(
         "moe/dropped_tokens": extra[DROPPED],
     }
     cv = loads.std(dim=1, correction=0) / loads.mean(dim=1).clamp(min=1)
-    for layer, (low, high, spread) in enumerate(
-        zip(loads.min(1).values, loads.max(1).values, cv, strict=True)
+    for layer, low, high, spread in zip(
+        stats.moe_layers, loads.min(1).values, loads.max(1).values, cv, strict=True
     ):
         metrics |= {
             f"moe/layer{layer}/load_min": low,
@@ -50,19 +50,20 @@ def step_metrics(
 class RouterCollapse:
     def __init__(self, cfg: LlamaConfig) -> None:
         self.moe = cfg.moe
+        self.layers = [i for i in range(cfg.num_hidden_layers) if cfg.has_experts(i)]
         self.balanced = self.moe.num_experts_per_tok / self.moe.num_experts  # each expert's share of tokens
         # "Most tokens", and far more than a balanced share (4 experts, top-2: a half is balanced).
         self.threshold = min(0.9, max(0.5, 3 * self.balanced)) if self.balanced < 1 else float("inf")
         self.runs: dict[int, int] = {}
 
     def observe(self, loads: torch.Tensor) -> list[str]:
-        """`loads`: a step's tokens per expert, (layers, experts); a warning per layer that has just collapsed
-        for COLLAPSE_STEPS steps in a row."""
+        """`loads`: a step's tokens per expert, (layers with experts, experts); a warning per layer that has
+        just collapsed for COLLAPSE_STEPS steps in a row."""
         tokens = loads.sum(dim=1) / self.moe.num_experts_per_tok
         busiest, expert = loads.max(dim=1)
         warnings = []
         shares = (busiest / tokens.clamp(min=1)).tolist()
-        for layer, (share, chosen) in enumerate(zip(shares, expert.tolist(), strict=True)):
+        for layer, share, chosen in zip(self.layers, shares, expert.tolist(), strict=True):
             self.runs[layer] = self.runs.get(layer, 0) + 1 if share > self.threshold else 0
             if self.runs[layer] == COLLAPSE_STEPS:
                 warnings.append(

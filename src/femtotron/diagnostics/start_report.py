@@ -95,9 +95,10 @@ def _experts_line(parts: TrainingParts) -> str:
     ctx = parts.ctx
     mcfg = parts.config.model.model_config_
     moe = mcfg.moe
-    inactive_per_layer = mcfg.layer_parameters - mcfg.active_layer_parameters
-    active = mcfg.parameter_count - mcfg.num_hidden_layers * inactive_per_layer
+    active = mcfg.active_parameter_count
     line = f"mixture of experts: top-{moe.num_experts_per_tok} of {moe.num_experts} experts per layer"
+    if moe.dense_layers:
+        line += f" ({mcfg.moe_layer_count} of {mcfg.num_hidden_layers} layers; the others dense)"
     if moe.num_shared_experts:
         line += f" + {moe.num_shared_experts} shared"
     line += f", {active / 1e6:.2f}M parameters active per token; "

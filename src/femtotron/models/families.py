@@ -124,9 +124,14 @@ def _router_norm(hf: dict[str, Any]) -> str:
 
 def _qwen_moe_read(hf: dict[str, Any]) -> dict[str, Any]:
     """Qwen2-MoE (Qwen1.5-MoE) and Qwen3-MoE's experts. Qwen2-MoE's shared experts are one MLP of
-    `shared_expert_intermediate_size`, which femtotron holds as that many experts of moe_intermediate_size."""
+    `shared_expert_intermediate_size`, which femtotron holds as that many experts of moe_intermediate_size.
+    A layer in `mlp_only_layers`, or off every `decoder_sparse_step`-th, has a dense MLP instead."""
     inner = hf.get("moe_intermediate_size", 1408 if "shared_expert_intermediate_size" in hf else 768)
+    step = hf.get("decoder_sparse_step", 1)
+    only = hf.get("mlp_only_layers") or []
+    layers = range(hf.get("num_hidden_layers", 0))
     moe = {
+        "dense_layers": [i for i in layers if i in only or (i + 1) % step != 0],
         "num_experts": hf.get("num_experts", hf.get("num_local_experts", 60)),
         "num_experts_per_tok": hf.get("num_experts_per_tok", 4),
         "intermediate_size": inner,
@@ -153,7 +158,7 @@ def _qwen_moe_write(cfg: LlamaConfig) -> dict[str, Any]:
         "router_aux_loss_coef": moe.aux_loss_coef,
         "norm_topk_prob": moe.router_norm == "topk_then_softmax",
         "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
+        "mlp_only_layers": moe.dense_layers,
     }
     if moe.num_shared_experts:
         values["shared_expert_intermediate_size"] = moe.num_shared_experts * moe.intermediate_size
@@ -218,7 +223,6 @@ WINDOWS = frozenset({"sliding_window", "full_attention_layers"})
 
 
 QWEN_NOT_USED = {"attention_dropout": 0.0}  # Qwen2 has no attention_bias key: its q, k, v always have biases
-MOE_LAYERS = {"decoder_sparse_step": 1, "mlp_only_layers": []}  # every layer a mixture of experts
 MIXTURES = ("moe",)
 QWEN_EXPERTS = ("mlp", "gate_proj", "up_proj", "down_proj")
 
@@ -294,7 +298,9 @@ FAMILIES = (
         write=_mixtral_write,
         not_used=NOT_USED | {"router_jitter_noise": 0.0},
         sliding=_all_layers,
-        moe_fits=lambda moe: moe.num_shared_experts == 0 and moe.router_norm == "topk_then_softmax",
+        moe_fits=lambda moe: (
+            moe.num_shared_experts == 0 and not moe.dense_layers and moe.router_norm == "topk_then_softmax"
+        ),
         experts=("block_sparse_moe", "w1", "w3", "w2"),
     ),
     Family(
@@ -304,7 +310,7 @@ FAMILIES = (
         features=frozenset({"qk_norm", *MIXTURES, *SLIDING}),
         read=lambda hf: _qwen_moe_read(hf) | {"qk_norm": True},
         write=_qwen3_moe_write,
-        not_used=NOT_USED | MOE_LAYERS,
+        not_used=NOT_USED,
         sliding=_all_layers_when_used,
         moe_fits=lambda moe: moe.num_shared_experts == 0,
         experts=QWEN_EXPERTS,
@@ -316,7 +322,7 @@ FAMILIES = (
         features=frozenset({"qkv_bias", *MIXTURES, *WINDOWS}),
         read=_qwen2_moe_read,
         write=_qwen2_moe_write,
-        not_used=QWEN_NOT_USED | MOE_LAYERS,
+        not_used=QWEN_NOT_USED,
         sliding=_QWEN2_MOE_WINDOW,
         moe_fits=lambda moe: moe.num_shared_experts > 0 and moe.shared_expert_gate,
         experts=QWEN_EXPERTS,

@@ -313,7 +313,7 @@ class DecoderLayer(nn.Module):
         layer_rotary = None if index in cfg.no_rope_layers else rotary
         window = cfg.sliding_window if cfg.windowed(index) else None
         self.self_attn = Attention(make, f"{name}.self_attn", cfg, out_std, layer_rotary, parallel, window)
-        if cfg.moe is None:
+        if not cfg.has_experts(index):
             self.mlp = MLP(make, f"{name}.mlp", hidden, cfg.intermediate_size, out_std, tp)
         else:
             inner = cfg.moe.num_shared_experts * cfg.moe.intermediate_size

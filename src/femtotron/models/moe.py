@@ -6,8 +6,8 @@ and over ep along the experts (parallel/expert_parallel.py).
 The router runs on this rank's tokens before they enter tensor parallelism (so tp ranks do not each add its
 gradient); assignments are sorted by expert and each expert runs on its rows in one grouped GEMM per matrix.
 The router losses (load balancing: E * sum_e f_e * P_e, 1 when balanced; z-loss: mean squared log-sum-exp)
-are averaged over layers and the global batch's micro-batches, so every layout gets the same gradients; they
-are left out of the logged loss and added in backward (`_AddRouterLoss`).
+are averaged over the layers with experts and the global batch's micro-batches, so every layout gets the
+same gradients; they are left out of the logged loss and added in backward (`_AddRouterLoss`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class RouterStats:
 
     def __init__(self, cfg: LlamaConfig, device: torch.device) -> None:
         self.experts = cfg.moe.num_experts
+        self.moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.has_experts(i)]
         self.values = torch.zeros(cfg.num_hidden_layers, self.experts + 3, device=device)
         self.gradient_scale = 1.0
         self.replaying = False  # a recomputed forward records nothing
@@ -141,7 +142,7 @@ class MoE(nn.Module):
         self.ep = parallel.ep
         self.moe = moe = cfg.moe
         self.layer = layer
-        self.layers = cfg.num_hidden_layers
+        self.layers = cfg.moe_layer_count
         self.stats = stats
         # The config rules catch these first; a model built by hand must not split experts unevenly.
         splits = {

@@ -175,16 +175,23 @@ def expected_shapes(
     cfg: LlamaConfig,
     to_names: Callable[[dict[str, torch.Tensor], LlamaConfig], dict[str, torch.Tensor]] | None,
 ) -> dict[str, tuple[int, ...]]:
-    """Every weight's shape for `cfg`: layer 0's, of a one-layer model on the meta device, for every layer."""
-    one = cfg.model_copy(update={"num_hidden_layers": 1})
-    state = Llama(one, std=0.02, seed=0, dtype=torch.float32, device=torch.device("meta")).state_dict()
+    """Every weight's shape for `cfg`: layer 0's, of a one-layer model on the meta device, for every layer;
+    with dense layers among experts, of a two-layer model whose layer 0 has experts and layer 1 not."""
+    mixed = 0 < cfg.moe_layer_count < cfg.num_hidden_layers
+    sample = cfg.model_copy(update={"num_hidden_layers": 1})
+    if mixed:
+        dense_second = cfg.moe.model_copy(update={"dense_layers": [1]})
+        sample = cfg.model_copy(update={"num_hidden_layers": 2, "moe": dense_second})
+    state = Llama(sample, std=0.02, seed=0, dtype=torch.float32, device=torch.device("meta")).state_dict()
     shapes = {}
-    for name, tensor in (to_names(state, one) if to_names else state).items():
-        if LAYER.search(name) is None:
+    for name, tensor in (to_names(state, sample) if to_names else state).items():
+        found = LAYER.search(name)
+        if found is None:
             shapes[name] = tuple(tensor.shape)
             continue
         for layer in range(cfg.num_hidden_layers):
-            shapes[LAYER.sub(f"layers.{layer}.", name, count=1)] = tuple(tensor.shape)
+            if int(found.group(1)) == int(mixed and not cfg.has_experts(layer)):
+                shapes[LAYER.sub(f"layers.{layer}.", name, count=1)] = tuple(tensor.shape)
     return shapes
 
 
