@@ -104,7 +104,8 @@ def test_each_tp_rank_reads_its_rows_of_the_fused_weights_from_hugging_face_file
 @pytest.mark.distributed
 def test_each_rank_reads_its_experts_from_a_mixture_of_experts_directory(tiny_config, tmp_path):
     """A Qwen2-MoE directory holds each expert's gate/up/down (and the shared experts') as matrices of their
-    own: at dp2 x ep2 x tp2 each rank reads its 2 experts' rows, and gathered they are the imported model."""
+    own, q/k/v biases, and dense layers among the experts (decoder_sparse_step 2): at dp2 x ep2 x tp2 each
+    rank reads its 2 experts' rows and its biases' rows, and gathered they are the imported model."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     from femtotron.serialize.hf import read_as_run
@@ -117,7 +118,7 @@ def test_each_rank_reads_its_experts_from_a_mixture_of_experts_directory(tiny_co
             **{key: getattr(cfg, key) for key in shape},
             num_key_value_heads=cfg.num_key_value_heads,
             max_position_embeddings=cfg.max_position_embeddings,
-            qkv_bias=False,
+            decoder_sparse_step=2,
             **experts,
         )
     )
@@ -125,14 +126,52 @@ def test_each_rank_reads_its_experts_from_a_mixture_of_experts_directory(tiny_co
     imported, expected = read_as_run(tmp_path / "hf")
     chosen = imported.model.model_config_.moe.model_dump(exclude_none=True)
     moe = [f"model.model_config.moe.{key}={value}" for key, value in chosen.items()]
+    assert imported.model.model_config_.moe.dense_layers == [0]  # layer 1 has experts
     layout = (
         "parallelism.dp=2",
         "parallelism.ep=2",
         "parallelism.tp=2",
         "model.model_config.rms_norm_eps=1e-6",
+        "model.model_config.qkv_bias=true",
     )
     config = tiny_config("general.run=from-moe", f"model.init_from={tmp_path / 'hf'}", *moe, *layout)
     for weights, _ in run_ranks(_full_weights, 4, config):
+        assert weights.keys() == expected.keys()
+        assert all(torch.equal(weights[name], expected[name].float()) for name in expected)
+
+
+@pytest.mark.distributed
+def test_each_tp_rank_reads_its_heads_of_olmo2_s_q_k_norms(tiny_config, tmp_path):
+    """OLMo2's q/k norm weights span all heads: each tp rank reads its heads' part of them."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    from femtotron.serialize.hf import read_as_run
+
+    cfg = tiny_config("general.run=shape").model.model_config_
+    shape = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    hf = Olmo2ForCausalLM(
+        Olmo2Config(
+            **{key: getattr(cfg, key) for key in shape},
+            num_key_value_heads=cfg.num_key_value_heads,
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
+    )
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)  # not all ones: a rank reading another's heads shows
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    _, expected = read_as_run(tmp_path / "hf")
+    olmo2 = (
+        "model.model_config.qk_norm=true",
+        "model.model_config.qk_norm_span=all_heads",
+        "model.model_config.norm_placement=after",
+        "model.model_config.rms_norm_eps=1e-5",  # OLMo2's
+    )
+    config = tiny_config(
+        "general.run=from-olmo2", f"model.init_from={tmp_path / 'hf'}", "parallelism.tp=2", *olmo2
+    )
+    for weights, _ in run_ranks(_full_weights, 2, config):
         assert weights.keys() == expected.keys()
         assert all(torch.equal(weights[name], expected[name].float()) for name in expected)
 
