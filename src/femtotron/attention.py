@@ -9,6 +9,7 @@ What precision attention computes in is precision.py's policy (`attention_dtype`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -40,9 +41,7 @@ def _causal_attention(
     keys = k.shape[-2]
     mask = None
     if window is not None and keys > window:  # the window hides some key from some query
-        query_index = torch.arange(keys - q.shape[-2], keys, device=q.device)[:, None]
-        distance = query_index - torch.arange(keys, device=q.device)
-        mask = (distance >= 0) & (distance < window)
+        mask = _window_mask(q.shape[-2], keys, window, q.device)
     groups = q.shape[1] // k.shape[1]
     capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
     takes_groups = fused_kernel_takes_kv_groups(q.device.type, q.dtype, capability) and (
@@ -55,6 +54,15 @@ def _causal_attention(
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
     )
+
+
+@functools.lru_cache(maxsize=4)
+def _window_mask(queries: int, keys: int, window: int, device: torch.device) -> torch.Tensor:
+    """Which of `keys` keys each of the last `queries` positions sees under the window (queries x keys
+    bools): one tensor for all the layers of a forward, which autograd then keeps once, not once per layer."""
+    query_index = torch.arange(keys - queries, keys, device=device)[:, None]
+    distance = query_index - torch.arange(keys, device=device)
+    return (distance >= 0) & (distance < window)
 
 
 # CUDA's fused kernels (torch 2.13), which also return the log-sum-exp, and whose backward takes it: flash

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import precision_path, write_yaml
+from helpers import FEATURES, OLMO2_FEATURES, precision_path, write_yaml
 
 from femtotron.diagnostics import check_tp
 from femtotron.diagnostics.check_tp import (
@@ -149,6 +149,23 @@ def _broken(rank, config, breakage):
     report = compare_tp(config, ctx, model=model)
     ctx.close()
     return report
+
+
+@pytest.mark.distributed
+def test_the_families_features_match_module_by_module_in_both_modes(tiny_config):
+    """The features the families turn on (biases split with their rows, per-head q/k norms, a sliding window,
+    Granite's scalings; OLMo2's norms after each block and its q/k norms over all heads) match the reference
+    module by module, the q/k norms among the modules compared."""
+    cases = []
+    configs = []
+    for features in (FEATURES, OLMO2_FEATURES):
+        for mode in ("ALL_REDUCE", "REDUCE_SCATTER"):
+            cases.append((mode, "float32", False, None))
+            configs.append(tiny_config("parallelism.tp=2", f"parallelism.tp_mode={mode}", *features))
+    rank0, _ = run_ranks(_correct, 2, configs, cases)
+    for report in rank0:
+        assert report.ok, format_report(report)
+        assert any("q_norm" in row.name for row in report.rows), [row.name for row in report.rows]
 
 
 @pytest.mark.distributed

@@ -15,6 +15,7 @@ from helpers import (
     BF16_PATHS,
     FEATURES,
     NEEDS_CXX,
+    OLMO2_FEATURES,
     SMOOTH_ADAM,
     Steps,
     assert_steps_match,
@@ -70,15 +71,17 @@ def test_a_mixture_of_experts_compiled_equals_eager(tiny_config):
 
 
 @NEEDS_CXX
-def test_the_families_features_compiled_equal_eager(tiny_config):
-    """q/k/v biases, per-head q/k norms, a head_dim of its own, a layer without RoPE and Granite's scalings
-    compiled (tests/models/test_llama.py has them in every layout)."""
+@pytest.mark.parametrize("features", [FEATURES, OLMO2_FEATURES], ids=["features", "olmo2"])
+def test_the_families_features_compiled_equal_eager(tiny_config, features):
+    """q/k/v biases, per-head q/k norms, a head_dim of its own, a layer without RoPE, a sliding window and
+    Granite's scalings; OLMo2's norms after each block and q/k norms over all heads; compiled
+    (tests/models/test_llama.py has them in every layout)."""
 
     def config_of(compiled):
-        return tiny_config(f"model.compile={compiled}", "model.model_config.num_hidden_layers=2", *FEATURES)
+        return tiny_config(f"model.compile={compiled}", "model.model_config.num_hidden_layers=2", *features)
 
     eager, compiled = steps_eager_and_compiled(config_of)
-    assert_steps_match(compiled, eager, label="features")
+    assert_steps_match(compiled, eager, label=str(features))
 
 
 @NEEDS_CXX

@@ -257,8 +257,8 @@ def test_what_a_family_turns_on_that_femtotron_lacks_is_refused_by_name(tmp_path
 @pytest.mark.parametrize(
     "architecture, lacks",
     [
-        ("Gemma2ForCausalLM", "logit soft-capping"),
-        ("Gemma3ForCausalLM", "alternating sliding windows"),
+        ("Gemma2ForCausalLM", "soft-capped attention scores and logits"),
+        ("Gemma3ForCausalLM", "a RoPE of their own for its sliding-window layers"),
         ("Starcoder2ForCausalLM", "LayerNorm with biases"),
         ("GPT2LMHeadModel", "LlamaForCausalLM, MistralForCausalLM"),
     ],

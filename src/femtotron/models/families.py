@@ -332,10 +332,10 @@ BY_ARCHITECTURE = {family.architecture: family for family in FAMILIES}
 BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
 # Families transformers has that femtotron refuses, with what it lacks for them.
 REFUSED = {
-    "Gemma2ForCausalLM": "Gemma 2 needs GeGLU, (1 + w) norms, norms after each block, logit soft-capping and "
-    "alternating sliding windows, which femtotron's model does not have",
-    "Gemma3ForCausalLM": "Gemma 3 needs GeGLU, (1 + w) norms, norms after each block and alternating sliding "
-    "windows with their own RoPE, which femtotron's model does not have",
+    "Gemma2ForCausalLM": "Gemma 2 needs GeGLU, (1 + w) norms, norms both before and after each block, and "
+    "soft-capped attention scores and logits, which femtotron's model does not have",
+    "Gemma3ForCausalLM": "Gemma 3 needs GeGLU, (1 + w) norms, norms both before and after each block, and a "
+    "RoPE of their own for its sliding-window layers, which femtotron's model does not have",
     "Starcoder2ForCausalLM": "Starcoder2 uses LayerNorm with biases and a GELU MLP, not RMSNorm and SwiGLU",
 }
 
