@@ -129,7 +129,8 @@ def _build(
         micro_batches=config.tokens.batch_accumulation_per_replica,
         bucket_mb=par.dp_bucket_size_mb,
         grad_dtype=torch.float32 if config.optimizer.accumulate_grad_in_fp32 else dtype,
-        sharded=config.optimizer.zero_stage == 1,
+        sharded=config.optimizer.zero_stage >= 1,
+        shard_gradients=config.optimizer.zero_stage == 2,
         expert_replicas=experts if ep.size > 1 else None,
     )
     return RankModel(

@@ -93,13 +93,10 @@ def test_bad_literal_lists_choices(tmp_path):
     )
 
 
-def test_zero_stage_2_is_refused_with_its_line_not_treated_as_1(tmp_path):
-    error = find(errors(tmp_path, GOOD + "optimizer:\n  zero_stage: 2\n"), "optimizer.zero_stage")
-    assert (
-        "optimizer.zero_stage (line 20): zero_stage=2 (sharded gradients or parameters) is not implemented"
-        in error
-    )
-    assert "Fix: zero_stage=1" in error
+def test_zero_stage_3_is_refused_with_its_line_not_treated_as_2(tmp_path):
+    error = find(errors(tmp_path, GOOD + "optimizer:\n  zero_stage: 3\n"), "optimizer.zero_stage")
+    assert "optimizer.zero_stage (line 20): zero_stage=3 (sharded parameters) is not implemented" in error
+    assert "Fix: zero_stage=2" in error
 
 
 def test_unknown_key_did_you_mean_without_noise(tmp_path):

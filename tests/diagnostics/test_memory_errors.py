@@ -127,7 +127,8 @@ def _oom_with_dp(rank, config):
 @pytest.mark.distributed
 def test_M1_with_data_parallelism_the_advice_includes_zero_stage_1(tiny_config):
     messages = run_ranks(_oom_with_dp, 2, tiny_config("parallelism.dp=2", "tokens.micro_batch_size=1"))
-    assert all("optimizer.zero_stage=1 (master weights and Adam moments / dp=2)" in m for m in messages)
+    fix = "optimizer.zero_stage=2 (gradients, master weights and Adam moments / dp=2)"
+    assert all(fix in m for m in messages)
     assert "tokens.sequence_length=16" in messages[0]  # micro_batch_size is 1 already
 
 
@@ -176,7 +177,7 @@ def test_with_long_sequences_the_advice_includes_context_parallelism(tiny_config
     error = RuntimeError("DefaultCPUAllocator: can't allocate memory")
     message = str(failures.out_of_memory(error, config, rank, 1, "the forward", {"params": 2**20}))
     assert "parallelism.cp=4 (each rank holds 1/cp of every sequence's activations)" in message
-    assert "optimizer.zero_stage=1 (master weights and Adam moments / dp x cp = 4)" in message
+    assert "optimizer.zero_stage=2 (gradients, master weights and Adam moments / dp x cp = 4)" in message
 
 
 def test_a_mixture_of_experts_out_of_memory_offers_more_expert_parallelism(tiny_config):

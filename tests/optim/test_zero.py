@@ -168,7 +168,7 @@ def test_bf16_grads_accumulate_in_fp32_masters_and_params_follow_the_masters():
     # The fp32 sums are not bf16 numbers, so a bf16 accumulation could not have produced them.
     assert any(not torch.equal(total, total.bfloat16().float()) for total in expected)
     optimizer.data_parallel.finish_reduction()
-    grads = optimizer.data_parallel.grads
+    grads = optimizer.data_parallel.full(optimizer.grads())  # per parameter, whole
     for grad, total in zip(grads, expected, strict=True):
         assert grad.dtype == torch.float32
         torch.testing.assert_close(grad, total, rtol=1e-6, atol=1e-6)
@@ -225,7 +225,8 @@ def test_zero_grad_clears_every_gradient(dtype):
     assert all(p.grad is None for p in params) and all(m.grad is None for m in optimizer.masters)
     assert not optimizer.data_parallel.flat_grads.any()
     loss_of(params, 1).backward()  # the next step starts from zero, not from the old sums
-    for grad, fresh in zip(optimizer.data_parallel.grads, bf16_grads(params, 1), strict=True):
+    whole = optimizer.data_parallel.full(optimizer.data_parallel.owned_grads())
+    for grad, fresh in zip(whole, bf16_grads(params, 1), strict=True):
         torch.testing.assert_close(grad, fresh.float(), rtol=1e-6, atol=1e-6)
 
 

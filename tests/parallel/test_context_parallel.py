@@ -381,7 +381,8 @@ def test_context_parallel_equals_one_process(tiny_config):
 
 @pytest.mark.distributed
 def test_context_parallel_with_dp_tp_and_pp_equals_one_process(tiny_config):
-    """dp2 x cp2 x tp2 (sequence parallel, ZeRO-1 over dp x cp) and cp2 x tp2 x pp2 (1F1B, interleaved)."""
+    """dp2 x cp2 x tp2 (sequence parallel, ZeRO-2 over dp x cp) and cp2 x tp2 x pp2 (1F1B, interleaved; and
+    ZeRO-2 over the cp ranks with recomputation)."""
     check_layouts(
         tiny_config,
         {
@@ -390,8 +391,11 @@ def test_context_parallel_with_dp_tp_and_pp_equals_one_process(tiny_config):
                 "parallelism.cp=2",
                 "parallelism.tp=2",
                 "parallelism.tp_mode=REDUCE_SCATTER",
-            ): [("float32", None, ("optimizer.zero_stage=1",))],
-            ("parallelism.cp=2", "parallelism.tp=2", "parallelism.pp=2"): [("float32", None, ())],
+            ): [("float32", None, ("optimizer.zero_stage=2",))],
+            ("parallelism.cp=2", "parallelism.tp=2", "parallelism.pp=2"): [
+                ("float32", None, ()),
+                ("float32", None, ("optimizer.zero_stage=2", "parallelism.recompute_layer=true")),
+            ],
             (
                 "parallelism.cp=2",
                 "parallelism.tp=2",

@@ -151,17 +151,20 @@ def _dp_cases(rank, configs):
 CASES = [
     ("float32", 0, None),
     ("float32", 1, None),
+    ("float32", 2, None),
     ("bfloat16", 0, True),
     ("bfloat16", 0, False),
     ("bfloat16", 1, True),
     ("bfloat16", 1, False),
+    ("bfloat16", 2, True),
+    ("bfloat16", 2, False),
 ]
 IDS = [f"{d}-zero{z}" + {None: "", True: "-native", False: "-upcast"}[n] for d, z, n in CASES]
 
 
 @pytest.fixture(scope="module")
 def dp_results(tmp_path_factory):
-    """dp=2 with zero_stage 0 and 1, fp32 and bf16, against one process with the same global batch (and for
+    """dp=2 with zero_stage 0, 1 and 2, fp32 and bf16, against one process with the same global batch (and for
     bf16 the same process in fp32, the yardstick for bf16 rounding)."""
     root = tmp_path_factory.mktemp("dp")
     tiny_config = tiny_config_maker(root / "runs", write_patterned_tokens(root / "patterned"))
@@ -218,20 +221,20 @@ def test_buckets_are_reduced_during_the_last_micro_batch_backward_only(dp_result
 @pytest.mark.distributed
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_dp_bytes_per_step_equal_the_analytic_count(dp_results, index):
-    """zero_stage 0: one all-reduce of the fp32 gradients per bucket. zero_stage 1: a reduce-scatter of
+    """zero_stage 0: one all-reduce of the fp32 gradients per bucket. zero_stage 1 and 2: a reduce-scatter of
     them and an all-gather of the model-dtype parameters per bucket. Besides: the step's token count,
-    largest token id and loss (one fp32 number each), and under ZeRO-1 the grad norm's sum of squares."""
+    largest token id and loss (one fp32 number each), and when sharded the grad norm's sum of squares."""
     configs, _, per_rank = dp_results
     dtype, zero, _ = CASES[index]
     got = per_rank[0][index]
     n = 2
     elements = got["elements"]
     buckets = len(got["buckets"])
-    scalars = 3 + zero
+    scalars = 3 + (zero > 0)
     reduced_elements = scalars + (elements if zero == 0 else 0)
     reductions = scalars + (buckets if zero == 0 else 0)
     expected = {"all_reduce": (2 * (n - 1) / n * 4 * reduced_elements, reductions)}
-    if zero == 1:
+    if zero > 0:
         expected["reduce_scatter"] = ((n - 1) / n * 4 * elements, buckets)
         expected["all_gather"] = ((n - 1) / n * (2 if dtype == "bfloat16" else 4) * elements, buckets)
     assert {op: counts for op, counts in got["traffic"].items() if counts[1] and op != "wait"} == {
@@ -253,9 +256,15 @@ def held_bytes(trainer):
     param_storages = {p.untyped_storage().data_ptr() for p in params}
     masters = [m for m in optimizer.masters if m.untyped_storage().data_ptr() not in param_storages]
     moments = [s[key] for s in optimizer.adam.state.values() for key in ("exp_avg", "exp_avg_sq")]
+    data_parallel = trainer.data_parallel
+    if data_parallel.shard_gradients:  # between steps only the owned shards: every bucket's whole ones freed
+        assert data_parallel.bucket_grads == [None] * len(data_parallel.buckets)
+        grads = data_parallel.shard_grads
+    else:
+        grads = [data_parallel.flat_grads]
     return {
         "params": total(params),
-        "grads": total([trainer.data_parallel.flat_grads]),
+        "grads": total(grads),
         "masters": total(masters),
         "moments": total(moments),
     }
@@ -284,8 +293,9 @@ def _memory(rank, configs):
 @pytest.mark.distributed
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_bytes_held_per_rank_match_the_analytic_formula(tiny_config, dp):
-    """bf16 parameters: 2 + 4 + 12/dp bytes per parameter with ZeRO-1 (2 + 4 + 12 without); fp32: 4 + 4 + 8/dp
-    (the owned fp32 parameters are the master weights). The buffers' padding is counted, and reported."""
+    """bf16 parameters: 2 + 4 + 12/dp bytes per parameter with ZeRO-1, 2 + (4 + 12)/dp with ZeRO-2 (2 + 4 + 12
+    without); fp32: 4 + 4 + 8/dp and 4 + (4 + 8)/dp (the owned fp32 parameters are the master weights). The
+    buffers' padding is counted, and reported."""
     configs = [
         tiny_config(
             f"model.dtype={dtype}",
@@ -294,7 +304,7 @@ def test_bytes_held_per_rank_match_the_analytic_formula(tiny_config, dp):
             f"general.run=memory-{dtype}-{zero}-{dp}",
         )
         for dtype in ("bfloat16", "float32")
-        for zero in (0, 1)
+        for zero in (0, 1, 2)
     ]
     per_rank = [_memory(0, configs)] if dp == 1 else run_ranks(_memory, dp, configs)
     for index, config in enumerate(configs):
@@ -304,7 +314,10 @@ def test_bytes_held_per_rank_match_the_analytic_formula(tiny_config, dp):
         for rank in per_rank:
             held, plan, elements, padding, params = rank[index]
             assert elements == params + padding and padding < params  # tiny layers: mostly alignment padding
-            assert held["params"] == (2 if bf16 else 4) * elements and held["grads"] == 4 * elements
+            assert held["params"] == (2 if bf16 else 4) * elements
+            assert held["grads"] == 4 * elements // (
+                dp if zero == 2 else 1
+            )  # each bucket's 1/dp under ZeRO-2
             owned.append(held["moments"] // 8)
             assert held["moments"] == 8 * owned[-1] and held["masters"] == (4 * owned[-1] if bf16 else 0)
             assert plan == {
@@ -327,7 +340,7 @@ UNUSED_SECTION = {
 }
 
 
-def _step_with_a_bias_used_once(comm, group, dp_rank, micro_batches, bucket_mb, sharded):
+def _step_with_a_bias_used_once(comm, group, dp_rank, micro_batches, bucket_mb, stage):
     """One step of y = x W^T (+ b only in the very last micro-batch of the global batch: on dp rank 0 of two
     the bias gets no gradient at all, on rank 1 in one of its micro-batches); the gradients summed over dp,
     whole, and the weights after the step."""
@@ -344,7 +357,8 @@ def _step_with_a_bias_used_once(comm, group, dp_rank, micro_batches, bucket_mb, 
         micro_batches=micro_batches,
         bucket_mb=bucket_mb,
         grad_dtype=torch.float32,
-        sharded=sharded,
+        sharded=stage >= 1,
+        shard_gradients=stage == 2,
     )
     optimizer = ZeroAdamW(params, data_parallel, load_config_dict(UNUSED_SECTION).optimizer)
     for index in range(micro_batches):
@@ -359,24 +373,24 @@ def _step_with_a_bias_used_once(comm, group, dp_rank, micro_batches, bucket_mb, 
     return grads, [p.detach().clone() for p in params]
 
 
-def _unused_parameter(rank, sharded, bucket_mb):
+def _unused_parameter(rank, stage, bucket_mb):
     with ParallelContext(dp=2, collective_timeout_seconds=60) as ctx:
         return _step_with_a_bias_used_once(
-            ctx.comm, ctx.dp_group, ctx.dp_rank, micro_batches=2, bucket_mb=bucket_mb, sharded=sharded
+            ctx.comm, ctx.dp_group, ctx.dp_rank, micro_batches=2, bucket_mb=bucket_mb, stage=stage
         )
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("sharded", [False, True], ids=["zero0", "zero1"])
+@pytest.mark.parametrize("stage", [0, 1, 2], ids=["zero0", "zero1", "zero2"])
 @pytest.mark.parametrize("bucket_mb", [1e-5, 1.0], ids=["bucket-each", "one-bucket"])
-def test_a_parameter_without_a_gradient_on_some_rank_is_still_reduced_over_dp(sharded, bucket_mb):
+def test_a_parameter_without_a_gradient_on_some_rank_is_still_reduced_over_dp(stage, bucket_mb):
     """The bias gets a gradient only on dp rank 1, in one of its two micro-batches: its bucket never completes
     during backward on either rank, so finish_reduction must reduce it; both ranks then hold the dp sum, and
     the step equals one process accumulating all four micro-batches."""
     expected_grads, expected_weights = _step_with_a_bias_used_once(
-        Comm(), Group("dp", (0,)), 0, micro_batches=4, bucket_mb=bucket_mb, sharded=False
+        Comm(), Group("dp", (0,)), 0, micro_batches=4, bucket_mb=bucket_mb, stage=0
     )
     assert expected_grads[1].abs().sum() > 0  # the bias really has a gradient, from one micro-batch
-    for grads, weights in run_ranks(_unused_parameter, 2, sharded, bucket_mb):
+    for grads, weights in run_ranks(_unused_parameter, 2, stage, bucket_mb):
         for got, expected in zip(grads + weights, expected_grads + expected_weights, strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)

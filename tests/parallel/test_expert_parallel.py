@@ -23,7 +23,8 @@ MOE = (
 @pytest.mark.distributed
 def test_expert_parallel_equals_one_process(tiny_config):
     """ep = 2 over dp = 2 (fp32, bf16 on both CPU paths, ZeRO-1 with recomputation), ep = 4 over dp = 4, and
-    ep = 2 over dp = 4 (without and with ZeRO-1)."""
+    ep = 2 over dp = 4 (without ZeRO, with ZeRO-1 and with ZeRO-2: the experts' gradients sharded over their
+    two replicas)."""
     check_layouts(
         lambda *overrides: tiny_config(*MOE, *overrides),
         {
@@ -38,6 +39,7 @@ def test_expert_parallel_equals_one_process(tiny_config):
             ("parallelism.dp=4", "parallelism.ep=2"): [
                 ("float32", None, ()),
                 ("float32", None, ("optimizer.zero_stage=1",)),
+                ("float32", None, ("optimizer.zero_stage=2",)),
             ],
         },
     )

@@ -363,13 +363,13 @@ def sequence_splits_over_cp_and_tp(cfg: ConfigFields) -> Problem | None:
 
 def zero_stage_implemented(cfg: ConfigFields) -> Problem | None:
     stage = cfg.optimizer.zero_stage
-    if stage <= 1:
+    if stage <= 2:
         return None
     return Problem(
         ("optimizer.zero_stage",),
-        f"zero_stage={stage} (sharded gradients or parameters) is not implemented: femtotron has ZeRO-1, "
-        "which shards the fp32 master weights and Adam moments over dp, 12 of the 18 bytes a bf16 "
-        "parameter costs. Fix: zero_stage=1; to save more memory raise tp or pp, set "
+        f"zero_stage={stage} (sharded parameters) is not implemented: femtotron has ZeRO-1 and ZeRO-2, "
+        "which shard the fp32 master weights, Adam moments and (ZeRO-2) gradients over dp, 16 of the 18 "
+        "bytes a bf16 parameter costs. Fix: zero_stage=2; to save more memory raise tp or pp, set "
         "parallelism.recompute_layer=true, or lower tokens.micro_batch_size.",
     )
 

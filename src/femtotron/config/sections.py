@@ -349,7 +349,8 @@ class LossScaleArgs(_Section):
 
 
 class OptimizerArgs(_Section):
-    zero_stage: NonNegativeInt = 0  # 0 or 1; 2 and 3 are refused by a rule
+    # 1: optimizer state sharded over dp x cp (ZeRO-1); 2: the gradients too (ZeRO-2); 3 is refused by a rule
+    zero_stage: NonNegativeInt = 0
     weight_decay: NonNegativeFloat = 0.01
     # None: the matrices are decayed, norm scales not. A list (nanotron's rule): every parameter is decayed
     # except those whose name a pattern matches from its start (re.match), e.g. ["embed_tokens", ".*norm"];

@@ -77,10 +77,11 @@ def config_warnings(config: Config) -> list[str]:
             f"pipeline idles for about {bubble:.0%} of each step (P2). Use at least 4 * pp = {4 * par.pp} "
             f"micro-batches (lower tokens.micro_batch_size to keep the batch){ending}"
         )
-    if config.optimizer.zero_stage == 1 and par.dp * par.cp == 1:
+    stage = config.optimizer.zero_stage
+    if stage >= 1 and par.dp * par.cp == 1:
         out.append(
-            "optimizer.zero_stage=1 with parallelism.dp=1 (and cp=1): ZeRO-1 shards optimizer state over the "
-            "dp x cp ranks, so with one it saves nothing. Raise parallelism.dp to save memory."
+            f"optimizer.zero_stage={stage} with parallelism.dp=1 (and cp=1): ZeRO-{stage} shards over the dp "
+            "x cp ranks, so with one it saves nothing. Raise parallelism.dp to save memory."
         )
     if config.model.init_method.std > 0.1:
         out.append(

@@ -71,14 +71,15 @@ def fixes(config: Config, budget: float, on_cpu: bool) -> list[str]:
 
 
 def variants(config: Config, budget: float | None, on_cpu: bool) -> list[str]:
-    """The same layout with ZeRO-1 and recomputation switched the other way, whether or not it fits."""
+    """The same layout at the other ZeRO stages and with recomputation switched the other way, whether or not
+    it fits."""
     par = config.parallelism
     toggles = []
     if par.dp * par.cp > 1:
-        other = 1 - config.optimizer.zero_stage
-        toggles.append(
-            (f"optimizer.zero_stage={other}", with_changes(config, {"optimizer.zero_stage": other}))
-        )
+        for other in {0, 1, 2} - {config.optimizer.zero_stage}:
+            toggles.append(
+                (f"optimizer.zero_stage={other}", with_changes(config, {"optimizer.zero_stage": other}))
+            )
     recompute = not par.recompute_layer
     recomputed = with_changes(config, {"parallelism.recompute_layer": recompute})
     toggles.append((f"parallelism.recompute_layer={str(recompute).lower()}", recomputed))
@@ -115,7 +116,7 @@ def communication(config: Config, state: dict[str, int], device: str | None, gpu
         grads = fraction * state["grads"]
         params = fraction * state["params"]
         share = (ranks - 1) / ranks  # what a ring sends of the whole
-        if config.optimizer.zero_stage == 1:
+        if config.optimizer.zero_stage >= 1:
             gathered = human(share * params)
             lines.append(f"  {name}: reduce-scatter {human(share * grads)} + all-gather {gathered} per step")
         else:

@@ -122,8 +122,12 @@ def memory_summary(parts: TrainingParts) -> str:
     elements = data_parallel.flat_params.numel() - data_parallel.padding
     total = sum(plan.values())
     kinds = " + ".join(f"{key.replace('_', ' ')} {value / 2**20:.1f}" for key, value in plan.items())
-    if parts.config.optimizer.zero_stage:
-        sharing = f"ZeRO-1 shards master weights and Adam moments over {over}={dp}"
+    stage = parts.config.optimizer.zero_stage
+    if stage:
+        sharded = (
+            "gradients, master weights and Adam moments" if stage == 2 else "master weights and Adam moments"
+        )
+        sharing = f"ZeRO-{stage} shards {sharded} over {over}={dp}"
     else:
         sharing = "optimizer state on every dp rank (zero_stage 0)"
     own_masters = " (fp32 parameters are their own master weights)" if not plan["master_weights"] else ""

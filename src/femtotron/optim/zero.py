@@ -1,10 +1,11 @@
-"""AdamW over fp32 master weights, sharded over data-parallel ranks with ZeRO-1.
+"""AdamW over fp32 master weights, sharded over data-parallel ranks with ZeRO-1 (and ZeRO-2).
 
 With bf16 (or fp16) parameters the optimizer keeps an fp32 master copy of the elements it steps (so small
 updates are not rounded away) and Adam's two moments: 12 bytes per parameter. Under ZeRO-1 each rank keeps
 them only for the elements it owns in parallel/data_parallel.py (1/dp of every bucket), gets their dp-summed
 gradients by reduce-scatter, and all-gathers the new parameters: 2 + 4 + 12/dp bytes per parameter (bf16
 weights, fp32 gradients) instead of 2 + 4 + 12. fp32 parameters are their own masters: 4 + 4 + 8/dp.
+ZeRO-2 also keeps only the owned shard of the gradients between steps: 2 + (4 + 12)/dp.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class ZeroAdamW:
         """The fp32 gradients of the owned pieces, summed over dp (call after `finish_reduction`)."""
         if self._grads is None:
             # .float() of an fp32 gradient is the gradient itself, not a copy
-            self._grads = [g.float() for g in self.data_parallel.owned(self.data_parallel.flat_grads)]
+            self._grads = [g.float() for g in self.data_parallel.owned_grads()]
         return self._grads
 
     def step(self, lr: float) -> None:

@@ -15,6 +15,13 @@ Each bucket is padded to a multiple of dp * 64 elements and split into dp equal,
 r owns shard r of every bucket under ZeRO-1 (optim/zero.py: reduce-scatter, step, all-gather). Without
 ZeRO the gradients are all-reduced and every rank owns every element.
 
+ZeRO-2 (`shard_gradients`) keeps only the owned shard of the summed gradients: a bucket's whole gradients
+exist from its first gradient of the step until its reduce-scatter has finished, then are freed, and at most
+IN_FLIGHT buckets' reductions run at once (a further one waits for the oldest), so with one micro-batch per
+step whole gradients exist for a few buckets at a time. Under gradient accumulation a bucket's whole
+gradients stay through the step's micro-batches (one reduce-scatter per step, as ZeRO-1's, rather than one
+per micro-batch), and are freed as the last micro-batch's backward reduces them.
+
 Under expert parallelism the experts' buckets are reduced over their own replicas instead (`Replicas`:
 the dp x cp / ep ranks holding the same experts, parallel/expert_parallel.py), and sharded over them.
 """
@@ -32,6 +39,8 @@ from femtotron.parallel.comm import Comm, Group
 # Every parameter, and every bucket's shard, starts at a multiple of 64 elements (128 bytes in bf16),
 # so kernels and collectives get aligned pointers.
 ALIGNMENT = 64
+# ZeRO-2: the buckets whose reduce-scatter may run at once (each holds its whole gradients until it ends).
+IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -115,10 +124,12 @@ class DataParallel:
         bucket_mb: float,
         grad_dtype: torch.dtype,
         sharded: bool,
+        shard_gradients: bool = False,
         expert_replicas: Replicas | None = None,
     ) -> None:
         """`groups`: parameter indices in backward order (plan_buckets); an expert parameter's group holds
-        expert parameters only, reduced over `expert_replicas` (default: the dp group, like the others)."""
+        expert parameters only, reduced over `expert_replicas` (default: the dp group, like the others).
+        `sharded`: ZeRO-1 (optimizer state of the owned shards only); with `shard_gradients` ZeRO-2."""
         self.names = [name for name, _ in named_params]
         params = [param for _, param in named_params]
         self.comm = comm
@@ -127,6 +138,7 @@ class DataParallel:
         self.dp_rank = dp_rank
         self.micro_batches = micro_batches
         self.sharded = sharded
+        self.shard_gradients = shard_gradients
         numels = [p.numel() for p in params]
         bucket_elements = max(1, int(bucket_mb * 2**20) // grad_dtype.itemsize)
         self.offsets, self.buckets = plan_buckets(numels, groups, bucket_elements, self.dp)
@@ -137,24 +149,33 @@ class DataParallel:
             # A bucket holds expert parameters only or none: its first one tells which.
             of_experts = expert_replicas and experts[bucket.params[0]]
             self.replicas.append(expert_replicas if of_experts else dense)
-        size = self.buckets[-1].end if self.buckets else 0
-        self.padding = size - sum(numels)
-        device = params[0].device
-        dtype = params[0].dtype
+        self.size = self.buckets[-1].end if self.buckets else 0
+        self.padding = self.size - sum(numels)
+        self.device = params[0].device
+        self.grad_dtype = grad_dtype
+        self.shapes = [p.shape for p in params]
         # Padding stays zero in both buffers, so it adds nothing to reductions or norms.
-        self.flat_params = torch.zeros(size, dtype=dtype, device=device)
-        self.flat_grads = torch.zeros(size, dtype=grad_dtype, device=device)
-        self.grads: list[torch.Tensor] = []  # per parameter: its gradient, shaped like it
+        self.flat_params = torch.zeros(self.size, dtype=params[0].dtype, device=self.device)
         with torch.no_grad():
             for param, offset, numel in zip(params, self.offsets, numels, strict=True):
                 view = self.flat_params[offset : offset + numel].view_as(param)
                 view.copy_(param)
                 param.data = view
-                self.grads.append(self.flat_grads[offset : offset + numel].view_as(param))
+        if shard_gradients:  # per bucket: its whole gradients while they accumulate, and the owned shard
+            self.bucket_grads: list[torch.Tensor | None] = [None] * len(self.buckets)
+            owned = [
+                bucket.owned(replicas) for bucket, replicas in zip(self.buckets, self.replicas, strict=True)
+            ]
+            self.shard_grads = [
+                torch.zeros(high - low, dtype=grad_dtype, device=self.device) for low, high in owned
+            ]
+        else:
+            self.flat_grads = torch.zeros(self.size, dtype=grad_dtype, device=self.device)
         self.bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in bucket.params}
         self.arrivals = [0] * len(params)  # gradients received this step, per parameter
         self.complete = [0] * len(self.buckets)  # parameters of the bucket with all their gradients in
         self.pending: dict[int, object] = {}  # bucket -> its reduction in flight
+        self.launched = [False] * len(self.buckets)  # buckets whose reduction started this step
         for index, param in enumerate(params):
             param.register_post_accumulate_grad_hook(self._accumulate(index))
         self.pieces = self._pieces(numels, self.sharded)  # the elements this rank's optimizer steps
@@ -177,9 +198,26 @@ class DataParallel:
                     pieces.append(Piece(param=param, start=start, end=end))
         return pieces
 
+    def _bucket_grads(self, index: int) -> torch.Tensor:
+        """Bucket `index`'s whole gradients (ZeRO-2: made, zero, at its first gradient of the step)."""
+        bucket = self.buckets[index]
+        if not self.shard_gradients:
+            return self.flat_grads[bucket.start : bucket.end]
+        if self.bucket_grads[index] is None:
+            size = bucket.end - bucket.start
+            self.bucket_grads[index] = torch.zeros(size, dtype=self.grad_dtype, device=self.device)
+        return self.bucket_grads[index]
+
+    def _grad_of(self, param: int) -> torch.Tensor:
+        """Parameter `param`'s gradient in its bucket's whole gradients, shaped like it."""
+        bucket = self.bucket_of[param]
+        offset = self.offsets[param] - self.buckets[bucket].start
+        numel = self.shapes[param].numel()
+        return self._bucket_grads(bucket)[offset : offset + numel].view(self.shapes[param])
+
     def _accumulate(self, index: int):
         def hook(param: torch.Tensor) -> None:
-            self.grads[index].add_(param.grad)
+            self._grad_of(index).add_(param.grad)
             param.grad = None
             self.arrivals[index] += 1
             if self.arrivals[index] > self.micro_batches:
@@ -199,41 +237,65 @@ class DataParallel:
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
         replicas = self.replicas[index]
+        grads = self._bucket_grads(index)
+        self.launched[index] = True
+        if self.shard_gradients:
+            while len(self.pending) >= IN_FLIGHT:
+                self._finish(next(iter(self.pending)))
+            if replicas.size == 1:  # its own replica: the sum is the bucket itself
+                self.shard_grads[index].copy_(grads)
+                self.bucket_grads[index] = None
+                return
         if replicas.size == 1:
             return
-        grads = self.flat_grads[bucket.start : bucket.end]
-        if self.sharded:
+        if self.shard_gradients:
+            self.pending[index] = self.comm.start_reduce_scatter(
+                self.shard_grads[index], grads, replicas.group
+            )
+        elif self.sharded:
             low, high = bucket.owned(replicas)
             owned = self.flat_grads[low:high]
             self.pending[index] = self.comm.start_reduce_scatter(owned, grads, replicas.group)
         else:
             self.pending[index] = self.comm.start_all_reduce(grads, replicas.group)
 
+    def _finish(self, index: int) -> None:
+        """Wait for bucket `index`'s reduction; ZeRO-2 then frees its whole gradients."""
+        self.comm.wait(self.pending.pop(index), self.replicas[index].group, self._bucket_grads(index))
+        if self.shard_gradients:
+            self.bucket_grads[index] = None
+
     def finish_reduction(self) -> None:
         """After the step's backward: reduce the buckets whose gradients did not all arrive (a parameter
         unused this step), then wait for every reduction. Each owned gradient is then summed over dp."""
         for index in range(len(self.buckets)):
-            if index not in self.pending:
+            if not self.launched[index]:
                 self._launch(index)
-        for index, work in self.pending.items():
-            bucket = self.buckets[index]
-            self.comm.wait(work, self.replicas[index].group, self.flat_grads[bucket.start : bucket.end])
-        self.pending.clear()
+        for index in list(self.pending):
+            self._finish(index)
 
     def zero_grad(self) -> None:
-        self.flat_grads.zero_()
+        if self.shard_gradients:
+            self.bucket_grads = [None] * len(self.buckets)
+            for shard in self.shard_grads:
+                shard.zero_()
+        else:
+            self.flat_grads.zero_()
         self.arrivals = [0] * len(self.arrivals)
         self.complete = [0] * len(self.complete)
+        self.launched = [False] * len(self.launched)
         self.pending.clear()
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the model state: parameters and gradients (the flat buffers, padding
-        included), and for the elements it owns fp32 master weights (none when the parameters are fp32: they
-        are their own masters) and Adam's two moments (optim/zero.py)."""
+        included; ZeRO-2: the owned shards of the gradients, held between steps), and for the elements it
+        owns fp32 master weights (none when the parameters are fp32: they are their own masters) and Adam's
+        two moments (optim/zero.py)."""
         owned = sum(piece.end - piece.start for piece in self.pieces)
+        grads = sum(s.nbytes for s in self.shard_grads) if self.shard_gradients else self.flat_grads.nbytes
         return {
             "params": self.flat_params.nbytes,
-            "grads": self.flat_grads.nbytes,
+            "grads": grads,
             "master_weights": 0 if self.flat_params.dtype == torch.float32 else 4 * owned,
             "adam_moments": 8 * owned,
         }
@@ -241,6 +303,17 @@ class DataParallel:
     def owned(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """This rank's pieces of a flat buffer (or of any tensor laid out like one), as 1-D views."""
         return [flat[piece.start : piece.end] for piece in self.pieces]
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        """This rank's pieces of the gradients (summed over dp after `finish_reduction`), as 1-D views."""
+        if not self.shard_gradients:
+            return self.owned(self.flat_grads)
+        views = []
+        for piece in self.pieces:
+            bucket = self.bucket_of[piece.param]
+            low, _ = self.buckets[bucket].owned(self.replicas[bucket])
+            views.append(self.shard_grads[bucket][piece.start - low : piece.end - low])
+        return views
 
     def counted_once(self) -> list[bool]:
         """Per owned piece: whether this rank counts it in a sum over all its replicas (a norm): always under
@@ -266,7 +339,7 @@ class DataParallel:
         """Per parameter, the whole tensor from every rank's owned pieces (e.g. fp32 master weights):
         each element is owned by exactly one rank, so a sum over dp assembles them."""
         dtype = owned[0].dtype if owned else torch.float32
-        flat = torch.zeros_like(self.flat_grads, dtype=dtype)
+        flat = torch.zeros(self.size, dtype=dtype, device=self.device)
         for piece, values in zip(self.pieces, owned, strict=True):
             flat[piece.start : piece.end] = values
         if self.sharded and len(set(self.replicas)) == 1:
@@ -274,8 +347,8 @@ class DataParallel:
         elif self.sharded:  # the experts' buckets over their own replicas
             for bucket, replicas in zip(self.buckets, self.replicas, strict=True):
                 self.comm.all_reduce(flat[bucket.start : bucket.end], replicas.group)
-        pairs = zip(self.offsets, self.grads, strict=True)
-        return [flat[offset : offset + grad.numel()].view_as(grad) for offset, grad in pairs]
+        pairs = zip(self.offsets, self.shapes, strict=True)
+        return [flat[offset : offset + shape.numel()].view(shape) for offset, shape in pairs]
 
 
 def _round_up(value: int, multiple: int) -> int:
