@@ -166,6 +166,11 @@ class LlamaConfig(_Section):
         return self.moe is not None and layer not in self.moe.dense_layers
 
     @property
+    def moe_layers(self) -> list[int]:
+        """The layers with experts, listed (for a model being built; `moe_layer_count` for any depth)."""
+        return [i for i in range(self.num_hidden_layers) if self.has_experts(i)]
+
+    @property
     def moe_layer_count(self) -> int:
         """How many layers have experts (counted, not listed: the pipeline's estimates take any depth)."""
         if self.moe is None:

@@ -50,7 +50,7 @@ def step_metrics(
 class RouterCollapse:
     def __init__(self, cfg: LlamaConfig) -> None:
         self.moe = cfg.moe
-        self.layers = [i for i in range(cfg.num_hidden_layers) if cfg.has_experts(i)]
+        self.layers = cfg.moe_layers
         self.balanced = self.moe.num_experts_per_tok / self.moe.num_experts  # each expert's share of tokens
         # "Most tokens", and far more than a balanced share (4 experts, top-2: a half is balanced).
         self.threshold = min(0.9, max(0.5, 3 * self.balanced)) if self.balanced < 1 else float("inf")

@@ -42,7 +42,7 @@ class RouterStats:
 
     def __init__(self, cfg: LlamaConfig, device: torch.device) -> None:
         self.experts = cfg.moe.num_experts
-        self.moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.has_experts(i)]
+        self.moe_layers = cfg.moe_layers
         self.values = torch.zeros(cfg.num_hidden_layers, self.experts + 3, device=device)
         self.gradient_scale = 1.0
         self.replaying = False  # a recomputed forward records nothing

@@ -19,8 +19,9 @@ packed sample (documents end at the end-of-document token), and RoPE positions r
 The same ring computes it, each block masked by document. A block where no query sees any key is skipped,
 which on long packed sequences of short documents skips most of them.
 
-A sliding window (`model.sliding_window`): a query sees only the keys fewer than the window's size before
-it. A block wholly outside every query's window is skipped, one wholly inside is computed without a mask.
+A sliding window (`model_config.sliding_window`): a query sees only the keys fewer than the window's size
+before it. A block wholly outside every query's window is skipped, one wholly inside is computed without a
+mask.
 
 The kernel for each block is attention.py's `attention_with_lse`: the CPU's flash kernel; on GPUs flash for
 the mask-free blocks and memory-efficient attention for the masked ones; written out in fp32 where neither

@@ -239,16 +239,14 @@ class DataParallel:
         replicas = self.replicas[index]
         grads = self._bucket_grads(index)
         self.launched[index] = True
-        if self.shard_gradients:
-            while len(self.pending) >= IN_FLIGHT:
-                self._finish(next(iter(self.pending)))
-            if replicas.size == 1:  # its own replica: the sum is the bucket itself
+        if replicas.size == 1:  # its own replica: the sum is the bucket itself
+            if self.shard_gradients:
                 self.shard_grads[index].copy_(grads)
                 self.bucket_grads[index] = None
-                return
-        if replicas.size == 1:
             return
         if self.shard_gradients:
+            while len(self.pending) >= IN_FLIGHT:
+                self._finish(next(iter(self.pending)))  # the oldest: its whole gradients are freed
             self.pending[index] = self.comm.start_reduce_scatter(
                 self.shard_grads[index], grads, replicas.group
             )

@@ -190,7 +190,8 @@ def expected_shapes(
             shapes[name] = tuple(tensor.shape)
             continue
         for layer in range(cfg.num_hidden_layers):
-            if int(found.group(1)) == int(mixed and not cfg.has_experts(layer)):
+            sample_layer = 1 if mixed and not cfg.has_experts(layer) else 0
+            if int(found.group(1)) == sample_layer:
                 shapes[LAYER.sub(f"layers.{layer}.", name, count=1)] = tuple(tensor.shape)
     return shapes
 
