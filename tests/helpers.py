@@ -455,3 +455,34 @@ def preprocess_command(source: Path, tokenizer: Path, prefix: Path, *options: st
     """`femtotron preprocess` as a user types it, for a process of its own."""
     command = [sys.executable, "-m", "femtotron", "preprocess", "--input", str(source)]
     return [*command, "--tokenizer", str(tokenizer), "--output-prefix", str(prefix), *options]
+
+
+def held_bytes(trainer):
+    """Bytes of the storages this rank really holds for parameters, gradients, master weights and Adam
+    moments (each storage counted once, however many views point into it)."""
+
+    def total(tensors):
+        sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(sizes.values())
+
+    params = [p for _, p in trainer.model.named_parameters()]
+    optimizer = trainer.optimizer
+    assert all(p.grad is None for p in params)  # no low-precision gradient is left behind
+    data_parallel = trainer.data_parallel
+    if data_parallel.shard_params:  # between steps only the owned shards: every bucket's whole ones freed
+        assert all(whole.untyped_storage().nbytes() == 0 for whole in data_parallel.bucket_params)
+        params = data_parallel.param_shards
+    param_storages = {p.untyped_storage().data_ptr() for p in params}
+    masters = [m for m in optimizer.masters if m.untyped_storage().data_ptr() not in param_storages]
+    moments = [s[key] for s in optimizer.adam.state.values() for key in ("exp_avg", "exp_avg_sq")]
+    if data_parallel.shard_gradients:  # between steps only the owned shards: every bucket's whole ones freed
+        assert data_parallel.bucket_grads == [None] * len(data_parallel.buckets)
+        grads = data_parallel.shard_grads
+    else:
+        grads = [data_parallel.flat_grads]
+    return {
+        "params": total(params),
+        "grads": total(grads),
+        "masters": total(masters),
+        "moments": total(moments),
+    }

@@ -17,6 +17,7 @@ from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.context_parallel import ContextParallel
 from femtotron.parallel.data_parallel import DataParallel, Replicas
 from femtotron.parallel.expert_parallel import ExpertParallel
+from femtotron.parallel.fully_sharded import ParameterGathering, chunk_units
 from femtotron.parallel.members import Parallel
 from femtotron.parallel.mesh import Mesh
 from femtotron.parallel.pipeline.p2p import PipelineP2P
@@ -131,8 +132,14 @@ def _build(
         grad_dtype=torch.float32 if config.optimizer.accumulate_grad_in_fp32 else dtype,
         sharded=config.optimizer.zero_stage >= 1,
         shard_gradients=config.optimizer.zero_stage == 2,
+        shard_params=config.optimizer.zero_stage == 3,
         expert_replicas=experts if ep.size > 1 else None,
     )
+    if config.optimizer.zero_stage == 3:
+        data_parallel.gathering = ParameterGathering(
+            data_parallel, reshard_after_forward=config.optimizer.reshard_after_forward
+        )
+        data_parallel.gathering.install(chunks)
     return RankModel(
         stages=stages,
         chunks=chunks,
@@ -159,17 +166,23 @@ def build_pipeline(config: Config, ctx: ParallelContext, model: RankModel) -> Pi
 
 
 def bucket_groups(chunks: list[Llama], own_bucket: list[bool]) -> list[list[int]]:
-    """Parameter indices in the order backward produces their gradients: each chunk's, last layer first, its
-    experts' in buckets of their own (reduced over other ranks). A tied embedding gets its own bucket, laid
-    out alike on both stages, so the pieces each rank owns after the dp reduction match across them."""
+    """Parameter indices in the order backward produces their gradients: each chunk's units in reverse (the
+    head, the layers from the last, the embedding: parallel/fully_sharded.py), so that no bucket spans two
+    units (ZeRO-3 gathers a unit by its buckets), each unit's experts in buckets of their own (reduced over
+    other ranks). A tied embedding gets its own bucket: at pp = 1 it is in two units; at pp > 1 it is laid out
+    alike on both stages, so the pieces each rank owns after the dp reduction match across them."""
+    index_of = {id(p): i for i, p in enumerate(p for chunk in chunks for p in chunk.parameters())}
     groups = []
-    first = 0
+    placed: set[int] = set()
     for chunk in chunks:
-        params = list(chunk.parameters())
-        backward_order = list(range(first + len(params) - 1, first - 1, -1))
-        experts = {first + i for i, p in enumerate(params) if p.shard.experts}
-        groups.append([i for i in backward_order if not own_bucket[i] and i not in experts])
-        groups.append([i for i in backward_order if i in experts])
-        groups += [[i] for i in backward_order if own_bucket[i]]
-        first += len(params)
+        experts = {index_of[id(p)] for p in chunk.parameters() if p.shard.experts}
+        units = [{index_of[id(p)] for p in params} for _, params, _ in reversed(chunk_units(chunk))]
+        shared = {i for unit in units for i in unit if sum(i in other for other in units) > 1}
+        for unit in units:
+            backward_order = sorted(unit - placed, reverse=True)
+            placed.update(backward_order)
+            alone = [i for i in backward_order if own_bucket[i] or i in shared]
+            groups.append([i for i in backward_order if i not in alone and i not in experts])
+            groups.append([i for i in backward_order if i in experts])
+            groups += [[i] for i in alone]
     return [group for group in groups if group]

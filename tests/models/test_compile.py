@@ -245,3 +245,28 @@ def test_compiled_context_parallel_equals_one_eager_process(tiny_config):
     for index, ((config, _), (reference, exact)) in enumerate(zip(cases, expected, strict=True)):
         for rank in per_rank:
             assert_steps_match(rank[index], reference, exact, label=config.general.run)
+
+
+@NEEDS_CXX
+@pytest.mark.distributed
+def test_compiled_zero3_equals_one_eager_process(tiny_config):
+    """dp = 2 with ZeRO-3, fp32 and bf16, and with recomputation: each unit's gathers run eagerly at the edges
+    of its compiled graphs (the head's as graph breaks inside its compiled loss)."""
+    cases, expected = [], []
+    for dtype, native, parallel in (
+        ("float32", None, ["dp=2"]),
+        ("bfloat16", False, ["dp=2"]),
+        ("float32", None, ["dp=2", "recompute_layer=true"]),
+    ):
+        with precision_path(native):
+            reference, exact = (
+                record_steps(layout_config(tiny_config, [], how, False), ParallelContext())
+                for how in (dtype, "float32")
+            )
+        expected.append((reference, exact if dtype != "float32" else None))
+        cases.append((layout_config(tiny_config, parallel, dtype, True, zero=3, accumulation=2), native))
+    per_rank, graphs = zip(*run_ranks(_layout_ranks, 2, cases, timeout=600), strict=True)
+    assert min(graphs) > 0
+    for index, ((config, _), (reference, exact)) in enumerate(zip(cases, expected, strict=True)):
+        for rank in per_rank:
+            assert_steps_match(rank[index], reference, exact, label=config.general.run)

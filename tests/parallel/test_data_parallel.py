@@ -1,4 +1,4 @@
-"""Data parallelism and ZeRO-1: bucket layout, equivalence with one process, overlap with backward,
+"""Data parallelism and ZeRO-1/2/3: bucket layout, equivalence with one process, overlap with backward,
 exact memory per rank and exact bytes per step."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from helpers import (
     SMOOTH_ADAM,
     assert_close_to_reference,
     full_masters,
+    held_bytes,
     precision_path,
     tiny_config_maker,
     write_patterned_tokens,
@@ -20,6 +21,7 @@ from femtotron.optim.zero import ZeroAdamW
 from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.data_parallel import ALIGNMENT, DataParallel, plan_buckets
+from femtotron.parallel.fully_sharded import ParameterGathering
 from femtotron.trainer import Trainer
 
 SMALL_BUCKETS = "parallelism.dp_bucket_size_mb=0.02"  # ~5k fp32 elements: the tiny model gets many buckets
@@ -123,7 +125,9 @@ def train_and_record(config, ctx):
         n: after - before
         for n, after, before in zip(names, full_masters(trainer.optimizer), initial, strict=True)
     }
-    params = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
+    with data_parallel.whole_parameters(list(range(len(names)))):  # ZeRO-3: gathered to read them
+        params = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
+    gathering = data_parallel.gathering
     return {
         "losses": [r.loss for r in results],
         "norms": [r.grad_norm for r in results],
@@ -133,7 +137,9 @@ def train_and_record(config, ctx):
         "launches": launches,
         "buckets": data_parallel.buckets,
         "parameters": len(names),
-        "elements": data_parallel.flat_params.numel(),
+        "elements": data_parallel.size,
+        "units": gathering.units if gathering else None,
+        "peak_whole_elements": gathering.peak_whole_elements if gathering else None,
     }
 
 
@@ -158,13 +164,16 @@ CASES = [
     ("bfloat16", 1, False),
     ("bfloat16", 2, True),
     ("bfloat16", 2, False),
+    ("float32", 3, None),
+    ("bfloat16", 3, True),
+    ("bfloat16", 3, False),
 ]
 IDS = [f"{d}-zero{z}" + {None: "", True: "-native", False: "-upcast"}[n] for d, z, n in CASES]
 
 
 @pytest.fixture(scope="module")
 def dp_results(tmp_path_factory):
-    """dp=2 with zero_stage 0, 1 and 2, fp32 and bf16, against one process with the same global batch (and for
+    """dp=2 with zero_stage 0 to 3, fp32 and bf16, against one process with the same global batch (and for
     bf16 the same process in fp32, the yardstick for bf16 rounding)."""
     root = tmp_path_factory.mktemp("dp")
     tiny_config = tiny_config_maker(root / "runs", write_patterned_tokens(root / "patterned"))
@@ -222,51 +231,37 @@ def test_buckets_are_reduced_during_the_last_micro_batch_backward_only(dp_result
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_dp_bytes_per_step_equal_the_analytic_count(dp_results, index):
     """zero_stage 0: one all-reduce of the fp32 gradients per bucket. zero_stage 1 and 2: a reduce-scatter of
-    them and an all-gather of the model-dtype parameters per bucket. Besides: the step's token count,
-    largest token id and loss (one fp32 number each), and when sharded the grad norm's sum of squares."""
+    them and an all-gather of the model-dtype parameters per bucket. zero_stage 3: the reduce-scatter, and an
+    all-gather of each unit's buckets before its forward and again before its backward (the embedding's
+    forward only), in each micro-batch. Besides: the step's token count, largest token id and loss (one fp32
+    number each), and when sharded the grad norm's sum of squares."""
     configs, _, per_rank = dp_results
     dtype, zero, _ = CASES[index]
     got = per_rank[0][index]
     n = 2
+    micro_batches = 2
     elements = got["elements"]
-    buckets = len(got["buckets"])
+    buckets = got["buckets"]
     scalars = 3 + (zero > 0)
     reduced_elements = scalars + (elements if zero == 0 else 0)
-    reductions = scalars + (buckets if zero == 0 else 0)
+    reductions = scalars + (len(buckets) if zero == 0 else 0)
     expected = {"all_reduce": (2 * (n - 1) / n * 4 * reduced_elements, reductions)}
+    gathered = elements
+    gathers = len(buckets)
+    if zero == 3:
+        uses = [
+            (b, 2 if unit.needed_in_backward else 1)
+            for units in got["units"]
+            for unit in units
+            for b in unit.buckets
+        ]
+        gathered = micro_batches * sum((buckets[b].end - buckets[b].start) * times for b, times in uses)
+        gathers = micro_batches * sum(times for _, times in uses)
     if zero > 0:
-        expected["reduce_scatter"] = ((n - 1) / n * 4 * elements, buckets)
-        expected["all_gather"] = ((n - 1) / n * (2 if dtype == "bfloat16" else 4) * elements, buckets)
+        expected["reduce_scatter"] = ((n - 1) / n * 4 * elements, len(buckets))
+        expected["all_gather"] = ((n - 1) / n * (2 if dtype == "bfloat16" else 4) * gathered, gathers)
     assert {op: counts for op, counts in got["traffic"].items() if counts[1] and op != "wait"} == {
         op: (int(b), calls) for op, (b, calls) in expected.items()
-    }
-
-
-def held_bytes(trainer):
-    """Bytes of the storages this rank really holds for parameters, gradients, master weights and Adam
-    moments (each storage counted once, however many views point into it)."""
-
-    def total(tensors):
-        sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-        return sum(sizes.values())
-
-    params = [p for _, p in trainer.model.named_parameters()]
-    optimizer = trainer.optimizer
-    assert all(p.grad is None for p in params)  # no low-precision gradient is left behind
-    param_storages = {p.untyped_storage().data_ptr() for p in params}
-    masters = [m for m in optimizer.masters if m.untyped_storage().data_ptr() not in param_storages]
-    moments = [s[key] for s in optimizer.adam.state.values() for key in ("exp_avg", "exp_avg_sq")]
-    data_parallel = trainer.data_parallel
-    if data_parallel.shard_gradients:  # between steps only the owned shards: every bucket's whole ones freed
-        assert data_parallel.bucket_grads == [None] * len(data_parallel.buckets)
-        grads = data_parallel.shard_grads
-    else:
-        grads = [data_parallel.flat_grads]
-    return {
-        "params": total(params),
-        "grads": total(grads),
-        "masters": total(masters),
-        "moments": total(moments),
     }
 
 
@@ -281,7 +276,7 @@ def _memory(rank, configs):
             (
                 held_bytes(trainer),
                 trainer.data_parallel.model_state_bytes(),
-                data_parallel.flat_params.numel(),
+                data_parallel.size,
                 data_parallel.padding,
                 sum(p.numel() for _, p in trainer.model.named_parameters()),
             )
@@ -293,9 +288,9 @@ def _memory(rank, configs):
 @pytest.mark.distributed
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_bytes_held_per_rank_match_the_analytic_formula(tiny_config, dp):
-    """bf16 parameters: 2 + 4 + 12/dp bytes per parameter with ZeRO-1, 2 + (4 + 12)/dp with ZeRO-2 (2 + 4 + 12
-    without); fp32: 4 + 4 + 8/dp and 4 + (4 + 8)/dp (the owned fp32 parameters are the master weights). The
-    buffers' padding is counted, and reported."""
+    """bf16 parameters: 2 + 4 + 12/dp bytes per parameter with ZeRO-1, 2 + (4 + 12)/dp with ZeRO-2, (2 + 4 +
+    12)/dp with ZeRO-3 (2 + 4 + 12 without); fp32: 4 + 4 + 8/dp, 4 + (4 + 8)/dp and (4 + 4 + 8)/dp (the owned
+    fp32 parameters are the master weights). The buffers' padding is counted, and reported."""
     configs = [
         tiny_config(
             f"model.dtype={dtype}",
@@ -304,7 +299,7 @@ def test_bytes_held_per_rank_match_the_analytic_formula(tiny_config, dp):
             f"general.run=memory-{dtype}-{zero}-{dp}",
         )
         for dtype in ("bfloat16", "float32")
-        for zero in (0, 1, 2)
+        for zero in (0, 1, 2, 3)
     ]
     per_rank = [_memory(0, configs)] if dp == 1 else run_ranks(_memory, dp, configs)
     for index, config in enumerate(configs):
@@ -314,10 +309,9 @@ def test_bytes_held_per_rank_match_the_analytic_formula(tiny_config, dp):
         for rank in per_rank:
             held, plan, elements, padding, params = rank[index]
             assert elements == params + padding and padding < params  # tiny layers: mostly alignment padding
-            assert held["params"] == (2 if bf16 else 4) * elements
-            assert held["grads"] == 4 * elements // (
-                dp if zero == 2 else 1
-            )  # each bucket's 1/dp under ZeRO-2
+            # each bucket's 1/dp of the gradients under ZeRO-2 and 3, of the parameters under ZeRO-3
+            assert held["params"] == (2 if bf16 else 4) * elements // (dp if zero == 3 else 1)
+            assert held["grads"] == 4 * elements // (dp if zero >= 2 else 1)
             owned.append(held["moments"] // 8)
             assert held["moments"] == 8 * owned[-1] and held["masters"] == (4 * owned[-1] if bf16 else 0)
             assert plan == {
@@ -359,18 +353,23 @@ def _step_with_a_bias_used_once(comm, group, dp_rank, micro_batches, bucket_mb, 
         grad_dtype=torch.float32,
         sharded=stage >= 1,
         shard_gradients=stage == 2,
+        shard_params=stage == 3,
     )
+    if stage == 3:  # the two parameters as one unit, whole through the micro-batches
+        data_parallel.gathering = ParameterGathering(data_parallel, reshard_after_forward=True)
     optimizer = ZeroAdamW(params, data_parallel, load_config_dict(UNUSED_SECTION).optimizer)
-    for index in range(micro_batches):
-        global_index = dp_rank * micro_batches + index
-        y = torch.randn(3, 4, generator=torch.Generator().manual_seed(global_index)) @ params[0].T
-        if global_index == group.size * micro_batches - 1:
-            y = y + params[1]
-        y.pow(2).sum().backward()
+    with data_parallel.whole_parameters([0, 1]):
+        for index in range(micro_batches):
+            global_index = dp_rank * micro_batches + index
+            y = torch.randn(3, 4, generator=torch.Generator().manual_seed(global_index)) @ params[0].T
+            if global_index == group.size * micro_batches - 1:
+                y = y + params[1]
+            y.pow(2).sum().backward()
     data_parallel.finish_reduction()
     grads = [g.clone() for g in data_parallel.full(optimizer.grads())]
     optimizer.step(1e-2)
-    return grads, [p.detach().clone() for p in params]
+    with data_parallel.whole_parameters([0, 1]):
+        return grads, [p.detach().clone() for p in params]
 
 
 def _unused_parameter(rank, stage, bucket_mb):
@@ -381,7 +380,7 @@ def _unused_parameter(rank, stage, bucket_mb):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage", [0, 1, 2], ids=["zero0", "zero1", "zero2"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3], ids=["zero0", "zero1", "zero2", "zero3"])
 @pytest.mark.parametrize("bucket_mb", [1e-5, 1.0], ids=["bucket-each", "one-bucket"])
 def test_a_parameter_without_a_gradient_on_some_rank_is_still_reduced_over_dp(stage, bucket_mb):
     """The bias gets a gradient only on dp rank 1, in one of its two micro-batches: its bucket never completes

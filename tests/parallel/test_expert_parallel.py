@@ -23,8 +23,8 @@ MOE = (
 @pytest.mark.distributed
 def test_expert_parallel_equals_one_process(tiny_config):
     """ep = 2 over dp = 2 (fp32, bf16 on both CPU paths, ZeRO-1 with recomputation), ep = 4 over dp = 4, and
-    ep = 2 over dp = 4 (without ZeRO, with ZeRO-1 and with ZeRO-2: the experts' gradients sharded over their
-    two replicas)."""
+    ep = 2 over dp = 4 (without ZeRO, with ZeRO-1, ZeRO-2 and ZeRO-3: the experts' gradients, and with ZeRO-3
+    their parameters, sharded over their two replicas), and ZeRO-3 at dp = ep = 2 in bf16."""
     check_layouts(
         lambda *overrides: tiny_config(*MOE, *overrides),
         {
@@ -41,6 +41,9 @@ def test_expert_parallel_equals_one_process(tiny_config):
                 ("float32", None, ("optimizer.zero_stage=1",)),
                 ("float32", None, ("optimizer.zero_stage=2",)),
             ],
+            # ZeRO-3: each layer's experts gathered over their own replicas (edp), the rest over dp
+            ("parallelism.dp=4", "parallelism.ep=2", "optimizer.zero_stage=3"): [("float32", None, ())],
+            ("parallelism.dp=2", "parallelism.ep=2", "optimizer.zero_stage=3"): [("bfloat16", False, ())],
         },
     )
 

@@ -79,10 +79,9 @@ def train(config, ctx):
     trainer.batches.step_at = recording
     losses = [r.loss for r in trainer.train()]
     ep = trainer.model.ep.group
-    weights = {
-        n: full_tensor(p, p.shard, trainer.tp, ep).float().clone()
-        for n, p in trainer.model.named_parameters()
-    }
+    named = trainer.model.named_parameters()
+    with trainer.data_parallel.whole_parameters(list(range(len(named)))):  # ZeRO-3: gathered to read them
+        weights = {n: full_tensor(p, p.shard, trainer.tp, ep).float().clone() for n, p in named}
     masters = {
         n: full_tensor(m, p.shard, trainer.tp, ep).clone()
         for (n, p), m in zip(trainer.model.named_parameters(), full_masters(trainer.optimizer), strict=True)
@@ -173,6 +172,7 @@ RESHARDED = {
     "dp2-tp1-pp4-zero0": dict(dp=2, tp=1, pp=4, zero=0),
     "dp1-tp1-pp1": dict(dp=1, tp=1, pp=1, zero=0),
     "dp4-tp2-pp1-zero1": dict(dp=4, tp=2, pp=1, zero=1),
+    "dp4-tp1-pp2-zero3": dict(dp=4, tp=1, pp=2, zero=3),
 }
 
 
@@ -194,6 +194,34 @@ def test_C1_resume_on_another_mesh_continues_the_run(three_d, label):
     assert seen == {step: rows for step, rows in whole_seen.items() if step >= 3}
     for name, weight in whole_weights.items():
         assert (weights[name] - weight).abs().max() <= 1e-4 * weight.abs().max(), name
+
+
+@pytest.mark.distributed
+def test_C3_a_zero3_checkpoint_resumes_bit_exact_and_without_zero_on_one_process(tiny_config):
+    """Saved at dp2 x pp2 with ZeRO-3 (each rank writes its shards, never the whole model): resumed on the
+    same layout it is bit-exact; on one process without ZeRO it continues the run."""
+    layout = dict(dp=2, pp=2, zero=3)
+    first = make(tiny_config, "z3-first", "checkpoints.checkpoint_interval=3", **layout, steps=3)
+    saved = first.run_dir / "checkpoints"
+    configs = [
+        make(tiny_config, "z3-whole", **layout),
+        first,
+        make(tiny_config, "z3-rest", f"checkpoints.resume_checkpoint_path={saved}", **layout),
+    ]
+    per_rank = run_ranks(ranks_train, 4, configs, timeout=600)
+    losses, weights, masters, seen = merged(per_rank, 0)
+    first_losses, _, _, first_seen = merged(per_rank, 1)
+    rest_losses, rest_weights, rest_masters, rest_seen = merged(per_rank, 2)
+    assert first_losses + rest_losses == losses
+    assert {**first_seen, **rest_seen} == seen
+    for name, weight in weights.items():
+        assert torch.equal(rest_weights[name], weight), name
+        assert torch.equal(rest_masters[name], masters[name]), name
+    single = make(tiny_config, "z3-single", f"checkpoints.resume_checkpoint_path={saved}")
+    single_losses, single_weights, _, _ = merged([ranks_train(0, [single])], 0)
+    assert single_losses == pytest.approx(losses[3:], rel=1e-5)
+    for name, weight in weights.items():
+        assert (single_weights[name] - weight).abs().max() <= 1e-4 * weight.abs().max(), name
 
 
 @pytest.mark.distributed

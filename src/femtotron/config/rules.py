@@ -363,14 +363,24 @@ def sequence_splits_over_cp_and_tp(cfg: ConfigFields) -> Problem | None:
 
 def zero_stage_implemented(cfg: ConfigFields) -> Problem | None:
     stage = cfg.optimizer.zero_stage
-    if stage <= 2:
+    if stage <= 3:
         return None
     return Problem(
         ("optimizer.zero_stage",),
-        f"zero_stage={stage} (sharded parameters) is not implemented: femtotron has ZeRO-1 and ZeRO-2, "
-        "which shard the fp32 master weights, Adam moments and (ZeRO-2) gradients over dp, 16 of the 18 "
-        "bytes a bf16 parameter costs. Fix: zero_stage=2; to save more memory raise tp or pp, set "
-        "parallelism.recompute_layer=true, or lower tokens.micro_batch_size.",
+        f"zero_stage={stage} does not exist: ZeRO has stages 1 (master weights and Adam moments sharded over "
+        "dp), 2 (the gradients too) and 3 (the parameters too). Fix: zero_stage=3 to shard everything.",
+    )
+
+
+def reshard_after_forward_needs_zero3(cfg: ConfigFields) -> Problem | None:
+    optimizer = cfg.optimizer
+    if optimizer.reshard_after_forward or optimizer.zero_stage == 3:
+        return None
+    return Problem(
+        ("optimizer.reshard_after_forward", "optimizer.zero_stage"),
+        f"reshard_after_forward=false keeps ZeRO-3's gathered parameters from forward to backward, but "
+        f"zero_stage={optimizer.zero_stage} does not shard the parameters, so it would change nothing. "
+        "Fix: remove optimizer.reshard_after_forward, or set optimizer.zero_stage=3.",
     )
 
 
@@ -493,6 +503,7 @@ RULES: list[Callable[[ConfigFields], Problem | None]] = [
     sequence_fits_the_positions,
     sequence_splits_over_cp_and_tp,
     zero_stage_implemented,
+    reshard_after_forward_needs_zero3,
     loss_scale_range,
     decay_ends_below_the_peak,
     data_has_one_source,

@@ -354,8 +354,12 @@ class LossScaleArgs(_Section):
 
 
 class OptimizerArgs(_Section):
-    # 1: optimizer state sharded over dp x cp (ZeRO-1); 2: the gradients too (ZeRO-2); 3 is refused by a rule
+    # 1: optimizer state sharded over dp x cp (ZeRO-1); 2: the gradients too (ZeRO-2); 3: the parameters too,
+    # each unit (embedding, decoder layer, head) gathered while it runs (ZeRO-3, parallel/fully_sharded.py)
     zero_stage: NonNegativeInt = 0
+    # ZeRO-3: free a unit's gathered parameters after its forward and gather them again for its backward
+    # (false: keep them until its backward; less communication, more memory; FSDP's knob of the same name)
+    reshard_after_forward: bool = True
     weight_decay: NonNegativeFloat = 0.01
     # None: the matrices are decayed, norm scales not. A list (nanotron's rule): every parameter is decayed
     # except those whose name a pattern matches from its start (re.match), e.g. ["embed_tokens", ".*norm"];

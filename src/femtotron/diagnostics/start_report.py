@@ -119,14 +119,16 @@ def memory_summary(parts: TrainingParts) -> str:
     dp = parts.ctx.dp * parts.ctx.cp  # the ranks holding the same parameters
     over = "dp" if parts.ctx.cp == 1 else "dp x cp"
     plan = data_parallel.model_state_bytes()
-    elements = data_parallel.flat_params.numel() - data_parallel.padding
+    elements = data_parallel.size - data_parallel.padding
     total = sum(plan.values())
     kinds = " + ".join(f"{key.replace('_', ' ')} {value / 2**20:.1f}" for key, value in plan.items())
     stage = parts.config.optimizer.zero_stage
     if stage:
-        sharded = (
-            "gradients, master weights and Adam moments" if stage == 2 else "master weights and Adam moments"
-        )
+        sharded = {
+            1: "master weights and Adam moments",
+            2: "gradients, master weights and Adam moments",
+            3: "parameters, gradients, master weights and Adam moments (each unit gathered while it runs)",
+        }[stage]
         sharing = f"ZeRO-{stage} shards {sharded} over {over}={dp}"
     else:
         sharing = "optimizer state on every dp rank (zero_stage 0)"

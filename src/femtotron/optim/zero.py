@@ -32,8 +32,8 @@ class ZeroAdamW:
         """`params` are laid out in `data_parallel`'s buffers; `cfg` is the `optimizer` config section."""
         self.data_parallel = data_parallel
         self.pieces = data_parallel.pieces
-        self.model_pieces = data_parallel.owned(data_parallel.flat_params)
-        if data_parallel.flat_params.dtype == torch.float32:
+        self.model_pieces = data_parallel.owned_params()
+        if data_parallel.param_dtype == torch.float32:
             self.masters = self.model_pieces  # the optimizer updates the model's own storage
         else:
             master_flat = torch.cat(self.model_pieces).float() if self.model_pieces else torch.zeros(0)

@@ -149,18 +149,30 @@ class _Slot:
 
 class _Delayed:
     """NCCL emulation: the op runs on private buffers; its result reaches `output` at the wait, and until then
-    the caller's tensors hold NaN, so reading one early shows."""
+    the caller's tensors hold NaN, so reading one early shows. A separate source gets its values back at the
+    wait (ZeRO-3's parameter shards outlive their all-gathers); one written meanwhile loses the write, as a
+    buffer NCCL is still reading would be undefined."""
 
-    def __init__(self, work: Work, output: torch.Tensor, result: torch.Tensor, poisoned: list[torch.Tensor]):
+    def __init__(
+        self,
+        work: Work,
+        output: torch.Tensor,
+        result: torch.Tensor,
+        source: tuple[torch.Tensor, torch.Tensor] | None,
+    ):
         self.work = work
         self.output = output
         self.result = result
-        for tensor in poisoned:
+        self.source = source
+        for tensor in (output, *(source[:1] if source else ())):
             if tensor.is_floating_point():
                 tensor.fill_(float("nan"))
 
     def wait(self) -> bool:
         self.work.wait()
+        if self.source is not None:
+            caller, values = self.source
+            caller.copy_(values)
         self.output.copy_(self.result)
         return True
 
@@ -284,8 +296,8 @@ class Comm:
                 private = output.clone() if source is None else torch.empty_like(output)
                 private_source = None if source is None else source.clone()
                 work = launch(private, private_source)
-                callers = [tensor for tensor in (output, source) if tensor is not None]
-                slot.work = _Delayed(work, output=output, result=private, poisoned=callers)
+                kept = None if source is None else (source, private_source)
+                slot.work = _Delayed(work, output=output, result=private, source=kept)
             else:
                 slot.work = launch(output, source)
             if wait:

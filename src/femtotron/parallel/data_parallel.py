@@ -22,12 +22,17 @@ step whole gradients exist for a few buckets at a time. Under gradient accumulat
 gradients stay through the step's micro-batches (one reduce-scatter per step, as ZeRO-1's, rather than one
 per micro-batch), and are freed as the last micro-batch's backward reduces them.
 
+ZeRO-3 (`shard_params`) keeps only the owned shard of the parameters too: each bucket's whole parameters
+exist only while parallel/fully_sharded.py has them gathered (a unit's forward or backward). The buckets are
+planned so that none spans two of its units.
+
 Under expert parallelism the experts' buckets are reduced over their own replicas instead (`Replicas`:
 the dp x cp / ep ranks holding the same experts, parallel/expert_parallel.py), and sharded over them.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -125,11 +130,13 @@ class DataParallel:
         grad_dtype: torch.dtype,
         sharded: bool,
         shard_gradients: bool = False,
+        shard_params: bool = False,
         expert_replicas: Replicas | None = None,
     ) -> None:
         """`groups`: parameter indices in backward order (plan_buckets); an expert parameter's group holds
         expert parameters only, reduced over `expert_replicas` (default: the dp group, like the others).
-        `sharded`: ZeRO-1 (optimizer state of the owned shards only); with `shard_gradients` ZeRO-2."""
+        `sharded`: ZeRO-1 (optimizer state of the owned shards only); with `shard_gradients` ZeRO-2, with
+        `shard_params` too ZeRO-3 (the caller installs a ParameterGathering as `gathering`)."""
         self.names = [name for name, _ in named_params]
         params = [param for _, param in named_params]
         self.comm = comm
@@ -138,7 +145,9 @@ class DataParallel:
         self.dp_rank = dp_rank
         self.micro_batches = micro_batches
         self.sharded = sharded
-        self.shard_gradients = shard_gradients
+        self.shard_gradients = shard_gradients or shard_params
+        self.shard_params = shard_params
+        self.gathering = None  # ZeRO-3: parallel/fully_sharded.py's, once installed
         numels = [p.numel() for p in params]
         bucket_elements = max(1, int(bucket_mb * 2**20) // grad_dtype.itemsize)
         self.offsets, self.buckets = plan_buckets(numels, groups, bucket_elements, self.dp)
@@ -153,15 +162,15 @@ class DataParallel:
         self.padding = self.size - sum(numels)
         self.device = params[0].device
         self.grad_dtype = grad_dtype
+        self.param_dtype = params[0].dtype
         self.shapes = [p.shape for p in params]
         # Padding stays zero in both buffers, so it adds nothing to reductions or norms.
-        self.flat_params = torch.zeros(self.size, dtype=params[0].dtype, device=self.device)
-        with torch.no_grad():
-            for param, offset, numel in zip(params, self.offsets, numels, strict=True):
-                view = self.flat_params[offset : offset + numel].view_as(param)
-                view.copy_(param)
-                param.data = view
-        if shard_gradients:  # per bucket: its whole gradients while they accumulate, and the owned shard
+        if shard_params:
+            self._shard_params(params)
+        else:
+            self.flat_params = torch.zeros(self.size, dtype=params[0].dtype, device=self.device)
+            self._place(params, self.flat_params, 0, range(len(params)))
+        if self.shard_gradients:  # per bucket: its whole gradients while they accumulate, and the owned shard
             self.bucket_grads: list[torch.Tensor | None] = [None] * len(self.buckets)
             owned = [
                 bucket.owned(replicas) for bucket, replicas in zip(self.buckets, self.replicas, strict=True)
@@ -181,6 +190,51 @@ class DataParallel:
         self.pieces = self._pieces(numels, self.sharded)  # the elements this rank's optimizer steps
         # This rank's 1/dp of every bucket, even without ZeRO-1: the part it writes to a checkpoint.
         self.shard_pieces = self._pieces(numels, sharded=True)
+
+    def _place(self, params: list[nn.Parameter], whole: torch.Tensor, start: int, indices) -> None:
+        """Make parameters `indices` views into `whole` (flat elements from `start` on), values kept."""
+        with torch.no_grad():
+            for index in indices:
+                param = params[index]
+                offset = self.offsets[index] - start
+                view = whole[offset : offset + param.numel()].view_as(param)
+                view.copy_(param)
+                param.data = view
+
+    def _shard_params(self, params: list[nn.Parameter]) -> None:
+        """ZeRO-3: per bucket, the owned shard of its parameters, and its whole tensor (freed until gathered)
+        that the parameters are views into. Built a bucket at a time, so at most one is whole here."""
+        self.param_shards = []
+        self.bucket_params = []
+        for bucket, replicas in zip(self.buckets, self.replicas, strict=True):
+            whole = torch.zeros(bucket.end - bucket.start, dtype=params[0].dtype, device=self.device)
+            self._place(params, whole, bucket.start, bucket.params)
+            low, high = bucket.owned(replicas)
+            self.param_shards.append(whole[low - bucket.start : high - bucket.start].clone())
+            self.bucket_params.append(whole)
+            _free(whole)
+
+    def start_gather(self, index: int):
+        """ZeRO-3: start making bucket `index`'s parameters whole from every replica's shard."""
+        whole = self.bucket_params[index]
+        whole.untyped_storage().resize_(whole.numel() * whole.element_size())
+        replicas = self.replicas[index]
+        if replicas.size == 1:
+            whole.copy_(self.param_shards[index])
+            return None
+        return self.comm.start_all_gather(whole, self.param_shards[index], replicas.group)
+
+    def wait_gather(self, index: int, work) -> None:
+        self.comm.wait(work, self.replicas[index].group, self.bucket_params[index])
+
+    def free_params(self, index: int) -> None:
+        _free(self.bucket_params[index])
+
+    def whole_parameters(self, params: list[int]):
+        """A context in which parameters `params` are whole (ZeRO-3 gathers their buckets; else they are)."""
+        if self.gathering is None:
+            return contextlib.nullcontext()
+        return self.gathering.whole_parameters(params)
 
     def _pieces(self, numels: list[int], sharded: bool) -> list[Piece]:
         pieces = []
@@ -271,6 +325,8 @@ class DataParallel:
                 self._launch(index)
         for index in list(self.pending):
             self._finish(index)
+        if self.gathering is not None:
+            self.gathering.settle()
 
     def zero_grad(self) -> None:
         if self.shard_gradients:
@@ -285,33 +341,41 @@ class DataParallel:
         self.pending.clear()
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for the model state: parameters and gradients (the flat buffers, padding
-        included; ZeRO-2: the owned shards of the gradients, held between steps), and for the elements it
-        owns fp32 master weights (none when the parameters are fp32: they are their own masters) and Adam's
-        two moments (optim/zero.py)."""
+        """Bytes this rank holds for the model state between steps: parameters and gradients (the flat
+        buffers, padding included; ZeRO-2: the owned shards of the gradients; ZeRO-3: of the parameters too),
+        and for the elements it owns fp32 master weights (none when the parameters are fp32: they are their
+        own masters) and Adam's two moments (optim/zero.py)."""
         owned = sum(piece.end - piece.start for piece in self.pieces)
         grads = sum(s.nbytes for s in self.shard_grads) if self.shard_gradients else self.flat_grads.nbytes
+        params = sum(s.nbytes for s in self.param_shards) if self.shard_params else self.flat_params.nbytes
         return {
-            "params": self.flat_params.nbytes,
+            "params": params,
             "grads": grads,
-            "master_weights": 0 if self.flat_params.dtype == torch.float32 else 4 * owned,
+            "master_weights": 0 if self.param_dtype == torch.float32 else 4 * owned,
             "adam_moments": 8 * owned,
         }
 
-    def owned(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's pieces of a flat buffer (or of any tensor laid out like one), as 1-D views."""
-        return [flat[piece.start : piece.end] for piece in self.pieces]
-
-    def owned_grads(self) -> list[torch.Tensor]:
-        """This rank's pieces of the gradients (summed over dp after `finish_reduction`), as 1-D views."""
-        if not self.shard_gradients:
-            return self.owned(self.flat_grads)
+    def _owned_views(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's pieces, as 1-D views into per-bucket owned shards (ZeRO-2's gradients, ZeRO-3's
+        parameters)."""
         views = []
         for piece in self.pieces:
             bucket = self.bucket_of[piece.param]
             low, _ = self.buckets[bucket].owned(self.replicas[bucket])
-            views.append(self.shard_grads[bucket][piece.start - low : piece.end - low])
+            views.append(shards[bucket][piece.start - low : piece.end - low])
         return views
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        """This rank's pieces of the gradients (summed over dp after `finish_reduction`), as 1-D views."""
+        if self.shard_gradients:
+            return self._owned_views(self.shard_grads)
+        return [self.flat_grads[piece.start : piece.end] for piece in self.pieces]
+
+    def owned_params(self) -> list[torch.Tensor]:
+        """This rank's pieces of the model's parameters, as 1-D views (what the optimizer writes back)."""
+        if self.shard_params:
+            return self._owned_views(self.param_shards)
+        return [self.flat_params[piece.start : piece.end] for piece in self.pieces]
 
     def counted_once(self) -> list[bool]:
         """Per owned piece: whether this rank counts it in a sum over all its replicas (a norm): always under
@@ -321,8 +385,9 @@ class DataParallel:
         return [self.sharded or first[piece.param] for piece in self.pieces]
 
     def gather_params(self) -> None:
-        """ZeRO-1, after the step: every rank's updated shard of the parameters to every rank."""
-        if not self.sharded:
+        """ZeRO-1 and 2, after the step: every rank's updated shard of the parameters to every rank (ZeRO-3
+        gathers each unit's when it runs)."""
+        if not self.sharded or self.shard_params:
             return
         works = []
         for bucket, replicas in zip(self.buckets, self.replicas, strict=True):
@@ -347,6 +412,12 @@ class DataParallel:
                 self.comm.all_reduce(flat[bucket.start : bucket.end], replicas.group)
         pairs = zip(self.offsets, self.shapes, strict=True)
         return [flat[offset : offset + shape.numel()].view(shape) for offset, shape in pairs]
+
+
+def _free(whole: torch.Tensor) -> None:
+    """Release a tensor's memory, keeping it (and its views) to be filled again: autograd's saved
+    references to the parameters stay valid for when they are gathered back."""
+    whole.untyped_storage().resize_(0)
 
 
 def _round_up(value: int, multiple: int) -> int:

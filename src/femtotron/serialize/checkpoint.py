@@ -170,16 +170,16 @@ def saved_slices(model: RankModel) -> list[SavedSlice]:
 def rank_slices(model: RankModel, optimizer: ZeroAdamW) -> list[Slice]:
     """Every slice this rank saves (tensor name, global shape, box, values), from the live tensors."""
     data_parallel = model.data_parallel
-    fp32 = data_parallel.flat_params.dtype == torch.float32  # fp32 weights are their own masters
+    fp32 = data_parallel.param_dtype == torch.float32  # fp32 weights are their own masters
     kinds = ("exp_avg", "exp_avg_sq") if fp32 else ("master", "exp_avg", "exp_avg_sq")
     states = {kind: optimizer.state(kind) for kind in kinds}
+    states["model"] = data_parallel.owned_params()
     out = []
     for saved in saved_slices(model):
         # The optimizer's states are per owned piece, so they count from the piece's start.
         start = data_parallel.pieces[saved.owner].start
         owned = slice(saved.low - start, saved.high - start)
-        sources = {"model": data_parallel.flat_params[saved.low : saved.high]}
-        sources |= {kind: states[kind][saved.owner][owned] for kind in kinds}
+        sources = {kind: states[kind][saved.owner][owned] for kind in ("model", *kinds)}
         place = saved.place
         for kind, flat in sources.items():
             values = flat.view(place.local_shape)[place.valid]
@@ -714,29 +714,49 @@ def load_tensors(
 ) -> None:
     """The weights and the optimizer's master weights; with `moments` Adam's moments and step count too,
     without them a fresh Adam (zero moments, step 0)."""
-    named = model.named_parameters()
-    data_parallel = model.data_parallel
 
-    def source(kind: str, name: str) -> str:  # fp32 checkpoints hold no separate master weights
-        return f"model/{name}" if kind == "master" and not reader.has(f"master/{name}") else f"{kind}/{name}"
+    def source(kind: str) -> Callable[[str], str]:  # fp32 checkpoints hold no separate master weights
+        def tensor(name: str) -> str:
+            masters = kind == "master" and not reader.has(f"master/{name}")
+            return f"model/{name}" if masters else f"{kind}/{name}"
+
+        return tensor
 
     with torch.no_grad():
-        for name, param in named:
-            whole = param.data.view(-1)
-            fill(whole, param, start=0, stop=param.numel(), reader=reader, tensor=source("master", name))
+        fill_parameters(model, reader, source("master"))
         optimizer.prepare_state(int(reader.manifest.get("optimizer_steps", 0)) if moments else 0)
         for kind in ("master", "exp_avg", "exp_avg_sq") if moments else ("master",):
-            for piece, target in zip(data_parallel.pieces, optimizer.state(kind), strict=True):
-                name, param = named[piece.param]
-                offset = data_parallel.offsets[piece.param]
-                fill(
-                    target,
-                    param,
-                    start=piece.start - offset,
-                    stop=piece.end - offset,
-                    reader=reader,
-                    tensor=source(kind, name),
-                )
+            fill_pieces(model, optimizer.state(kind), reader, source(kind))
+
+
+def fill_parameters(model: RankModel, reader: CheckpointReader, tensor_of: Callable[[str], str]) -> None:
+    """This rank's parameters from `reader` (tensor `tensor_of(name)` for each): whole, or under ZeRO-3 the
+    owned pieces only, the rest being other ranks' to hold."""
+    data_parallel = model.data_parallel
+    if data_parallel.shard_params:
+        fill_pieces(model, data_parallel.owned_params(), reader, tensor_of)
+        return
+    for name, param in model.named_parameters():
+        fill(param.data.view(-1), param, start=0, stop=param.numel(), reader=reader, tensor=tensor_of(name))
+
+
+def fill_pieces(
+    model: RankModel, targets: list[torch.Tensor], reader: CheckpointReader, tensor_of: Callable[[str], str]
+) -> None:
+    """Per owned piece (DataParallel.pieces), its elements of the parameter's tensor into its target."""
+    named = model.named_parameters()
+    data_parallel = model.data_parallel
+    for piece, target in zip(data_parallel.pieces, targets, strict=True):
+        name, param = named[piece.param]
+        offset = data_parallel.offsets[piece.param]
+        fill(
+            target,
+            param,
+            start=piece.start - offset,
+            stop=piece.end - offset,
+            reader=reader,
+            tensor=tensor_of(name),
+        )
 
 
 def restore_counters(parts: TrainingParts, reader: CheckpointReader, directory: Path) -> str:

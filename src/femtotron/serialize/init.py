@@ -18,7 +18,7 @@ from femtotron.config import Config, LlamaConfig, load_config
 from femtotron.errors import ConfigError
 from femtotron.models.hf_conversion import disk_rows
 from femtotron.models.llama import Llama
-from femtotron.serialize.checkpoint import MODEL_FIELDS, fill, model_differences, resolve
+from femtotron.serialize.checkpoint import MODEL_FIELDS, fill_parameters, model_differences, resolve
 from femtotron.serialize.files import CheckpointReader
 from femtotron.serialize.geometry import Box
 from femtotron.serialize.hf import HF_CONFIG, open_hf
@@ -164,7 +164,5 @@ def init_weights(model: RankModel, config: Config) -> str:
         lines = "".join(f"\n  - {line}" for line in wrong)
         raise ConfigError(f"{WHAT}={path} is another model:{lines}\nSet these fields as the source has them.")
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            whole = param.data.view(-1)
-            fill(whole, param, start=0, stop=param.numel(), reader=source, tensor=name)
+        fill_parameters(model, source, lambda name: name)
     return f"initialised the weights from {path} ({WHAT}); the run starts at step 0 with a fresh optimizer"

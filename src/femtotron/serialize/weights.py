@@ -74,10 +74,11 @@ def save_weights(ctx: ParallelContext, model: RankModel, run_dir: Path, log: Run
     writer = ctx.dp_rank == ctx.cp_rank == ctx.tp_rank == 0
     weights = {}
     # Every rank takes part in the gathers; only the writer keeps what they return.
-    for name, param in model.named_parameters():
-        full = full_tensor(param, param.shard, model.tp, model.ep.group)
-        if writer:
-            weights[name] = full.cpu().contiguous()
+    for index, (name, param) in enumerate(model.named_parameters()):
+        with model.data_parallel.whole_parameters([index]):  # ZeRO-3: gathered one bucket at a time
+            full = full_tensor(param, param.shard, model.tp, model.ep.group)
+            if writer:  # a copy: ZeRO-3 frees the gathered parameter as the block ends
+                weights[name] = full.to("cpu", copy=True).contiguous()
     parts = [WEIGHTS_FILE]
     if ctx.pp > 1:
         parts = [f"model-pp{p:02d}-of-{ctx.pp:02d}.safetensors" for p in range(ctx.pp)]
