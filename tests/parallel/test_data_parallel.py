@@ -217,9 +217,16 @@ def test_dp2_equals_one_process_over_three_steps_with_clipping(dp_results, index
 @pytest.mark.distributed
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_buckets_are_reduced_during_the_last_micro_batch_backward_only(dp_results, index):
+    """ZeRO-0 to 2: once per step, in the last micro-batch's backward. ZeRO-3: as each unit's backward ends,
+    in every micro-batch (the embedding's bucket once, after the step's backward)."""
     got = dp_results[2][0][index]
     per_micro_batch = got["parameters"]  # every parameter gets one gradient per micro-batch
     micro_batches = 2
+    if CASES[index][1] == 3:
+        embedding = len(got["units"][0][0].buckets)
+        assert len(got["launches"]) == micro_batches * (len(got["buckets"]) - embedding) + embedding
+        assert min(got["launches"]) < per_micro_batch  # the first ones during the first micro-batch
+        return
     assert len(got["launches"]) == len(got["buckets"]) > 2
     # No reduction before the last micro-batch's gradients (no_sync) ...
     assert min(got["launches"]) >= (micro_batches - 1) * per_micro_batch
@@ -231,10 +238,11 @@ def test_buckets_are_reduced_during_the_last_micro_batch_backward_only(dp_result
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_dp_bytes_per_step_equal_the_analytic_count(dp_results, index):
     """zero_stage 0: one all-reduce of the fp32 gradients per bucket. zero_stage 1 and 2: a reduce-scatter of
-    them and an all-gather of the model-dtype parameters per bucket. zero_stage 3: the reduce-scatter, and an
-    all-gather of each unit's buckets before its forward and again before its backward (the embedding's
-    forward only), in each micro-batch. Besides: the step's token count, largest token id and loss (one fp32
-    number each), and when sharded the grad norm's sum of squares."""
+    them and an all-gather of the model-dtype parameters per bucket. zero_stage 3: each unit's buckets
+    reduce-scattered as its backward ends and all-gathered before its forward and again before its backward,
+    in each micro-batch (the embedding's: gathered for forward only, reduced once per step). Besides: the
+    step's token count, largest token id and loss (one fp32 number each), and when sharded the grad norm's
+    sum of squares."""
     configs, _, per_rank = dp_results
     dtype, zero, _ = CASES[index]
     got = per_rank[0][index]
@@ -257,8 +265,15 @@ def test_dp_bytes_per_step_equal_the_analytic_count(dp_results, index):
         ]
         gathered = micro_batches * sum((buckets[b].end - buckets[b].start) * times for b, times in uses)
         gathers = micro_batches * sum(times for _, times in uses)
+    scattered = elements
+    scatters = len(buckets)
+    if zero == 3:  # a unit's buckets in each micro-batch, the embedding's once
+        embedding = got["units"][0][0].buckets
+        once = sum(buckets[b].end - buckets[b].start for b in embedding)
+        scattered = micro_batches * (elements - once) + once
+        scatters = micro_batches * (len(buckets) - len(embedding)) + len(embedding)
     if zero > 0:
-        expected["reduce_scatter"] = ((n - 1) / n * 4 * elements, len(buckets))
+        expected["reduce_scatter"] = ((n - 1) / n * 4 * scattered, scatters)
         expected["all_gather"] = ((n - 1) / n * (2 if dtype == "bfloat16" else 4) * gathered, gathers)
     assert {op: counts for op, counts in got["traffic"].items() if counts[1] and op != "wait"} == {
         op: (int(b), calls) for op, (b, calls) in expected.items()

@@ -111,10 +111,17 @@ def _zero1_and_zero3(rank, configs):
 @pytest.mark.distributed
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_zero3_is_bit_identical_to_zero1_at_the_same_layout(tiny_config, dtype):
-    """The same buckets reduced the same way: ZeRO-3 changes where the parameters live, not one bit of the
+    """The same buckets reduced the same way (one micro-batch per step: with more, ZeRO-3 sums each one's
+    reduction, not the reduction of their sum): ZeRO-3 changes where the parameters live, not one bit of the
     training (fp16: the loss scale and its unscaling included)."""
     configs = [
-        tiny_config(*BASE, "parallelism.dp=2", f"model.dtype={dtype}", f"optimizer.zero_stage={zero}")
+        tiny_config(
+            *BASE,
+            "parallelism.dp=2",
+            "tokens.batch_accumulation_per_replica=1",
+            f"model.dtype={dtype}",
+            f"optimizer.zero_stage={zero}",
+        )
         for zero in (1, 3)
     ]
     for zero1, zero3 in run_ranks(_zero1_and_zero3, 2, configs):

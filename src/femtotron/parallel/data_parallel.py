@@ -184,6 +184,8 @@ class DataParallel:
         self.arrivals = [0] * len(params)  # gradients received this step, per parameter
         self.complete = [0] * len(self.buckets)  # parameters of the bucket with all their gradients in
         self.pending: dict[int, object] = {}  # bucket -> its reduction in flight
+        # ZeRO-2/3: bucket -> the whole gradients and the received shard of its reduction in flight
+        self.in_transit: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.launched = [False] * len(self.buckets)  # buckets whose reduction started this step
         for index, param in enumerate(params):
             param.register_post_accumulate_grad_hook(self._accumulate(index))
@@ -280,7 +282,7 @@ class DataParallel:
                     f"step has {self.micro_batches} micro-batches: its bucket was already reduced over dp. "
                     "Call zero_grad() after each optimizer step."
                 )
-            if self.arrivals[index] == self.micro_batches:
+            if self.arrivals[index] == self.micro_batches and not self.shard_params:
                 bucket = self.bucket_of[index]
                 self.complete[bucket] += 1
                 if self.complete[bucket] == len(self.buckets[bucket].params):
@@ -288,22 +290,33 @@ class DataParallel:
 
         return hook
 
+    def reduce_micro_batch(self, buckets: tuple[int, ...]) -> None:
+        """ZeRO-3, as a unit's backward ends (parallel/fully_sharded.py): reduce-scatter its buckets'
+        gradients of this micro-batch and add them to the owned shards, so whole gradients never outlive a
+        unit's backward. Every replica runs every unit's backward in every micro-batch, so all issue the same
+        reductions, whichever of their parameters (experts) got a gradient."""
+        for index in buckets:
+            self._launch(index)
+
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
         replicas = self.replicas[index]
         grads = self._bucket_grads(index)
         self.launched[index] = True
+        if self.shard_gradients:
+            self.bucket_grads[index] = None  # a later micro-batch's gradients start whole ones anew
         if replicas.size == 1:  # its own replica: the sum is the bucket itself
             if self.shard_gradients:
-                self.shard_grads[index].copy_(grads)
-                self.bucket_grads[index] = None
+                self.shard_grads[index].add_(grads)
             return
         if self.shard_gradients:
+            if index in self.pending:  # its previous micro-batch's reduction
+                self._finish(index)
             while len(self.pending) >= IN_FLIGHT:
                 self._finish(next(iter(self.pending)))  # the oldest: its whole gradients are freed
-            self.pending[index] = self.comm.start_reduce_scatter(
-                self.shard_grads[index], grads, replicas.group
-            )
+            received = torch.empty_like(self.shard_grads[index])
+            self.in_transit[index] = (grads, received)
+            self.pending[index] = self.comm.start_reduce_scatter(received, grads, replicas.group)
         elif self.sharded:
             low, high = bucket.owned(replicas)
             owned = self.flat_grads[low:high]
@@ -312,16 +325,24 @@ class DataParallel:
             self.pending[index] = self.comm.start_all_reduce(grads, replicas.group)
 
     def _finish(self, index: int) -> None:
-        """Wait for bucket `index`'s reduction; ZeRO-2 then frees its whole gradients."""
-        self.comm.wait(self.pending.pop(index), self.replicas[index].group, self._bucket_grads(index))
-        if self.shard_gradients:
-            self.bucket_grads[index] = None
+        """Wait for bucket `index`'s reduction; ZeRO-2 and 3 then add it to the owned shard and free the whole
+        gradients it was made of."""
+        if not self.shard_gradients:
+            whole = self.flat_grads[self.buckets[index].start : self.buckets[index].end]
+            self.comm.wait(self.pending.pop(index), self.replicas[index].group, whole)
+            return
+        whole, received = self.in_transit.pop(index)
+        self.comm.wait(self.pending.pop(index), self.replicas[index].group, whole)
+        self.shard_grads[index].add_(received)
 
     def finish_reduction(self) -> None:
         """After the step's backward: reduce the buckets whose gradients did not all arrive (a parameter
-        unused this step), then wait for every reduction. Each owned gradient is then summed over dp."""
+        unused this step; under ZeRO-3 the embedding's, reduced once per step as no unit's backward ends after
+        it), then wait for every reduction. Each owned gradient is then summed over dp."""
         for index in range(len(self.buckets)):
-            if not self.launched[index]:
+            # ZeRO-3: gradients that came after their unit's last reduction (a tied embedding's at pp = 1)
+            leftover = self.shard_params and self.bucket_grads[index] is not None
+            if not self.launched[index] or leftover:
                 self._launch(index)
         for index in list(self.pending):
             self._finish(index)
@@ -339,6 +360,7 @@ class DataParallel:
         self.complete = [0] * len(self.complete)
         self.launched = [False] * len(self.launched)
         self.pending.clear()
+        self.in_transit.clear()
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the model state between steps: parameters and gradients (the flat

@@ -203,8 +203,11 @@ class ParameterGathering:
             self.prefetch(previous)
 
     def leave_backward(self, unit: Unit) -> None:
+        """All of the unit's backward ran (autograd runs a weight's gradient accumulation as soon as it is
+        ready, before any other node): free its parameters, reduce its gradients of this micro-batch."""
         self.in_backward.discard(unit)
         self.release(unit)
+        self.data_parallel.reduce_micro_batch(unit.buckets)
 
 
 class _BeforeBackward(torch.autograd.Function):
