@@ -1,5 +1,6 @@
-"""Memory: ZeRO-1's bytes per parameter against 2 + 4 + 12/dp, and `femtotron doctor`'s estimate against the
-measured peak of a step, in several layouts, on CPU processes (gloo).
+"""Memory: ZeRO's bytes per parameter against its formula (ZeRO-1 2 + 4 + 12/dp, ZeRO-2 2 + (4 + 12)/dp,
+ZeRO-3 (2 + 4 + 12)/dp), and `femtotron doctor`'s estimate against the measured peak of a step, in several
+layouts, on CPU processes (gloo).
 
 The debug model's shape with 4 layers (hidden 256, vocabulary 2048), micro-batches of 4 x 128 tokens, two
 per step. For each layout every rank builds femtotron's Trainer, takes one step (Adam's moments exist from
@@ -7,7 +8,9 @@ then on), then a second under `LiveMemory` (every storage tensor ops allocate, a
 
     held      the model state the rank holds: parameters, gradient buffers, master weights, Adam moments
               (`DataParallel.model_state_bytes()`, padding included)
-    measured  held + the second step's peak of storage allocated
+    measured  held + the second step's peak of storage allocated (+ under ZeRO-3 the peak of gathered
+              parameters, which LiveMemory does not see: their storage is resized in place, not allocated;
+              the two peaks are added, so this is at most what was alive at once)
     estimate  `estimate_rank` (what `femtotron doctor` prints), simulated on the meta device for this CPU
 
 It prints, per layout, held bytes per parameter against the formula (bf16 weights 2, fp32 gradients 4, master
@@ -34,6 +37,9 @@ LAYOUTS = {
     "one": ({}, {}),
     "zero1-dp2": ({"dp": 2}, {"parallelism": {"dp": 2}, "optimizer": {"zero_stage": 1}}),
     "zero1-dp4": ({"dp": 4}, {"parallelism": {"dp": 4}, "optimizer": {"zero_stage": 1}}),
+    "zero2-dp2": ({"dp": 2}, {"parallelism": {"dp": 2}, "optimizer": {"zero_stage": 2}}),
+    "zero3-dp2": ({"dp": 2}, {"parallelism": {"dp": 2}, "optimizer": {"zero_stage": 3}}),
+    "zero3-dp4": ({"dp": 4}, {"parallelism": {"dp": 4}, "optimizer": {"zero_stage": 3}}),
     "tp2-sp": ({"tp": 2}, {"parallelism": {"tp": 2, "tp_mode": "REDUCE_SCATTER"}}),
     "pp2-1f1b": ({"pp": 2}, {"parallelism": {"pp": 2}}),
 }
@@ -54,7 +60,9 @@ def memory_rank(ctx, cases, args, report) -> None:
         plan = trainer.data_parallel.model_state_bytes()
         params = sum(p.numel() for _, p in trainer.model.named_parameters())
         estimate = estimate_rank(config, ctx.pp_rank, on_this_cpu=True).total
-        report(index, (sum(plan.values()), sum(plan.values()) + live.peak, estimate, params))
+        gathering = trainer.data_parallel.gathering
+        gathered = 2 * gathering.peak_whole_elements if gathering else 0  # bf16
+        report(index, (sum(plan.values()), sum(plan.values()) + live.peak + gathered, estimate, params))
 
 
 def main() -> None:
@@ -76,8 +84,10 @@ def main() -> None:
 
             def on_case(case, per_rank, name=name) -> None:
                 dp = LAYOUTS[name][0].get("dp", 1)
-                zero = 1 if "zero1" in name else 0
-                formula = 2 + 4 + 12 / (dp if zero else 1)
+                zero = LAYOUTS[name][1].get("optimizer", {}).get("zero_stage", 0)
+                formula = {0: 2 + 4 + 12, 1: 2 + 4 + 12 / dp, 2: 2 + (4 + 12) / dp, 3: (2 + 4 + 12) / dp}[
+                    zero
+                ]
                 per_param = max(held / params for held, _, _, params in per_rank)
                 measured, estimate = max((m, e) for _, m, e, _ in per_rank)
                 print(
@@ -86,8 +96,9 @@ def main() -> None:
                     flush=True,
                 )
                 if zero:
+                    shown = {1: "2 + 4 + 12/dp", 2: "2 + (4 + 12)/dp", 3: "(2 + 4 + 12)/dp"}[zero]
                     headline(
-                        f"ZeRO-1 model state per parameter, dp={dp} bf16: bytes held / 2 + 4 + 12/dp",
+                        f"ZeRO-{zero} model state per parameter, dp={dp} bf16: bytes held / {shown}",
                         per_param,
                         formula,
                         number_format=".2f",

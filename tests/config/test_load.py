@@ -93,10 +93,17 @@ def test_bad_literal_lists_choices(tmp_path):
     )
 
 
-def test_zero_stage_3_is_refused_with_its_line_not_treated_as_2(tmp_path):
-    error = find(errors(tmp_path, GOOD + "optimizer:\n  zero_stage: 3\n"), "optimizer.zero_stage")
-    assert "optimizer.zero_stage (line 20): zero_stage=3 (sharded parameters) is not implemented" in error
-    assert "Fix: zero_stage=2" in error
+def test_a_zero_stage_past_3_is_refused_with_its_line_not_treated_as_3(tmp_path):
+    error = find(errors(tmp_path, GOOD + "optimizer:\n  zero_stage: 4\n"), "optimizer.zero_stage")
+    assert "optimizer.zero_stage (line 20): zero_stage=4 does not exist" in error
+    assert "Fix: zero_stage=3" in error
+
+
+def test_keeping_parameters_for_backward_without_zero3_is_refused_as_changing_nothing(tmp_path):
+    yaml_text = GOOD + "optimizer:\n  zero_stage: 2\n  reshard_after_forward: false\n"
+    error = find(errors(tmp_path, yaml_text), "optimizer.reshard_after_forward")
+    assert "zero_stage=2 does not shard the parameters, so it would change nothing" in error
+    assert "Fix: remove optimizer.reshard_after_forward, or set optimizer.zero_stage=3" in error
 
 
 def test_unknown_key_did_you_mean_without_noise(tmp_path):

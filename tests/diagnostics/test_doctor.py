@@ -80,6 +80,22 @@ def test_without_a_device_doctor_estimates_this_machine_s_cpu(capsys):
     assert "NCCL communicator" not in out and "device: CPU" in out
 
 
+def test_doctor_fits_the_8b_zero3_example_on_one_node_where_zero1_barely_fits(capsys):
+    """examples/llama_8b_zero3_gpu.yaml: dp=8 alone, ZeRO-3: (2 + 4 + 12)/8 bytes per parameter, the gathered
+    units and whole gradients counted apart, and every other stage beside it (its comment quotes these)."""
+    assert main(["doctor", "examples/llama_8b_zero3_gpu.yaml", "--device", "H100"]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("  pp rank 0: "))
+    assert line.startswith(
+        "  pp rank 0: 40.53 GiB = params 1.87 GiB + grads 3.74 GiB + master weights 3.74 GiB"
+    )
+    assert "+ gathered parameters and whole gradients during the step 9.21 GiB" in line
+    assert "with optimizer.zero_stage=0: 149.11 GiB per rank (does not fit)" in out
+    assert "with optimizer.zero_stage=1: 70.58 GiB per rank (fits)" in out
+    assert "dp: all-gather 418.81 GiB + reduce-scatter 418.81 GiB per step" in out
+    assert "fits: the largest rank needs 40.53 GiB of 79.1 GiB (51%)" in out
+
+
 def test_M1_doctor_budgets_the_nccl_communicators_on_gpus_only(tiny_config, tmp_path, capsys):
     """dp=2 tp=2: each rank is in a tp group, a dp group and the default group (mp = tp: no fourth)."""
     config = write(tiny_config, tmp_path, "parallelism.dp=2", "parallelism.tp=2")

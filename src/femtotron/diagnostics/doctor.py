@@ -76,7 +76,7 @@ def variants(config: Config, budget: float | None, on_cpu: bool) -> list[str]:
     par = config.parallelism
     toggles = []
     if par.dp * par.cp > 1:
-        for other in {0, 1, 2} - {config.optimizer.zero_stage}:
+        for other in sorted({0, 1, 2, 3} - {config.optimizer.zero_stage}):
             toggles.append(
                 (f"optimizer.zero_stage={other}", with_changes(config, {"optimizer.zero_stage": other}))
             )
@@ -94,9 +94,10 @@ def variants(config: Config, budget: float | None, on_cpu: bool) -> list[str]:
     return lines
 
 
-def communication(config: Config, state: dict[str, int], device: str | None, gpus_per_node: int) -> list[str]:
-    """Bytes each rank sends per step (ring algorithms), by dimension; `state` is a rank's model-state bytes.
-    `device` (None: not given) and `gpus_per_node` say what link the tp group uses."""
+def communication(config: Config, elements: int, device: str | None, gpus_per_node: int) -> list[str]:
+    """Bytes each rank sends per step (ring algorithms), by dimension; `elements`: in a rank's flat
+    buffers (its parameters, whole, padding included). `device` (None: not given) and `gpus_per_node` say
+    what link the tp group uses."""
     mcfg = config.model.model_config_
     par = config.parallelism
     tokens = config.tokens
@@ -113,10 +114,15 @@ def communication(config: Config, state: dict[str, int], device: str | None, gpu
     for name, ranks, fraction in groups:
         if ranks == 1:
             continue
-        grads = fraction * state["grads"]
-        params = fraction * state["params"]
+        grads = fraction * elements * (4 if config.optimizer.accumulate_grad_in_fp32 else size)
+        params = fraction * elements * size
         share = (ranks - 1) / ranks  # what a ring sends of the whole
-        if config.optimizer.zero_stage >= 1:
+        if config.optimizer.zero_stage == 3:  # per micro-batch: each unit gathered twice (the embedding once)
+            lines.append(
+                f"  {name}: all-gather {human(2 * micro * share * params)} + reduce-scatter "
+                f"{human(micro * share * grads)} per step (at most; each unit in each micro-batch)"
+            )
+        elif config.optimizer.zero_stage >= 1:
             gathered = human(share * params)
             lines.append(f"  {name}: reduce-scatter {human(share * grads)} + all-gather {gathered} per step")
         else:
@@ -268,7 +274,7 @@ def diagnose(
     on_cpu = (device or "").lower() == "cpu"
     estimates = [estimate_rank(config, p, on_cpu) for p in range(par.pp)]
     lines.append("communication per rank:")
-    lines += communication(config, estimates[0].state, device, gpus_per_node)
+    lines += communication(config, estimates[0].elements, device, gpus_per_node)
     if par.world_size > 1:
         lines += process_groups(config)
     lines.append(f"memory per rank (estimate; device: {where}):")
@@ -316,6 +322,8 @@ def data_plan(config: Config) -> list[str]:
 def _memory_line(e: RankEstimate) -> str:
     """One pp rank's estimate, part by part."""
     state = " + ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in e.state.items())
+    if e.working:
+        state += f" + gathered parameters and whole gradients during the step {human(e.working)}"
     line = (
         f"  pp rank {e.pp_rank}: {human(e.total)} = {state} + activations: a micro-batch keeps "
         f"{human(max(e.saved_per_micro_batch))} for its backward and peaks at "

@@ -87,9 +87,13 @@ def out_of_memory(
     fixes = [smaller]
     if not par.recompute_layer:
         fixes.append("parallelism.recompute_layer=true (76-90% fewer saved activations, ~25% more compute)")
-    if config.optimizer.zero_stage < 2 and dp > 1:
+    if config.optimizer.zero_stage < 3 and dp > 1:
         over = f"dp={dp}" if par.cp == 1 else f"dp x cp = {dp}"
-        fixes.append(f"optimizer.zero_stage=2 (gradients, master weights and Adam moments / {over})")
+        if config.optimizer.zero_stage < 2:
+            fixes.append(f"optimizer.zero_stage=2 (gradients, master weights and Adam moments / {over})")
+        fixes.append(
+            f"optimizer.zero_stage=3 (the parameters too / {over}; each layer gathered while it runs)"
+        )
     # Long sequences: their activations are what context parallelism splits.
     if tokens.sequence_length >= 4096:
         fixes.append(f"parallelism.cp={par.cp * 2} (each rank holds 1/cp of every sequence's activations)")

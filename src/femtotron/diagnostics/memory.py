@@ -32,9 +32,10 @@ from torch.utils._pytree import tree_flatten
 
 from femtotron.batch import MicroBatch
 from femtotron.config import Config
-from femtotron.layout import DTYPES, meta_rank_model
+from femtotron.layout import DTYPES, RankModel, meta_rank_model
 from femtotron.models.llama import DecoderLayers, Llama
 from femtotron.parallel.context_parallel import place_tokens
+from femtotron.parallel.data_parallel import IN_FLIGHT
 from femtotron.parallel.mesh import Mesh, MeshCoordinates
 from femtotron.parallel.pipeline.schedules import schedule
 from femtotron.precision import ESTIMATING_FOR_THIS_CPU
@@ -106,6 +107,8 @@ class RankEstimate:
     micro_batches_held: int
     communicators: int  # the NCCL communicators it belongs to (none counted on a CPU)
     links: int = 0  # of which one-way links (2-rank p2p communicators), not in `communicators`
+    working: int = 0  # ZeRO-2/3: whole gradients and (ZeRO-3) gathered parameters alive during a step
+    elements: int = 0  # in the rank's flat buffers, padding included (whole, whatever the ZeRO stage)
 
     @property
     def communicator_bytes(self) -> int:
@@ -113,7 +116,8 @@ class RankEstimate:
 
     @property
     def total(self) -> int:
-        return sum(self.state.values()) + self.waiting + self.micro_batch_peak + self.communicator_bytes
+        state = sum(self.state.values()) + self.working
+        return state + self.waiting + self.micro_batch_peak + self.communicator_bytes
 
 
 def schedule_peak(
@@ -220,7 +224,34 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
         micro_batches_held=held,
         communicators=nccl,
         links=one_way,
+        working=working_set_bytes(model),
+        elements=model.data_parallel.size,
     )
+
+
+def working_set_bytes(model: RankModel) -> int:
+    """ZeRO-2/3's memory beyond what a rank keeps between steps. ZeRO-2: the whole gradients of the buckets
+    being filled and reduced (under accumulation all of them, kept from the first micro-batch's backward
+    to the last's). ZeRO-3: the gathered parameters (parallel/fully_sharded.py's working set) and the
+    whole gradients of the largest unit, of the embedding (reduced once per step) and of the reductions in
+    flight."""
+    data_parallel = model.data_parallel
+    if not data_parallel.shard_gradients:
+        return 0
+    grad_bytes = data_parallel.grad_dtype.itemsize
+    in_flight = IN_FLIGHT * max(bucket.end - bucket.start for bucket in data_parallel.buckets)
+    gathering = data_parallel.gathering
+    if gathering is None:
+        filling = max(bucket.end - bucket.start for bucket in data_parallel.buckets)
+        whole = data_parallel.size if data_parallel.micro_batches > 1 else filling + in_flight
+        return grad_bytes * whole
+    units = [unit for chunk in gathering.units for unit in chunk]
+    largest = max(gathering.elements(unit.buckets) for unit in units if unit.needed_in_backward)
+    once_per_step = gathering.elements(
+        b for unit in units if not unit.needed_in_backward for b in unit.buckets
+    )
+    params = gathering.working_set() * data_parallel.param_dtype.itemsize
+    return grad_bytes * (largest + once_per_step + in_flight) + params
 
 
 def _per_layer(chunk: Llama, step: Callable[[], tuple[int, int]]) -> tuple[int, int]:

@@ -27,6 +27,7 @@ of its compiled graphs, as tp's collectives do.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -139,7 +140,32 @@ class ParameterGathering:
         previous = units[position - 1] if position > 0 else None
         return _BeforeBackward.apply(output, self, unit, previous)
 
+    def working_set(self) -> int:
+        """The most elements of parameters whole at once in a step (`peak_whole_elements` measures it).
+        Resharding after forward: two neighbouring units of a chunk (the one running, the one prefetched).
+        Keeping them for backward: every unit that backward reads stays whole from its forward to its
+        backward, so at the end of a chunk's forward all of them are (or, if more, the embedding with the
+        first layer, before the embedding is freed); with several chunks, their sum bounds it."""
+        if self.reshard_after_forward:
+            pairs = [a.buckets + b.buckets for units in self.units for a, b in itertools.pairwise(units)]
+            return max(self.elements(buckets) for buckets in pairs or [u.buckets for u in self.units[0]])
+        total = 0
+        for units in self.units:
+            kept = self.elements(b for unit in units if unit.needed_in_backward for b in unit.buckets)
+            first = self.elements(units[0].buckets + units[1].buckets) if len(units) > 1 else 0
+            total += max(kept, first)
+        return total
+
+    def elements(self, buckets) -> int:
+        """How many elements the buckets `buckets` hold whole, padding included (a bucket counted once)."""
+        spans = self.data_parallel.buckets
+        return sum(spans[b].end - spans[b].start for b in set(buckets))
+
     def prefetch(self, unit: Unit) -> None:
+        """Start gathering a unit that runs next, while the current one computes."""
+        self._start(unit)
+
+    def _start(self, unit: Unit) -> None:
         """Start gathering the unit's buckets that are not whole."""
         for bucket in unit.buckets:
             if not self.whole[bucket]:
@@ -149,7 +175,7 @@ class ParameterGathering:
 
     def _mark(self, bucket: int, whole: bool) -> None:
         self.whole[bucket] = whole
-        size = self.data_parallel.buckets[bucket].end - self.data_parallel.buckets[bucket].start
+        size = self.elements([bucket])
         self.whole_elements += size if whole else -size
 
     def _free(self, bucket: int) -> None:
@@ -158,7 +184,7 @@ class ParameterGathering:
 
     def acquire(self, unit: Unit) -> None:
         """The unit's parameters are whole once this returns, until its `release`."""
-        self.prefetch(unit)
+        self._start(unit)
         for bucket in unit.buckets:
             if bucket in self.in_flight:
                 self.data_parallel.wait_gather(bucket, self.in_flight.pop(bucket))
