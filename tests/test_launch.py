@@ -150,10 +150,10 @@ def test_a_failing_rank_exit_code_reaches_the_caller_without_launcher_noise(conf
         assert noise not in result.stderr
 
 
-# A typo breaks the schema, zero_stage=3 a cross-field rule: the parent checks both before starting anything.
+# A typo breaks the schema, zero_stage=4 a cross-field rule: the parent checks both before starting anything.
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "override, field", [("tokens.train_stepz=2", "train_stepz"), ("optimizer.zero_stage=3", "zero_stage")]
+    "override, field", [("tokens.train_stepz=2", "train_stepz"), ("optimizer.zero_stage=4", "zero_stage")]
 )
 def test_config_errors_are_reported_once_before_any_process_starts(config, override, field):
     result = femtotron("train", config, "parallelism.dp=2", override)

@@ -138,26 +138,22 @@ def test_C3_resume_on_one_rank_is_bit_exact(tiny_config, dtype, native):
             assert torch.equal(rest["masters"][name], whole["masters"][name]), name
 
 
-@pytest.fixture(scope="module")
-def three_d(tmp_path_factory):
-    """On 8 ranks at dp2 x tp2 x pp2 with ZeRO-1: 6 steps uninterrupted; 3 steps with a checkpoint; a resume
-    of that checkpoint for 3 more. Returns the config maker, the results and the checkpoint directory."""
-    root = tmp_path_factory.mktemp("ckpt3d")
-    tiny_config = tiny_config_maker(root / "runs", write_patterned_tokens(root / "patterned"))
-    layout = dict(dp=2, tp=2, pp=2, zero=1)
-    first = make(tiny_config, "first", "checkpoints.checkpoint_interval=3", **layout, steps=3)
+def whole_then_halves(tiny_config, prefix: str, **layout):
+    """On every rank of `layout`: 6 steps uninterrupted; 3 steps with a checkpoint; a resume of that
+    checkpoint for 3 more. Returns the results and the checkpoint directory."""
+    first = make(tiny_config, f"{prefix}first", "checkpoints.checkpoint_interval=3", **layout, steps=3)
     saved = first.run_dir / "checkpoints"
     configs = [
-        make(tiny_config, "whole", **layout),
+        make(tiny_config, f"{prefix}whole", **layout),
         first,
-        make(tiny_config, "rest", f"checkpoints.resume_checkpoint_path={saved}", **layout),
+        make(tiny_config, f"{prefix}rest", f"checkpoints.resume_checkpoint_path={saved}", **layout),
     ]
-    return tiny_config, run_ranks(ranks_train, 8, configs, timeout=600), saved
+    world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
+    return run_ranks(ranks_train, world, configs, timeout=600), saved
 
 
-@pytest.mark.distributed
-def test_C3_resume_on_2x2x2_with_zero1_is_bit_exact(three_d):
-    _, per_rank, _ = three_d
+def assert_the_resume_is_bit_exact(per_rank) -> None:
+    """The halves of `whole_then_halves` are the whole run: losses, samples per step, weights, masters."""
     losses, weights, masters, seen = merged(per_rank, 0)
     first_losses, _, _, first_seen = merged(per_rank, 1)
     rest_losses, rest_weights, rest_masters, rest_seen = merged(per_rank, 2)
@@ -166,6 +162,21 @@ def test_C3_resume_on_2x2x2_with_zero1_is_bit_exact(three_d):
     for name, weight in weights.items():
         assert torch.equal(rest_weights[name], weight), name
         assert torch.equal(rest_masters[name], masters[name]), name
+
+
+@pytest.fixture(scope="module")
+def three_d(tmp_path_factory):
+    """On 8 ranks at dp2 x tp2 x pp2 with ZeRO-1, `whole_then_halves`. Returns the config maker, the results
+    and the checkpoint directory."""
+    root = tmp_path_factory.mktemp("ckpt3d")
+    tiny_config = tiny_config_maker(root / "runs", write_patterned_tokens(root / "patterned"))
+    per_rank, saved = whole_then_halves(tiny_config, "", dp=2, tp=2, pp=2, zero=1)
+    return tiny_config, per_rank, saved
+
+
+@pytest.mark.distributed
+def test_C3_resume_on_2x2x2_with_zero1_is_bit_exact(three_d):
+    assert_the_resume_is_bit_exact(three_d[1])
 
 
 RESHARDED = {
@@ -200,23 +211,9 @@ def test_C1_resume_on_another_mesh_continues_the_run(three_d, label):
 def test_C3_a_zero3_checkpoint_resumes_bit_exact_and_without_zero_on_one_process(tiny_config):
     """Saved at dp2 x pp2 with ZeRO-3 (each rank writes its shards, never the whole model): resumed on the
     same layout it is bit-exact; on one process without ZeRO it continues the run."""
-    layout = dict(dp=2, pp=2, zero=3)
-    first = make(tiny_config, "z3-first", "checkpoints.checkpoint_interval=3", **layout, steps=3)
-    saved = first.run_dir / "checkpoints"
-    configs = [
-        make(tiny_config, "z3-whole", **layout),
-        first,
-        make(tiny_config, "z3-rest", f"checkpoints.resume_checkpoint_path={saved}", **layout),
-    ]
-    per_rank = run_ranks(ranks_train, 4, configs, timeout=600)
-    losses, weights, masters, seen = merged(per_rank, 0)
-    first_losses, _, _, first_seen = merged(per_rank, 1)
-    rest_losses, rest_weights, rest_masters, rest_seen = merged(per_rank, 2)
-    assert first_losses + rest_losses == losses
-    assert {**first_seen, **rest_seen} == seen
-    for name, weight in weights.items():
-        assert torch.equal(rest_weights[name], weight), name
-        assert torch.equal(rest_masters[name], masters[name]), name
+    per_rank, saved = whole_then_halves(tiny_config, "z3-", dp=2, pp=2, zero=3)
+    assert_the_resume_is_bit_exact(per_rank)
+    losses, weights, _, _ = merged(per_rank, 0)
     single = make(tiny_config, "z3-single", f"checkpoints.resume_checkpoint_path={saved}")
     single_losses, single_weights, _, _ = merged([ranks_train(0, [single])], 0)
     assert single_losses == pytest.approx(losses[3:], rel=1e-5)

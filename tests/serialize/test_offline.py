@@ -88,7 +88,9 @@ def test_C1_reshard_then_consolidate_gives_the_same_tensors(saved, tmp_path):
     to_cp = ["--cp", "2", "--tp", "2", "optimizer.zero_stage=1"]  # ZeRO-1 shards over the cp ranks
     assert main(["reshard", str(checkpoints), "--out", str(tmp_path / "cp"), *to_cp]) == 0
     assert len(list((tmp_path / "cp" / "step-0000002").glob("*.safetensors"))) == 4
-    for directory in ("mesh", "back", "cp"):
+    to_zero3 = ["--dp", "4", "--pp", "2", "optimizer.zero_stage=3"]  # every rank holds shards only
+    assert main(["reshard", str(checkpoints), "--out", str(tmp_path / "zero3"), *to_zero3]) == 0
+    for directory in ("mesh", "back", "cp", "zero3"):
         other_weights, other_optimizer = consolidated(tmp_path / directory, tmp_path / f"{directory}-full")
         for mine, theirs in ((weights, other_weights), (optimizer, other_optimizer)):
             assert mine.keys() == theirs.keys()
