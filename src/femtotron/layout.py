@@ -113,6 +113,8 @@ def _build(
     common = dict(std=config.model.init_method.std, seed=config.general.seed, dtype=dtype, device=device)
     stats = RouterStats(mcfg, device) if mcfg.moe else None
     common |= dict(tp=tp, cp=parallel.cp, ep=ep, recompute_layer=par.recompute_layer, router_stats=stats)
+    if config.optimizer.zero_stage == 3:  # parameters drawn a bucket at a time by DataParallel, never whole
+        common["param_device"] = torch.device("meta")
     chunks = [Llama(mcfg, **common, stage=stages[c * par.pp + pp_rank]) for c in range(par.pp_virtual_stages)]
     named = [item for chunk in chunks for item in chunk.named_parameters()]
     replicated = [split_dim(p.shard) is None for _, p in named]
@@ -134,6 +136,7 @@ def _build(
         shard_gradients=config.optimizer.zero_stage == 2,
         shard_params=config.optimizer.zero_stage == 3,
         expert_replicas=experts if ep.size > 1 else None,
+        device=device,
     )
     if config.optimizer.zero_stage == 3:
         data_parallel.gathering = ParameterGathering(

@@ -366,7 +366,10 @@ class Llama(nn.Module):
         stage: Stage | None = None,
         recompute_layer: bool = False,
         router_stats: RouterStats | None = None,
+        param_device: torch.device | None = None,
     ) -> None:
+        """`param_device` (default `device`): where the parameters are made; on the meta device ZeRO-3's
+        DataParallel draws their values later, a bucket at a time."""
         super().__init__()
         self.cfg = cfg
         self.recompute_layer = recompute_layer
@@ -375,7 +378,7 @@ class Llama(nn.Module):
         self.tp = tp = self.parallel.tp
         whole = Stage(index=0, layers=range(cfg.num_hidden_layers), embedding=True, head=True, cost=0.0)
         self.stage = stage = stage or whole
-        make = ParamFactory(std, seed, dtype, device)
+        make = ParamFactory(std, seed, dtype, param_device or device)
         self.rotary = Rotary(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device=device
         )

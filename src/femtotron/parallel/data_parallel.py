@@ -40,6 +40,7 @@ from torch import nn
 
 from femtotron.errors import FemtotronError
 from femtotron.parallel.comm import Comm, Group
+from femtotron.parallel.sharding import initial_values
 
 # Every parameter, and every bucket's shard, starts at a multiple of 64 elements (128 bytes in bf16),
 # so kernels and collectives get aligned pointers.
@@ -132,11 +133,13 @@ class DataParallel:
         shard_gradients: bool = False,
         shard_params: bool = False,
         expert_replicas: Replicas | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """`groups`: parameter indices in backward order (plan_buckets); an expert parameter's group holds
         expert parameters only, reduced over `expert_replicas` (default: the dp group, like the others).
         `sharded`: ZeRO-1 (optimizer state of the owned shards only); with `shard_gradients` ZeRO-2, with
-        `shard_params` too ZeRO-3 (the caller installs a ParameterGathering as `gathering`)."""
+        `shard_params` too ZeRO-3 (the caller installs a ParameterGathering as `gathering`); its parameters
+        may come on the meta device, to be drawn here a bucket at a time on `device` (default: theirs)."""
         self.names = [name for name, _ in named_params]
         params = [param for _, param in named_params]
         self.comm = comm
@@ -160,7 +163,7 @@ class DataParallel:
             self.replicas.append(expert_replicas if of_experts else dense)
         self.size = self.buckets[-1].end if self.buckets else 0
         self.padding = self.size - sum(numels)
-        self.device = params[0].device
+        self.device = device or params[0].device
         self.grad_dtype = grad_dtype
         self.param_dtype = params[0].dtype
         self.shapes = [p.shape for p in params]
@@ -194,13 +197,26 @@ class DataParallel:
         self.shard_pieces = self._pieces(numels, sharded=True)
 
     def _place(self, params: list[nn.Parameter], whole: torch.Tensor, start: int, indices) -> None:
-        """Make parameters `indices` views into `whole` (flat elements from `start` on), values kept."""
+        """Make parameters `indices` views into `whole` (flat elements from `start` on), values kept; one on
+        the meta device (ZeRO-3's deferred initialisation) gets its initial values drawn into it."""
         with torch.no_grad():
             for index in indices:
                 param = params[index]
                 offset = self.offsets[index] - start
                 view = whole[offset : offset + param.numel()].view_as(param)
-                view.copy_(param)
+                if param.is_meta:
+                    view.copy_(initial_values(param.shard, param.shape, param.dtype, self.device))
+                    shard = param.shard
+                    # .data cannot move a tensor off the meta device: an empty one on the device swaps in,
+                    # keeping the Python object that modules and hooks refer to
+                    torch.utils.swap_tensors(
+                        param, nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device))
+                    )
+                    param.shard = shard
+                else:
+                    view.copy_(param)
+                # .data (unlike a new Parameter of the view) keeps the parameter's own version counter, so
+                # ZeRO-3 writing the bucket's whole tensor does not look to autograd like a change in place
                 param.data = view
 
     def _shard_params(self, params: list[nn.Parameter]) -> None:

@@ -26,6 +26,10 @@ class ShardInfo:
     local_slice: tuple[slice, ...]
     tie_group: str | None = None  # parameters sharing one value (tied embeddings) share a group
     experts: bool = False  # dimension 0 indexes a layer's experts, split over the ep ranks
+    # How its initial values are drawn (`initial_values`): ZeRO-3 creates a parameter on the meta device
+    # and draws its values only when its bucket is laid out, so no rank ever holds its whole part at once.
+    init_std: float | None = None
+    init_seed: int = 0
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -61,7 +65,6 @@ def make_param(
 ) -> nn.Parameter:
     """Initialise `name` at full shape and keep this rank's chunk of `shard_dim` (ceil(n / world) long, the
     last ones zero-padded), and with `experts` = (ep rank, ep) its 1/ep of dimension 0."""
-    full = full_init(name, shape, std, seed, device)
     local_slice = [slice(0, n) for n in shape]
     local_shape = list(shape)
     if shard_dim is not None and world > 1:
@@ -73,18 +76,32 @@ def make_param(
         ep_rank, ep = experts
         local_shape[0] = shape[0] // ep
         local_slice[0] = slice(ep_rank * local_shape[0], (ep_rank + 1) * local_shape[0])
-    local = torch.zeros(local_shape, device=device, dtype=dtype)
-    piece = full[tuple(local_slice)]
-    local[tuple(slice(0, k) for k in piece.shape)] = piece
-    param = nn.Parameter(local)
-    param.shard = ShardInfo(
+    shard = ShardInfo(
         name=name,
         global_shape=tuple(shape),
         local_slice=tuple(local_slice),
         tie_group=tie_group,
         experts=experts is not None,
+        init_std=std,
+        init_seed=seed,
     )
+    if device.type == "meta":  # shapes only, or ZeRO-3's deferred values (data_parallel.py draws them)
+        param = nn.Parameter(torch.zeros(local_shape, device=device, dtype=dtype))
+    else:
+        param = nn.Parameter(initial_values(shard, tuple(local_shape), dtype, device))
+    param.shard = shard
     return param
+
+
+def initial_values(
+    shard: ShardInfo, local_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A parameter's initial local tensor: its slice of the full initial tensor, zero-padded to its shape."""
+    full = full_init(shard.name, shard.global_shape, shard.init_std, shard.init_seed, device)
+    local = torch.zeros(local_shape, device=device, dtype=dtype)
+    piece = full[shard.local_slice]
+    local[tuple(slice(0, k) for k in piece.shape)] = piece
+    return local
 
 
 def split_dim(shard: ShardInfo) -> int | None:
