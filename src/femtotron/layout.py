@@ -17,7 +17,7 @@ from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.context_parallel import ContextParallel
 from femtotron.parallel.data_parallel import DataParallel, Replicas
 from femtotron.parallel.expert_parallel import ExpertParallel
-from femtotron.parallel.fully_sharded import ParameterGathering, chunk_units
+from femtotron.parallel.fully_sharded import ParameterGathering, chunk_units, parameter_indices
 from femtotron.parallel.members import Parallel
 from femtotron.parallel.mesh import Mesh
 from femtotron.parallel.pipeline.p2p import PipelineP2P
@@ -174,12 +174,12 @@ def bucket_groups(chunks: list[Llama], own_bucket: list[bool]) -> list[list[int]
     units (ZeRO-3 gathers a unit by its buckets), each unit's experts in buckets of their own (reduced over
     other ranks). A tied embedding gets its own bucket: at pp = 1 it is in two units; at pp > 1 it is laid out
     alike on both stages, so the pieces each rank owns after the dp reduction match across them."""
-    index_of = {id(p): i for i, p in enumerate(p for chunk in chunks for p in chunk.parameters())}
+    index_of = parameter_indices(chunks)
     groups = []
     placed: set[int] = set()
     for chunk in chunks:
         experts = {index_of[id(p)] for p in chunk.parameters() if p.shard.experts}
-        units = [{index_of[id(p)] for p in params} for _, params, _ in reversed(chunk_units(chunk))]
+        units = [{index_of[id(p)] for p in unit.params} for unit in reversed(chunk_units(chunk))]
         shared = {i for unit in units for i in unit if sum(i in other for other in units) > 1}
         for unit in units:
             backward_order = sorted(unit - placed, reverse=True)

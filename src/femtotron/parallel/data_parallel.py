@@ -24,7 +24,8 @@ per micro-batch), and are freed as the last micro-batch's backward reduces them.
 
 ZeRO-3 (`shard_params`) keeps only the owned shard of the parameters too: each bucket's whole parameters
 exist only while parallel/fully_sharded.py has them gathered (a unit's forward or backward). The buckets are
-planned so that none spans two of its units.
+planned so that none spans two of its units, and a unit's buckets are reduce-scattered as its backward ends,
+in every micro-batch (`reduce_micro_batch`), not once per step.
 
 Under expert parallelism the experts' buckets are reduced over their own replicas instead (`Replicas`:
 the dp x cp / ep ranks holding the same experts, parallel/expert_parallel.py), and sharded over them.

@@ -39,25 +39,42 @@ from femtotron.errors import FemtotronError
 
 @dataclass(frozen=True)
 class Unit:
-    """Parameters gathered together: their buckets, and where the unit sits among its chunk's units."""
+    """Parameters gathered together, by their buckets."""
 
     name: str
     buckets: tuple[int, ...]
     needed_in_backward: bool  # the embedding's backward reads the token ids only
 
 
-def chunk_units(chunk: nn.Module) -> list[tuple[str, list[nn.Parameter], bool]]:
-    """A model chunk's units in forward order: name, parameters, and whether backward reads them. Every
-    parameter of the chunk is in a unit (a tied embedding in both the embedding's and the head's)."""
+@dataclass(frozen=True)
+class ChunkUnit:
+    """A unit of a model chunk, before its buckets exist: the module whose calls gather it (None: the head,
+    gathered around `head_logits`, as the final norm and LM head are no module of their own)."""
+
+    name: str
+    params: list[nn.Parameter]
+    needed_in_backward: bool
+    module: nn.Module | None
+
+
+def chunk_units(chunk: nn.Module) -> list[ChunkUnit]:
+    """A model chunk's units in forward order. Every parameter of the chunk is in a unit (a tied embedding
+    in both the embedding's and the head's)."""
     units = []
     if chunk.stage.embedding:
-        units.append(("embedding", list(chunk.embed_tokens.parameters()), False))
+        embedding = chunk.embed_tokens
+        units.append(ChunkUnit("embedding", list(embedding.parameters()), False, embedding))
     for index, layer in chunk.layers.items():
-        units.append((f"layer {index}", list(layer.parameters()), True))
+        units.append(ChunkUnit(f"layer {index}", list(layer.parameters()), True, layer))
     if chunk.stage.head:
         output = chunk.embed_tokens if chunk.cfg.tie_word_embeddings else chunk.lm_head
-        units.append(("head", list(chunk.norm.parameters()) + list(output.parameters()), True))
+        units.append(ChunkUnit("head", list(chunk.norm.parameters()) + list(output.parameters()), True, None))
     return units
+
+
+def parameter_indices(chunks: list[nn.Module]) -> dict[int, int]:
+    """id(parameter) -> its index among this rank's parameters (its chunks' in order, as DataParallel's)."""
+    return {id(p): i for i, p in enumerate(p for chunk in chunks for p in chunk.parameters())}
 
 
 class ParameterGathering:
@@ -77,22 +94,22 @@ class ParameterGathering:
 
     def install(self, chunks: list[nn.Module]) -> None:
         """Hook every unit of every chunk: the layers and the embedding by module hooks, the head around
-        `head_logits` (it is no module of its own)."""
-        index_of = {id(p): i for i, p in enumerate(p for chunk in chunks for p in chunk.parameters())}
+        `head_logits`."""
+        index_of = parameter_indices(chunks)
         for chunk in chunks:
+            parts = chunk_units(chunk)
             units = []
-            for name, params, needed in chunk_units(chunk):
-                buckets = sorted({self.data_parallel.bucket_of[index_of[id(p)]] for p in params})
-                units.append(Unit(name=name, buckets=tuple(buckets), needed_in_backward=needed))
+            for part in parts:
+                buckets = sorted({self.data_parallel.bucket_of[index_of[id(p)]] for p in part.params})
+                units.append(
+                    Unit(name=part.name, buckets=tuple(buckets), needed_in_backward=part.needed_in_backward)
+                )
             self.units.append(units)
-            modules = []
-            if chunk.stage.embedding:
-                modules.append(chunk.embed_tokens)
-            modules += list(chunk.layers.values())
-            for position, module in enumerate(modules):
-                self._hook(module, units, position)
-            if chunk.stage.head:
-                chunk.head_logits = self._around(chunk.head_logits, units, len(units) - 1)
+            for position, part in enumerate(parts):
+                if part.module is not None:
+                    self._hook(part.module, units, position)
+                else:
+                    chunk.head_logits = self._around(chunk.head_logits, units, position)
 
     def _hook(self, module: nn.Module, units: list[Unit], position: int) -> None:
         def before(_: nn.Module, args: tuple) -> tuple:
@@ -132,11 +149,11 @@ class ParameterGathering:
         unit = units[position]
         if unit in self.in_backward:
             return output
-        kept_for_backward = torch.is_grad_enabled() and unit.needed_in_backward
-        if not kept_for_backward or self.reshard_after_forward:
+        if not (torch.is_grad_enabled() and unit.needed_in_backward):  # no backward will need it
             self.release(unit)
-        if not kept_for_backward:
             return output
+        if self.reshard_after_forward:
+            self.release(unit)
         previous = units[position - 1] if position > 0 else None
         return _BeforeBackward.apply(output, self, unit, previous)
 
