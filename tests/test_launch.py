@@ -430,7 +430,7 @@ def test_the_slurm_script_stops_at_its_time_limit_signal_requeues_and_resumes(co
     records = [
         json.loads(line) for line in (tmp_path / "runs" / "slurm" / "metrics.jsonl").read_text().splitlines()
     ]
-    assert [r["step"] for r in records] == list(range(1, 41))
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 41))  # the others: checkpoints
 
 
 @pytest.mark.distributed

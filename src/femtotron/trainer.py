@@ -38,6 +38,7 @@ from femtotron.parallel.context_parallel import place_tokens
 from femtotron.precision import CPU_MULTIPLIES_BF16, emulated_low_precision, tf32_for_fp32
 from femtotron.run_log import RunLog, StepLogger, StepResult
 from femtotron.serialize import checkpoint
+from femtotron.serialize.background import BackgroundSaves, Written, check_host_memory
 from femtotron.serialize.init import init_weights
 from femtotron.serialize.weights import save_weights, write_config, write_tokenizer
 from femtotron.stop_signals import StopSignals
@@ -108,6 +109,7 @@ class Trainer:
             tokenizer=self.tokenizer,
         )
         self.last_checkpoint: Path | None = None
+        self.background = BackgroundSaves(ctx) if config.checkpoints.async_save else None
         self.spikes = LossSpikes()
         mcfg = config.model.model_config_
         self.router_collapse = RouterCollapse(mcfg) if mcfg.moe else None
@@ -127,6 +129,8 @@ class Trainer:
             self.ctx.comm.barrier(self.ctx.world_group)
         except BaseException:
             watchdog.stop(failed=True)
+            if self.background is not None:
+                self.background.abandon()
             raise
         finally:
             self.log.close()
@@ -144,6 +148,8 @@ class Trainer:
         train_steps = self.config.tokens.train_steps
         if ckpt.checkpoint_interval or ckpt.save_initial_state:  # a read-only or full disk fails now
             checkpoint.check_writable(self.parts)
+            if self.background is not None:
+                check_host_memory(self.parts)
         path, what, warnings = checkpoint.agreed_resume_source(self.config, self.ctx)
         for warning in warnings:
             self.log.warn(warning)
@@ -177,6 +183,8 @@ class Trainer:
                 interval = self.config.tokens.val_check_interval
                 if self.val_data is not None and interval and self.state.step % interval == 0:
                     self.validate()
+                if self.background is not None:
+                    self.saved(self.background.finished())
                 if ckpt.checkpoint_interval and self.state.step % ckpt.checkpoint_interval == 0:
                     last_saved = self.save_checkpoint()
                 if self.state.step < train_steps and (signum := signals.agreed(self.ctx)):
@@ -188,6 +196,8 @@ class Trainer:
             save_weights(self.ctx, self.model, self.run_dir, self.log)
             if self.ctx.rank == 0:
                 write_tokenizer(self.run_dir, self.tokenizer)
+        if self.background is not None:  # the last save was written while the weights were
+            self.saved(self.background.wait())
         return results
 
     def log_step(self, result: StepResult) -> None:
@@ -204,17 +214,55 @@ class Trainer:
             self.log.warn(warning)
 
     def save_checkpoint(self) -> int:
+        """Save this step's checkpoint: whole, or (checkpoints.async_save) once the previous background save
+        is done, its values copied for the background writer."""
         start = time.perf_counter()
-        path = self.last_checkpoint = checkpoint.save(self.parts)
-        mib = sum(f.stat().st_size for f in path.iterdir()) / 2**20 if self.ctx.rank == 0 else 0
-        self.log.info(f"saved checkpoint {path} ({mib:,.1f} MiB in {time.perf_counter() - start:.1f} s)")
+        if self.background is None:
+            path = checkpoint.save(self.parts)
+            seconds = time.perf_counter() - start
+            self.saved(Written(path=path, step=self.state.step, stall_seconds=seconds, write_seconds=seconds))
+        else:
+            self.saved(self.background.wait())
+            stall = self.background.start(self.parts)
+            mib = self.background.staging.bytes() / 2**20
+            self.log.info(
+                f"checkpoint of step {self.state.step}: training stopped {stall:.2f} s to copy "
+                f"{mib:,.1f} MiB for the background writer"
+            )
         self.ctx.comm.take_seconds()  # the save's store and barrier time is not part of any training step
         return self.state.step
+
+    def saved(self, written: Written | None) -> None:
+        """Log a committed checkpoint, and record how long training stopped for it and how long the write
+        took in metrics.jsonl (at the current step: the dashboards take steps in order)."""
+        if written is None:
+            return
+        self.last_checkpoint = written.path
+        for warning in written.warnings:
+            self.log.warn(warning)
+        mib = sum(f.stat().st_size for f in written.path.iterdir()) / 2**20 if self.ctx.rank == 0 else 0
+        how = f"in {written.write_seconds:.1f} s"
+        if self.background is not None:
+            how = (
+                f"written in the background in {written.write_seconds:.1f} s, training stopped "
+                f"{written.stall_seconds:.2f} s"
+            )
+        self.log.info(f"saved checkpoint {written.path} ({mib:,.1f} MiB {how})")
+        self.log.record(
+            {
+                "step": self.state.step,
+                "checkpoint_step": written.step,
+                "checkpoint_stall_seconds": written.stall_seconds,
+                "checkpoint_write_seconds": written.write_seconds,
+            }
+        )
 
     def stop(self, signum: int, last_saved: int | None) -> None:
         """Some rank got SIGTERM or SIGUSR1: save a checkpoint (unless this step's is saved), then stop."""
         if last_saved != self.state.step:
             self.save_checkpoint()
+        if self.background is not None:
+            self.saved(self.background.wait())
         path = self.last_checkpoint
         name = signal.Signals(signum).name
         raise TrainingInterrupted(

@@ -14,9 +14,16 @@ import time
 import numpy as np
 import pytest
 import torch
+from checkpoint_runs import (
+    assert_the_resume_is_bit_exact,
+    make,
+    merged,
+    ranks_train,
+    train,
+    whole_then_halves,
+)
 from distributed import RankFailed, run_ranks
 from helpers import (
-    full_masters,
     make_read_only,
     precision_path,
     small_disk,
@@ -29,86 +36,10 @@ from femtotron.cli import main
 from femtotron.errors import ConfigError
 from femtotron.optim.lr_schedule import lr_at
 from femtotron.parallel.context import ParallelContext
-from femtotron.parallel.tensor_parallel import full_tensor
 from femtotron.serialize import checkpoint
 from femtotron.serialize.files import MANIFEST, CheckpointError, rank_file
 from femtotron.serialize.offline import reshard
 from femtotron.trainer import Trainer
-
-LAYERS = 4
-
-
-def make(tiny_config, run, *more, dp=1, tp=1, pp=1, zero=0, steps=6, cp=1, ep=1):
-    """The tiny model with 4 layers; the global batch is 16 samples of 32 tokens for every dp. The learning
-    rate decays over 4 steps after the 2 of warm-up whatever train_steps is, so a run cut short follows the
-    schedule of the whole run."""
-    return tiny_config(
-        f"general.run={run}",
-        f"model.model_config.num_hidden_layers={LAYERS}",
-        "optimizer.learning_rate_scheduler.lr_decay_steps=4",
-        "model.model_config.num_key_value_heads=4",
-        "tokens.micro_batch_size=2",
-        f"tokens.batch_accumulation_per_replica={8 // dp}",
-        f"tokens.train_steps={steps}",
-        f"parallelism.dp={dp}",
-        f"parallelism.tp={tp}",
-        f"parallelism.pp={pp}",
-        f"parallelism.cp={cp}",
-        f"parallelism.ep={ep}",
-        f"optimizer.zero_stage={zero}",
-        "parallelism.dp_bucket_size_mb=0.02",
-        "parallelism.collective_timeout_seconds=60",
-        *more,
-    )
-
-
-def train(config, ctx):
-    """Train; return the losses, every parameter gathered to full shape (from this rank's stages), and the
-    samples each step read on this rank (as token rows, to check none is skipped or repeated)."""
-    trainer = Trainer(config, ctx, log_to_console=False)
-    seen = []
-    step_at = trainer.batches.step_at
-
-    # Every tp, pp and cp rank of a replica reads the same samples: count them once.
-    def recording(consumed_samples):
-        batches = step_at(consumed_samples)
-        if ctx.tp_rank == 0 and ctx.pp_rank == 0 and ctx.cp_rank == 0:
-            seen.append((trainer.state.step, [row.tolist() for batch in batches for row in batch.inputs]))
-        return batches
-
-    trainer.batches.step_at = recording
-    losses = [r.loss for r in trainer.train()]
-    ep = trainer.model.ep.group
-    named = trainer.model.named_parameters()
-    with trainer.data_parallel.whole_parameters(list(range(len(named)))):  # ZeRO-3: gathered to read them
-        weights = {n: full_tensor(p, p.shard, trainer.tp, ep).float().clone() for n, p in named}
-    masters = {
-        n: full_tensor(m, p.shard, trainer.tp, ep).clone()
-        for (n, p), m in zip(trainer.model.named_parameters(), full_masters(trainer.optimizer), strict=True)
-    }
-    return {"losses": losses, "weights": weights, "masters": masters, "seen": seen}
-
-
-def ranks_train(rank, configs):
-    """On every rank of a layout, run the configs one after the other."""
-    par = configs[0].parallelism
-    ctx = ParallelContext(par.dp, par.tp, par.pp, par.cp, par.ep, collective_timeout_seconds=60)
-    out = [train(config, ctx) for config in configs]
-    ctx.close()
-    return out
-
-
-def merged(per_rank, index):
-    """One run's results over all ranks: losses (rank 0's), weights by name, samples per step."""
-    weights = {}
-    masters = {}
-    seen = {}
-    for rank in per_rank:
-        weights.update(rank[index]["weights"])
-        masters.update(rank[index]["masters"])
-        for step, rows in rank[index]["seen"]:
-            seen.setdefault(step, []).extend(rows)
-    return per_rank[0][index]["losses"], weights, masters, {s: sorted(rows) for s, rows in seen.items()}
 
 
 @pytest.mark.parametrize("dtype, native", [("float32", None), ("bfloat16", True), ("bfloat16", False)])
@@ -136,32 +67,6 @@ def test_C3_resume_on_one_rank_is_bit_exact(tiny_config, dtype, native):
         for name, weight in whole["weights"].items():
             assert torch.equal(rest["weights"][name], weight), name
             assert torch.equal(rest["masters"][name], whole["masters"][name]), name
-
-
-def whole_then_halves(tiny_config, prefix: str, **layout):
-    """On every rank of `layout`: 6 steps uninterrupted; 3 steps with a checkpoint; a resume of that
-    checkpoint for 3 more. Returns the results and the checkpoint directory."""
-    first = make(tiny_config, f"{prefix}first", "checkpoints.checkpoint_interval=3", **layout, steps=3)
-    saved = first.run_dir / "checkpoints"
-    configs = [
-        make(tiny_config, f"{prefix}whole", **layout),
-        first,
-        make(tiny_config, f"{prefix}rest", f"checkpoints.resume_checkpoint_path={saved}", **layout),
-    ]
-    world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
-    return run_ranks(ranks_train, world, configs, timeout=600), saved
-
-
-def assert_the_resume_is_bit_exact(per_rank) -> None:
-    """The halves of `whole_then_halves` are the whole run: losses, samples per step, weights, masters."""
-    losses, weights, masters, seen = merged(per_rank, 0)
-    first_losses, _, _, first_seen = merged(per_rank, 1)
-    rest_losses, rest_weights, rest_masters, rest_seen = merged(per_rank, 2)
-    assert first_losses + rest_losses == losses
-    assert {**first_seen, **rest_seen} == seen  # the same samples in the same steps
-    for name, weight in weights.items():
-        assert torch.equal(rest_weights[name], weight), name
-        assert torch.equal(rest_masters[name], masters[name]), name
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +200,9 @@ def test_the_manifest_records_mesh_counters_slices_and_checksums(three_d):
     assert (manifest["step"], manifest["consumed_samples"], manifest["optimizer_steps"]) == (3, 48, 3)
     assert manifest["consumed_tokens"] == 3 * 16 * 32
     assert sorted(manifest["files"]) == [rank_file(r) for r in range(8)]
-    assert all(len(f["sha256"]) == 64 for f in manifest["files"].values())
+    # An XXH3-128 (32 hex digits) for every rank file's header and for every tensor in it.
+    for record in manifest["files"].values():
+        assert len(record["parts_xxh3_128"]["__header__"]) == 32 and len(record["parts_xxh3_128"]) > 3
     assert sorted(manifest["rng"]) == [str(r) for r in range(8)]
     kinds = {name.split("/")[0] for name in manifest["tensors"]}
     assert kinds == {"model", "exp_avg", "exp_avg_sq"}  # fp32: the weights are the master weights
@@ -337,14 +244,24 @@ def test_bad_checkpoints_are_named_with_the_fix(tiny_config):
         f"checkpoint file {data} has {len(original) // 2:,} bytes but the manifest says {len(original):,}"
         in resume_error(tiny_config, step)
     )
-    data.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
-    assert f"checkpoint file {data} fails its sha256 checksum" in resume_error(tiny_config, step)
+    # One flipped bit in the header, in a weight's bytes, in the RNG states (the last tensor: the narrowest).
+    header = int.from_bytes(original[:8], "little")
+    for where, part in (
+        (8 + header // 2, "header"),
+        (8 + header + 5, "tensor '"),
+        (-1, "tensor 'rng/torch_cpu'"),
+    ):
+        flipped = bytearray(original)
+        flipped[where] ^= 1
+        data.write_bytes(bytes(flipped))
+        message = resume_error(tiny_config, step)
+        assert f"checkpoint file {data} fails its checksum for its {part}" in message, message
     data.unlink()
     assert f"checkpoint file {data} is missing" in resume_error(tiny_config, step)
     data.write_bytes(original)
     manifest = json.loads((step / MANIFEST).read_text())
     (step / MANIFEST).write_text(json.dumps({**manifest, "version": 99}))
-    assert "has format version 99; this femtotron reads version 1" in resume_error(tiny_config, step)
+    assert "has format version 99; this femtotron reads versions 1, 2" in resume_error(tiny_config, step)
     (step / MANIFEST).write_text("{ not json")
     assert f"{step / MANIFEST} is not valid JSON" in resume_error(tiny_config, step)
     (step / MANIFEST).write_text(json.dumps(manifest))
@@ -411,29 +328,34 @@ def test_resuming_a_finished_run_trains_nothing(tiny_config):
     assert trainer.state.consumed_tokens == 4 * 16 * 32 and trainer.state.consumed_samples == 4 * 16
 
 
-# Run `femtotron train` in this process, but SIGKILL it half-way through writing the checkpoint of step 4.
+# Run `femtotron train` in this process, but SIGKILL it half-way through writing the checkpoint of step 4
+# (with checkpoints.async_save: in the background writer, while training goes on).
 KILL_DURING_SECOND_SAVE = """
 import os, signal, sys
 from femtotron.serialize import files
-real = files.save_file
-def save_then_die(tensors, path, metadata=None):
-    if "step-0000004" in path:
-        real(tensors, path, metadata=metadata)
+real = files.write_safetensors
+def write_then_die(path, tensors, metadata):
+    if "step-0000004" in str(path):
+        real(path, tensors, metadata)
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) // 2)
         os.kill(os.getpid(), signal.SIGKILL)
-    real(tensors, path, metadata=metadata)
-files.save_file = save_then_die
+    return real(path, tensors, metadata)
+files.write_safetensors = write_then_die
 from femtotron.cli import main
-from femtotron.errors import ConfigError
 sys.exit(main(["train", sys.argv[1]]))
 """
 
 
 @pytest.mark.distributed
-def test_C2_a_save_killed_part_way_leaves_the_previous_checkpoint_and_the_run_resumes(tiny_config, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_C2_a_save_killed_part_way_leaves_the_previous_checkpoint_and_the_run_resumes(
+    tiny_config, tmp_path, async_save
+):
     whole = train(make(tiny_config, "whole"), ParallelContext())
-    config = make(tiny_config, "killed", "checkpoints.checkpoint_interval=2")
+    config = make(
+        tiny_config, "killed", "checkpoints.checkpoint_interval=2", f"checkpoints.async_save={async_save}"
+    )
     died = subprocess.run(
         [sys.executable, "-c", KILL_DURING_SECOND_SAVE, write_yaml(config, tmp_path / "c.yaml")],
         capture_output=True,
@@ -664,7 +586,9 @@ def die_after(config, step):
 
 
 def metrics_steps(config):
-    return [json.loads(line)["step"] for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The steps of metrics.jsonl's training records (a checkpoint's record has no loss)."""
+    records = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in records if "loss" in r]
 
 
 def test_a_requeued_run_resumes_from_its_own_latest_checkpoint_and_keeps_its_metrics(tiny_config, capsys):
@@ -682,7 +606,11 @@ def test_a_requeued_run_resumes_from_its_own_latest_checkpoint_and_keeps_its_met
     assert all(torch.equal(resumed["weights"][n], w) for n, w in whole["weights"].items())
     assert metrics_steps(config) == [1, 2, 3, 4, 5, 6]
     records = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["loss"] for r in records] == pytest.approx(whole["losses"])
+    assert [r["loss"] for r in records if "loss" in r] == pytest.approx(whole["losses"])
+    # A record per save (steps 2, 4, 6), at the step it committed: how long training stopped, and the write.
+    saves = [r for r in records if "checkpoint_step" in r]
+    assert [(r["step"], r["checkpoint_step"]) for r in saves] == [(2, 2), (4, 4), (6, 6)]
+    assert all(r["checkpoint_stall_seconds"] == r["checkpoint_write_seconds"] > 0 for r in saves)  # in line
 
 
 def test_a_finished_run_started_again_exits_0_at_once_and_touches_nothing(tiny_config, tmp_path, capsys):

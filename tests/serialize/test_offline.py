@@ -327,7 +327,7 @@ def test_X2_reshard_refuses_a_tokenizer_that_fails_its_checksum(with_tokenizer, 
     text = tokenizer.read_text()
     tokenizer.write_text(text.replace("question", "qvestion"))  # the same size, other contents
     assert main(["reshard", str(with_tokenizer), "--out", str(tmp_path / "resharded")]) == 6
-    assert "tokenizer.json fails its sha256 checksum" in capsys.readouterr().err
+    assert "tokenizer.json fails its xxh3_128 checksum" in capsys.readouterr().err
     assert not (tmp_path / "resharded" / with_tokenizer.name).exists()
 
 

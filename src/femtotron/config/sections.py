@@ -503,6 +503,10 @@ class CheckpointsArgs(_Section):
     # a step-NNNNNNN checkpoint, or a checkpoints directory (its latest)
     resume_checkpoint_path: str | None = None
     keep_last_n: PositiveInt | None = None  # delete older checkpoints beyond the newest N; None: keep all
+    # true: training stops only to copy the state into host memory (pinned on CUDA) while a background thread
+    # writes and commits the checkpoint. Off by default until measured on GPUs: it costs host memory of the
+    # size of the rank's part of a checkpoint, and a slow disk then slows the steps it overlaps instead.
+    async_save: bool = False
     # resume although the data, its blend, data.seed, tokens.sequence_length or the tokenizer changed since
     # the checkpoint (warned); false: refuse, saying what changed
     resume_with_other_data: bool = False

@@ -280,6 +280,12 @@ def diagnose(
     lines.append(f"memory per rank (estimate; device: {where}):")
     for e in estimates:
         lines.append(_memory_line(e))
+    if config.checkpoints.async_save:
+        staged = max(e.checkpoint for e in estimates)
+        lines.append(
+            f"host memory per rank for checkpoints.async_save: {human(staged)} of staging buffers (its part "
+            "of a checkpoint, copied there at each save), beside the device's; a host without room is refused"
+        )
     worst = max(estimates, key=lambda e: e.total)
     lines += variants(config, budget, on_cpu)
     fits = budget is None or worst.total <= budget

@@ -109,6 +109,7 @@ class RankEstimate:
     links: int = 0  # of which one-way links (2-rank p2p communicators), not in `communicators`
     working: int = 0  # ZeRO-2/3: whole gradients and (ZeRO-3) gathered parameters alive during a step
     elements: int = 0  # in the rank's flat buffers, padding included (whole, whatever the ZeRO stage)
+    checkpoint: int = 0  # host bytes checkpoints.async_save stages per save (not device memory)
 
     @property
     def communicator_bytes(self) -> int:
@@ -226,6 +227,7 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
         links=one_way,
         working=working_set_bytes(model),
         elements=model.data_parallel.size,
+        checkpoint=model.data_parallel.checkpoint_bytes(),
     )
 
 

@@ -394,6 +394,14 @@ class DataParallel:
             "adam_moments": 8 * owned,
         }
 
+    def checkpoint_bytes(self) -> int:
+        """The most bytes of this rank's part of a checkpoint: its owned elements' parameters, master weights
+        and Adam moments (what checkpoints.async_save stages in host memory); less where a copy of a
+        parameter is saved by another rank (tp's replicated norms, a tied embedding)."""
+        owned = sum(piece.end - piece.start for piece in self.pieces)
+        state = self.model_state_bytes()
+        return owned * self.param_dtype.itemsize + state["master_weights"] + state["adam_moments"]
+
     def _owned_views(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's pieces, as 1-D views into per-bucket owned shards (ZeRO-2's gradients, ZeRO-3's
         parameters)."""

@@ -38,6 +38,14 @@ class Store:
         limit = timedelta(seconds=30)
         return dist.TCPStore(host, port, is_master=False, timeout=limit, wait_for_workers=False)
 
+    def for_another_thread(self) -> Store:
+        """This store through a connection of its own (`new_client`), for a thread that talks to it while the
+        main thread may too (the background checkpoint writer). With one process, the same messages."""
+        other = Store(self.new_client(), self.address)
+        other.key_prefix = self.key_prefix
+        other._posted = self._posted
+        return other
+
     def post(self, key: str, value: str) -> None:
         """Publish a string under `key`."""
         if self.store is None:

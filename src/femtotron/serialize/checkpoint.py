@@ -212,17 +212,39 @@ def set_rng_state(reader: CheckpointReader, file: str) -> None:
         torch.cuda.set_rng_state(reader.extra(file, "rng/torch_cuda"))
 
 
-def save(parts: TrainingParts) -> Path:
-    """Write a checkpoint of the current step from every rank; return its directory once committed. A
-    rank's failure reaches rank 0 through the store, and rank 0's verdict every rank: all stop, with why."""
+@dataclass(kw_only=True)
+class PendingSave:
+    """A save whose values are taken (`begin_save`) and are yet to be written and committed (`finish_save`):
+    what a rank writes, and (rank 0) what the manifest says. Nothing in it refers to the live training
+    state, so training may go on while it is written."""
+
+    rank: int
+    world_size: int
+    tmp: Path
+    final: Path
+    key: str  # the store's key for this save's messages
+    slices: list[Slice]
+    extra: dict[str, torch.Tensor]  # the RNG states
+    metadata: dict[str, str]
+    state: dict[str, Any] | None  # the manifest's run state (rank 0)
+    tokenizer: bool  # rank 0 wrote the tokenizer into tmp
+    prepared: Exception | None  # rank 0 could not make tmp
+    timeout: float
+    keep_last_n: int | None
+
+
+def begin_save(
+    parts: TrainingParts, stage: Callable[[list[Slice]], list[Slice]] | None = None
+) -> PendingSave:
+    """Every rank: take the current step's slices, RNG states and (rank 0) run state, after rank 0 made the
+    temporary directory. `stage` copies the slices out of the live tensors (checkpoints.async_save);
+    without it they are the live tensors themselves, to be written before training goes on."""
     ctx = parts.ctx
     config = parts.config
-    store = ctx.store
     root = checkpoint_root(config)
     name = f"step-{parts.state.step:07d}"
     tmp = root / f".tmp-{name}"
-    final = root / name
-    key = store.fresh_key("save")
+    key = ctx.store.fresh_key("save")
     prepared: Exception | None = None
     if ctx.rank == 0:
         try:
@@ -234,50 +256,84 @@ def save(parts: TrainingParts) -> Path:
         except OSError as e:
             prepared = e
     ctx.comm.barrier(ctx.world_group)
+    slices = rank_slices(parts.model, parts.optimizer)
+    extra, metadata = rng_state()
+    return PendingSave(
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        tmp=tmp,
+        final=root / name,
+        key=key,
+        slices=stage(slices) if stage is not None else slices,
+        extra=extra,
+        metadata=metadata,
+        state=run_state(parts) if ctx.rank == 0 else None,
+        tokenizer=parts.tokenizer is not None,
+        prepared=prepared,
+        timeout=config.parallelism.collective_timeout_seconds,
+        keep_last_n=config.checkpoints.keep_last_n,
+    )
+
+
+def save(parts: TrainingParts) -> Path:
+    """Write a checkpoint of the current step from every rank; return its directory once committed."""
+    final, warnings = finish_save(begin_save(parts), parts.ctx.store)
+    for warning in warnings:
+        parts.log.warn(warning)
+    return final
+
+
+def finish_save(pending: PendingSave, store: Store) -> tuple[Path, list[str]]:
+    """Every rank writes its file; rank 0 commits once all have, then deletes checkpoints beyond
+    keep_last_n. Returns the committed directory and warnings. A rank's failure reaches rank 0 through the
+    store, and rank 0's verdict every rank: all stop, with why. Runs in the background writer thread too,
+    with a `store` connection of its own."""
+    tmp = pending.tmp
+    final = pending.final
+    key = pending.key
     try:
-        if prepared is not None:
-            raise prepared
+        if pending.prepared is not None:
+            raise pending.prepared
         tmp.mkdir(parents=True, exist_ok=True)  # on another node of a shared file system it may show up late
-        slices = rank_slices(parts.model, parts.optimizer)
-        extra, metadata = rng_state()
-        record = write_rank_file(tmp, ctx.rank, slices, extra=extra, metadata=metadata) | {"rng": True}
-    except Exception as e:  # noqa: BLE001 - whatever it is (disk full: SafetensorError), rank 0 must hear of it
-        store.post(f"{key}/rank{ctx.rank}", json.dumps({"error": f"{type(e).__name__}: {e}"}))
-        if ctx.rank != 0:
+        written = write_rank_file(
+            tmp, pending.rank, pending.slices, extra=pending.extra, metadata=pending.metadata
+        )
+        record = written | {"rng": True}
+    except Exception as e:  # noqa: BLE001 - whatever it is (disk full), rank 0 must hear of it
+        store.post(f"{key}/rank{pending.rank}", json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        if pending.rank != 0:
             raise CheckpointError(
-                f"rank {ctx.rank} could not write its part of checkpoint {final}: {e}. Check "
-                f"free space and permissions under {root}."
+                f"rank {pending.rank} could not write its part of checkpoint {final}: {e}. Check "
+                f"free space and permissions under {final.parent}."
             ) from None
     else:
-        store.post(f"{key}/rank{ctx.rank}", json.dumps(record))
-    timeout = config.parallelism.collective_timeout_seconds
-    if ctx.rank == 0:
-        try:
-            records = collect_records(store, world=ctx.world_size, key=key, final=final, timeout=timeout)
-            if parts.tokenizer is not None:
-                records.append(file_record(tmp / TOKENIZER_FILE))
-            commit(tmp, final, run_state(parts), records)
-        except (CheckpointError, OSError) as e:
-            verdict = e
-            if isinstance(e, OSError):
-                verdict = CheckpointError(
-                    f"checkpoint {final} was not committed: {type(e).__name__}: {e}. Check free space and "
-                    f"permissions under {root}; the previous checkpoint is intact."
-                )
-            store.post(f"{key}/commit", str(verdict))
-            raise verdict from None
-        store.post(f"{key}/commit", "ok")
-        for warning in prune(root, config.checkpoints.keep_last_n, final):
-            parts.log.warn(warning)
-    else:
+        store.post(f"{key}/rank{pending.rank}", json.dumps(record))
+    timeout = pending.timeout
+    if pending.rank != 0:
         # Rank 0 may itself wait `timeout` for a slow rank before it commits.
         outcome = store.collect([f"{key}/commit"], 2 * timeout + 60).get(f"{key}/commit")
         if outcome != "ok":
             raise CheckpointError(
-                f"rank {ctx.rank}: checkpoint {final} was not committed by rank 0: "
+                f"rank {pending.rank}: checkpoint {final} was not committed by rank 0: "
                 f"{outcome or f'no word from rank 0 within {2 * timeout + 60:g} s'}"
             )
-    return final
+        return final, []
+    try:
+        records = collect_records(store, world=pending.world_size, key=key, final=final, timeout=timeout)
+        if pending.tokenizer:
+            records.append(file_record(tmp / TOKENIZER_FILE))
+        commit(tmp, final, pending.state, records)
+    except (CheckpointError, OSError) as e:
+        verdict = e
+        if isinstance(e, OSError):
+            verdict = CheckpointError(
+                f"checkpoint {final} was not committed: {type(e).__name__}: {e}. Check free space and "
+                f"permissions under {final.parent}; the previous checkpoint is intact."
+            )
+        store.post(f"{key}/commit", str(verdict))
+        raise verdict from None
+    store.post(f"{key}/commit", "ok")
+    return final, prune(final.parent, pending.keep_last_n, final)
 
 
 def collect_records(store: Store, world: int, key: str, final: Path, timeout: float) -> list[dict[str, Any]]:
@@ -653,8 +709,10 @@ def load(parts: TrainingParts, path: Path, what: str = EXPLICIT) -> tuple[str, P
     try:
         directory = Path(decided_by_rank_0(ctx, "which checkpoint to load", pick))
         with CheckpointReader(directory) as reader:
-            files = sorted(reader.manifest["files"])
-            for name in files[ctx.rank :: ctx.world_size]:  # each file's checksum read by one rank only
+            # Version 1 keeps a checksum per file, read once more for it, each file by one rank only;
+            # version 2's are checked as the tensors are read.
+            files = sorted(reader.manifest["files"]) if reader.manifest["version"] == 1 else []
+            for name in files[ctx.rank :: ctx.world_size]:
                 reader.verify(name)
             check_model_matches(reader.manifest, parts.config, directory)
             check_data_matches(parts, reader.manifest, directory)

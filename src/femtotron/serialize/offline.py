@@ -110,7 +110,7 @@ def consolidate(source: Path, out: Path, with_optimizer: bool = False) -> Path:
 
 
 def copy_tokenizer(reader: CheckpointReader, directory: Path) -> bool:
-    """The checkpoint's tokenizer.json into `directory`, checked against the manifest's sha256, if the
+    """The checkpoint's tokenizer.json into `directory`, checked against the manifest's checksum, if the
     manifest lists one. Never a file the manifest's config names: that path can point anywhere."""
     if TOKENIZER_FILE not in reader.manifest["files"]:
         return False

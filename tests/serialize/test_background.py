@@ -1,0 +1,164 @@
+"""checkpoints.async_save: the background writer saves what a synchronous save does, bit for bit; resumes
+from it are exact, on the same mesh and another; a full disk is named; a host without room is refused."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from checkpoint_runs import (
+    assert_the_resume_is_bit_exact,
+    make,
+    merged,
+    ranks_train,
+    train,
+    whole_then_halves,
+)
+from helpers import small_disk, write_yaml
+
+from femtotron.cli import main
+from femtotron.parallel.context import ParallelContext
+from femtotron.serialize.background import Staging, staging_shortfall
+from femtotron.serialize.files import MANIFEST, CheckpointError, Slice, rank_file
+from femtotron.trainer import Trainer
+
+ASYNC = "checkpoints.async_save=true"
+
+
+def test_an_async_save_writes_the_files_a_synchronous_save_writes(tiny_config):
+    """A save every step, so each waits for the previous one's write: every checkpoint, byte for byte."""
+    runs = {}
+    for label, mode in (("sync", "false"), ("async", "true")):
+        config = make(
+            tiny_config, label, "checkpoints.checkpoint_interval=1", f"checkpoints.async_save={mode}", steps=4
+        )
+        torch.manual_seed(0)  # the RNG states saved: femtotron draws nothing from them, the process did
+        random.seed(0)
+        np.random.seed(0)
+        runs[label] = train(config, ParallelContext()), config.run_dir / "checkpoints"
+    (sync, sync_dir), (background, async_dir) = runs.values()
+    assert background["losses"] == sync["losses"]
+    for step in range(1, 5):
+        name = f"step-{step:07d}"
+        assert (sync_dir / name / rank_file(0)).read_bytes() == (async_dir / name / rank_file(0)).read_bytes()
+        manifests = [json.loads((d / name / MANIFEST).read_text()) for d in (sync_dir, async_dir)]
+        for key in ("files", "tensors", "step", "consumed_samples", "rng", "mesh", "data_identity"):
+            assert manifests[0][key] == manifests[1][key], (name, key)
+    assert (async_dir / "latest").read_text().strip() == "step-0000004"
+
+
+def test_C3_resume_from_an_async_checkpoint_is_bit_exact_and_the_log_says_what_it_cost(tiny_config, capsys):
+    whole = train(make(tiny_config, "whole"), ParallelContext())
+    first = make(tiny_config, "first", "checkpoints.checkpoint_interval=2", ASYNC, steps=3)
+    capsys.readouterr()
+    half = [result.loss for result in Trainer(first, ParallelContext()).train()]
+    out = capsys.readouterr().out
+    assert "checkpoint of step 2: training stopped" in out and "MiB for the background writer" in out
+    assert "MiB written in the background in" in out
+    records = [json.loads(line) for line in (first.run_dir / "metrics.jsonl").read_text().splitlines()]
+    saves = [r for r in records if "checkpoint_step" in r]
+    # Step 2's write is reported at a later step or at the end; step 3's (the last) at the end.
+    assert [r["checkpoint_step"] for r in saves] == [2, 3] and all(r["step"] >= 2 for r in saves)
+    assert all(r["checkpoint_stall_seconds"] > 0 and r["checkpoint_write_seconds"] > 0 for r in saves)
+    saved = first.run_dir / "checkpoints"
+    rest = train(make(tiny_config, "rest", f"checkpoints.resume_checkpoint_path={saved}"), ParallelContext())
+    assert half + rest["losses"] == whole["losses"]
+    assert all(torch.equal(rest["weights"][n], w) for n, w in whole["weights"].items())
+    assert all(torch.equal(rest["masters"][n], w) for n, w in whole["masters"].items())
+
+
+@pytest.mark.distributed
+def test_C3_C1_an_async_checkpoint_at_2x2x2_resumes_bit_exact_and_on_one_process(tiny_config):
+    per_rank, saved = whole_then_halves(tiny_config, "async-", ASYNC, dp=2, tp=2, pp=2, zero=1)
+    assert_the_resume_is_bit_exact(per_rank)
+    losses, weights, _, _ = merged(per_rank, 0)
+    single = make(tiny_config, "async-single", f"checkpoints.resume_checkpoint_path={saved}")
+    single_losses, single_weights, _, _ = merged([ranks_train(0, [single])], 0)
+    assert single_losses == pytest.approx(losses[3:], rel=1e-5)
+    for name, weight in weights.items():
+        assert (single_weights[name] - weight).abs().max() <= 1e-4 * weight.abs().max(), name
+
+
+def test_a_requeued_async_run_resumes_its_own_checkpoint_and_a_finished_one_is_done(
+    tiny_config, tmp_path, capsys
+):
+    """An exception (here a kill as KeyboardInterrupt) waits for the background write: the checkpoint of
+    step 2 is committed, and the same command continues from it; once finished, it is already done."""
+    config = make(tiny_config, "requeued", "checkpoints.checkpoint_interval=2", ASYNC, steps=4)
+    trainer = Trainer(config, ParallelContext(), log_to_console=False)
+    one_step = trainer.train_step
+
+    def dying():
+        if trainer.state.step == 2:
+            raise KeyboardInterrupt("killed")
+        return one_step()
+
+    trainer.train_step = dying
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert (config.run_dir / "checkpoints" / "latest").read_text().strip() == "step-0000002"
+    path = write_yaml(config, tmp_path / "c.yaml")
+    capsys.readouterr()
+    assert main(["train", path]) == 0
+    assert (
+        f"resumed from {config.run_dir / 'checkpoints' / 'step-0000002'} at step 2" in capsys.readouterr().out
+    )
+    assert main(["train", path]) == 0
+    assert "already done" in capsys.readouterr().out
+
+
+def test_a_disk_that_fills_during_async_saves_names_the_bytes_and_keeps_the_last_good_checkpoint(
+    tiny_config, tmp_path
+):
+    measured = make(tiny_config, "measured", "checkpoints.checkpoint_interval=2", steps=2)
+    train(measured, ParallelContext())
+    size = sum(f.stat().st_size for f in (measured.run_dir / "checkpoints" / "step-0000002").iterdir())
+    with small_disk(tmp_path / "disk", size="4m") as where:
+        config = make(
+            tiny_config,
+            "full",
+            "checkpoints.checkpoint_interval=2",
+            f"checkpoints.checkpoints_path={where}",
+            ASYNC,
+            steps=6,
+        )
+        free = shutil.disk_usage(where).free
+        (where / "filler").write_bytes(b"\0" * (free - size * 3 // 2))  # room for one checkpoint, not two
+        with pytest.raises(CheckpointError) as failed:
+            Trainer(config, ParallelContext(), log_to_console=False).train()
+        message = str(failed.value)
+        assert (
+            f"cannot write checkpoint file {where / '.tmp-step-0000004' / rank_file(0)}: No space" in message
+        )
+        assert (
+            "bytes; " in message
+            and "are free there" in message
+            and "previous checkpoint is intact" in message
+        )
+        assert (where / "latest").read_text().strip() == "step-0000002"
+        assert (where / "step-0000002" / MANIFEST).is_file()
+
+
+def test_a_host_without_room_for_the_staging_buffers_is_refused_with_the_fix():
+    gib = 2**30
+    assert staging_shortfall(per_rank=gib, ranks_here=8, available=9 * gib) is None
+    problem = staging_shortfall(per_rank=gib, ranks_here=8, available=7 * gib)
+    assert (
+        "1.00 GiB per rank, 8.00 GiB for the 8 rank(s) on this host, which has 7.00 GiB available" in problem
+    )
+    assert "Fix: set checkpoints.async_save=false" in problem
+
+
+def test_staging_buffers_are_reused_by_the_next_save():
+    staging = Staging(pinned=False)
+    values = torch.arange(12, dtype=torch.float32).view(3, 4)
+    first = staging.stage([Slice("model/w", (3, 4), ((0, 0), (3, 4)), values)])
+    buffer = staging.buffers[torch.float32].data_ptr()
+    assert torch.equal(first[0].values, values) and first[0].values.data_ptr() == buffer
+    second = staging.stage([Slice("model/w", (3, 4), ((0, 0), (3, 4)), values * 2)])
+    assert second[0].values.data_ptr() == buffer and torch.equal(second[0].values, values * 2)
+    assert staging.bytes() == 48
