@@ -1,19 +1,26 @@
-"""Checkpoint save and load time against writing and reading the same tensors as one safetensors file.
+"""Checkpoint save and load time against writing and reading the same tensors as one safetensors file, and
+what checkpoints.async_save costs training.
 
 One process builds femtotron's Trainer for a model shape, takes one training step (so Adam's moments
 exist), then, --repeats times each, alternating:
 
     baseline save   safetensors.torch.save_file of the same tensors (weights, masters if not fp32, both
                     moments) as one file, plus an fsync: the raw cost of the bytes
-    femtotron save  checkpoint.save: slices, per-file sha256, manifest, fsyncs, atomic rename, `latest`
+    femtotron save  checkpoint.save: slices, checksums computed while writing, manifest, fsyncs, atomic
+                    rename, `latest`
+    async stall     checkpoints.async_save: the time training stops (barrier, copy into the staging
+                    buffers); the write that follows in the background is waited for before the next round
     baseline load   safetensors.torch.load_file of that file, every tensor copied out (load_file maps the
                     file lazily; the copy makes it read the bytes)
-    femtotron load  checkpoint.load into the live trainer: checksum check, slice reads, placement
+    femtotron load  checkpoint.load into the live trainer: slice reads, each tensor's checksum checked as it
+                    is read, placement
 
-and prints median seconds, MB/s and the ratio to the baseline. The checksums read every file once
-more, so expect femtotron's save and load to cost about 1.5-2x the raw I/O.
+and prints median seconds, MB/s and the ratio to the baseline (the stall's to femtotron's synchronous save).
+Then it times --steps training steps alone and steps while a background write runs, and prints their ratio:
+what the writer thread costs the training thread. Files go to --dir (default: a temporary directory; the
+page cache serves the loads, as it does a resume soon after a save).
 
-    python bench/checkpoint_io.py [--shape debug|wide] [--dtype float32|bfloat16] [--repeats 3]
+    python bench/checkpoint_io.py [--shape debug|wide|large[,...]] [--dtype float32|bfloat16] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from common import headline, shape_trainer, write_random_tokens
 from safetensors.torch import load_file, save_file
 
 from femtotron.serialize import checkpoint
+from femtotron.serialize.background import BackgroundSaves
 from femtotron.serialize.checkpoint import rank_slices
 
 SHAPES = {
@@ -52,6 +60,24 @@ SHAPES = {
         "sequence_length": 64,
         "micro_batch_size": 1,
     },
+    "large": {  # about 233M parameters: ~3 GiB of checkpoint in bf16 with fp32 masters and moments
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "vocab_size": 8000,
+        "sequence_length": 64,
+        "micro_batch_size": 1,
+    },
+}
+
+
+# What each figure is divided by: the raw safetensors file; the stall by the synchronous save it replaces.
+BASELINE = {
+    "femtotron save": "baseline save",
+    "async stall": "femtotron save",
+    "femtotron load": "baseline load",
 }
 
 
@@ -61,59 +87,109 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", choices=SHAPES, default="wide")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    shape = SHAPES[args.shape]
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        write_random_tokens(root / "tokens", shape["vocab_size"], 200_000)
-        trainer = shape_trainer(shape, args.dtype, root / "tokens", root / "runs")
-        trainer.config.checkpoints.keep_last_n = 1
-        trainer.train_step()
-        tensors = {
-            f"{i}:{name}": values.contiguous()
-            for i, (name, _, _, values) in enumerate(rank_slices(trainer.model, trainer.optimizer))
-        }
-        size = sum(t.numel() * t.element_size() for t in tensors.values())
-        raw = root / "raw.safetensors"
+def measure_shape(name: str, args: argparse.Namespace, root: Path) -> None:
+    shape = SHAPES[name]
+    write_random_tokens(root / "tokens", shape["vocab_size"], 200_000)
+    trainer = shape_trainer(shape, args.dtype, root / "tokens", root / "runs")
+    trainer.config.checkpoints.keep_last_n = 1
+    trainer.train_step()
+    tensors = {
+        f"{i}:{name}": values.contiguous()
+        for i, (name, _, _, values) in enumerate(rank_slices(trainer.model, trainer.optimizer))
+    }
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    raw = root / "raw.safetensors"
 
-        def raw_save() -> None:
-            save_file(tensors, str(raw))
-            with open(raw, "rb") as f:
-                os.fsync(f.fileno())
+    def raw_save() -> None:
+        save_file(tensors, str(raw))
+        with open(raw, "rb") as f:
+            os.fsync(f.fileno())
 
-        times: dict[str, list[float]] = {
-            key: [] for key in ("baseline save", "femtotron save", "baseline load", "femtotron load")
-        }
-        saved = None
-        for repeat in range(args.repeats):
-            times["baseline save"].append(timed(raw_save))
-            trainer.state.step = repeat + 1  # a new checkpoint directory each time
-            start = time.perf_counter()
-            saved = checkpoint.save(trainer.parts)
-            times["femtotron save"].append(time.perf_counter() - start)
-            times["baseline load"].append(timed(lambda: [t.clone() for t in load_file(str(raw)).values()]))
-            times["femtotron load"].append(timed(lambda path=saved: checkpoint.load(trainer.parts, path)))
+    background = BackgroundSaves(trainer.ctx)
+    background.reserve(trainer.parts)  # as the trainer does before step 1
+    times: dict[str, list[float]] = {
+        key: []
+        for key in ("baseline save", "femtotron save", "async stall", "baseline load", "femtotron load")
+    }
+    saved = None
+    for repeat in range(args.repeats):
+        times["baseline save"].append(timed(raw_save))
+        trainer.state.step = 2 * repeat + 1  # a new checkpoint directory each time
+        start = time.perf_counter()
+        saved = checkpoint.save(trainer.parts)
+        times["femtotron save"].append(time.perf_counter() - start)
+        trainer.state.step += 1
+        times["async stall"].append(background.start(trainer.parts))
+        background.wait()
+        times["baseline load"].append(timed(lambda: [t.clone() for t in load_file(str(raw)).values()]))
+        times["femtotron load"].append(timed(lambda path=saved.parent: checkpoint.load(trainer.parts, path)))
     print(
-        f"shape {args.shape}, {args.dtype}: {size / 2**20:.1f} MiB of weights, master weights and moments; "
+        f"shape {name}, {args.dtype}: {size / 2**20:.1f} MiB of weights, master weights and moments; "
         f"medians of {args.repeats}"
     )
     for key, values in times.items():
         seconds = statistics.median(values)
-        baseline = statistics.median(times[key.replace("femtotron", "baseline")])
+        baseline = statistics.median(times[BASELINE.get(key, key)])
         print(f"  {key:<16}{seconds:8.3f} s {size / 2**20 / seconds:9.0f} MiB/s {seconds / baseline:7.2f}x")
-        if key.startswith("femtotron"):
-            what = f"checkpoint {key.split()[1]}, {args.shape} {args.dtype} ({size / 2**20:.0f} MiB): seconds"
-            headline(
-                f"{what}, femtotron / one safetensors file",
-                seconds,
-                baseline,
-                number_format=".3f",
-            )
+    what = f"{name} {args.dtype} ({size / 2**20:.0f} MiB)"
+    for kind in ("save", "load"):
+        ours = statistics.median(times[f"femtotron {kind}"])
+        raw_seconds = statistics.median(times[f"baseline {kind}"])
+        headline(
+            f"checkpoint {kind}, {what}: seconds, femtotron / one safetensors file", ours, raw_seconds, ".3f"
+        )
+    stall = statistics.median(times["async stall"])
+    synchronous = statistics.median(times["femtotron save"])
+    headline(
+        f"async checkpoint, {what}: seconds training stops, async / synchronous save",
+        stall,
+        synchronous,
+        ".3f",
+    )
+    normal, overlapped, write = step_times(trainer, background, args.steps)
+    synchronous = statistics.median(times["femtotron save"])
+    print(
+        f"  steps alone {normal:.3f} s, during a background write {overlapped:.3f} s; the write took "
+        f"{write:.3f} s while training ({synchronous:.3f} s for a synchronous save)"
+    )
+    headline(
+        f"steps during an async checkpoint write, {what}: seconds, overlapped / alone",
+        overlapped,
+        normal,
+        ".3f",
+    )
+
+
+def step_times(trainer, background: BackgroundSaves, steps: int) -> tuple[float, float, float]:
+    """Median seconds of `steps` training steps alone, of the steps taken while background writes run (a
+    write is started again whenever one finishes, until `steps` steps overlapped one), and of those writes."""
+    alone = [timed(trainer.train_step) for _ in range(steps)]
+    overlapped = []
+    writes = []
+    while len(overlapped) < steps:
+        trainer.state.step += 1
+        background.start(trainer.parts)
+        while background.thread.is_alive() and len(overlapped) < steps:
+            seconds = timed(trainer.train_step)
+            if background.thread.is_alive():  # the write ran through the whole step
+                overlapped.append(seconds)
+        writes.append(background.wait().write_seconds)
+    return statistics.median(alone), statistics.median(overlapped), statistics.median(writes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="wide,large", help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="steps timed alone and during writes")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where the files go (default: a temporary one)"
+    )
+    args = parser.parse_args()
+    for name in args.shape.split(","):
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            measure_shape(name, args, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -158,6 +158,8 @@ class Trainer:
             self.log.info(summary)
             self.state.stages = self.train_data.resumed(self.state.stages, self.state.step)
         last_saved = self.state.step if path is not None else None  # that state is on disk already
+        if self.background is not None and ckpt.checkpoint_interval:
+            self.background.reserve(self.parts)
         self.log.start_at(self.state.step)  # the run starts: metrics.jsonl keeps the steps before it
         self.log.info(start_report.summary(self.parts, self.step_logger.yardstick))
         for warning in start_report.start_warnings(self.parts, self.val_data is not None, self.upcasts):

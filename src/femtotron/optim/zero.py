@@ -107,4 +107,5 @@ class ZeroAdamW:
                 device = master.device if on_device else "cpu"
                 state["step"] = torch.tensor(float(steps), dtype=torch.float32, device=device)
                 for kind in ("exp_avg", "exp_avg_sq"):
-                    state.setdefault(kind, torch.zeros_like(master))
+                    if kind not in state:  # not setdefault: it would allocate zeros on every call
+                        state[kind] = torch.zeros_like(master)

@@ -20,6 +20,7 @@ the collective timeout to finish, then left unfinished: its temporary directory 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,7 +51,8 @@ class Staging:
             needed[piece.values.dtype] = needed.get(piece.values.dtype, 0) + piece.values.numel()
         for dtype, count in needed.items():
             if dtype not in self.buffers or self.buffers[dtype].numel() < count:
-                self.buffers[dtype] = torch.empty(count, dtype=dtype, pin_memory=self.pinned)
+                # zeros: the pages are taken now (at `reserve`), not by the first save's copy
+                self.buffers[dtype] = torch.zeros(count, dtype=dtype, pin_memory=self.pinned)
         used = dict.fromkeys(needed, 0)
         staged = []
         for piece in slices:
@@ -90,6 +92,11 @@ class BackgroundSaves:
         self.outcome: Written | BaseException | None = None
         self.reported = True
 
+    def reserve(self, parts: TrainingParts) -> None:
+        """Take the staging buffers before step 1, so that the first save stops training no longer than the
+        others, and a host short of memory fails now rather than at the first save."""
+        self.staging.stage(checkpoint.rank_slices(parts.model, parts.optimizer))
+
     def start(self, parts: TrainingParts) -> float:
         """Wait for the previous save (raising its failure), take this step's values, start writing them;
         return the seconds training stopped for."""
@@ -108,6 +115,9 @@ class BackgroundSaves:
         return stall
 
     def _write(self, pending: checkpoint.PendingSave, step: int, stall: float) -> None:
+        # The lowest CPU priority, for this thread alone (Linux): where training keeps every core busy (a CPU
+        # run) the write takes the cores' idle moments instead of slowing the steps.
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         start = time.perf_counter()
         try:
             path, warnings = checkpoint.finish_save(pending, self.store)

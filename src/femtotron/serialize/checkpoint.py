@@ -764,7 +764,7 @@ def fill(
         )
     for place in placements(param.shard, tuple(param.shape), start, stop):
         view = target[place.flat_start - start : place.flat_stop - start].view(place.local_shape)
-        view[place.valid] = reader.read(tensor, place.target).to(device=view.device, dtype=view.dtype)
+        reader.read(tensor, place.target, out=view[place.valid])
 
 
 def load_tensors(

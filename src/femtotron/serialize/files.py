@@ -408,8 +408,9 @@ class CheckpointReader:
             )
         return self.tensors[tensor]
 
-    def read(self, tensor: str, box: Box) -> torch.Tensor:
-        """The part `box` of global tensor `tensor`, assembled from every slice that overlaps it."""
+    def read(self, tensor: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The part `box` of global tensor `tensor`, assembled from every slice that overlaps it: into `out`
+        when given (of the box's shape, any dtype and device: a load writes straight into its targets)."""
         entry = self._entry(tensor)
         overlaps = []
         for piece in entry["slices"]:
@@ -418,7 +419,8 @@ class CheckpointReader:
             if overlap is not None:  # each file checked against the manifest before anything is allocated
                 overlaps.append((piece, stored, overlap, self._file(piece["file"])))
         dtype = DTYPES[entry["dtype"]]
-        out = torch.empty([h - lo for lo, h in zip(*box, strict=True)], dtype=dtype)
+        if out is None:
+            out = torch.empty([h - lo for lo, h in zip(*box, strict=True)], dtype=dtype)
         covered = 0
         for piece, stored, overlap, file in overlaps:
             values = file.tensor(piece["key"])

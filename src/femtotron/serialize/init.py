@@ -54,7 +54,10 @@ class HFFiles:
             rows[first + low : first + high] if columns is None else rows[first + low : first + high, columns]
         )
 
-    def read(self, name: str, box: Box) -> torch.Tensor:
+    def read(self, name: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        return copied_into(out, self._assemble(name, box))
+
+    def _assemble(self, name: str, box: Box) -> torch.Tensor:
         starts, stops = box
         # The HF name of the module holding `name`, e.g. model.layers.3.self_attn.
         prefix = "model." + name.rsplit(".", 2)[0] + "."
@@ -117,8 +120,8 @@ class RunFiles:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.where[name].get_slice(name).get_shape())
 
-    def read(self, name: str, box: Box) -> torch.Tensor:
-        return self.where[name].get_slice(name)[tuple(map(slice, *box))]
+    def read(self, name: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        return copied_into(out, self.where[name].get_slice(name)[tuple(map(slice, *box))])
 
 
 class CheckpointWeights:
@@ -134,8 +137,16 @@ class CheckpointWeights:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.reader.shape(self._key(name))
 
-    def read(self, name: str, box: Box) -> torch.Tensor:
-        return self.reader.read(self._key(name), box)
+    def read(self, name: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.reader.read(self._key(name), box, out)
+
+
+def copied_into(out: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+    """`values`, copied into `out` when a reader was given one (as CheckpointReader.read does)."""
+    if out is None:
+        return values
+    out.copy_(values)
+    return out
 
 
 def source_of(path: Path) -> tuple[LlamaConfig, Any]:
