@@ -104,7 +104,7 @@ def _resume_and_record_files(rank, resumed):
     opened = set()
     read = files.CheckpointReader.read
 
-    def recording(self, tensor, box):  # which files each kind of tensor is read from
+    def recording(self, tensor, box, out=None):  # which files each kind of tensor is read from
         real_file = self._file
 
         def noting_file(name):
@@ -113,7 +113,7 @@ def _resume_and_record_files(rank, resumed):
 
         self._file = noting_file
         try:
-            return read(self, tensor, box)
+            return read(self, tensor, box, out)
         finally:
             del self._file
 
