@@ -9,6 +9,7 @@ import contextlib
 import gc
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ import time
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from helpers import (
@@ -537,3 +539,22 @@ def test_document_masking_on_cuda_in_bf16_runs_the_efficient_kernel_without_host
     assert ("_scaled_dot_product_efficient_attention" in ops.inputs) == (kernel == "efficient"), kernel
     exact_sum, exact_count = reference(batch.inputs, batch.targets, batch.placement)
     assert_within_bf16_rounding((loss_sum / count).item(), model, exact_sum / exact_count, reference)
+
+
+def test_an_async_save_stages_in_pinned_memory_and_writes_the_synchronous_files(tiny_config):
+    """checkpoints.async_save on a GPU: the staging buffers are pinned host memory, and the files the
+    background writer commits are the synchronous save's, byte for byte."""
+    written = {}
+    for mode in ("false", "true"):
+        config = tiny_config(
+            f"general.run=save-{mode}", "checkpoints.checkpoint_interval=2", f"checkpoints.async_save={mode}"
+        )
+        for seeded in (torch.manual_seed, torch.cuda.manual_seed_all, random.seed, np.random.seed):
+            seeded(0)  # the RNG states saved: femtotron draws nothing from them, the process did
+        trainer = Trainer(config, ParallelContext(), log_to_console=False)
+        trainer.train()
+        if trainer.background is not None:
+            assert all(b.is_pinned() for b in trainer.background.staging.buffers.values())
+        step = config.run_dir / "checkpoints" / f"step-{config.tokens.train_steps:07d}"
+        written[mode] = {f.name: f.read_bytes() for f in step.iterdir() if f.suffix == ".safetensors"}
+    assert written["true"] == written["false"] and written["true"]

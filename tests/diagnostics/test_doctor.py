@@ -96,6 +96,16 @@ def test_doctor_fits_the_8b_zero3_example_on_one_node_where_zero1_barely_fits(ca
     assert "fits: the largest rank needs 40.53 GiB of 79.1 GiB (51%)" in out
 
 
+def test_doctor_counts_the_host_memory_of_async_checkpoints(capsys):
+    """The staging buffers hold the rank's part of a checkpoint: its 1/8 of the 8B model's bf16 weights, fp32
+    master weights and Adam moments, 1.87 + 3.74 + 7.48 GiB."""
+    overrides = ["--device", "H100", "checkpoints.async_save=true"]
+    assert main(["doctor", "examples/llama_8b_zero3_gpu.yaml", *overrides]) == 0
+    assert "host memory per rank for checkpoints.async_save: 13.09 GiB of staging" in capsys.readouterr().out
+    assert main(["doctor", "examples/llama_8b_zero3_gpu.yaml", "--device", "H100"]) == 0
+    assert "async_save" not in capsys.readouterr().out
+
+
 def test_M1_doctor_budgets_the_nccl_communicators_on_gpus_only(tiny_config, tmp_path, capsys):
     """dp=2 tp=2: each rank is in a tp group, a dp group and the default group (mp = tp: no fourth)."""
     config = write(tiny_config, tmp_path, "parallelism.dp=2", "parallelism.tp=2")

@@ -26,3 +26,15 @@ def test_the_layout_line_names_expert_parallelism(tiny_config):
     config = tiny_config("parallelism.dp=2", "parallelism.ep=2", "model.model_config.moe.num_experts=4")
     line = run_ranks(_layout_line, 2, config)[0]
     assert line.startswith("layout: dp=2 tp=1 pp=1 (experts over ep=2) on 2 process(es) on 1 host(s)")
+
+
+def test_the_report_names_async_checkpoints_and_their_host_memory(tiny_config):
+    config = tiny_config("checkpoints.checkpoint_interval=2", "checkpoints.async_save=true")
+    trainer = Trainer(config, ParallelContext(), log_to_console=False)
+    summary = start_report.summary(trainer.parts, "")
+    staging = trainer.model.data_parallel.checkpoint_bytes() / 2**20
+    assert (
+        "checkpoints: written in the background (checkpoints.async_save); staging buffers of "
+        f"{staging:,.1f} MiB of host memory on this rank" in summary
+    )
+    assert "async_save" not in start_report.summary(Trainer(tiny_config(), ParallelContext()).parts, "")

@@ -18,7 +18,7 @@ from checkpoint_runs import (
     train,
     whole_then_halves,
 )
-from helpers import small_disk, write_yaml
+from helpers import femtotron, small_disk, write_yaml
 
 from femtotron.cli import main
 from femtotron.parallel.context import ParallelContext
@@ -162,3 +162,35 @@ def test_staging_buffers_are_reused_by_the_next_save():
     second = staging.stage([Slice("model/w", (3, 4), ((0, 0), (3, 4)), values * 2)])
     assert second[0].values.data_ptr() == buffer and torch.equal(second[0].values, values * 2)
     assert staging.bytes() == 48
+
+
+def training_losses(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+@pytest.mark.distributed
+@pytest.mark.usefixtures("no_launcher")
+def test_C2_a_rank_killed_during_the_background_write_leaves_the_previous_checkpoint_and_the_run_resumes(
+    tiny_config, tmp_path
+):
+    """Two ranks through the launcher; rank 1 is SIGKILLed while its background writer writes step 4's file,
+    training going on meanwhile. Step 4 is never committed; the same command then resumes step 2, and the
+    losses are the uninterrupted run's, exactly."""
+    whole = make(tiny_config, "whole", "checkpoints.save_final_state=false", dp=2)
+    assert femtotron("train", write_yaml(whole, tmp_path / "whole.yaml")).returncode == 0
+    config = make(tiny_config, "killed", "checkpoints.checkpoint_interval=2", ASYNC, dp=2)
+    path = write_yaml(config, tmp_path / "killed.yaml")
+    first = femtotron("train", path, "tokens.train_steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    crash = {"FEMTOTRON_CRASH_AT": "checkpoint.tensor_written", "FEMTOTRON_CRASH_RANK": "1"}
+    killed = femtotron("train", path, env=crash)
+    assert killed.returncode != 0 and "rank 1 was killed by SIGKILL" in killed.stderr, killed.stderr[-3000:]
+    saved = config.run_dir / "checkpoints"
+    assert (saved / ".tmp-step-0000004").is_dir() and not (saved / "step-0000004").exists()
+    assert (saved / "latest").read_text().strip() == "step-0000002"
+    resumed = femtotron("train", path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {saved / 'step-0000002'} at step 2" in resumed.stdout
+    assert training_losses(config.run_dir) == training_losses(whole.run_dir)
+    assert (saved / "latest").read_text().strip() == "step-0000006"

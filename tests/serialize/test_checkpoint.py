@@ -373,8 +373,17 @@ def test_C2_a_save_killed_part_way_leaves_the_previous_checkpoint_and_the_run_re
 
 
 @pytest.mark.distributed
-def test_sigterm_saves_a_checkpoint_and_stops_then_the_run_resumes(tiny_config, tmp_path):
-    config = make(tiny_config, "term", "logging.iteration_step_info_interval=1", steps=10**6)
+@pytest.mark.parametrize("async_save", [False, True])
+def test_sigterm_saves_a_checkpoint_and_stops_then_the_run_resumes(tiny_config, tmp_path, async_save):
+    """With checkpoints.async_save the stop waits for the background write: exit 7 once it is committed."""
+    config = make(
+        tiny_config,
+        "term",
+        "logging.iteration_step_info_interval=1",
+        "checkpoints.checkpoint_interval=3",
+        f"checkpoints.async_save={async_save}",
+        steps=10**6,
+    )
     run = subprocess.Popen(
         [sys.executable, "-m", "femtotron", "train", write_yaml(config, tmp_path / "c.yaml")],
         stdout=subprocess.PIPE,

@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 from helpers import write_yaml
+from safetensors.torch import save_file
 
 from femtotron.cli import main
 from femtotron.serialize.files import (
@@ -19,6 +20,7 @@ from femtotron.serialize.files import (
     build_manifest,
     rank_file,
     read_manifest,
+    sha256_of,
     write_rank_file,
 )
 
@@ -183,3 +185,44 @@ def test_S2_a_hostile_manifest_is_a_clear_error_in_every_command_that_reads_one(
         error = capsys.readouterr().err
         assert error.startswith("femtotron: error: ") and re.search(phrase, error), (verb, error)
         assert "Traceback" not in error
+
+
+def version_1_checkpoint(directory):
+    """A checkpoint as femtotron wrote it before format 2: safetensors' own writer, a sha256 per file."""
+    directory.mkdir()
+    path = directory / rank_file(0)
+    save_file({"0:model/w": VALUES[:1].contiguous(), "1:model/w": VALUES[1:].contiguous()}, str(path))
+    record = {"file": path.name, "sha256": sha256_of(path), "bytes": path.stat().st_size}
+    rows = [
+        {"tensor": "model/w", "shape": (2, 4), "dtype": "float32", "key": f"{row}:model/w", "start": (row, 0)}
+        | {"stop": (row + 1, 4)}
+        for row in (0, 1)
+    ]
+    manifest = build_manifest({"step": 1, "config": {}, "mesh": {}}, [record | {"slices": rows}])
+    (directory / MANIFEST).write_text(json.dumps(manifest | {"version": 1}))
+    return path
+
+
+def test_a_version_1_checkpoint_still_reads_and_its_sha256_is_checked(tmp_path):
+    path = version_1_checkpoint(tmp_path / "v1")
+    with CheckpointReader(tmp_path / "v1", verify_all=True) as reader:
+        assert torch.equal(reader.read("model/w", ((0, 0), (2, 4))), VALUES)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        CheckpointError, match=f"checkpoint file {re.escape(str(path))} fails its sha256 checksum"
+    ):
+        CheckpointReader(tmp_path / "v1", verify_all=True).read("model/w", ((0, 0), (2, 4)))
+
+
+def test_a_flipped_bit_in_any_tensor_fails_its_checksum_when_read(tmp_path):
+    hand_checkpoint(tmp_path / "c")
+    path = tmp_path / "c" / rank_file(0)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # the last element of the second row
+    path.write_bytes(bytes(data))
+    with CheckpointReader(tmp_path / "c") as reader:
+        assert torch.equal(reader.read("model/w", ((0, 0), (1, 4))), VALUES[:1])  # the first row is sound
+        with pytest.raises(CheckpointError, match="fails its checksum for its tensor '1:model/w'"):
+            reader.read("model/w", ((1, 0), (2, 4)))

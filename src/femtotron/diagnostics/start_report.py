@@ -37,6 +37,13 @@ def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
         f"MFU is measured against {mfu_yardstick}",
         memory_summary(parts),
     ]
+    if config.checkpoints.async_save and config.checkpoints.checkpoint_interval:
+        pinned = ", pinned" if ctx.device.type == "cuda" else ""
+        staging = parts.model.data_parallel.checkpoint_bytes() / 2**20
+        lines.append(
+            "checkpoints: written in the background (checkpoints.async_save); staging buffers of "
+            f"{staging:,.1f} MiB of host memory on this rank{pinned}"
+        )
     if ctx.tp > 1:
         lines.append(f"tensor parallel: tp={ctx.tp}, tp_mode={par.tp_mode}")
     if ctx.cp > 1:
