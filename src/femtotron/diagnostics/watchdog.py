@@ -160,18 +160,26 @@ class Watchdog:
                 return
             ops = self.comm.unfinished()
             if ops and now - ops[0].started > self.hang_timeout:
+                # A rank that froze just after this op started has not been silent for silent_seconds yet,
+                # but a live rank beats every interval: half of it is enough to name it as the cause.
+                states = self._states()
+                silent = self._silent(states, now, self.silent_seconds / 2)
+                if silent:
+                    self._end(self.report(states, silent, "stopped (failed, died or froze)"))
+                    return
                 op = _waited_on({"ops": [_op(op) for op in ops]})
                 group = f" on {op['group']}" if op["group"] else ""
                 problem = (
                     f"has waited in {op['kind']}{group} for {op['seconds']:.0f} s "
                     f"(parallelism.hang_timeout_seconds={self.hang_timeout:g})"
                 )
-                self._end(self.report(self._states(), [], problem, stuck=True))
+                self._end(self.report(states, [], problem, stuck=True))
                 return
             self.stopped.wait(self.interval)
 
-    def _silent(self, states: dict[int, dict[str, Any]], now: float) -> list[int]:
-        """The ranks that failed, or whose heartbeat has not changed for `silent_seconds`."""
+    def _silent(self, states: dict[int, dict[str, Any]], now: float, after: float | None = None) -> list[int]:
+        """The ranks that failed, or whose heartbeat has not changed for `after` (silent_seconds) seconds."""
+        after = self.silent_seconds if after is None else after
         silent = []
         for rank, state in states.items():
             if state.get("done"):
@@ -179,7 +187,7 @@ class Watchdog:
             beat, since = self.seen.get(rank, (-1, now))
             if state["beat"] != beat:
                 self.seen[rank] = (state["beat"], now)
-            if state.get("failed") or (state["beat"] == beat and now - since > self.silent_seconds):
+            if state.get("failed") or (state["beat"] == beat and now - since > after):
                 silent.append(rank)
         return silent
 
