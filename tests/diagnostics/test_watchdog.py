@@ -143,9 +143,7 @@ def test_P1_a_frozen_rank_ends_the_job_on_the_others_within_60_s(tiny_config, tm
         ranks[1].communicate()
     assert "hang report from rank 0: rank 1 stopped (failed, died or froze)" in report
     assert re.search(r"rank 1 \(as of (\d+) s ago\): .*<- silent", report), report
-    # Silent for 4 s at least; or 2 s (half of it) when rank 0's collective had waited 4 s by then: rank 1
-    # froze just after rank 0 entered it, and a live rank beats every second.
-    assert int(re.search(r"rank 1 \(as of (\d+) s ago\)", report).group(1)) >= 2
+    assert int(re.search(r"rank 1 \(as of (\d+) s ago\)", report).group(1)) >= 4  # silent for 4 s at least
 
 
 def test_the_report_says_how_old_each_rank_s_state_is():

@@ -160,13 +160,12 @@ class Watchdog:
                 return
             ops = self.comm.unfinished()
             if ops and now - ops[0].started > self.hang_timeout:
-                # A rank that froze just after this op started has not been silent for silent_seconds yet,
-                # but a live rank beats every interval: half of it is enough to name it as the cause.
+                # A rank that missed a beat may have frozen just after this op started: the silence check
+                # above names it within silent_seconds, a better report than this wait.
                 states = self._states()
-                silent = self._silent(states, now, self.silent_seconds / 2)
-                if silent:
-                    self._end(self.report(states, silent, "stopped (failed, died or froze)"))
-                    return
+                if self._silent(states, now, 1.5 * self.interval):
+                    self.stopped.wait(self.interval)
+                    continue
                 op = _waited_on({"ops": [_op(op) for op in ops]})
                 group = f" on {op['group']}" if op["group"] else ""
                 problem = (
