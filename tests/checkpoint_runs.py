@@ -3,6 +3,7 @@ trained, saved and resumed on any layout, and the comparison of a resumed run wi
 
 from __future__ import annotations
 
+import pytest
 import torch
 from distributed import run_ranks
 from helpers import full_masters
@@ -112,3 +113,14 @@ def assert_the_resume_is_bit_exact(per_rank) -> None:
     for name, weight in weights.items():
         assert torch.equal(rest_weights[name], weight), name
         assert torch.equal(rest_masters[name], masters[name]), name
+
+
+def assert_one_process_continues(tiny_config, run: str, saved, per_rank) -> None:
+    """The checkpoint `saved` by `whole_then_halves`, resumed on one process without ZeRO, continues the
+    uninterrupted run: its losses (up to summation order) and weights."""
+    losses, weights, _, _ = merged(per_rank, 0)
+    single = make(tiny_config, run, f"checkpoints.resume_checkpoint_path={saved}")
+    single_losses, single_weights, _, _ = merged([ranks_train(0, [single])], 0)
+    assert single_losses == pytest.approx(losses[3:], rel=1e-5)
+    for name, weight in weights.items():
+        assert (single_weights[name] - weight).abs().max() <= 1e-4 * weight.abs().max(), name

@@ -144,7 +144,11 @@ def test_wandb_offline_gets_every_record_under_the_run_names_and_a_resume_contin
 
     records = [json.loads(line) for line in (first.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert sorted(first_history) == [1, 2, 3, 4] and sorted(history) == [3, 4, 5, 6]
+    by_step = {}  # W&B keeps one row per step: a checkpoint's record joins its step's training record
     for record in records:
+        by_step.setdefault(record["step"], {}).update(record)
+    assert any("checkpoint_step" in record for record in by_step.values())
+    for record in by_step.values():
         logged = (history if record["step"] > 2 else first_history)[record["step"]]
         numbers = {tag(k): v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
         assert logged.keys() == numbers.keys() and {"train/loss", "train/lr", "perf/mfu"} <= logged.keys()

@@ -18,9 +18,9 @@ from femtotron.serialize.files import (
     CheckpointReader,
     Slice,
     build_manifest,
+    checksum_of,
     rank_file,
     read_manifest,
-    sha256_of,
     write_rank_file,
 )
 
@@ -192,7 +192,7 @@ def version_1_checkpoint(directory):
     directory.mkdir()
     path = directory / rank_file(0)
     save_file({"0:model/w": VALUES[:1].contiguous(), "1:model/w": VALUES[1:].contiguous()}, str(path))
-    record = {"file": path.name, "sha256": sha256_of(path), "bytes": path.stat().st_size}
+    record = {"file": path.name, "sha256": checksum_of(path, "sha256"), "bytes": path.stat().st_size}
     rows = [
         {"tensor": "model/w", "shape": (2, 4), "dtype": "float32", "key": f"{row}:model/w", "start": (row, 0)}
         | {"stop": (row + 1, 4)}

@@ -93,16 +93,9 @@ def write_synced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def xxh3_of(path: Path) -> str:
-    digest = xxhash.xxh3_128()
+def checksum_of(path: Path, kind: str = WHOLE_FILE) -> str:
+    """The whole file's checksum: XXH3-128 (`WHOLE_FILE`), or "sha256" (format version 1's)."""
+    digest = xxhash.xxh3_128() if kind == WHOLE_FILE else hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
@@ -199,7 +192,7 @@ def write_rank_file(
 
 def file_record(path: Path) -> dict[str, Any]:
     """What the manifest knows of a file besides slices (the tokenizer): its name, checksum and size."""
-    return {"file": path.name, WHOLE_FILE: xxh3_of(path), "bytes": path.stat().st_size, "slices": []}
+    return {"file": path.name, WHOLE_FILE: checksum_of(path), "bytes": path.stat().st_size, "slices": []}
 
 
 def build_manifest(state: dict[str, Any], files: list[dict[str, Any]]) -> dict[str, Any]:
@@ -372,7 +365,7 @@ class CheckpointReader:
         else:
             path = self._path(name)
             kind = WHOLE_FILE if WHOLE_FILE in record else "sha256"
-            if (xxh3_of(path) if kind == WHOLE_FILE else sha256_of(path)) != record[kind]:
+            if checksum_of(path, kind) != record[kind]:
                 raise CheckpointError(
                     f"checkpoint file {path} fails its {kind} checksum (the manifest has "
                     f"{record[kind][:16]}...): its contents are corrupt. Copy the checkpoint again, or "
