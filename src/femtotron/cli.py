@@ -246,17 +246,24 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
 
 def cmd_preprocess(args: argparse.Namespace) -> None:
-    from femtotron.data.preprocess import preprocess
+    from femtotron.data.documents import DocumentReader
+    from femtotron.data.preprocess import available_cpus, preprocess
 
+    reader = DocumentReader(args.text_key, blocks=args.blocks, skip_bad_records=args.skip_bad_records)
     summary = preprocess(
         args.input,
         args.tokenizer,
         args.output_prefix,
-        workers=args.workers,
-        text_key=args.text_key,
+        workers=args.workers or available_cpus(),
+        reader=reader,
         output_format=args.format,
     )
     files = ".ds/.ds.index" if args.format == "datatrove" else ".bin/.idx"
+    if summary.skipped:
+        print(
+            f"skipped {summary.skipped:,} bad record(s) (--skip-bad-records); the first: "
+            f"{summary.first_skipped}"
+        )
     print(
         f"wrote {args.output_prefix}{files}: {summary.documents:,} documents, {summary.tokens:,} tokens "
         f"({summary.dtype})"
@@ -403,13 +410,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     pre = verbs.add_parser(
         "preprocess",
-        help="tokenize text (.jsonl[.gz], .txt, a datasets directory) into .bin/.idx or datatrove .ds files",
+        help="tokenize text (.jsonl[.gz|.zst], .parquet, .txt/.md, a datasets directory) into .bin/.idx or "
+        "datatrove .ds files",
     )
     pre.add_argument(
         "--input",
         required=True,
-        help=".jsonl, .jsonl.gz (one document per line), .txt (one document), a directory of them, or a "
-        "Hugging Face datasets directory (save_to_disk)",
+        nargs="+",
+        help=".jsonl, .jsonl.gz, .jsonl.zst (one document per line), .parquet (a column), .txt or .md (one "
+        "document, or --blocks), a directory of them, a Hugging Face datasets directory (save_to_disk), or a "
+        "glob ('shards/*.parquet'); several are read one after the other",
     )
     pre.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json")
     pre.add_argument(
@@ -423,8 +433,23 @@ def build_parser() -> argparse.ArgumentParser:
         default="megatron",
         help="megatron: .bin/.idx; datatrove: .ds + .ds.index, as datatrove writes and nanotron reads",
     )
-    pre.add_argument("--workers", type=int, default=1)
-    pre.add_argument("--text-key", default="text", help="JSON field holding the text")
+    pre.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="tokenizing processes (default: the CPUs this process may use)",
+    )
+    pre.add_argument("--text-key", default="text", help="the JSON field or column holding the text")
+    pre.add_argument(
+        "--blocks",
+        action="store_true",
+        help=".txt/.md: a document per blank-line separated block, not per file",
+    )
+    pre.add_argument(
+        "--skip-bad-records",
+        action="store_true",
+        help="count and pass over malformed records (bad JSON, no text, too long) instead of stopping",
+    )
     pre.set_defaults(run=cmd_preprocess)
 
     tok = verbs.add_parser("train-tokenizer", help="fit a byte-level BPE tokenizer on a corpus")

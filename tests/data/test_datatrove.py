@@ -82,7 +82,7 @@ def test_preprocess_format_datatrove_is_read_back_by_datatrove(tmp_path, texts, 
     """The same tokens as the Megatron format, in datatrove's layout, and datatrove reads them identically."""
     source = _write_jsonl(tmp_path / "c.jsonl", texts)
     preprocess(source, tokenizer_path, tmp_path / "megatron" / "corpus", progress=False)
-    arguments = ["preprocess", "--input", str(source), "--tokenizer", str(tokenizer_path)]
+    arguments = ["preprocess", "--input", str(source), "--tokenizer", str(tokenizer_path), "--workers", "1"]
     main([*arguments, "--output-prefix", str(tmp_path / "dt" / "corpus"), "--format", "datatrove"])
     assert f"wrote {tmp_path / 'dt' / 'corpus'}.ds/.ds.index: 40 documents" in capsys.readouterr().out
     assert sorted(os.listdir(tmp_path / "dt")) == ["corpus.ds", "corpus.ds.index"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers import preprocess_command
 
-from femtotron.data.documents import iter_documents
+from femtotron.data.documents import DocumentReader, iter_documents
 from femtotron.data.indexed import IndexedDataset, resolve_dataset_prefixes
 from femtotron.data.preprocess import preprocess
 from femtotron.data.tokenizer import load_tokenizer
@@ -45,7 +45,7 @@ def test_jsonl_gz_with_other_text_key(tmp_path, texts, tokenizer_path):
     source = tmp_path / "corpus.jsonl.gz"
     with gzip.open(source, "wt", encoding="utf-8") as f:
         f.write(_jsonl_lines(texts, key="content"))
-    preprocess(source, tokenizer_path, tmp_path / "gz", text_key="content", progress=False)
+    preprocess(source, tokenizer_path, tmp_path / "gz", reader=DocumentReader("content"), progress=False)
     _check(tmp_path / "gz", texts, tokenizer_path)
 
 

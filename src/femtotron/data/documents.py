@@ -1,77 +1,227 @@
 """Reading raw text documents: the one reader shared by tokenizer training, preprocessing and the text a run
 tokenizes at start (data/text_cache.py).
 
-`.jsonl` / `.jsonl.gz`: one JSON object per line, the text under `text_key` (blank lines are skipped).
-`.txt`: the whole file is one document. A Hugging Face `datasets` directory (`save_to_disk`): its rows in
-order, the text in column `text_key` (a `DatasetDict`: its "train" split), read a record batch at a time
-with pyarrow. Any other directory: the files in it and below ending in the suffixes above, in sorted order.
+`.jsonl`, `.jsonl.gz`, `.jsonl.zst`: one JSON object per line, the text under `text_key` (blank lines are
+skipped). `.parquet`: the column `text_key`, a row group at a time. `.txt`, `.md`: the whole file is one
+document, or with `blocks` each run of lines between blank lines is. A Hugging Face `datasets` directory
+(`save_to_disk`): its rows in order, the text in column `text_key` (a `DatasetDict`: its "train" split), read
+a record batch at a time with pyarrow. Any other directory: the files in it and below ending in the suffixes
+above, in sorted order. Several inputs, or a glob (`shards/*.parquet`), are read one after the other.
+
+A malformed record (a line that is not JSON, has no text, or is too long; a row without text) stops the read
+naming the file and the line or row; with `skip_bad_records` it is counted (`DocumentReader.skipped`) and
+the read goes on. A file that cannot be read at all always stops it.
 """
 
 from __future__ import annotations
 
+import glob
 import gzip
+import importlib
+import io
 import json
 import os
 from collections.abc import Iterator
+from types import ModuleType
 from typing import IO
 
 from femtotron.errors import DataError
 
-SUFFIXES = (".jsonl", ".jsonl.gz", ".txt")
+SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".txt", ".md")
+WHOLE_FILES = (".txt", ".md")  # a file is a document (or, with blocks, its blank-line separated parts are)
 # The longest document (or .jsonl line) read, in characters: 64 Mi, a long book many times over. A line is
 # read at most this far, so a gzip bomb (one 3 GB line from 3 MB) is refused instead of filling memory.
 MAX_DOCUMENT_CHARACTERS = 2**26
+PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: memory follows the batch, not the row group
 
 
 def _open(path: str) -> IO[str]:
     if path.endswith(".gz"):
         return gzip.open(path, "rt", encoding="utf-8")
+    if path.endswith(".zst"):
+        zstandard = _optional("zstandard", path, "'femtotron[zstd]' (or zstandard)")
+        raw = open(path, "rb")  # noqa: SIM115 - the text wrapper closes it
+        return io.TextIOWrapper(
+            zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), encoding="utf-8"
+        )
     return open(path, encoding="utf-8")
+
+
+def _optional(module: str, path: str, install: str) -> ModuleType:
+    """An optional package a format needs, or an error naming the file and how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DataError(f"{path}: reading it needs {module}: pip install {install}") from None
+
+
+def expand_inputs(inputs: list[str | os.PathLike]) -> list[str]:
+    """Each input as given, or a glob's matches in sorted order; a glob that matches nothing is refused."""
+    paths = []
+    for given in map(os.fspath, inputs):
+        if not glob.has_magic(given):
+            paths.append(given)
+            continue
+        matches = sorted(glob.glob(given, recursive=True))
+        if not matches:
+            raise DataError(f"{given}: no file matches this pattern")
+        paths += matches
+    return paths
+
+
+class DocumentReader:
+    """Reads documents from inputs (files, directories, globs); counts the bad records it skipped."""
+
+    def __init__(
+        self,
+        text_key: str = "text",
+        *,
+        blocks: bool = False,
+        skip_bad_records: bool = False,
+        max_characters: int = MAX_DOCUMENT_CHARACTERS,
+    ) -> None:
+        self.text_key = text_key
+        self.blocks = blocks
+        self.skip_bad_records = skip_bad_records
+        self.max_characters = max_characters
+        self.skipped = 0
+        self.first_skipped: str | None = None  # the first bad record's message, for the summary
+
+    def read(self, inputs: list[str | os.PathLike]) -> Iterator[str]:
+        """Every document of every input, in order."""
+        for path in expand_inputs(inputs):
+            yield from self._read_path(path)
+
+    def _bad(self, error: DataError) -> None:
+        """A malformed record: raised, or (skip_bad_records) counted."""
+        if not self.skip_bad_records:
+            raise error
+        self.skipped += 1
+        self.first_skipped = self.first_skipped or str(error)
+
+    def _read_path(self, path: str) -> Iterator[str]:
+        if os.path.isdir(path):
+            if is_hf_dataset(path):
+                yield from self._hf_rows(path)
+                return
+            files = text_files(path)
+            if not files:
+                raise DataError(
+                    f"{path}: a directory without any {', '.join(SUFFIXES)} file, and not a Hugging Face "
+                    "datasets directory (save_to_disk writes state.json or dataset_dict.json)"
+                )
+            for file in files:
+                yield from self._read_path(file)
+            return
+        if not path.endswith(SUFFIXES):
+            raise DataError(f"{path}: unsupported input; expected a file ending in {', '.join(SUFFIXES)}")
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: input file does not exist")
+        if path.endswith(".parquet"):
+            yield from self._parquet_rows(path)
+            return
+        try:
+            with _open(path) as f:
+                if path.endswith(WHOLE_FILES):
+                    yield from self._whole_file(f, path)
+                    return
+                line_number = 0
+                # One character more than a full line: a longer line is refused as soon as that much is read.
+                while line := f.readline(self.max_characters + 1):
+                    line_number += 1
+                    if len(line) > self.max_characters and not line.endswith("\n"):
+                        self._bad(_too_long(path, f"line {line_number}", self.max_characters))
+                        _skip_rest_of_line(f, self.max_characters)
+                    elif line.strip():
+                        text = _text_of(line, path, line_number, self.text_key)
+                        if isinstance(text, DataError):
+                            self._bad(text)
+                        else:
+                            yield text
+        except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as e:
+            raise DataError(f"{path}: cannot be read as UTF-8 text{_compression(path)}: {e}") from e
+        except OSError as e:  # zstandard's errors for a damaged frame are OSErrors too
+            raise DataError(f"{path}: cannot be read{_compression(path)}: {e}") from e
+
+    def _whole_file(self, f: IO[str], path: str) -> Iterator[str]:
+        text = f.read(self.max_characters + 1)
+        if len(text) > self.max_characters:
+            raise _too_long(path, "the file", self.max_characters)
+        if not self.blocks:
+            yield text
+            return
+        # Blank lines (only whitespace) end a block; a block of only whitespace is no document.
+        block: list[str] = []
+        for line in [*text.splitlines(keepends=True), "\n"]:
+            if line.strip():
+                block.append(line)
+            elif block:
+                yield "".join(block).rstrip("\n")
+                block = []
+
+    def _parquet_rows(self, path: str) -> Iterator[str]:
+        """The `text_key` column of a parquet file, PARQUET_BATCH_ROWS rows at a time."""
+        parquet = _optional("pyarrow.parquet", path, "'femtotron[hf]' (or pyarrow)")
+        try:
+            table = parquet.ParquetFile(path)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises its own ArrowInvalid for a file that is no parquet
+            raise DataError(f"{path}: cannot be read as parquet: {e}") from None
+        if self.text_key not in table.schema_arrow.names:
+            raise _no_column(path, self.text_key, table.schema_arrow.names)
+        row = 0
+        for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[self.text_key]):
+            yield from self._column(batch.column(0).to_pylist(), path, row)
+            row += batch.num_rows
+
+    def _column(self, values: list, path: str, first_row: int) -> Iterator[str]:
+        """The texts of a column's values; `first_row`: the row number of the first, for messages."""
+        for row, text in enumerate(values, start=first_row):
+            if not isinstance(text, str):
+                self._bad(
+                    DataError(
+                        f"{path}, row {row}: column {self.text_key!r} holds {type(text).__name__}, not text"
+                    )
+                )
+            elif len(text) > self.max_characters:
+                self._bad(_too_long(path, f"row {row}", self.max_characters))
+            else:
+                yield text
+
+    def _hf_rows(self, path: str) -> Iterator[str]:
+        """The `text_key` column of a saved `datasets` Dataset, row by row (a DatasetDict: its "train"
+        split)."""
+        dict_file = os.path.join(path, "dataset_dict.json")
+        if os.path.isfile(dict_file):
+            with open(dict_file, encoding="utf-8") as f:
+                splits = json.load(f).get("splits", [])
+            if "train" not in splits:
+                example = os.path.join(path, str(splits[0]) if splits else "SPLIT")
+                raise DataError(
+                    f"{path}: a DatasetDict without a 'train' split (it has {', '.join(map(str, splits))}): "
+                    f"point at the split to read, e.g. {example}"
+                )
+            yield from self._hf_rows(os.path.join(path, "train"))
+            return
+        pa = _optional("pyarrow", path, "'femtotron[hf]' (or pyarrow)")
+        with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
+            state = json.load(f)
+        for record in state.get("_data_files", []):
+            arrow = os.path.join(path, os.path.basename(str(record.get("filename", ""))))
+            with pa.memory_map(arrow) as source:
+                reader = pa.ipc.open_stream(source)  # datasets writes Arrow's streaming format
+                if self.text_key not in reader.schema.names:
+                    raise _no_column(arrow, self.text_key, reader.schema.names)
+                row = 0
+                for batch in reader:
+                    yield from self._column(batch.column(self.text_key).to_pylist(), arrow, row)
+                    row += batch.num_rows
 
 
 def iter_documents(
     path: str | os.PathLike, text_key: str = "text", max_characters: int = MAX_DOCUMENT_CHARACTERS
 ) -> Iterator[str]:
-    """Yield the text of each document in `path`, in file order; a document or line longer than
-    `max_characters` is refused."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        if is_hf_dataset(path):
-            yield from _hf_rows(path, text_key, max_characters)
-            return
-        files = text_files(path)
-        if not files:
-            raise DataError(
-                f"{path}: a directory without any {', '.join(SUFFIXES)} file, and not a Hugging Face "
-                "datasets directory (save_to_disk writes state.json or dataset_dict.json)"
-            )
-        for file in files:
-            yield from iter_documents(file, text_key, max_characters)
-        return
-    if not path.endswith(SUFFIXES):
-        raise DataError(f"{path}: unsupported input; expected a file ending in {', '.join(SUFFIXES)}")
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: input file does not exist")
-    try:
-        with _open(path) as f:
-            if path.endswith(".txt"):
-                text = f.read(max_characters + 1)
-                if len(text) > max_characters:
-                    raise _too_long(path, "the file", max_characters)
-                yield text
-                return
-            line_number = 0
-            # One character more than a full line: a longer line is refused as soon as that much is read.
-            while line := f.readline(max_characters + 1):
-                line_number += 1
-                if len(line) > max_characters and not line.endswith("\n"):
-                    raise _too_long(path, f"line {line_number}", max_characters)
-                if line.strip():
-                    yield _text_of(line, path, line_number, text_key)
-    except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as e:
-        raise DataError(
-            f"{path}: cannot be read as UTF-8 text{' (gzip)' if path.endswith('.gz') else ''}: {e}"
-        ) from e
+    """Yield the text of each document in `path`, in file order; a malformed record is refused."""
+    return DocumentReader(text_key, max_characters=max_characters).read([path])
 
 
 def text_files(directory: str) -> list[str]:
@@ -90,71 +240,49 @@ def is_hf_dataset(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, name)) for name in ("state.json", "dataset_dict.json"))
 
 
-def _hf_rows(path: str, text_key: str, max_characters: int) -> Iterator[str]:
-    """The `text_key` column of a saved `datasets` Dataset, row by row (a DatasetDict: its "train" split)."""
-    dict_file = os.path.join(path, "dataset_dict.json")
-    if os.path.isfile(dict_file):
-        with open(dict_file, encoding="utf-8") as f:
-            splits = json.load(f).get("splits", [])
-        if "train" not in splits:
-            example = os.path.join(path, str(splits[0]) if splits else "SPLIT")
-            raise DataError(
-                f"{path}: a DatasetDict without a 'train' split (it has {', '.join(map(str, splits))}): "
-                f"point at the split to read, e.g. {example}"
-            )
-        yield from _hf_rows(os.path.join(path, "train"), text_key, max_characters)
-        return
-    try:
-        import pyarrow as pa
-    except ImportError:
-        raise DataError(
-            f"{path} is a Hugging Face datasets directory; reading it needs pyarrow: pip install "
-            "'femtotron[hf]' (or pyarrow)"
-        ) from None
-    with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
-        state = json.load(f)
-    for record in state.get("_data_files", []):
-        arrow = os.path.join(path, os.path.basename(str(record.get("filename", ""))))
-        with pa.memory_map(arrow) as source:
-            reader = pa.ipc.open_stream(source)  # datasets writes Arrow's streaming format
-            if text_key not in reader.schema.names:
-                raise DataError(
-                    f"{arrow}: no column {text_key!r} (it has {', '.join(reader.schema.names)}); give the "
-                    "column that holds the text (text_column, or --text-key)"
-                )
-            for batch in reader:
-                for row, text in enumerate(batch.column(text_key).to_pylist()):
-                    if not isinstance(text, str):
-                        raise DataError(f"{arrow}: column {text_key!r} holds {type(text).__name__}, not text")
-                    if len(text) > max_characters:
-                        raise _too_long(arrow, f"row {row} of a batch", max_characters)
-                    yield text
+def _compression(path: str) -> str:
+    return {".gz": " (gzip)", ".zst": " (zstd)"}.get(os.path.splitext(path)[1], "")
+
+
+def _skip_rest_of_line(f: IO[str], max_characters: int) -> None:
+    """Read past the rest of a line too long to be a record, a bounded piece at a time."""
+    while (piece := f.readline(max_characters)) and not piece.endswith("\n"):
+        pass
+
+
+def _no_column(path: str, text_key: str, names: list[str]) -> DataError:
+    return DataError(
+        f"{path}: no column {text_key!r} (it has {', '.join(names)}); give the column that holds the text "
+        "(text_column, or --text-key)"
+    )
 
 
 def _too_long(path: str, where: str, max_characters: int) -> DataError:
     return DataError(
         f"{path}, {where}: longer than {max_characters:,} characters (rule: a document is at most that "
-        "long; a gzip bomb, or a file that is not one document per line?). Split the document, or remove it."
+        "long; a gzip bomb, or a file that is not one document per line?). Split the document, or remove it "
+        "(or pass --skip-bad-records)."
     )
 
 
-def _text_of(line: str, path: str, line_number: int, text_key: str) -> str:
+def _text_of(line: str, path: str, line_number: int, text_key: str) -> str | DataError:
+    """The text of one .jsonl line, or the error that says why it has none."""
     try:
         record = json.loads(line)
     except RecursionError:
-        raise DataError(
+        return DataError(
             f"{path}, line {line_number}: JSON nested too deeply to be a document. "
-            'Each line must be one JSON object, e.g. {"text": "..."}.'
-        ) from None
+            'Each line must be one JSON object, e.g. {"text": "..."} (or pass --skip-bad-records).'
+        )
     except json.JSONDecodeError as e:
-        raise DataError(
+        return DataError(
             f"{path}, line {line_number}: not valid JSON ({e.msg} at column {e.colno}). "
-            'Each line must be one JSON object, e.g. {"text": "..."}.'
-        ) from e
+            'Each line must be one JSON object, e.g. {"text": "..."} (or pass --skip-bad-records).'
+        )
     if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise DataError(
+        return DataError(
             f"{path}, line {line_number}: no string field {text_key!r} (found {keys}). "
-            "Pass --text-key with the field that holds the text."
+            "Pass --text-key with the field that holds the text (or --skip-bad-records)."
         )
     return record[text_key]

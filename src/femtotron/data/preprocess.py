@@ -3,18 +3,20 @@ EOS-terminated sequence per document."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import multiprocessing
 import os
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from femtotron.data.datatrove import TOKEN_DTYPES, token_size_for
-from femtotron.data.documents import iter_documents
+from femtotron.data.documents import DocumentReader
 from femtotron.data.indexed import IndexedDatasetWriter, token_dtype_for
 from femtotron.data.tokenizer import eos_token_id, load_tokenizer
 
@@ -34,12 +36,14 @@ class DatatroveWriter(IndexedDatasetWriter):
         return [ends.astype("<u8").tobytes()]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PreprocessSummary:
     documents: int
     tokens: int
     output_prefix: str
     dtype: str
+    skipped: int = 0  # bad records passed over (--skip-bad-records)
+    first_skipped: str | None = None  # the first one's message
 
 
 class _Encoder:
@@ -76,25 +80,54 @@ def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
         yield chunk
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (a Slurm or container limit included), the default --workers."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def in_order(
+    pool: Any, chunks: Iterator[list[str]], window: int
+) -> Iterator[tuple[list[str], list[np.ndarray]]]:
+    """Each chunk with its tokens, in input order, with at most `window` chunks read ahead: memory follows
+    the workers' batches, not the corpus (Pool.imap would read the input as fast as it can)."""
+    pending: collections.deque = collections.deque()
+    for chunk in chunks:
+        pending.append((chunk, pool.apply_async(_encode_in_worker, (chunk,))))
+        if len(pending) >= window:
+            done, result = pending.popleft()
+            yield done, result.get()
+    while pending:
+        done, result = pending.popleft()
+        yield done, result.get()
+
+
 def preprocess(
-    input_path: str | os.PathLike,
+    inputs: str | os.PathLike | list[str | os.PathLike],
     tokenizer_path: str | os.PathLike,
     output_prefix: str | os.PathLike,
     workers: int = 1,
-    text_key: str = "text",
+    reader: DocumentReader | None = None,
     progress: bool = True,
     output_format: str = "megatron",
 ) -> PreprocessSummary:
-    """Tokenize `input_path` (.jsonl, .jsonl.gz or .txt) into `output_prefix`.bin/.idx (`output_format`
-    "datatrove": `.ds`/`.ds.index`), which appear only when every document is written. `workers > 1`
-    tokenizes in a process pool, byte-identically (in order)."""
+    """Tokenize `inputs` (files, directories, globs: data/documents.py) into `output_prefix`.bin/.idx
+    (`output_format` "datatrove": `.ds`/`.ds.index`), which appear only when every document is written.
+    `workers` > 1 tokenizes in a process pool, in order: the files are byte-identical for any number of
+    workers. `reader`: how the inputs are read (text key, blocks, bad records)."""
     tokenizer_path = os.fspath(tokenizer_path)
     output_prefix = os.fspath(output_prefix)
+    inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs
+    reader = reader or DocumentReader()
     encoder = _Encoder(tokenizer_path)  # fails fast on a bad tokenizer, before any worker starts
-    chunks = _chunks(iter_documents(input_path, text_key))
+    chunks = _chunks(reader.read(inputs))
     # disable=None: the bar only on a terminal; in a log file its carriage returns would pile up.
+    what = os.fspath(inputs[0]) + (f" and {len(inputs) - 1} more" if len(inputs) > 1 else "")
     bar = tqdm(
-        desc=f"preprocess {input_path}", unit=" docs", file=sys.stderr, disable=None if progress else True
+        desc=f"preprocess {what}",
+        unit="B",
+        unit_scale=True,
+        file=sys.stderr,
+        disable=None if progress else True,
     )
     writer_class = IndexedDatasetWriter
     dtype = encoder.dtype
@@ -106,21 +139,29 @@ def preprocess(
             # spawn, not fork: forking a process that already ran Rust thread pools can deadlock.
             context = multiprocessing.get_context("spawn")
             with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
-                encoded: Iterable[list[np.ndarray]] = pool.imap(_encode_in_worker, chunks)
-                documents, tokens = _write(encoded, writer, bar)
+                documents, tokens = _write(in_order(pool, chunks, window=2 * workers), writer, bar)
         else:
-            documents, tokens = _write(map(encoder, chunks), writer, bar)
+            documents, tokens = _write(((chunk, encoder(chunk)) for chunk in chunks), writer, bar)
     return PreprocessSummary(
-        documents=documents, tokens=tokens, output_prefix=output_prefix, dtype=writer.dtype.name
+        documents=documents,
+        tokens=tokens,
+        output_prefix=output_prefix,
+        dtype=writer.dtype.name,
+        skipped=reader.skipped,
+        first_skipped=reader.first_skipped,
     )
 
 
-def _write(encoded: Iterable[list[np.ndarray]], writer: IndexedDatasetWriter, bar: tqdm) -> tuple[int, int]:
+def _write(
+    encoded: Iterable[tuple[list[str], list[np.ndarray]]], writer: IndexedDatasetWriter, bar: tqdm
+) -> tuple[int, int]:
+    """Write every chunk's documents; the bar counts the text's bytes (UTF-8), documents and tokens."""
     documents = tokens = 0
-    for chunk in encoded:
+    for texts, chunk in encoded:
         for ids in chunk:
             writer.add_document(ids)
             tokens += ids.size
         documents += len(chunk)
-        bar.update(len(chunk))
+        bar.update(sum(len(text.encode("utf-8")) for text in texts))
+        bar.set_postfix(docs=f"{documents:,}", tokens=f"{tokens:,}", refresh=False)
     return documents, tokens

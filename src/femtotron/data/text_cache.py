@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 from femtotron.config import Config
 from femtotron.config.sections import DataSource
-from femtotron.data.documents import SUFFIXES, is_hf_dataset, text_files
+from femtotron.data.documents import SUFFIXES, DocumentReader, is_hf_dataset, text_files
 from femtotron.data.tokenizer import load_tokenizer
 from femtotron.errors import DataError, FemtotronError
 from femtotron.parallel.store import Store
@@ -136,7 +136,9 @@ def tokenize_text_data(config: Config) -> list[str]:
             print(
                 f"femtotron: tokenizing {path} ({where}.text_dataset) into {prefix}.bin/.idx", file=sys.stderr
             )
-            summary = preprocess(path, tokenizer, prefix, workers=workers, text_key=source.text_column)
+            summary = preprocess(
+                path, tokenizer, prefix, workers=workers, reader=DocumentReader(source.text_column)
+            )
             lines.append(
                 f"{where}.text_dataset {path}: tokenized {summary.documents:,} documents, {summary.tokens:,} "
                 f"tokens into {prefix}.bin/.idx"
