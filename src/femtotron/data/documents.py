@@ -23,7 +23,7 @@ import json
 import os
 from collections.abc import Iterator
 from types import ModuleType
-from typing import IO
+from typing import IO, Any
 
 from femtotron.errors import DataError
 
@@ -40,11 +40,42 @@ def _open(path: str) -> IO[str]:
         return gzip.open(path, "rt", encoding="utf-8")
     if path.endswith(".zst"):
         zstandard = _optional("zstandard", path, "'femtotron[zstd]' (or zstandard)")
-        raw = open(path, "rb")  # noqa: SIM115 - the text wrapper closes it
-        return io.TextIOWrapper(
-            zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), encoding="utf-8"
-        )
+        return io.TextIOWrapper(io.BufferedReader(ZstdFile(path, zstandard)), encoding="utf-8")
     return open(path, encoding="utf-8")
+
+
+class ZstdFile(io.RawIOBase):
+    """A .zst file's decompressed bytes, frame after frame. A file cut short is an error: zstandard's own
+    stream reader ends quietly there, so a truncated shard would lose its last documents unseen."""
+
+    def __init__(self, path: str, zstandard: ModuleType) -> None:
+        self.zstandard = zstandard
+        self.file = open(path, "rb")  # noqa: SIM115 - closed with this object
+        self.frame = zstandard.ZstdDecompressor().decompressobj()
+        self.pending = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self.pending:
+            compressed = self.frame.unused_data if self.frame.eof else self.file.read(1 << 20)
+            if self.frame.eof:  # the next frame, if any
+                self.frame = self.zstandard.ZstdDecompressor().decompressobj()
+                compressed = compressed or self.file.read(1 << 20)
+                if not compressed:
+                    return 0
+            elif not compressed:
+                raise OSError("the file ends inside a zstd frame: it is truncated")
+            self.pending = self.frame.decompress(compressed)
+        size = min(len(buffer), len(self.pending))
+        buffer[:size] = self.pending[:size]
+        self.pending = self.pending[size:]
+        return size
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
 
 
 def _optional(module: str, path: str, install: str) -> ModuleType:
