@@ -228,3 +228,78 @@ def test_a_log_file_gets_no_progress_bar(tmp_path, texts, tokenizer_path):
     assert result.returncode == 0, result.stderr
     assert "\r" not in result.stderr and "docs" not in result.stderr
     assert result.stdout.startswith(f"wrote {tmp_path / 'corpus'}.bin/.idx")
+
+
+def _write_parquet(path, texts):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=64)
+    return path
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("workers", [1, 2])
+def test_parquet_and_a_glob_of_jsonl_shards_give_the_files_of_one_jsonl(
+    tmp_path, texts, tokenizer_path, workers
+):
+    many = texts * 20  # 800 documents: several chunks, each worker several
+    (tmp_path / "one.jsonl").write_text(_jsonl_lines(many), encoding="utf-8")
+    _write_parquet(tmp_path / "all.parquet", many)
+    for shard in range(4):
+        (tmp_path / f"shard-{shard}.jsonl").write_text(_jsonl_lines(many[shard * 200 : (shard + 1) * 200]))
+    preprocess(tmp_path / "one.jsonl", tokenizer_path, tmp_path / "jsonl", workers=1, progress=False)
+    preprocess(
+        tmp_path / "all.parquet", tokenizer_path, tmp_path / "parquet", workers=workers, progress=False
+    )
+    preprocess(
+        [tmp_path / "shard-*.jsonl"], tokenizer_path, tmp_path / "shards", workers=workers, progress=False
+    )
+    for suffix in (".bin", ".idx"):
+        expected = (tmp_path / f"jsonl{suffix}").read_bytes()
+        assert (tmp_path / f"parquet{suffix}").read_bytes() == expected
+        assert (tmp_path / f"shards{suffix}").read_bytes() == expected
+
+
+# preprocess in a process of its own, printing its peak resident memory (VmHWM: this process's own, from its
+# exec on; a child's ru_maxrss would start at its parent's).
+PEAK = """
+import sys
+from femtotron.data.preprocess import preprocess
+preprocess(sys.argv[1], sys.argv[2], sys.argv[3], workers=int(sys.argv[4]), progress=False)
+print(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1])
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("workers", [1, 2])
+def test_memory_follows_the_batches_not_the_corpus(tmp_path, tokenizer_path, workers):
+    """A corpus four times larger (10 MB, then 40 MB) takes no more memory beyond a few MB: documents are
+    read, tokenized and written a window of chunks at a time (with workers: at most 2 x workers chunks ahead;
+    both corpora fill that window), and the index grows by 16 bytes a document."""
+    document = json.dumps({"text": ("pipeline shard epoch token " * 100).strip()}) + "\n"  # ~2.7 KB
+    peaks = []
+    for count in (4000, 16000):
+        source = tmp_path / f"c{count}.jsonl"
+        source.write_text(document * count)
+        command = [sys.executable, "-c", PEAK, str(source), str(tokenizer_path), str(tmp_path / f"o{count}")]
+        done = subprocess.run([*command, str(workers)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        peaks.append(int(done.stdout.split()[-1]) * 1024)
+    assert peaks[1] - peaks[0] < 8 * 2**20, peaks  # 30 MB more text
+
+
+def test_the_cli_counts_skipped_records_and_names_the_first(tmp_path, texts, tokenizer_path, capsys):
+    from femtotron.cli import main
+
+    source = tmp_path / "c.jsonl"
+    source.write_text(_jsonl_lines(texts[:3]) + "oops\n" + _jsonl_lines(texts[3:5]))
+    arguments = ["preprocess", "--input", str(source), "--tokenizer", str(tokenizer_path), "--workers", "1"]
+    assert main([*arguments, "--output-prefix", str(tmp_path / "o")]) == 3
+    assert "c.jsonl, line 4: not valid JSON" in capsys.readouterr().err
+    assert main([*arguments, "--output-prefix", str(tmp_path / "o"), "--skip-bad-records"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "skipped 1 bad record(s) (--skip-bad-records); the first: " in out and "line 4: not valid JSON" in out
+    )
+    assert f"wrote {tmp_path / 'o'}.bin/.idx: 5 documents" in out

@@ -8,6 +8,7 @@ Every way a pair can be missing or corrupt is reported as a `DataError` naming t
 
 from __future__ import annotations
 
+import array
 import contextlib
 import os
 import struct
@@ -217,8 +218,10 @@ class IndexedDatasetWriter:
             self._bin = open(self._tmp_bin, "xb")  # noqa: SIM115 (closed by finalize or abort)
         except OSError as e:
             raise _cannot_write(f"{self._data_path}/{self.INDEX_SUFFIX}", e) from e
-        self._lengths: list[int] = []
-        self._documents: list[int] = [0]
+        # 8 bytes per sequence and document, not a Python int's 36: a corpus of 100M documents keeps 1.6 GB
+        # of index in memory until finalize, not 7 GB.
+        self._lengths = array.array("q")
+        self._documents = array.array("q", [0])
 
     def add_item(self, tokens: Sequence[int] | np.ndarray) -> None:
         array = np.asarray(tokens)

@@ -32,7 +32,9 @@ class DatatroveWriter(IndexedDatasetWriter):
     DTYPES = tuple(TOKEN_DTYPES.values())
 
     def _index_bytes(self) -> list[bytes]:
-        ends = np.concatenate([[0], np.cumsum(self._lengths, dtype=np.int64)])[self._documents[1:]]
+        ends = np.concatenate([[0], np.cumsum(self._lengths, dtype=np.int64)])[
+            np.asarray(self._documents)[1:]
+        ]
         return [ends.astype("<u8").tobytes()]
 
 
