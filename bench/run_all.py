@@ -45,6 +45,7 @@ SCRIPTS = {
     "pp_bubble": (["--pp=2", "--micro-batches=1,4", "--steps=2", "--forward-ms=10"], []),
     "dp_overlap": (["--steps=3", "--layers=2"], []),
     "checkpoint_io": (["--shape=debug", "--repeats=2"], []),
+    "preprocess": (["--megabytes=2", "--formats=jsonl,parquet"], []),
     "recompute_memory": (["--cases=debug", "--rounds=3"], []),
     "memory": (["--layouts=one,zero1-dp2,zero3-dp2"], []),
     "zero_stages": (["--dp=2", "--steps=2"], []),
