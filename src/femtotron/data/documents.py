@@ -194,7 +194,8 @@ class DocumentReader:
         """The `text_key` column of a parquet file, PARQUET_BATCH_ROWS rows at a time."""
         parquet = _optional("pyarrow.parquet", path, "'femtotron[hf]' (or pyarrow)")
         try:
-            table = parquet.ParquetFile(path)
+            # Buffered reads: a column chunk is read a MiB at a time, not whole beside its decoded values.
+            table = parquet.ParquetFile(path, buffer_size=2**20, pre_buffer=False)
         except Exception as e:  # noqa: BLE001 - pyarrow raises its own ArrowInvalid for a file that is no parquet
             raise DataError(f"{path}: cannot be read as parquet: {e}") from None
         if self.text_key not in table.schema_arrow.names:
