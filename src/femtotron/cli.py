@@ -221,7 +221,12 @@ def cmd_inspect_data(args: argparse.Namespace) -> None:
     from femtotron.data.tokenizer import load_tokenizer
     from femtotron.diagnostics.data_check import inspect_samples
 
-    config = load_config(args.config, args.overrides)
+    if not args.source.endswith((".yaml", ".yml")):  # a data source itself, not a run's config
+        from femtotron.diagnostics.data_check import describe_data
+
+        print(describe_data(args.source, load_tokenizer(args.tokenizer) if args.tokenizer else None))
+        return
+    config = load_config(args.source, args.overrides)
     for line in tokenize_text_data(config):
         print(line)
     data = DataStages(config)
@@ -345,11 +350,18 @@ def build_parser() -> argparse.ArgumentParser:
     doc.set_defaults(run=cmd_doctor)
 
     ins = verbs.add_parser(
-        "inspect-data", help="decode the first training samples, with the positions that count in the loss"
+        "inspect-data",
+        help="a config: decode the first training samples, with the positions that count in the loss; a data "
+        "source: its documents, tokens, length histogram and first document",
     )
-    ins.add_argument("config", help="YAML config, e.g. examples/debug.yaml")
+    ins.add_argument(
+        "source",
+        help="YAML config (e.g. examples/debug.yaml), or data: a .bin/.idx prefix, a directory of pairs, a "
+        "datatrove folder, or raw text as preprocess reads it",
+    )
     ins.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.dataset_folder=other/prefix")
     ins.add_argument("--n", type=int, default=3, help="how many samples")
+    ins.add_argument("--tokenizer", default=None, help="data source: decode with it (raw text: count tokens)")
     ins.set_defaults(run=cmd_inspect_data)
 
     conv = verbs.add_parser(
