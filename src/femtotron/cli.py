@@ -262,8 +262,11 @@ def cmd_preprocess(args: argparse.Namespace) -> None:
         workers=args.workers or available_cpus(),
         reader=reader,
         output_format=args.format,
+        shard_bytes=_bytes(args.shard_size) if args.shard_size else None,
     )
     files = ".ds/.ds.index" if args.format == "datatrove" else ".bin/.idx"
+    if args.shard_size:
+        files = f"/ ({summary.shards} shard(s) of {files}; train on the directory)"
     if summary.skipped:
         print(
             f"skipped {summary.skipped:,} bad record(s) (--skip-bad-records); the first: "
@@ -456,6 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--blocks",
         action="store_true",
         help=".txt/.md: a document per blank-line separated block, not per file",
+    )
+    pre.add_argument(
+        "--shard-size",
+        default=None,
+        help="write a directory PREFIX/ of pairs of at most this much token data each (e.g. 1GB), read as "
+        "one dataset; default: one pair",
     )
     pre.add_argument(
         "--skip-bad-records",

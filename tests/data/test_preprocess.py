@@ -303,3 +303,46 @@ def test_the_cli_counts_skipped_records_and_names_the_first(tmp_path, texts, tok
         "skipped 1 bad record(s) (--skip-bad-records); the first: " in out and "line 4: not valid JSON" in out
     )
     assert f"wrote {tmp_path / 'o'}.bin/.idx: 5 documents" in out
+
+
+@pytest.mark.parametrize("output_format", ["megatron", "datatrove"])
+def test_shards_hold_the_tokens_of_one_pair_and_appear_only_whole(
+    tmp_path, texts, tokenizer_path, output_format
+):
+    from femtotron.data.datatrove import DatatroveFolder
+
+    source = tmp_path / "c.jsonl"
+    source.write_text(_jsonl_lines(texts * 5), encoding="utf-8")
+    preprocess(source, tokenizer_path, tmp_path / "one", progress=False)
+    whole = IndexedDataset(tmp_path / "one")
+    out = tmp_path / "sharded"
+    out.mkdir()
+    (out / "stale.bin").write_bytes(b"an earlier run's")  # replaced whole, not mixed in
+    summary = preprocess(
+        source, tokenizer_path, out, progress=False, output_format=output_format, shard_bytes=2000
+    )
+    names = sorted(p.name for p in out.iterdir())
+    assert summary.shards > 3 and "stale.bin" not in names and len(names) == 2 * summary.shards
+    if output_format == "datatrove":
+        folder = DatatroveFolder(out)
+        assert folder.tokens(0, folder.num_tokens).tolist() == whole.tokens(0, whole.num_tokens).tolist()
+        sizes = [(out / f"{i:05d}.ds").stat().st_size for i in range(summary.shards)]
+    else:
+        shards = [IndexedDataset(out / f"{i:05d}") for i in range(summary.shards)]
+        tokens = np.concatenate([s.tokens(0, s.num_tokens) for s in shards])
+        assert tokens.tolist() == whole.tokens(0, whole.num_tokens).tolist()
+        assert sum(s.num_documents for s in shards) == whole.num_documents
+        sizes = [(out / f"{i:05d}.bin").stat().st_size for i in range(summary.shards)]
+    assert max(sizes) <= 2000 and sum(sizes) == whole.num_tokens * 2
+    (tmp_path / "bad.jsonl").write_text(_jsonl_lines(texts) + "oops\n")
+    with pytest.raises(DataError, match="line 41: not valid JSON"):
+        preprocess(
+            tmp_path / "bad.jsonl", tokenizer_path, tmp_path / "half", progress=False, shard_bytes=2000
+        )
+    assert sorted(os.listdir(tmp_path)) == [
+        "bad.jsonl",
+        "c.jsonl",
+        "one.bin",
+        "one.idx",
+        "sharded",
+    ]  # no half

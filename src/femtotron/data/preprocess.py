@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from femtotron.atomic import remove, temporary_name
 from femtotron.data.datatrove import TOKEN_DTYPES, token_size_for
 from femtotron.data.documents import DocumentReader
 from femtotron.data.indexed import IndexedDatasetWriter, token_dtype_for
@@ -41,12 +42,62 @@ class DatatroveWriter(IndexedDatasetWriter):
         return [ends.astype("<u8").tobytes()]
 
 
+class Shards:
+    """Documents into numbered pairs (`00000.bin/.idx`, or `.ds/.ds.index`) of at most `shard_bytes` of tokens
+    each (a document is never split), in a directory that appears whole at `directory` once every shard is
+    written: an interrupted run leaves nothing that looks like a complete dataset. Data stages and the Nanoset
+    read such a directory as one dataset, its pairs in order."""
+
+    def __init__(self, writer_class: type, directory: str, dtype: np.dtype, shard_bytes: int) -> None:
+        self.writer_class = writer_class
+        self.directory = directory
+        self.dtype = np.dtype(dtype)
+        self.shard_bytes = shard_bytes
+        self.staging = temporary_name(directory)
+        remove(self.staging)  # a killed run's, or a link planted there: never written through
+        os.makedirs(self.staging)
+        self.count = 0
+        self.written = 0  # bytes of tokens in the current shard
+        self.current = self._next()
+
+    def _next(self) -> IndexedDatasetWriter:
+        writer = self.writer_class(os.path.join(self.staging, f"{self.count:05d}"), self.dtype)
+        self.count += 1
+        self.written = 0
+        return writer
+
+    def add_document(self, ids: np.ndarray) -> None:
+        if self.written and self.written + ids.nbytes > self.shard_bytes:
+            self.current.finalize()
+            self.current = self._next()
+        self.current.add_document(ids)
+        self.written += ids.size * self.dtype.itemsize
+
+    def __enter__(self) -> Shards:
+        return self
+
+    def __exit__(self, exc_type: type | None, *_: object) -> None:
+        if exc_type is not None:
+            self.current.abort()
+            remove(self.staging)
+            return
+        self.current.finalize()
+        replaced = temporary_name(f"{self.directory}.replaced")
+        if os.path.lexists(
+            self.directory
+        ):  # an earlier run's: set aside, removed once the new one is in place
+            os.rename(self.directory, replaced)
+        os.rename(self.staging, self.directory)
+        remove(replaced)
+
+
 @dataclass(frozen=True, kw_only=True)
 class PreprocessSummary:
     documents: int
     tokens: int
     output_prefix: str
     dtype: str
+    shards: int = 1  # output pairs (--shard-size)
     skipped: int = 0  # bad records passed over (--skip-bad-records)
     first_skipped: str | None = None  # the first one's message
 
@@ -122,11 +173,13 @@ def preprocess(
     reader: DocumentReader | None = None,
     progress: bool = True,
     output_format: str = "megatron",
+    shard_bytes: int | None = None,
 ) -> PreprocessSummary:
     """Tokenize `inputs` (files, directories, globs: data/documents.py) into `output_prefix`.bin/.idx
     (`output_format` "datatrove": `.ds`/`.ds.index`), which appear only when every document is written.
     `workers` > 1 tokenizes in a process pool, in order: the files are byte-identical for any number of
-    workers. `reader`: how the inputs are read (text key, blocks, bad records)."""
+    workers. `reader`: how the inputs are read (text key, blocks, bad records). `shard_bytes`: the output is a
+    directory `output_prefix` of shards of at most that many bytes of tokens (`Shards`)."""
     tokenizer_path = os.fspath(tokenizer_path)
     output_prefix = os.fspath(output_prefix)
     inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs
@@ -147,7 +200,11 @@ def preprocess(
     if output_format == "datatrove":  # datatrove's token size, as its DocumentTokenizer decides it
         writer_class = DatatroveWriter
         dtype = TOKEN_DTYPES[token_size_for(encoder.tokenizer.get_vocab_size(with_added_tokens=True))]
-    with bar, writer_class(output_prefix, dtype) as writer:
+    if shard_bytes is None:
+        output = writer_class(output_prefix, dtype)
+    else:
+        output = Shards(writer_class, output_prefix, dtype, shard_bytes)
+    with bar, output as writer:
         if workers > 1:
             # spawn, not fork: forking a process that already ran Rust thread pools can deadlock.
             context = multiprocessing.get_context("spawn")
@@ -159,14 +216,15 @@ def preprocess(
         documents=documents,
         tokens=tokens,
         output_prefix=output_prefix,
-        dtype=writer.dtype.name,
+        dtype=np.dtype(dtype).name,
+        shards=output.count if shard_bytes is not None else 1,
         skipped=reader.skipped,
         first_skipped=reader.first_skipped,
     )
 
 
 def _write(
-    encoded: Iterable[tuple[list[str], list[np.ndarray]]], writer: IndexedDatasetWriter, bar: tqdm
+    encoded: Iterable[tuple[list[str], list[np.ndarray]]], writer: IndexedDatasetWriter | Shards, bar: tqdm
 ) -> tuple[int, int]:
     """Write every chunk's documents; the bar counts the text's bytes (UTF-8), documents and tokens."""
     documents = tokens = 0
