@@ -67,11 +67,12 @@ class Shards:
         return writer
 
     def add_document(self, ids: np.ndarray) -> None:
-        if self.written and self.written + ids.nbytes > self.shard_bytes:
+        size = ids.size * self.dtype.itemsize  # as stored, whatever dtype the encoder gave
+        if self.written and self.written + size > self.shard_bytes:
             self.current.finalize()
             self.current = self._next()
         self.current.add_document(ids)
-        self.written += ids.size * self.dtype.itemsize
+        self.written += size
 
     def __enter__(self) -> Shards:
         return self
@@ -83,9 +84,8 @@ class Shards:
             return
         self.current.finalize()
         replaced = temporary_name(f"{self.directory}.replaced")
-        if os.path.lexists(
-            self.directory
-        ):  # an earlier run's: set aside, removed once the new one is in place
+        # An earlier run's directory (or a file, a link) is set aside, and removed once the new one is there.
+        if os.path.lexists(self.directory):
             os.rename(self.directory, replaced)
         os.rename(self.staging, self.directory)
         remove(replaced)

@@ -128,10 +128,14 @@ def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str
 
 def write_safetensors(
     path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
-) -> dict[str, str]:
+) -> tuple[dict[str, str], int]:
     """Write `tensors` (contiguous, on the CPU) as safetensors at `path` atomically and fsynced, hashing
-    every part on the way; return the parts' checksums (`HEADER` and one per tensor)."""
+    every part on the way; return the parts' checksums (`HEADER` and one per tensor) and the file's size. A
+    file system with fewer free bytes than the file needs fails before anything is written (ENOSPC)."""
     head, order = safetensors_header(tensors, metadata)
+    size = len(head) + sum(t.numel() * t.element_size() for t in tensors.values())
+    if size > shutil.disk_usage(path.parent).free:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
     parts = {HEADER: xxhash.xxh3_128_hexdigest(head)}
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(head)
@@ -142,12 +146,7 @@ def write_safetensors(
             crash_point("checkpoint.tensor_written")
         f.flush()
         os.fsync(f.fileno())
-    return parts
-
-
-def file_size(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
-    head, _ = safetensors_header(tensors, metadata)
-    return len(head) + sum(t.numel() * t.element_size() for t in tensors.values())
+    return parts, size
 
 
 def write_rank_file(
@@ -173,21 +172,18 @@ def write_rank_file(
             }
         )
     path = directory / rank_file(rank)
-    needed = file_size(tensors, metadata)
-    free = shutil.disk_usage(directory).free
     try:
-        if needed > free:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        parts = write_safetensors(path, tensors, metadata)
+        parts, size = write_safetensors(path, tensors, metadata)
     except OSError as e:  # a WriteError too: atomic_path's, of the same errno
         reason = os.strerror(e.errno) if e.errno else str(e)
+        needed = len(safetensors_header(tensors, metadata)[0]) + sum(t.nbytes for t in tensors.values())
         raise CheckpointError(
             f"cannot write checkpoint file {path}: {reason}. It needs {needed:,} bytes; "
             f"{shutil.disk_usage(directory).free:,} are free there. Free space, lower "
             "checkpoints.keep_last_n, or set checkpoints.checkpoints_path to a file system with room; the "
             "previous checkpoint is intact."
         ) from None
-    return {"file": path.name, "bytes": needed, PARTS: parts, "slices": records}
+    return {"file": path.name, "bytes": size, PARTS: parts, "slices": records}
 
 
 def file_record(path: Path) -> dict[str, Any]:
