@@ -2,8 +2,8 @@
 and its peak memory against the input's size.
 
 The bundled corpus (examples/data/shakespeare.jsonl.gz), its documents repeated to --megabytes of text, is
-written as .jsonl, .jsonl.gz, .jsonl.zst and .parquet. For each format and each worker count N, in processes
-of their own with N tokenizer threads (RAYON_NUM_THREADS=N):
+written as .jsonl, .jsonl.gz, .jsonl.zst and .parquet (row groups of about 4 MB of text). For each format and
+each worker count N, in processes of their own with N tokenizer threads (RAYON_NUM_THREADS=N):
 
     femtotron       preprocess(input, examples/tokenizer.json, ..., workers=N): reading, tokenizing,
                     writing the .bin/.idx; its MB/s of text and tokens/s, and its peak resident memory
@@ -37,6 +37,8 @@ from common import headline
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "examples" / "data" / "shakespeare.jsonl.gz"
 TOKENIZER = ROOT / "examples" / "tokenizer.json"
+# pyarrow decodes a row group's column whole, so parquet's peak memory follows its row groups' size
+GROUP_BYTES = 4e6
 
 # Each run in a process of its own: the thread count is fixed when `tokenizers` starts its pool, and the
 # peak memory is that process's alone.
@@ -84,8 +86,9 @@ def write_inputs(directory: Path, megabytes: float, formats: list[str]) -> tuple
             path.write_bytes(gzip.compress(lines.encode(), compresslevel=6))
         elif kind == "jsonl.zst":
             path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
-        else:
-            pq.write_table(pa.table({"text": texts}), path)
+        else:  # row groups of about 4 MB of text, as 1,000-row groups of web documents of a few KB are
+            rows = max(1, int(GROUP_BYTES * len(texts) / size))
+            pq.write_table(pa.table({"text": texts}), path, row_group_size=rows)
         files[kind] = path
     if "jsonl" not in files:  # the baseline reads the plain lines
         (directory / "corpus.jsonl").write_text(lines, encoding="utf-8")
