@@ -115,11 +115,11 @@ def assert_the_resume_is_bit_exact(per_rank) -> None:
         assert torch.equal(rest_masters[name], masters[name]), name
 
 
-def assert_one_process_continues(tiny_config, run: str, saved, per_rank) -> None:
+def assert_one_process_continues(tiny_config, run: str, saved, per_rank, *more: str) -> None:
     """The checkpoint `saved` by `whole_then_halves`, resumed on one process without ZeRO, continues the
-    uninterrupted run: its losses (up to summation order) and weights."""
+    uninterrupted run: its losses (up to summation order) and weights (`more`: the runs' settings)."""
     losses, weights, _, _ = merged(per_rank, 0)
-    single = make(tiny_config, run, f"checkpoints.resume_checkpoint_path={saved}")
+    single = make(tiny_config, run, f"checkpoints.resume_checkpoint_path={saved}", *more)
     single_losses, single_weights, _, _ = merged([ranks_train(0, [single])], 0)
     assert single_losses == pytest.approx(losses[3:], rel=1e-5)
     for name, weight in weights.items():

@@ -26,7 +26,7 @@ from femtotron.config import LlamaConfig, load_config_dict
 from femtotron.data.indexed import IndexedDatasetWriter
 from femtotron.diagnostics.check_tp import full_gradients
 from femtotron.models.llama import Llama
-from femtotron.optim.zero import ZeroAdamW
+from femtotron.optim.zero import ZeroOptimizer
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.tensor_parallel import TensorParallel, full_tensor
 from femtotron.trainer import Trainer
@@ -423,7 +423,7 @@ def assert_steps_match(got: Steps, reference: Steps, exact: Steps | None = None,
         assert_close_to_reference(ours, ref, fp32, fp32_rel=rel, label=f"{label}: {what}")
 
 
-def full_masters(optimizer: ZeroAdamW) -> list[torch.Tensor]:
+def full_masters(optimizer: ZeroOptimizer) -> list[torch.Tensor]:
     """Per parameter, its whole fp32 master weight (gathered over dp under ZeRO-1)."""
     return optimizer.data_parallel.full([m.detach().float() for m in optimizer.masters])
 

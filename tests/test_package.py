@@ -132,7 +132,10 @@ def test_D4_the_training_path_stays_within_its_node_budget():
     watchdog's part (250), to 81,241, and the budget to 81,500; issue 31's inputs (zstd frames read whole,
     parquet in row batches, blank-line blocks, globs, bad records counted; chunks bounded by characters and a
     window of them in flight: 1,030), `inspect-data` of a data source (670) and output shards (300) to 83,238,
-    and the budget to 83,500)."""
+    and the budget to 83,500; issue 32's Muon (optim/muon.py: Newton-Schulz, the fused matrices taken apart,
+    the bucket-at-a-time gather, 1,250; AdamW and Muon side by side in optim/zero.py, the checkpoint's
+    per-optimizer state, its refusal, doctor's and the config rule's part, 600) to about 85,100, and the
+    budget to 85,500)."""
     nodes = sum(module.nodes for module in size.sizes(SRC))
     assert nodes <= size.TRAINING_PATH_BUDGET, (
         f"the training path has {nodes} syntax-tree nodes, over its budget of {size.TRAINING_PATH_BUDGET}: "

@@ -12,6 +12,7 @@ from torch import nn
 from femtotron.config import Config
 from femtotron.models.llama import Llama
 from femtotron.models.moe import RouterStats
+from femtotron.optim.muon import orthogonalised
 from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.context_parallel import ContextParallel
@@ -118,6 +119,7 @@ def _build(
     chunks = [Llama(mcfg, **common, stage=stages[c * par.pp + pp_rank]) for c in range(par.pp_virtual_stages)]
     named = [item for chunk in chunks for item in chunk.named_parameters()]
     replicated = [split_dim(p.shard) is None for _, p in named]
+    muon = config.optimizer.optimizer_factory.name == "muon"
     # A tied LM head on the last stage holds a copy of the first stage's embedding: its gradient is summed
     # with the original's, and it is counted (and saved) once.
     tied_copy = [n == "embed_tokens.weight" and par.pp > 1 and mcfg.tie_word_embeddings for n, _ in named]
@@ -137,6 +139,7 @@ def _build(
         shard_params=config.optimizer.zero_stage == 3,
         expert_replicas=experts if ep.size > 1 else None,
         device=device,
+        orthogonalised=[muon and orthogonalised(n, p) for n, p in named],
     )
     if config.optimizer.zero_stage == 3:
         data_parallel.gathering = ParameterGathering(

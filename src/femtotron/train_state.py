@@ -13,7 +13,7 @@ from femtotron.data.stages import DataStages, StageStart
 from femtotron.layout import RankModel
 from femtotron.optim.loss_scale import DynamicLossScaler
 from femtotron.optim.lr_schedule import lr_at
-from femtotron.optim.zero import ZeroAdamW
+from femtotron.optim.zero import ZeroOptimizer
 from femtotron.parallel.context import ParallelContext
 from femtotron.run_log import RunLog
 
@@ -73,7 +73,7 @@ class TrainingParts:
     config: Config
     ctx: ParallelContext
     model: RankModel
-    optimizer: ZeroAdamW
+    optimizer: ZeroOptimizer
     state: TrainState
     data: DataStages  # the identity of the stage a checkpoint is in is recorded, and compared on resume
     log: RunLog

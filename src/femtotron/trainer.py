@@ -32,7 +32,7 @@ from femtotron.layout import DTYPES, build_pipeline, build_rank_model
 from femtotron.models.compile import compile_layers
 from femtotron.optim.clip import clip_grads_
 from femtotron.optim.loss_scale import DynamicLossScaler
-from femtotron.optim.zero import ZeroAdamW
+from femtotron.optim.zero import ZeroOptimizer
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.context_parallel import place_tokens
 from femtotron.precision import CPU_MULTIPLIES_BF16, emulated_low_precision, tf32_for_fp32
@@ -87,7 +87,7 @@ class Trainer:
         )
         self.state = TrainState(scaler=self.scaler)
         params = [p for _, p in self.model.named_parameters()]
-        self.optimizer = ZeroAdamW(params, self.data_parallel, config.optimizer)
+        self.optimizer = ZeroOptimizer(params, self.data_parallel, config.optimizer, self.tp)
         # Under expert parallelism the ep ranks hold different experts: each piece counts in the grad norm
         # on one of its replicas only.
         once = self.data_parallel.counted_once() if ctx.ep > 1 else [True] * len(self.data_parallel.pieces)

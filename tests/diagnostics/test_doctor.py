@@ -5,9 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
+from helpers import TINY_MODEL, build_llama
 
 from femtotron.cli import main
+from femtotron.config import LlamaConfig
 from femtotron.diagnostics import memory
+from femtotron.diagnostics.memory import human
+from femtotron.optim.muon import orthogonalised
 
 
 def write(tiny_config, tmp_path, *overrides):
@@ -193,3 +197,22 @@ def test_E5_a_deep_stage_is_estimated_from_two_layers_exactly(tiny_config, monke
     estimated = [memory.estimate_rank(config, pp_rank) for pp_rank in ranks]
     monkeypatch.setattr(memory, "SIMULATED_LAYERS", 12)
     assert [memory.estimate_rank(config, pp_rank) for pp_rank in ranks] == estimated
+
+
+def test_doctor_counts_muon_s_momentum_and_what_it_gathers(tiny_config, tmp_path, capsys):
+    """At tp2: one fp32 momentum per element of the decoder's matrices (Adam's two for the rest), and each
+    matrix's other tp half gathered per step in fp32 (the model's dtype)."""
+    muon = ("optimizer.optimizer_factory.name=muon", "parallelism.tp=2")
+    config = write(tiny_config, tmp_path, *muon)
+    model = build_llama(LlamaConfig(**TINY_MODEL))
+    matrices = sum(p.numel() for n, p in model.named_parameters() if orthogonalised(n, p))
+    assert main(["doctor", config]) == 0
+    out = capsys.readouterr().out
+    # half of each matrix on each tp rank: 4 bytes of momentum per element held, 4 per element gathered
+    assert f"muon momentum {human(4 * matrices / 2)}" in out
+    assert (
+        f"muon: all-gather {human(0)} over the replicas + {human(4 * matrices / 2)} over tp per step" in out
+    )
+    assert main(["doctor", write(tiny_config, tmp_path, "parallelism.tp=2")]) == 0
+    out = capsys.readouterr().out
+    assert "muon momentum" not in out and "muon:" not in out

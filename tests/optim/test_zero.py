@@ -5,7 +5,7 @@ from helpers import full_masters
 
 from femtotron.config import load_config_dict
 from femtotron.errors import FemtotronError
-from femtotron.optim.zero import ZeroAdamW
+from femtotron.optim.zero import ZeroOptimizer
 from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.data_parallel import DataParallel
@@ -54,7 +54,7 @@ def single_process_optimizer(params, section, micro_batches=1):
         grad_dtype=grad_dtype,
         sharded=False,
     )
-    return ZeroAdamW(params, data_parallel, section)
+    return ZeroOptimizer(params, data_parallel, section)
 
 
 def loss_of(params, seed: int) -> torch.Tensor:
@@ -255,7 +255,7 @@ def _decay_only_step(rank, dp):
         grad_dtype=torch.float32,
         sharded=True,
     )
-    optimizer = ZeroAdamW(params, data_parallel, optimizer_section(zero_stage=1))
+    optimizer = ZeroOptimizer(params, data_parallel, optimizer_section(zero_stage=1))
     owned = {piece.param for piece in data_parallel.pieces}
     data_parallel.finish_reduction()
     optimizer.step(LR)

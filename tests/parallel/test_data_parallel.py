@@ -17,7 +17,7 @@ from helpers import (
 )
 
 from femtotron.config import load_config_dict
-from femtotron.optim.zero import ZeroAdamW
+from femtotron.optim.zero import ZeroOptimizer
 from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.data_parallel import ALIGNMENT, DataParallel, plan_buckets
@@ -372,7 +372,7 @@ def _step_with_a_bias_used_once(comm, group, dp_rank, micro_batches, bucket_mb, 
     )
     if stage == 3:  # the two parameters as one unit, whole through the micro-batches
         data_parallel.gathering = ParameterGathering(data_parallel, reshard_after_forward=True)
-    optimizer = ZeroAdamW(params, data_parallel, load_config_dict(UNUSED_SECTION).optimizer)
+    optimizer = ZeroOptimizer(params, data_parallel, load_config_dict(UNUSED_SECTION).optimizer)
     with data_parallel.whole_parameters([0, 1]):
         for index in range(micro_batches):
             global_index = dp_rank * micro_batches + index

@@ -384,6 +384,22 @@ def reshard_after_forward_needs_zero3(cfg: ConfigFields) -> Problem | None:
     )
 
 
+def muon_settings_need_muon(cfg: ConfigFields) -> Problem | None:
+    factory = cfg.optimizer.optimizer_factory
+    fields = type(factory).model_fields
+    changed = [
+        name for name in fields if name.startswith("muon_") and getattr(factory, name) != fields[name].default
+    ]
+    if factory.name == "muon" or not changed:
+        return None
+    paths = tuple(f"optimizer.optimizer_factory.{name}" for name in changed)
+    return Problem(
+        ("optimizer.optimizer_factory.name", *paths),
+        f"{', '.join(changed)} set, but optimizer_factory.name={factory.name}: only Muon reads them, so they "
+        "would change nothing. Fix: optimizer_factory.name=muon, or remove them.",
+    )
+
+
 def loss_scale_range(cfg: ConfigFields) -> Problem | None:
     scaling = cfg.optimizer.loss_scale
     if scaling.min_scale <= scaling.initial_scale:
@@ -504,6 +520,7 @@ RULES: list[Callable[[ConfigFields], Problem | None]] = [
     sequence_splits_over_cp_and_tp,
     zero_stage_implemented,
     reshard_after_forward_needs_zero3,
+    muon_settings_need_muon,
     loss_scale_range,
     decay_ends_below_the_peak,
     data_has_one_source,

@@ -336,11 +336,18 @@ class LRSchedulerArgs(_Section):
 
 
 class AdamWArgs(_Section):
-    name: Literal["adamW"] = "adamW"
+    # "muon": the decoder layers' weight matrices follow Muon (optim/muon.py), every other parameter AdamW
+    name: Literal["adamW", "muon"] = "adamW"
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.95, ge=0, lt=1)
     adam_eps: PositiveFloat = 1e-8
     torch_adam_is_fused: bool = True
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    muon_nesterov: bool = True
+    muon_ns_steps: PositiveInt = 5  # Newton-Schulz iterations
+    # None: learning_rate_scheduler.learning_rate; Muon's follows the same schedule, scaled by this / that
+    muon_learning_rate: PositiveFloat | None = None
+    muon_weight_decay: NonNegativeFloat | None = None  # None: optimizer.weight_decay
 
 
 class LossScaleArgs(_Section):

@@ -275,6 +275,13 @@ def diagnose(
     estimates = [estimate_rank(config, p, on_cpu) for p in range(par.pp)]
     lines.append("communication per rank:")
     lines += communication(config, estimates[0].elements, device, gpus_per_node)
+    if estimates[0].muon_gather is not None:
+        replicas = max(e.muon_gather["replicas"] for e in estimates)
+        tp = max(e.muon_gather["tp"] for e in estimates)
+        lines.append(
+            f"  muon: all-gather {human(replicas)} over the replicas + {human(tp)} over tp per step (each "
+            "matrix whole for Newton-Schulz; the busiest pp rank)"
+        )
     if par.world_size > 1:
         lines += process_groups(config)
     lines.append(f"memory per rank (estimate; device: {where}):")

@@ -34,6 +34,7 @@ from femtotron.batch import MicroBatch
 from femtotron.config import Config
 from femtotron.layout import DTYPES, RankModel, meta_rank_model
 from femtotron.models.llama import DecoderLayers, Llama
+from femtotron.optim.muon import Muon
 from femtotron.parallel.context_parallel import place_tokens
 from femtotron.parallel.data_parallel import IN_FLIGHT
 from femtotron.parallel.mesh import Mesh, MeshCoordinates
@@ -110,6 +111,7 @@ class RankEstimate:
     working: int = 0  # ZeRO-2/3: whole gradients and (ZeRO-3) gathered parameters alive during a step
     elements: int = 0  # in the rank's flat buffers, padding included (whole, whatever the ZeRO stage)
     checkpoint: int = 0  # host bytes checkpoints.async_save stages per save (not device memory)
+    muon_gather: dict[str, int] | None = None  # Muon: bytes received per step for whole matrices, by group
 
     @property
     def communicator_bytes(self) -> int:
@@ -228,7 +230,17 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
         working=working_set_bytes(model),
         elements=model.data_parallel.size,
         checkpoint=model.data_parallel.checkpoint_bytes(),
+        muon_gather=muon_gather_bytes(config, model),
     )
+
+
+def muon_gather_bytes(config: Config, model: RankModel) -> dict[str, int] | None:
+    """What Muon gathers per step for Newton-Schulz's whole matrices (optim/muon.py), None without Muon."""
+    if config.optimizer.optimizer_factory.name != "muon":
+        return None
+    params = [p for _, p in model.named_parameters()]
+    muon = Muon(params, model.data_parallel, model.tp, config.optimizer.optimizer_factory)
+    return muon.bytes_per_step()
 
 
 def working_set_bytes(model: RankModel) -> int:

@@ -211,8 +211,17 @@ class Attention(nn.Module):
         self.group_size = heads // kv_heads
         self.local_kv_heads = kv_heads // tp.size
         qkv_rows = (heads + 2 * kv_heads) * self.head_dim
+        # Per key/value head: its group's query heads, its key head, its value head (as `forward` reads them).
+        per_kv_head = (self.group_size * self.head_dim, self.head_dim, self.head_dim)
         self.qkv_proj = ColumnParallelLinear(
-            make, f"{name}.qkv_proj", hidden, qkv_rows, make.std, tp, bias=cfg.qkv_bias
+            make,
+            f"{name}.qkv_proj",
+            hidden,
+            qkv_rows,
+            make.std,
+            tp,
+            bias=cfg.qkv_bias,
+            fused_rows=per_kv_head,
         )
         self.o_proj = RowParallelLinear(make, f"{name}.o_proj", cfg.attention_width, hidden, out_std, tp)
         self.q_norm = None

@@ -1,4 +1,4 @@
-"""AdamW over fp32 master weights, sharded over data-parallel ranks with ZeRO-1 (and ZeRO-2).
+"""AdamW (and Muon) over fp32 master weights, sharded over data-parallel ranks with ZeRO.
 
 With bf16 (or fp16) parameters the optimizer keeps an fp32 master copy of the elements it steps (so small
 updates are not rounded away) and Adam's two moments: 12 bytes per parameter. Under ZeRO-1 each rank keeps
@@ -6,6 +6,9 @@ them only for the elements it owns in parallel/data_parallel.py (1/dp of every b
 gradients by reduce-scatter, and all-gathers the new parameters: 2 + 4 + 12/dp bytes per parameter (bf16
 weights, fp32 gradients) instead of 2 + 4 + 12. fp32 parameters are their own masters: 4 + 4 + 8/dp.
 ZeRO-2 also keeps only the owned shard of the gradients between steps: 2 + (4 + 12)/dp.
+
+With optimizer_factory.name=muon the decoder layers' weight matrices follow Muon (optim/muon.py) with one
+fp32 momentum (4 bytes, not Adam's 8) and everything else AdamW, each over the same owned pieces.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from femtotron.optim.muon import MOMENTUM, Muon
 from femtotron.parallel.data_parallel import DataParallel
+from femtotron.parallel.tensor_parallel import TensorParallel
 
 
 def decays(name: str, param: torch.Tensor, exclude: list[str] | None) -> bool:
@@ -27,9 +32,19 @@ def decays(name: str, param: torch.Tensor, exclude: list[str] | None) -> bool:
     return not any(re.match(pattern, name) for pattern in exclude)
 
 
-class ZeroAdamW:
-    def __init__(self, params: list[nn.Parameter], data_parallel: DataParallel, cfg: Any) -> None:
-        """`params` are laid out in `data_parallel`'s buffers; `cfg` is the `optimizer` config section."""
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class ZeroOptimizer:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        data_parallel: DataParallel,
+        cfg: Any,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        """`params` are laid out in `data_parallel`'s buffers; `cfg` is the `optimizer` config section; `tp`
+        (Muon only): the group its matrices are split over."""
         self.data_parallel = data_parallel
         self.pieces = data_parallel.pieces
         self.model_pieces = data_parallel.owned_params()
@@ -43,9 +58,19 @@ class ZeroAdamW:
         exclude = cfg.weight_decay_exclude_named_params
         names = data_parallel.names
         decayed = [decays(names[piece.param], params[piece.param], exclude) for piece in self.pieces]
+        self.muon = None
+        if factory.name == "muon":
+            self.muon = Muon(params, data_parallel, tp or TensorParallel.single(), factory)
+            muon_decay = cfg.weight_decay if factory.muon_weight_decay is None else factory.muon_weight_decay
+            self.muon_decay = [muon_decay if d else 0.0 for d in decayed]
+            peak = cfg.learning_rate_scheduler.learning_rate
+            self.muon_lr_ratio = (factory.muon_learning_rate or peak) / peak
+        stepped_by_muon = set(self.muon.pieces if self.muon else [])
+        # Adam's pieces: every owned piece that Muon does not step
+        self.adam_pieces = [i for i in range(len(self.pieces)) if i not in stepped_by_muon]
         groups = []
         for want in (True, False):
-            members = [m for m, d in zip(self.masters, decayed, strict=True) if d == want]
+            members = [self.masters[i] for i in self.adam_pieces if decayed[i] == want]
             if members:
                 groups.append({"params": members, "weight_decay": cfg.weight_decay if want else 0.0})
         # A rank can own no element at all (ZeRO-1 over many ranks and buckets that are mostly padding): it
@@ -62,6 +87,11 @@ class ZeroAdamW:
             )
         self.steps = 0  # applied (fp16 steps skipped on overflow are not)
 
+    @property
+    def state_kinds(self) -> tuple[str, ...]:
+        """What `state` gives besides the master weights: Adam's moments, and Muon's momentum."""
+        return (*ADAM_MOMENTS, MOMENTUM) if self.muon else ADAM_MOMENTS
+
     def grads(self) -> list[torch.Tensor]:
         """The fp32 gradients of the owned pieces, summed over dp (call after `finish_reduction`)."""
         if self._grads is None:
@@ -73,11 +103,14 @@ class ZeroAdamW:
         self.steps += 1
         for group in self.adam.param_groups if self.adam else []:
             group["lr"] = lr
-        for master, grad in zip(self.masters, self.grads(), strict=True):
-            master.grad = grad
+        grads = self.grads()
+        for i in self.adam_pieces:
+            self.masters[i].grad = grads[i]
         if self.adam is not None:
             self.adam.step()
         with torch.no_grad():
+            if self.muon is not None:
+                self.muon.step(self.masters, grads, lr * self.muon_lr_ratio, self.muon_decay)
             if self.masters is not self.model_pieces and self.masters:
                 torch._foreach_copy_(self.model_pieces, self.masters)
         self.data_parallel.gather_params()
@@ -88,13 +121,16 @@ class ZeroAdamW:
         for master in self.masters:
             master.grad = None
 
-    def state(self, kind: str) -> list[torch.Tensor]:
-        """Per owned piece, its "master" weights or Adam's "exp_avg" / "exp_avg_sq" (1-D views; the moments
-        are zeros before the first step)."""
+    def state(self, kind: str) -> list[torch.Tensor | None]:
+        """Per owned piece, its "master" weights, Adam's "exp_avg" / "exp_avg_sq" or Muon's "momentum" (1-D
+        views; zeros before the first step; None for a piece the other optimizer steps)."""
         if kind == "master":
             return self.masters
+        if kind == MOMENTUM:
+            return [self.muon.momentum.get(i) if self.muon else None for i in range(len(self.pieces))]
         self.prepare_state(self.steps)
-        return [self.adam.state[master][kind] for master in self.masters]
+        adam = set(self.adam_pieces)
+        return [self.adam.state[m][kind] if i in adam else None for i, m in enumerate(self.masters)]
 
     def prepare_state(self, steps: int) -> None:
         """Give every owned piece Adam state as torch's AdamW would after `steps` steps, keeping moments that

@@ -135,12 +135,15 @@ class DataParallel:
         shard_params: bool = False,
         expert_replicas: Replicas | None = None,
         device: torch.device | None = None,
+        orthogonalised: list[bool] | None = None,
     ) -> None:
         """`groups`: parameter indices in backward order (plan_buckets); an expert parameter's group holds
         expert parameters only, reduced over `expert_replicas` (default: the dp group, like the others).
         `sharded`: ZeRO-1 (optimizer state of the owned shards only); with `shard_gradients` ZeRO-2, with
         `shard_params` too ZeRO-3 (the caller installs a ParameterGathering as `gathering`); its parameters
-        may come on the meta device, to be drawn here a bucket at a time on `device` (default: theirs)."""
+        may come on the meta device, to be drawn here a bucket at a time on `device` (default: theirs).
+        `orthogonalised`: per parameter, whether Muon steps it (one fp32 momentum instead of Adam's two
+        moments, optim/muon.py); for the memory counts."""
         self.names = [name for name, _ in named_params]
         params = [param for _, param in named_params]
         self.comm = comm
@@ -168,6 +171,7 @@ class DataParallel:
         self.grad_dtype = grad_dtype
         self.param_dtype = params[0].dtype
         self.shapes = [p.shape for p in params]
+        self.orthogonalised = orthogonalised or [False] * len(params)
         # Padding stays zero in both buffers, so it adds nothing to reductions or norms.
         if shard_params:
             self._shard_params(params)
@@ -383,24 +387,29 @@ class DataParallel:
         """Bytes this rank holds for the model state between steps: parameters and gradients (the flat
         buffers, padding included; ZeRO-2: the owned shards of the gradients; ZeRO-3: of the parameters too),
         and for the elements it owns fp32 master weights (none when the parameters are fp32: they are their
-        own masters) and Adam's two moments (optim/zero.py)."""
+        own masters), Adam's two moments and Muon's momentum (optim/zero.py, optim/muon.py)."""
         owned = sum(piece.end - piece.start for piece in self.pieces)
+        muon = sum(piece.end - piece.start for piece in self.pieces if self.orthogonalised[piece.param])
         grads = sum(s.nbytes for s in self.shard_grads) if self.shard_gradients else self.flat_grads.nbytes
         params = sum(s.nbytes for s in self.param_shards) if self.shard_params else self.flat_params.nbytes
-        return {
+        held = {
             "params": params,
             "grads": grads,
             "master_weights": 0 if self.param_dtype == torch.float32 else 4 * owned,
-            "adam_moments": 8 * owned,
+            "adam_moments": 8 * (owned - muon),
         }
+        if any(self.orthogonalised):
+            held["muon_momentum"] = 4 * muon
+        return held
 
     def checkpoint_bytes(self) -> int:
         """The most bytes of this rank's part of a checkpoint: its owned elements' parameters, master weights
-        and Adam moments (what checkpoints.async_save stages in host memory); less where a copy of a
+        and optimizer moments (what checkpoints.async_save stages in host memory); less where a copy of a
         parameter is saved by another rank (tp's replicated norms, a tied embedding)."""
         owned = sum(piece.end - piece.start for piece in self.pieces)
         state = self.model_state_bytes()
-        return owned * self.param_dtype.itemsize + state["master_weights"] + state["adam_moments"]
+        optimizer = state["master_weights"] + state["adam_moments"] + state.get("muon_momentum", 0)
+        return owned * self.param_dtype.itemsize + optimizer
 
     def _owned_views(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's pieces, as 1-D views into per-bucket owned shards (ZeRO-2's gradients, ZeRO-3's
@@ -436,14 +445,24 @@ class DataParallel:
         gathers each unit's when it runs)."""
         if not self.sharded or self.shard_params:
             return
-        works = []
-        for bucket, replicas in zip(self.buckets, self.replicas, strict=True):
-            low, high = bucket.owned(replicas)
-            whole = self.flat_params[bucket.start : bucket.end]
-            mine = self.flat_params[low:high]
-            works.append(self.comm.start_all_gather(whole, mine, replicas.group))
-        for bucket, replicas, work in zip(self.buckets, self.replicas, works, strict=True):
-            self.comm.wait(work, replicas.group, self.flat_params[bucket.start : bucket.end])
+        wholes = [self.flat_params[bucket.start : bucket.end] for bucket in self.buckets]
+        works = [self.start_bucket_gather(index, whole) for index, whole in enumerate(wholes)]
+        for index, (whole, work) in enumerate(zip(wholes, works, strict=True)):
+            self.wait_bucket_gather(index, work, whole)
+
+    def start_bucket_gather(self, index: int, whole: torch.Tensor):
+        """Start filling `whole`, a tensor as long as bucket `index` holding this rank's owned shard of it,
+        with every replica's shard (nothing to do without ZeRO: every rank owns all of it)."""
+        if not self.sharded:
+            return None
+        bucket = self.buckets[index]
+        replicas = self.replicas[index]
+        low, high = bucket.owned(replicas)
+        mine = whole[low - bucket.start : high - bucket.start]
+        return self.comm.start_all_gather(whole, mine, replicas.group)
+
+    def wait_bucket_gather(self, index: int, work, whole: torch.Tensor) -> None:
+        self.comm.wait(work, self.replicas[index].group, whole)
 
     def full(self, owned: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per parameter, the whole tensor from every rank's owned pieces (e.g. fp32 master weights):

@@ -30,6 +30,10 @@ class ShardInfo:
     # and draws its values only when its bucket is laid out, so no rank ever holds its whole part at once.
     init_std: float | None = None
     init_seed: int = 0
+    # Rows that interleave several matrices: blocks of these sizes repeat along dimension 0, block i of each
+    # repetition belonging to matrix i (attention's fused q|k|v, one repetition per key/value head). Muon
+    # orthogonalises each matrix alone (optim/muon.py).
+    fused_rows: tuple[int, ...] | None = None
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -62,6 +66,7 @@ def make_param(
     world: int = 1,
     tie_group: str | None = None,
     experts: tuple[int, int] | None = None,
+    fused_rows: tuple[int, ...] | None = None,
 ) -> nn.Parameter:
     """Initialise `name` at full shape and keep this rank's chunk of `shard_dim` (ceil(n / world) long, the
     last ones zero-padded), and with `experts` = (ep rank, ep) its 1/ep of dimension 0."""
@@ -84,6 +89,7 @@ def make_param(
         experts=experts is not None,
         init_std=std,
         init_seed=seed,
+        fused_rows=fused_rows,
     )
     if device.type == "meta":  # shapes only, or ZeRO-3's deferred values (data_parallel.py draws them)
         param = nn.Parameter(torch.zeros(local_shape, device=device, dtype=dtype))

@@ -227,7 +227,9 @@ class ColumnParallelLinear(nn.Module):
         pad: bool = False,
         parts: int = 1,
         bias: bool = False,
+        fused_rows: tuple[int, ...] | None = None,
     ) -> None:
+        """`fused_rows`: the weight's rows interleave several matrices (ShardInfo.fused_rows)."""
         super().__init__()
         if not pad:
             _split(f"{name}.weight", "output features", d_out, tp)
@@ -238,7 +240,9 @@ class ColumnParallelLinear(nn.Module):
         else:
             shape = (parts, d_out, d_in)
             dim = 1
-        self.weight = make(f"{name}.weight", shape, std, shard_dim=dim, rank=tp.rank, world=tp.size)
+        self.weight = make(
+            f"{name}.weight", shape, std, shard_dim=dim, rank=tp.rank, world=tp.size, fused_rows=fused_rows
+        )
         self.bias = None
         if bias:  # zeros at init, split with the weight's rows
             self.bias = make(f"{name}.bias", shape[:-1], 0.0, shard_dim=dim, rank=tp.rank, world=tp.size)

@@ -55,7 +55,7 @@ from femtotron.crash_points import crash_point
 from femtotron.data.run_data import data_changes, data_identity, stage_identity
 from femtotron.errors import ConfigError, FemtotronError
 from femtotron.layout import RankModel
-from femtotron.optim.zero import ZeroAdamW
+from femtotron.optim.zero import ZeroOptimizer
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.mesh import ADDED_LATER, NAMED
 from femtotron.parallel.store import Store
@@ -167,11 +167,11 @@ def saved_slices(model: RankModel) -> list[SavedSlice]:
     return out
 
 
-def rank_slices(model: RankModel, optimizer: ZeroAdamW) -> list[Slice]:
+def rank_slices(model: RankModel, optimizer: ZeroOptimizer) -> list[Slice]:
     """Every slice this rank saves (tensor name, global shape, box, values), from the live tensors."""
     data_parallel = model.data_parallel
     fp32 = data_parallel.param_dtype == torch.float32  # fp32 weights are their own masters
-    kinds = ("exp_avg", "exp_avg_sq") if fp32 else ("master", "exp_avg", "exp_avg_sq")
+    kinds = optimizer.state_kinds if fp32 else ("master", *optimizer.state_kinds)
     states = {kind: optimizer.state(kind) for kind in kinds}
     states["model"] = data_parallel.owned_params()
     out = []
@@ -179,10 +179,12 @@ def rank_slices(model: RankModel, optimizer: ZeroAdamW) -> list[Slice]:
         # The optimizer's states are per owned piece, so they count from the piece's start.
         start = data_parallel.pieces[saved.owner].start
         owned = slice(saved.low - start, saved.high - start)
-        sources = {kind: states[kind][saved.owner][owned] for kind in ("model", *kinds)}
         place = saved.place
-        for kind, flat in sources.items():
-            values = flat.view(place.local_shape)[place.valid]
+        for kind in ("model", *kinds):
+            flat = states[kind][saved.owner]
+            if flat is None:  # Adam's moments of a Muon matrix, or Muon's momentum of Adam's parameters
+                continue
+            values = flat[owned].view(place.local_shape)[place.valid]
             out.append(Slice(f"{kind}/{saved.name}", saved.shape, place.target, values))
     return out
 
@@ -643,6 +645,19 @@ def check_model_matches(manifest: dict[str, Any], config: Config, directory: Pat
         )
 
 
+def check_optimizer_matches(manifest: dict[str, Any], config: Config, directory: Path) -> None:
+    """Adam's moments cannot continue as Muon's momentum, nor the other way round."""
+    saved = manifest["config"].get("optimizer", {}).get("optimizer_factory", {}).get("name", "adamW")
+    now = config.optimizer.optimizer_factory.name
+    if saved != now:
+        raise CheckpointError(
+            f"checkpoint {directory} holds the state of optimizer_factory.name={saved}, this run's "
+            f"optimizer.optimizer_factory.name is {now}: one's moments mean nothing to the other. Fix: set "
+            f"it back to {saved}; or, to go on with {now} from these weights, start a new run with "
+            f"checkpoints.resume_checkpoint_path={directory} and checkpoints.load_optimizer=false."
+        )
+
+
 def check_data_matches(parts: TrainingParts, manifest: dict[str, Any], directory: Path) -> None:
     """Refuse to resume on other data, another order of it or another tokenizer, saying what that would do,
     unless checkpoints.resume_with_other_data (then warn). The data compared is that of the stage the
@@ -719,6 +734,8 @@ def load(parts: TrainingParts, path: Path, what: str = EXPLICIT) -> tuple[str, P
             ckpt = parts.config.checkpoints
             explicit = what == EXPLICIT  # another run's checkpoint: it may be taken in part
             moments = ckpt.load_optimizer or not explicit
+            if moments:
+                check_optimizer_matches(reader.manifest, parts.config, directory)
             load_tensors(parts.model, parts.optimizer, reader, moments=moments)
             summary = restore_counters(parts, reader, directory)
             if not moments:
@@ -768,7 +785,7 @@ def fill(
 
 
 def load_tensors(
-    model: RankModel, optimizer: ZeroAdamW, reader: CheckpointReader, moments: bool = True
+    model: RankModel, optimizer: ZeroOptimizer, reader: CheckpointReader, moments: bool = True
 ) -> None:
     """The weights and the optimizer's master weights; with `moments` Adam's moments and step count too,
     without them a fresh Adam (zero moments, step 0)."""
@@ -783,7 +800,7 @@ def load_tensors(
     with torch.no_grad():
         fill_parameters(model, reader, source("master"))
         optimizer.prepare_state(int(reader.manifest.get("optimizer_steps", 0)) if moments else 0)
-        for kind in ("master", "exp_avg", "exp_avg_sq") if moments else ("master",):
+        for kind in ("master", *optimizer.state_kinds) if moments else ("master",):
             fill_pieces(model, optimizer.state(kind), reader, source(kind))
 
 
@@ -805,6 +822,8 @@ def fill_pieces(
     named = model.named_parameters()
     data_parallel = model.data_parallel
     for piece, target in zip(data_parallel.pieces, targets, strict=True):
+        if target is None:  # a state the other optimizer keeps (optim/zero.py)
+            continue
         name, param = named[piece.param]
         offset = data_parallel.offsets[piece.param]
         fill(

@@ -32,7 +32,7 @@ from femtotron.serialize.weights import (
 
 SOURCE = "the CHECKPOINT argument"
 
-KINDS = ("model", "master", "exp_avg", "exp_avg_sq")
+KINDS = ("model", "master", "exp_avg", "exp_avg_sq", "momentum")
 
 
 def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
@@ -84,7 +84,8 @@ def rank_slices(config: Config, rank: int, reader: CheckpointReader) -> list[Sli
 
 def consolidate(source: Path, out: Path, with_optimizer: bool = False) -> Path:
     """A run directory in `out`: full-shape weights (`model.safetensors`), `config.yaml` and the tokenizer;
-    `with_optimizer`: also fp32 master weights and Adam moments (`optimizer.safetensors`, `<kind>/<name>`)."""
+    `with_optimizer`: also fp32 master weights and the optimizer's moments (`optimizer.safetensors`,
+    `<kind>/<name>`: Adam's `exp_avg`, `exp_avg_sq`; Muon's `momentum`)."""
     directory, _ = resolve(source, SOURCE)
     with (
         CheckpointReader(directory, verify_all=True) as reader,

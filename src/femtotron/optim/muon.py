@@ -1,0 +1,229 @@
+"""Muon: momentum orthogonalised by Newton-Schulz, for the decoder layers' weight matrices.
+
+Muon (Jordan et al., 2024) replaces a matrix's update by the orthogonal factor of its momentum: for
+M = U S V^T it steps along U V^T, every direction of the update at the same size. Liu et al. ("Muon is
+Scalable for LLM Training", Moonshot AI, 2025) train with it at scale at about twice AdamW's compute
+efficiency. Per matrix W with gradient G (summed over dp, clipped with the rest):
+
+    M <- beta M + G                                 momentum (optimizer_factory.muon_momentum)
+    N <- G + beta M  (Nesterov), else M              (muon_nesterov)
+    O <- NewtonSchulz(N)                             ~ U V^T, muon_ns_steps iterations
+    W <- W (1 - lr wd) - lr 0.2 sqrt(max(rows, cols)) O
+
+as Liu et al. write it (Algorithm 1). The momentum is a sum, not an average as Adam's first moment: the scale
+drops out in Newton-Schulz's normalisation but for its guard against a zero norm, which an average 1 / (1 -
+beta) times smaller meets sooner. The factor 0.2 sqrt(max(rows, cols)) is Liu et al.'s (section 2.2): it
+gives the update the RMS of a typical AdamW update (0.2-0.4), so AdamW's learning rate and weight decay
+carry over; `muon_learning_rate` and `muon_weight_decay` set others.
+
+Which parameters: every weight of the decoder layers with two or more dimensions except the MoE routers
+(`orthogonalised`). Embeddings, the LM head, norms, biases and routers take AdamW, as in both papers. A fused
+weight holds several matrices and each is orthogonalised alone (the orthogonal factor of [A; B] is not
+those of A and B): leading dimensions index separate matrices (an MLP's gate|up, a layer's experts), and
+attention's q|k|v rows interleave per key/value head (ShardInfo.fused_rows).
+
+Distributed (Liu et al.'s "Distributed Muon", Algorithm 1): Newton-Schulz needs a whole matrix, which
+ZeRO shards over dp and tp splits. Each rank keeps the momentum of the elements it owns (as Adam's moments
+under ZeRO), forms N there, all-gathers N over its replicas a bucket at a time (as ZeRO gathers the
+parameters, in Newton-Schulz's dtype, the next bucket's gather running while this one's matrices are
+computed), all-gathers tp's pieces of each matrix, runs Newton-Schulz on the whole matrix and keeps the
+update of its own elements. A rank skips the matrices it owns no element of; the others are computed by
+every rank owning a part of them (its tp peers own the same parts): no owner to assign or balance, no
+scatter back, and replicas that agree bit for bit. Liu et al. measure the repeated Newton-Schulz at 1-3% of
+a step. Bytes received per step: (replicas - 1) / replicas x the elements of the buckets holding Muon's
+matrices x the Newton-Schulz dtype's size, plus (tp - 1) x the local elements of the tp-split matrices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from femtotron.parallel.data_parallel import DataParallel
+from femtotron.parallel.sharding import split_dim
+from femtotron.parallel.tensor_parallel import TensorParallel, gather_full
+from femtotron.precision import emulated_low_precision
+
+# Jordan et al.'s quintic iteration x <- a x + b (x x^T) x + c (x x^T)^2 x: its coefficients push every
+# singular value into about [0.7, 1.2] in a few steps, rather than slowly to exactly 1 (no worse for
+# training, and stable in bf16).
+COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+# 2-D weights of a decoder layer that stay on AdamW: the MoE router and the shared experts' gate, whose
+# rows score experts rather than transform the hidden state.
+ROUTERS = (".router.weight", ".shared_expert_gate.weight")
+MOMENTUM = "momentum"  # its state's name in checkpoints
+
+
+def orthogonalised(name: str, param: torch.Tensor) -> bool:
+    """Whether Muon steps this parameter: a weight matrix of a decoder layer, other than a router."""
+    return name.startswith("layers.") and param.dim() >= 2 and not name.endswith(ROUTERS)
+
+
+def newton_schulz_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """bf16 models orthogonalise in bf16 (Jordan et al.'s choice: the iteration is stable there), others in
+    fp32."""
+    return torch.bfloat16 if param_dtype == torch.bfloat16 else torch.float32
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if emulated_low_precision(a):  # bf16 inputs, fp32 products, rounded back: a GPU's tensor cores
+        return (a.float() @ b.float()).to(a.dtype)
+    return a @ b
+
+
+def newton_schulz(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """The orthogonal factor U V^T of update = U S V^T, approximately (batched over leading dimensions),
+    computed in `dtype`; returned in fp32."""
+    a, b, c = COEFFICIENTS
+    x = update.to(dtype)
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:  # iterate on the smaller of the two Gram matrices
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # singular values <= 1: where the iteration works
+    for _ in range(steps):
+        gram = _matmul(x, x.mT)
+        x = a * x + _matmul(b * gram + c * _matmul(gram, gram), x)
+    if tall:
+        x = x.mT
+    return x.float()
+
+
+def matrices(whole: torch.Tensor, fused_rows: tuple[int, ...] | None) -> list[torch.Tensor]:
+    """The separate matrices of a weight (whole over tp), each batched over its leading dimensions."""
+    if fused_rows is None:
+        return [whole]
+    blocks = whole.unflatten(-2, (-1, sum(fused_rows))).split(list(fused_rows), dim=-2)
+    return [block.flatten(-3, -2) for block in blocks]
+
+
+def fused(parts: list[torch.Tensor], fused_rows: tuple[int, ...] | None) -> torch.Tensor:
+    """The weight `matrices` took apart, from its parts."""
+    if fused_rows is None:
+        return parts[0]
+    blocks = [part.unflatten(-2, (-1, rows)) for part, rows in zip(parts, fused_rows, strict=True)]
+    return torch.cat(blocks, dim=-2).flatten(-3, -2)
+
+
+def orthogonal_update(
+    whole: torch.Tensor, fused_rows: tuple[int, ...] | None, steps: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Each matrix's Newton-Schulz result times 0.2 sqrt(max(rows, cols)), in the weight's layout (fp32)."""
+    parts = [
+        newton_schulz(matrix, steps, dtype) * (0.2 * math.sqrt(max(matrix.shape[-2:])))
+        for matrix in matrices(whole, fused_rows)
+    ]
+    return fused(parts, fused_rows)
+
+
+class Muon:
+    """Muon's momentum and step for one rank's orthogonalised parameters, over the pieces it owns
+    (DataParallel.pieces); optim/zero.py steps the other pieces with AdamW."""
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        data_parallel: DataParallel,
+        tp: TensorParallel,
+        factory,
+    ) -> None:
+        """`factory`: the optimizer_factory config section."""
+        self.data_parallel = data_parallel
+        self.tp = tp
+        self.beta = factory.muon_momentum
+        self.nesterov = factory.muon_nesterov
+        self.ns_steps = factory.muon_ns_steps
+        self.dtype = newton_schulz_dtype(data_parallel.param_dtype)
+        self.shards = [getattr(p, "shard", None) for p in params]
+        self.stepped = [orthogonalised(n, p) for n, p in zip(data_parallel.names, params, strict=True)]
+        pieces = data_parallel.pieces
+        # Indices into the owned pieces: those of orthogonalised parameters, by bucket.
+        self.pieces = [i for i, piece in enumerate(pieces) if self.stepped[piece.param]]
+        self.momentum = {
+            i: torch.zeros(pieces[i].end - pieces[i].start, device=data_parallel.device) for i in self.pieces
+        }
+        bucket_of = data_parallel.bucket_of
+        self.pieces_of_bucket = {
+            b: [i for i in self.pieces if bucket_of[pieces[i].param] == b]
+            for b, bucket in enumerate(data_parallel.buckets)
+            if any(self.stepped[p] for p in bucket.params)
+        }
+
+    def step(
+        self, masters: list[torch.Tensor], grads: list[torch.Tensor], lr: float, decay: list[float]
+    ) -> None:
+        """Update the owned pieces' `masters` from their `grads` (per owned piece, as optim/zero.py keeps
+        them); `decay`: per owned piece, its weight decay."""
+        ahead = {}  # per owned piece: the update to orthogonalise, N
+        for i in self.pieces:
+            momentum = self.momentum[i]
+            momentum.mul_(self.beta).add_(grads[i])
+            ahead[i] = grads[i].add(momentum, alpha=self.beta) if self.nesterov else momentum
+        buckets = list(self.pieces_of_bucket)
+        started = self._start_gather(buckets[0], ahead) if buckets else None
+        for position, bucket in enumerate(buckets):
+            whole, work = started
+            if position + 1 < len(buckets):
+                started = self._start_gather(buckets[position + 1], ahead)
+            self.data_parallel.wait_bucket_gather(bucket, work, whole)
+            self._apply(bucket, whole, masters, lr, decay)
+
+    def _start_gather(self, bucket: int, ahead: dict[int, torch.Tensor]):
+        """Bucket `bucket`'s N: this rank's pieces in place, every replica's gathered (started)."""
+        data_parallel = self.data_parallel
+        start = data_parallel.buckets[bucket].start
+        whole = torch.zeros(
+            data_parallel.buckets[bucket].end - start, dtype=self.dtype, device=data_parallel.device
+        )
+        for i in self.pieces_of_bucket[bucket]:
+            piece = data_parallel.pieces[i]
+            whole[piece.start - start : piece.end - start] = ahead[i]
+        return whole, data_parallel.start_bucket_gather(bucket, whole)
+
+    def _apply(self, bucket: int, whole: torch.Tensor, masters, lr: float, decay) -> None:
+        data_parallel = self.data_parallel
+        start = data_parallel.buckets[bucket].start
+        pieces = data_parallel.pieces
+        owned = self.pieces_of_bucket[bucket]
+        for param in data_parallel.buckets[bucket].params:
+            mine = [i for i in owned if pieces[i].param == param]
+            if not self.stepped[param] or not mine:  # its tp peers own none of it either
+                continue
+            offset = data_parallel.offsets[param]
+            shape = data_parallel.shapes[param]
+            local = whole[offset - start : offset - start + shape.numel()].view(shape)
+            update = self._local_update(param, local)
+            for i in mine:
+                piece = pieces[i]
+                masters[i].mul_(1 - lr * decay[i])
+                masters[i].sub_(update[piece.start - offset : piece.end - offset], alpha=lr)
+
+    def _local_update(self, param: int, local: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the parameter's update (flat, fp32), from its part of N."""
+        shard = self.shards[param]
+        dim = split_dim(shard)
+        whole = gather_full(local, dim, self.tp)
+        update = orthogonal_update(whole, shard.fused_rows, self.ns_steps, self.dtype)
+        if dim is not None and self.tp.size > 1:
+            size = local.shape[dim]
+            update = update.narrow(dim, self.tp.rank * size, size)
+        return update.reshape(-1)
+
+    def bytes_per_step(self) -> dict[str, int]:
+        """Bytes this rank receives per step for Newton-Schulz's whole matrices: over its replicas (the
+        buckets holding Muon's matrices) and over tp."""
+        data_parallel = self.data_parallel
+        itemsize = self.dtype.itemsize
+        replicas = 0
+        for bucket in self.pieces_of_bucket:
+            group = data_parallel.replicas[bucket]
+            size = data_parallel.buckets[bucket].end - data_parallel.buckets[bucket].start
+            if data_parallel.sharded:
+                replicas += size * (group.size - 1) // group.size * itemsize
+        computed = {data_parallel.pieces[i].param for i in self.pieces}
+        tp = sum(
+            data_parallel.shapes[p].numel() * (self.tp.size - 1) * itemsize
+            for p in computed
+            if split_dim(self.shards[p]) is not None
+        )
+        return {"replicas": replicas, "tp": tp}
