@@ -47,6 +47,10 @@ def test_a_parquet_file_is_read_in_bounded_batches_with_another_column(tmp_path,
     assert list(DocumentReader("content").read([path])) == texts
     with pytest.raises(DataError, match=r"c.parquet: no column 'text' \(it has id, content\)"):
         list(iter_documents(path))
+    # batches of 3 within row groups of 7: the rows are counted across the groups
+    with_a_gap = write_parquet(tmp_path / "gap.parquet", [*texts[:9], None, *texts[9:]])
+    with pytest.raises(DataError, match=r"gap.parquet, row 9: column 'text' holds NoneType"):
+        list(DocumentReader().read([with_a_gap]))
 
 
 def test_txt_and_md_are_one_document_each_or_one_per_block(tmp_path):
