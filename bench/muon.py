@@ -9,7 +9,7 @@ the loss on text the model has not seen yet), and the median step time. Muon ste
 matrices and AdamW the rest, at the same peak learning rate (optim/muon.py scales Muon's update to AdamW's
 RMS, so one rate serves both: Liu et al. 2025).
 
-    python bench/muon.py [--steps 200] [--lrs 5e-4,1e-3,2e-3,4e-3,8e-3]
+    python bench/muon.py [--steps 200] [--lrs 5e-4,1e-3,2e-3,4e-3,8e-3,1.6e-2]
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ def run(optimizer: str, lr: float, steps: int, runs: Path) -> tuple[float, float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--lrs", default="5e-4,1e-3,2e-3,4e-3,8e-3", help="peak learning rates to sweep")
+    parser.add_argument(
+        "--lrs", default="5e-4,1e-3,2e-3,4e-3,8e-3,1.6e-2", help="peak learning rates to sweep"
+    )
     args = parser.parse_args()
     lrs = [float(lr) for lr in args.lrs.split(",")]
     best = {}
@@ -68,7 +70,7 @@ def main() -> None:
                 if name not in best or loss < best[name][0]:
                     best[name] = (loss, seconds, lr)
             adam, muon = row["adamW"], row["muon"]
-            print(f"{lr:8.0e} {adam[0]:11.3f} {muon[0]:10.3f} {adam[1]:13.3f} {muon[1]:12.3f}")
+            print(f"{lr:8g} {adam[0]:11.3f} {muon[0]:10.3f} {adam[1]:13.3f} {muon[1]:12.3f}")
     adam, muon = best["adamW"], best["muon"]
     print(f"best: adamW {adam[0]:.3f} at lr {adam[2]:g}, muon {muon[0]:.3f} at lr {muon[2]:g}")
     headline(f"loss after {args.steps} steps at the best lr, muon / adamW", muon[0], adam[0], ".3f")

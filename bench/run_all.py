@@ -46,6 +46,7 @@ SCRIPTS = {
     "dp_overlap": (["--steps=3", "--layers=2"], []),
     "checkpoint_io": (["--shape=debug", "--repeats=2"], []),
     "preprocess": (["--megabytes=2", "--formats=jsonl,parquet"], []),
+    "muon": (["--steps=20", "--lrs=1e-3"], ["--lrs=1e-3,8e-3"]),  # the full sweep: docs/benchmarks.md
     "recompute_memory": (["--cases=debug", "--rounds=3"], []),
     "memory": (["--layouts=one,zero1-dp2,zero3-dp2"], []),
     "zero_stages": (["--dp=2", "--steps=2"], []),
