@@ -196,7 +196,8 @@ def test_newton_schulz_leaves_singular_values_near_one_in_fp32_and_bf16(native, 
     with precision_path(native):
         for dtype in (torch.float32, torch.bfloat16):
             result = newton_schulz(update, 5, dtype)
-            assert result.dtype == torch.float32 and result.shape == update.shape
+            assert result.dtype == dtype and result.shape == update.shape
+            result = result.float()
             values = torch.linalg.svdvals(result)
             assert values.min() > 0.6 and values.max() < 1.25, (dtype, values)
             u, _, vh = torch.linalg.svd(update, full_matrices=False)
@@ -252,7 +253,7 @@ EXPERTS = (
 def test_muon_equals_one_process_over_dp_tp_and_cp(tiny_config):
     """Newton-Schulz sees each whole matrix whichever ranks hold its pieces: dp2 without ZeRO and with
     ZeRO-1 (the momentum sharded, N gathered a bucket at a time; bf16 on both CPU paths, Newton-Schulz in
-    bf16) and ZeRO-3; tp2 in both modes (q|k|v split per kv head, gate|up per part); cp2."""
+    bf16), ZeRO-2 and ZeRO-3 (also under tp2); tp2 in both modes (q|k|v split per kv head, gate|up per part); cp2."""
     check_layouts(
         lambda *overrides: tiny_config(*MUON, *overrides),
         {
@@ -262,7 +263,9 @@ def test_muon_equals_one_process_over_dp_tp_and_cp(tiny_config):
                 ("bfloat16", True, ()),
                 ("bfloat16", False, ()),
             ],
+            ("parallelism.dp=2", "optimizer.zero_stage=2"): [("float32", None, ())],
             ("parallelism.dp=2", "optimizer.zero_stage=3"): [("float32", None, ())],
+            ("parallelism.dp=2", "parallelism.tp=2", "optimizer.zero_stage=3"): [("float32", None, ())],
             ("parallelism.tp=2",): [("float32", None, ())],
             ("parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"): [("float32", None, ())],
             ("parallelism.cp=2",): [("float32", None, ())],

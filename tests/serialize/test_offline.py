@@ -364,3 +364,13 @@ def test_S8_consolidate_killed_while_moving_its_files_in_leaves_a_directory_gene
         "tokenizer.json",
     ]
     load_run(out)
+
+
+def test_a_reshard_that_would_change_the_optimizer_is_refused(saved, tmp_path, capsys):
+    """The checkpoint holds Adam's moments: resharded as Muon's, its manifest would promise a momentum it
+    does not hold."""
+    checkpoints, _ = saved
+    muon = "optimizer.optimizer_factory.name=muon"
+    assert main(["reshard", str(checkpoints), "--out", str(tmp_path / "muon"), muon]) != 0
+    assert "holds the state of optimizer_factory.name=adamW" in capsys.readouterr().err
+    assert not (tmp_path / "muon").exists()

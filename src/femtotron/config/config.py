@@ -14,7 +14,6 @@ from pydantic import ValidationInfo, model_validator
 
 from femtotron.config.rules import rule_problems
 from femtotron.config.sections import (
-    AdamWArgs,
     CheckpointsArgs,
     ConfigFields,
     DataArgs,
@@ -30,6 +29,7 @@ from femtotron.config.sections import (
     ModelArgs,
     MoEConfig,
     OptimizerArgs,
+    OptimizerFactoryArgs,
     ParallelismArgs,
     ProfilingArgs,
     RopeScaling,
@@ -39,7 +39,7 @@ from femtotron.config.sections import (
 
 __all__ = [
     "SKIP_RULES",
-    "AdamWArgs",
+    "OptimizerFactoryArgs",
     "CheckpointsArgs",
     "Config",
     "ConfigFields",

@@ -335,7 +335,7 @@ class LRSchedulerArgs(_Section):
     min_decay_lr: NonNegativeFloat = 0.0
 
 
-class AdamWArgs(_Section):
+class OptimizerFactoryArgs(_Section):
     # "muon": the decoder layers' weight matrices follow Muon (optim/muon.py), every other parameter AdamW
     name: Literal["adamW", "muon"] = "adamW"
     adam_beta1: float = Field(0.9, ge=0, lt=1)
@@ -376,7 +376,7 @@ class OptimizerArgs(_Section):
     on_non_finite: Literal["stop", "skip"] = "stop"  # a non-finite loss or grad norm: stop, or drop the step
     accumulate_grad_in_fp32: bool = True
     learning_rate_scheduler: LRSchedulerArgs = Field(default_factory=LRSchedulerArgs)
-    optimizer_factory: AdamWArgs = Field(default_factory=AdamWArgs)
+    optimizer_factory: OptimizerFactoryArgs = Field(default_factory=OptimizerFactoryArgs)
     loss_scale: LossScaleArgs = Field(default_factory=LossScaleArgs)
 
     @field_validator("weight_decay_exclude_named_params")

@@ -29,9 +29,12 @@ parameters, in Newton-Schulz's dtype, the next bucket's gather running while thi
 computed), all-gathers tp's pieces of each matrix, runs Newton-Schulz on the whole matrix and keeps the
 update of its own elements. A rank skips the matrices it owns no element of; the others are computed by
 every rank owning a part of them (its tp peers own the same parts): no owner to assign or balance, no
-scatter back, and replicas that agree bit for bit. Liu et al. measure the repeated Newton-Schulz at 1-3% of
-a step. Bytes received per step: (replicas - 1) / replicas x the elements of the buckets holding Muon's
-matrices x the Newton-Schulz dtype's size, plus (tp - 1) x the local elements of the tp-split matrices.
+scatter back, and replicas that agree bit for bit. The cost is repeated work: a matrix within one rank's
+shard is computed by that rank and its tp peers (tp times), one larger than a bucket by every replica too
+(dp x tp times). Liu et al. measure their repeated Newton-Schulz at 1-3% of a step; an owner per matrix
+would cut it at the cost of a scatter back. Bytes received per step: (replicas - 1) / replicas x the
+elements of the buckets holding Muon's matrices x the Newton-Schulz dtype's size, plus (tp - 1) x the local
+elements of the tp-split matrices this rank computes.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def newton_schulz(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
     """The orthogonal factor U V^T of update = U S V^T, approximately (batched over leading dimensions),
-    computed in `dtype`; returned in fp32."""
+    computed and returned in `dtype`."""
     a, b, c = COEFFICIENTS
     x = update.to(dtype)
     tall = x.shape[-2] > x.shape[-1]
@@ -86,7 +89,7 @@ def newton_schulz(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch
         x = a * x + _matmul(b * gram + c * _matmul(gram, gram), x)
     if tall:
         x = x.mT
-    return x.float()
+    return x
 
 
 def matrices(whole: torch.Tensor, fused_rows: tuple[int, ...] | None) -> list[torch.Tensor]:
@@ -108,9 +111,9 @@ def fused(parts: list[torch.Tensor], fused_rows: tuple[int, ...] | None) -> torc
 def orthogonal_update(
     whole: torch.Tensor, fused_rows: tuple[int, ...] | None, steps: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Each matrix's Newton-Schulz result times 0.2 sqrt(max(rows, cols)), in the weight's layout (fp32)."""
+    """Each matrix's Newton-Schulz result times 0.2 sqrt(max(rows, cols)), in the weight's layout."""
     parts = [
-        newton_schulz(matrix, steps, dtype) * (0.2 * math.sqrt(max(matrix.shape[-2:])))
+        newton_schulz(matrix, steps, dtype).mul_(0.2 * math.sqrt(max(matrix.shape[-2:])))
         for matrix in matrices(whole, fused_rows)
     ]
     return fused(parts, fused_rows)
@@ -135,18 +138,20 @@ class Muon:
         self.ns_steps = factory.muon_ns_steps
         self.dtype = newton_schulz_dtype(data_parallel.param_dtype)
         self.shards = [getattr(p, "shard", None) for p in params]
-        self.stepped = [orthogonalised(n, p) for n, p in zip(data_parallel.names, params, strict=True)]
+        self.orthogonalised = [orthogonalised(n, p) for n, p in zip(data_parallel.names, params, strict=True)]
         pieces = data_parallel.pieces
-        # Indices into the owned pieces: those of orthogonalised parameters, by bucket.
-        self.pieces = [i for i, piece in enumerate(pieces) if self.stepped[piece.param]]
+        # Indices into the owned pieces (DataParallel.pieces) of the orthogonalised parameters.
+        self.piece_indices = [i for i, piece in enumerate(pieces) if self.orthogonalised[piece.param]]
         self.momentum = {
-            i: torch.zeros(pieces[i].end - pieces[i].start, device=data_parallel.device) for i in self.pieces
+            i: torch.zeros(pieces[i].end - pieces[i].start, device=data_parallel.device)
+            for i in self.piece_indices
         }
         bucket_of = data_parallel.bucket_of
+        # Every bucket holding a Muon matrix, with this rank's pieces of them (none: it still gathers)
         self.pieces_of_bucket = {
-            b: [i for i in self.pieces if bucket_of[pieces[i].param] == b]
+            b: [i for i in self.piece_indices if bucket_of[pieces[i].param] == b]
             for b, bucket in enumerate(data_parallel.buckets)
-            if any(self.stepped[p] for p in bucket.params)
+            if any(self.orthogonalised[p] for p in bucket.params)
         }
 
     def step(
@@ -154,22 +159,18 @@ class Muon:
     ) -> None:
         """Update the owned pieces' `masters` from their `grads` (per owned piece, as optim/zero.py keeps
         them); `decay`: per owned piece, its weight decay."""
-        ahead = {}  # per owned piece: the update to orthogonalise, N
-        for i in self.pieces:
-            momentum = self.momentum[i]
-            momentum.mul_(self.beta).add_(grads[i])
-            ahead[i] = grads[i].add(momentum, alpha=self.beta) if self.nesterov else momentum
         buckets = list(self.pieces_of_bucket)
-        started = self._start_gather(buckets[0], ahead) if buckets else None
+        started = self._start_gather(buckets[0], grads) if buckets else None
         for position, bucket in enumerate(buckets):
             whole, work = started
             if position + 1 < len(buckets):
-                started = self._start_gather(buckets[position + 1], ahead)
+                started = self._start_gather(buckets[position + 1], grads)
             self.data_parallel.wait_bucket_gather(bucket, work, whole)
             self._apply(bucket, whole, masters, lr, decay)
 
-    def _start_gather(self, bucket: int, ahead: dict[int, torch.Tensor]):
-        """Bucket `bucket`'s N: this rank's pieces in place, every replica's gathered (started)."""
+    def _start_gather(self, bucket: int, grads: list[torch.Tensor]):
+        """Bucket `bucket`'s N: this rank's pieces' momentum stepped and N written in place (a piece at a
+        time: no second copy of the momentum), every replica's gathered (started)."""
         data_parallel = self.data_parallel
         start = data_parallel.buckets[bucket].start
         whole = torch.zeros(
@@ -177,17 +178,22 @@ class Muon:
         )
         for i in self.pieces_of_bucket[bucket]:
             piece = data_parallel.pieces[i]
-            whole[piece.start - start : piece.end - start] = ahead[i]
+            momentum = self.momentum[i].mul_(self.beta).add_(grads[i])
+            to_orthogonalise = grads[i].add(momentum, alpha=self.beta) if self.nesterov else momentum
+            whole[piece.start - start : piece.end - start] = to_orthogonalise
         return whole, data_parallel.start_bucket_gather(bucket, whole)
 
-    def _apply(self, bucket: int, whole: torch.Tensor, masters, lr: float, decay) -> None:
+    def _apply(
+        self, bucket: int, whole: torch.Tensor, masters: list[torch.Tensor], lr: float, decay: list[float]
+    ) -> None:
+        """Step this rank's pieces of the bucket's matrices from `whole`, the bucket's N gathered."""
         data_parallel = self.data_parallel
         start = data_parallel.buckets[bucket].start
         pieces = data_parallel.pieces
         owned = self.pieces_of_bucket[bucket]
         for param in data_parallel.buckets[bucket].params:
             mine = [i for i in owned if pieces[i].param == param]
-            if not self.stepped[param] or not mine:  # its tp peers own none of it either
+            if not self.orthogonalised[param] or not mine:  # its tp peers own none of it either
                 continue
             offset = data_parallel.offsets[param]
             shape = data_parallel.shapes[param]
@@ -199,7 +205,7 @@ class Muon:
                 masters[i].sub_(update[piece.start - offset : piece.end - offset], alpha=lr)
 
     def _local_update(self, param: int, local: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the parameter's update (flat, fp32), from its part of N."""
+        """This rank's part of the parameter's update (flat, in Newton-Schulz's dtype), from its part of N."""
         shard = self.shards[param]
         dim = split_dim(shard)
         whole = gather_full(local, dim, self.tp)
@@ -220,7 +226,7 @@ class Muon:
             size = data_parallel.buckets[bucket].end - data_parallel.buckets[bucket].start
             if data_parallel.sharded:
                 replicas += size * (group.size - 1) // group.size * itemsize
-        computed = {data_parallel.pieces[i].param for i in self.pieces}
+        computed = {data_parallel.pieces[i].param for i in self.piece_indices}
         tp = sum(
             data_parallel.shapes[p].numel() * (self.tp.size - 1) * itemsize
             for p in computed

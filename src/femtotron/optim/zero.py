@@ -44,7 +44,7 @@ class ZeroOptimizer:
         tp: TensorParallel | None = None,
     ) -> None:
         """`params` are laid out in `data_parallel`'s buffers; `cfg` is the `optimizer` config section; `tp`
-        (Muon only): the group its matrices are split over."""
+        (Muon only): the group its matrices are split over (None: one process, nothing split)."""
         self.data_parallel = data_parallel
         self.pieces = data_parallel.pieces
         self.model_pieces = data_parallel.owned_params()
@@ -61,11 +61,13 @@ class ZeroOptimizer:
         self.muon = None
         if factory.name == "muon":
             self.muon = Muon(params, data_parallel, tp or TensorParallel.single(), factory)
-            muon_decay = cfg.weight_decay if factory.muon_weight_decay is None else factory.muon_weight_decay
-            self.muon_decay = [muon_decay if d else 0.0 for d in decayed]
+            muon_weight_decay = factory.muon_weight_decay
+            if muon_weight_decay is None:
+                muon_weight_decay = cfg.weight_decay
+            self.muon_decay_per_piece = [muon_weight_decay if d else 0.0 for d in decayed]
             peak = cfg.learning_rate_scheduler.learning_rate
             self.muon_lr_ratio = (factory.muon_learning_rate or peak) / peak
-        stepped_by_muon = set(self.muon.pieces if self.muon else [])
+        stepped_by_muon = set(self.muon.piece_indices if self.muon else [])
         # Adam's pieces: every owned piece that Muon does not step
         self.adam_pieces = [i for i in range(len(self.pieces)) if i not in stepped_by_muon]
         groups = []
@@ -110,7 +112,7 @@ class ZeroOptimizer:
             self.adam.step()
         with torch.no_grad():
             if self.muon is not None:
-                self.muon.step(self.masters, grads, lr * self.muon_lr_ratio, self.muon_decay)
+                self.muon.step(self.masters, grads, lr * self.muon_lr_ratio, self.muon_decay_per_piece)
             if self.masters is not self.model_pieces and self.masters:
                 torch._foreach_copy_(self.model_pieces, self.masters)
         self.data_parallel.gather_params()

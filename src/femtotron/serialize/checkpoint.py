@@ -739,7 +739,10 @@ def load(parts: TrainingParts, path: Path, what: str = EXPLICIT) -> tuple[str, P
             load_tensors(parts.model, parts.optimizer, reader, moments=moments)
             summary = restore_counters(parts, reader, directory)
             if not moments:
-                summary += "; Adam starts afresh from its master weights (checkpoints.load_optimizer=false)"
+                summary += (
+                    "; the optimizer starts afresh (zero moments) from its master weights "
+                    "(checkpoints.load_optimizer=false)"
+                )
             if explicit and not ckpt.load_lr_scheduler:
                 parts.state.lr_schedule_start = parts.state.step
                 summary += (

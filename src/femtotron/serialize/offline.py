@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from femtotron.atomic import atomic_path, copy_file, remove
 from femtotron.config import Config, load_config_dict
 from femtotron.layout import meta_rank_model
-from femtotron.serialize.checkpoint import commit, mesh_of, resolve, saved_slices
+from femtotron.serialize.checkpoint import check_optimizer_matches, commit, mesh_of, resolve, saved_slices
 from femtotron.serialize.files import CheckpointError, CheckpointReader, Slice, file_record, write_rank_file
 from femtotron.serialize.weights import (
     CONFIG_FILE,
@@ -47,6 +47,7 @@ def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
     with CheckpointReader(directory, verify_all=True) as reader:
         manifest = reader.manifest
         config = load_config_dict(manifest["config"], overrides=overrides)
+        check_optimizer_matches(manifest, config, directory)  # the state it holds is one optimizer's
         tmp = out / f".tmp-{directory.name}"
         final = out / directory.name
         remove(tmp)  # a killed reshard's, or a link planted there: never written through
