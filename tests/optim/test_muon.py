@@ -253,7 +253,8 @@ EXPERTS = (
 def test_muon_equals_one_process_over_dp_tp_and_cp(tiny_config):
     """Newton-Schulz sees each whole matrix whichever ranks hold its pieces: dp2 without ZeRO and with
     ZeRO-1 (the momentum sharded, N gathered a bucket at a time; bf16 on both CPU paths, Newton-Schulz in
-    bf16), ZeRO-2 and ZeRO-3 (also under tp2); tp2 in both modes (q|k|v split per kv head, gate|up per part); cp2."""
+    bf16), ZeRO-2 and ZeRO-3 (also under tp2); tp2 in both modes (q|k|v split per kv head, gate|up per
+    part); cp2."""
     check_layouts(
         lambda *overrides: tiny_config(*MUON, *overrides),
         {
