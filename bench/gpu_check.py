@@ -378,6 +378,9 @@ def run_in_own_session(command: Sequence[str], log: Path, timeout: float) -> Fin
             stderr=subprocess.STDOUT,
             env=environment,
             start_new_session=True,
+            # A check started under nohup or as a background job has SIGINT ignored, and its parts would
+            # inherit that: the SIGINT that makes a part say where it was would do nothing.
+            preexec_fn=_default_sigint,
         )
         timed_out = False
         try:
@@ -390,6 +393,11 @@ def run_in_own_session(command: Sequence[str], log: Path, timeout: float) -> Fin
             raise
         signal_group(process.pid, signal.SIGKILL)
     return Finished(process.returncode, time.monotonic() - start, timed_out)
+
+
+def _default_sigint() -> None:
+    """In a part's process, between fork and exec: SIGINT back to its default (Python's KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def log_tail(log: Path, lines: int = TAIL_LINES) -> list[str]:
