@@ -138,7 +138,8 @@ class Muon:
         self.ns_steps = factory.muon_ns_steps
         self.dtype = newton_schulz_dtype(data_parallel.param_dtype)
         self.shards = [getattr(p, "shard", None) for p in params]
-        self.orthogonalised = [orthogonalised(n, p) for n, p in zip(data_parallel.names, params, strict=True)]
+        # Which parameters Muon steps: marked once, where the buffers are laid out (layout.py)
+        self.orthogonalised = data_parallel.orthogonalised
         pieces = data_parallel.pieces
         # Indices into the owned pieces (DataParallel.pieces) of the orthogonalised parameters.
         self.piece_indices = [i for i, piece in enumerate(pieces) if self.orthogonalised[piece.param]]
