@@ -57,6 +57,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def linear_weight_gradient(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of `linear`'s weight from its input and its output's gradient: grad^T x over every token
+    (parallel/split_backward.py computes it apart from the input's gradient)."""
+    if emulated_low_precision(x):
+        return linear_weight_gradient(x.float(), grad.float()).to(x.dtype)
+    return grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+
 # torch._grouped_mm exists from torch 2.8 (CUDA only), with a CPU kernel from 2.9.
 GROUPED_MM = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 9)
 
@@ -75,17 +83,40 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) ->
     elsewhere (and for rows not a multiple of 16 bytes) a loop over the groups."""
     if emulated_low_precision(x):
         return grouped_linear(x.float(), weight.float(), ends).to(x.dtype)
-    aligned = all(n * x.element_size() % 16 == 0 for n in weight.shape[-2:])  # the kernel's rule
-    on_gpu = x.is_cuda and grouped_mm_on_gpu(x.dtype, torch.cuda.get_device_capability(x.device))
-    as_on_gpu = x.is_meta and x.dtype == torch.bfloat16  # memory estimates
-    if GROUPED_MM and aligned and (x.device.type == "cpu" or as_on_gpu or on_gpu):
-        out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends.to(device=x.device, dtype=torch.int32))
+    if _grouped_mm_runs(x, weight.shape[-2:]):
+        out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=_offsets(ends, x))
         if out.requires_grad:  # its backward takes only a contiguous gradient
             out.register_hook(torch.Tensor.contiguous)
         return out
-    # The loop slices on the host: one device-to-host read of the groups' ends per call.
-    rows = torch.diff(ends.cpu(), prepend=torch.zeros(1, dtype=ends.dtype)).tolist()
-    return torch.cat([F.linear(part, w) for part, w in zip(x.split(rows), weight, strict=True)])
+    return torch.cat([F.linear(part, w) for part, w in zip(x.split(_rows(ends)), weight, strict=True)])
+
+
+def grouped_linear_weight_gradient(x: torch.Tensor, grad: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """The gradient of `grouped_linear`'s weight: weight[g]'s is grad^T x over group g's rows (zero for a
+    group without rows), through the same kernels."""
+    if emulated_low_precision(x):
+        return grouped_linear_weight_gradient(x.float(), grad.float(), ends).to(x.dtype)
+    if _grouped_mm_runs(x, (grad.shape[-1], x.shape[-1])):
+        return torch._grouped_mm(grad.t(), x, offs=_offsets(ends, x))
+    parts = zip(grad.split(_rows(ends)), x.split(_rows(ends)), strict=True)
+    return torch.stack([part_grad.t() @ part for part_grad, part in parts])
+
+
+def _grouped_mm_runs(x: torch.Tensor, weight_dims: tuple[int, ...]) -> bool:
+    """Whether torch's grouped GEMM takes `x` and a (groups, *weight_dims) weight: see grouped_linear."""
+    aligned = all(n * x.element_size() % 16 == 0 for n in weight_dims)  # the kernel's rule
+    on_gpu = x.is_cuda and grouped_mm_on_gpu(x.dtype, torch.cuda.get_device_capability(x.device))
+    as_on_gpu = x.is_meta and x.dtype == torch.bfloat16  # memory estimates
+    return GROUPED_MM and aligned and (x.device.type == "cpu" or as_on_gpu or on_gpu)
+
+
+def _offsets(ends: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return ends.to(device=x.device, dtype=torch.int32)
+
+
+def _rows(ends: torch.Tensor) -> list[int]:
+    """Each group's rows, for the loop: it slices on the host (one device-to-host read of the ends)."""
+    return torch.diff(ends.cpu(), prepend=torch.zeros(1, dtype=ends.dtype)).tolist()
 
 
 def attention_dtype(q: torch.Tensor) -> torch.dtype:

@@ -301,7 +301,7 @@ class ParallelismArgs(_Section):
     cp: PositiveInt = 1  # context parallel: each sequence split over cp ranks, attention as a ring
     # expert parallel: each MoE layer's experts split over ep of the dp x cp ranks (ep divides dp * cp)
     ep: PositiveInt = 1
-    pp_engine: Literal["1f1b", "afab", "interleaved-1f1b"] = "1f1b"
+    pp_engine: Literal["1f1b", "afab", "interleaved-1f1b", "zb-h1"] = "1f1b"
     pp_virtual_stages: PositiveInt = 1  # model chunks per pp rank; > 1 only with interleaved-1f1b
     tp_mode: Literal["ALL_REDUCE", "REDUCE_SCATTER"] = "ALL_REDUCE"
     recompute_layer: bool = False  # recompute each decoder layer's forward in backward (less memory)

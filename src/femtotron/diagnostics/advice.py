@@ -8,10 +8,15 @@ from femtotron.config.rules import fixes_that_hold
 from femtotron.parallel.pipeline.partition import IMBALANCE_WARNING, Stage, partition
 
 
-def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
+def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1, engine: str = "1f1b") -> float:
     """The share of a step a pipeline stage idles (P2): fill and drain take pp - 1 stage-steps, which
     interleaving shortens by its number of virtual stages (AFAB and 1F1B idle alike; 1F1B holds fewer
-    activations)."""
+    activations). zb-h1, with forward, B and W taking a third of a stage-step each: a step spans
+    3m + pp - 1 thirds, and at least 2m + 2pp - 1 (the first micro-batch's forward and B through every stage,
+    then the rest's F and B on the first stage, then its last W): parallel/pipeline/schedules.py."""
+    if engine == "zb-h1":
+        thirds = max(3 * micro_batches + pp - 1, 2 * micro_batches + 2 * pp - 1)
+        return 1 - 3 * micro_batches / thirds
     idle = (pp - 1) / virtual_stages
     return idle / (micro_batches + idle)
 
@@ -67,11 +72,15 @@ def config_warnings(config: Config) -> list[str]:
             "parallelism.pp_engine": "interleaved-1f1b",
             "parallelism.pp_virtual_stages": max(par.pp_virtual_stages, 2),
         }
-        interleave = fixes_that_hold(config, [("pp_engine=interleaved-1f1b", interleaving)])
-        bubble = pipeline_bubble(par.pp, accumulation, par.pp_virtual_stages)
+        engines = {
+            "interleaved-1f1b": ("pp_engine=interleaved-1f1b", interleaving),
+            "zb-h1": ("pp_engine=zb-h1 (a third of 1F1B's bubble)", {"parallelism.pp_engine": "zb-h1"}),
+        }
+        others = fixes_that_hold(config, [fix for name, fix in engines.items() if name != par.pp_engine])
+        bubble = pipeline_bubble(par.pp, accumulation, par.pp_virtual_stages, par.pp_engine)
         ending = "."
-        if interleave and par.pp_engine != "interleaved-1f1b":
-            ending = f", or {interleave[0]}."
+        if others:
+            ending = f", or {' or '.join(others)}."
         out.append(
             f"tokens.batch_accumulation_per_replica={accumulation} micro-batches with pp={par.pp}: the "
             f"pipeline idles for about {bubble:.0%} of each step (P2). Use at least 4 * pp = {4 * par.pp} "

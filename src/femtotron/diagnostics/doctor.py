@@ -262,7 +262,7 @@ def diagnose(
         )
     if par.pp > 1:
         micro_batches = config.tokens.batch_accumulation_per_replica
-        bubble = pipeline_bubble(par.pp, micro_batches, par.pp_virtual_stages)
+        bubble = pipeline_bubble(par.pp, micro_batches, par.pp_virtual_stages, par.pp_engine)
         lines.append(f"pipeline: {par.pp_engine}, each stage idles {bubble:.0%} of a step in theory (P2)")
         virtual_stages = par.pp * par.pp_virtual_stages
         stages = partition(config.model.model_config_, config.tokens.sequence_length, virtual_stages)

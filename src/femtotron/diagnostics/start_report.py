@@ -63,7 +63,7 @@ def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
             f"tp={ctx.tp}; the padded logits are masked out of the loss"
         )
     if ctx.pp > 1:
-        bubble = pipeline_bubble(ctx.pp, accumulation, par.pp_virtual_stages)
+        bubble = pipeline_bubble(ctx.pp, accumulation, par.pp_virtual_stages, par.pp_engine)
         virtual = ""
         if par.pp_virtual_stages > 1:
             virtual = f" with {par.pp_virtual_stages} virtual stages per rank"

@@ -23,13 +23,14 @@ from torch import nn
 from femtotron.config import LlamaConfig
 from femtotron.errors import ConfigError
 from femtotron.parallel.members import Parallel
+from femtotron.parallel.split_backward import DeferredWeightGradients, split_grouped_linear
 from femtotron.parallel.tensor_parallel import (
     SEQUENCE_DIM,
     enter_column_parallel,
     gather_full,
     leave_row_parallel,
 )
-from femtotron.precision import grouped_linear, linear
+from femtotron.precision import linear
 
 # RouterStats columns after the per-expert token counts.
 DROPPED, AUX, Z = range(3)
@@ -116,12 +117,23 @@ class Experts(nn.Module):
         split = dict(shard_dim=2, rank=tp.rank, world=tp.size, experts=(ep.rank, ep.size))
         self.gate_up_proj = make(f"{name}.gate_up_proj", (experts, 2, inner, hidden), make.std, **split)
         self.down_proj = make(f"{name}.down_proj", (experts, hidden, inner), out_std, **split)
+        self.deferred: DeferredWeightGradients | None = None  # zero-bubble pipelines: where W's work goes
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`rows` sorted by expert, counts[e] of them for this rank's expert e."""
         ends = counts.cumsum(0)
-        gate, up = grouped_linear(rows, self.gate_up_proj.flatten(1, 2), ends).chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate) * up, self.down_proj, ends)
+        gate_up = split_grouped_linear(
+            rows,
+            param=self.gate_up_proj,
+            weight=self.gate_up_proj.flatten(1, 2),
+            ends=ends,
+            deferred=self.deferred,
+        )
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        return split_grouped_linear(
+            hidden, param=self.down_proj, weight=self.down_proj, ends=ends, deferred=self.deferred
+        )
 
 
 class MoE(nn.Module):

@@ -23,7 +23,7 @@ from torch import nn
 from femtotron.errors import ConfigError
 from femtotron.parallel.comm import Group, GroupMember
 from femtotron.parallel.sharding import ShardInfo, split_dim
-from femtotron.precision import linear
+from femtotron.parallel.split_backward import DeferredWeightGradients, split_linear
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, hidden)
 
@@ -248,10 +248,13 @@ class ColumnParallelLinear(nn.Module):
             self.bias = make(f"{name}.bias", shape[:-1], 0.0, shard_dim=dim, rank=tp.rank, world=tp.size)
         self.output_split_dim = -1
         self.output_parts = parts
+        self.deferred: DeferredWeightGradients | None = None  # zero-bubble pipelines: where W's work goes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.flatten()
-        return linear(enter_column_parallel(x, self.tp), self.weight.flatten(0, -2), bias)
+        x = enter_column_parallel(x, self.tp)
+        weight = self.weight.flatten(0, -2)
+        return split_linear(x, param=self.weight, weight=weight, bias=bias, deferred=self.deferred)
 
 
 class RowParallelLinear(nn.Module):
@@ -271,9 +274,11 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.weight = make(f"{name}.weight", (d_out, d_in), std, shard_dim=1, rank=tp.rank, world=tp.size)
         self.output_split_dim = SEQUENCE_DIM if tp.sequence_parallel else None
+        self.deferred: DeferredWeightGradients | None = None  # zero-bubble pipelines: where W's work goes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return leave_row_parallel(linear(x, self.weight), self.tp)
+        out = split_linear(x, param=self.weight, weight=self.weight, bias=None, deferred=self.deferred)
+        return leave_row_parallel(out, self.tp)
 
 
 class VocabParallelEmbedding(nn.Module):

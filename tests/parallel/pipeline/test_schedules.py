@@ -10,9 +10,10 @@ import pytest
 from femtotron.diagnostics.advice import pipeline_bubble
 from femtotron.parallel.pipeline.schedules import Action, forward_only, schedule
 
-ENGINES = ["afab", "1f1b", "interleaved-1f1b"]
+ENGINES = ["afab", "1f1b", "interleaved-1f1b", "zb-h1"]
 F_COST = 1
 B_COST = 2  # a backward costs about twice a forward
+W_COST = 1  # split (zb-h1): B is the input's gradient, B_COST - W_COST, and W the weights', W_COST
 
 
 @dataclass(frozen=True)
@@ -48,15 +49,16 @@ def simulate(
     F(mb) of stage s first receives act(mb, s-1->s) from the rank of stage s-1 (blocking, if s > 0),
     computes, then sends act(mb, s->s+1) to the rank of stage s+1 (if s < S-1, never blocking). A
     backward B(mb) of stage s needs its forward to have run earlier on this rank, receives
-    grad(mb, s+1->s) (if s < S-1), computes, then sends grad(mb, s->s-1) (if s > 0). Messages travel
+    grad(mb, s+1->s) (if s < S-1), computes, then sends grad(mb, s->s-1) (if s > 0). A weight-gradient pass
+    W(mb) needs its B earlier on this rank and nothing else: it neither receives nor sends. Messages travel
     on one FIFO channel per ordered (src rank, dst rank) pair, activations and gradients alike, and a
     receive takes the channel's head, which must be exactly the awaited message (NCCL matches
     point-to-point operations in order), otherwise that is an error.
 
     `others`: the action lists of more pipelines (data-parallel replicas, each with channels of its own)
     whose ranks at a stage share a mixture of experts' all-to-all with that stage's rank of `lists`
-    (expert parallelism over dp). In every action (forward, and backward: recomputation reruns the forward)
-    the host then blocks at the all-to-all's split read (parallel/expert_parallel.py) until every
+    (expert parallelism over dp). In every action but W (forward, and backward: recomputation reruns the
+    forward) the host then blocks at the all-to-all's split read (parallel/expert_parallel.py) until every
     pipeline's rank at that stage has begun the same action; the action ends at the latest begin among them
     plus its cost.
 
@@ -64,8 +66,9 @@ def simulate(
     every channel's order are fixed, the outcome does not depend on that order. If no rank can
     progress while some have actions left, the result is a deadlock naming each rank's blocked action.
 
-    Timing: a forward costs F_COST ticks, a backward B_COST; an action starts once its rank is free and
-    its input has arrived (sent at the sender's finish tick, no latency). `finish` is each rank's end.
+    Timing: a forward costs F_COST ticks, a backward B_COST (split in two when the rank's list has a W for
+    it: B_COST - W_COST, then W_COST); an action starts once its rank is free and its input has arrived
+    (sent at the sender's finish tick, no latency). `finish` is each rank's end.
     """
     S = pp * chunks
     pipelines = [lists, *others]
@@ -76,6 +79,18 @@ def simulate(
     begun: set[tuple[int, int]] = set()  # ranks whose current action has its input: in its all-to-all
     meetings: dict[tuple[int, int], dict[int, int]] = {}  # (rank, action index) -> pipeline -> begin tick
     forwarded: dict[tuple[int, int], set[tuple[int, int]]] = {key: set() for key in ranks}
+    backwarded: dict[tuple[int, int], set[tuple[int, int]]] = {key: set() for key in ranks}
+    split = {
+        (d, rank): {(a.micro_batch, a.chunk) for a in pipelines[d][rank] if a.kind == "W"}
+        for d, rank in ranks
+    }
+
+    def cost(d: int, rank: int, a: Action) -> int:
+        if a.kind == "F":
+            return F_COST
+        if a.kind == "W":
+            return W_COST
+        return B_COST - W_COST if (a.micro_batch, a.chunk) in split[d, rank] else B_COST
 
     def awaited(rank: int, a: Action) -> tuple[Message, int] | None:
         s = a.chunk * pp + rank
@@ -97,10 +112,12 @@ def simulate(
                 a = actions[pc[d, rank]]
                 s = a.chunk * pp + rank
                 if (d, rank) not in begun:
-                    if a.kind not in ("F", "B") or not 0 <= a.chunk < chunks:
+                    if a.kind not in ("F", "B", "W") or not 0 <= a.chunk < chunks:
                         return SimResult("error", f"{name(d, rank)}: bad action {a!r}")
                     if a.kind == "B" and (a.micro_batch, a.chunk) not in forwarded[d, rank]:
                         return SimResult("error", f"{name(d, rank)}: {a!r} runs before its forward")
+                    if a.kind == "W" and (a.micro_batch, a.chunk) not in backwarded[d, rank]:
+                        return SimResult("error", f"{name(d, rank)}: {a!r} runs before its backward")
                     start = clock[d, rank]
                     need = awaited(rank, a)
                     if need is not None:
@@ -120,14 +137,18 @@ def simulate(
                     begun.add((d, rank))
                     meetings.setdefault((rank, pc[d, rank]), {})[d] = start
                 meeting = meetings[rank, pc[d, rank]]
-                if len(meeting) < len(pipelines):
+                if a.kind == "W":  # the weights' gradients only: no all-to-all, no peer to wait for
+                    meeting = {d: meeting[d]}
+                elif len(meeting) < len(pipelines):
                     break  # in the all-to-all: another pipeline's rank at this stage has not begun it
                 begun.discard((d, rank))
-                clock[d, rank] = max(meeting.values()) + (F_COST if a.kind == "F" else B_COST)
+                clock[d, rank] = max(meeting.values()) + cost(d, rank, a)
+                out = None
                 if a.kind == "F":
                     forwarded[d, rank].add((a.micro_batch, a.chunk))
                     out = Message("act", a.micro_batch, s, s + 1) if s < S - 1 else None
-                else:
+                elif a.kind == "B":
+                    backwarded[d, rank].add((a.micro_batch, a.chunk))
                     out = Message("grad", a.micro_batch, s, s - 1) if s > 0 else None
                 if out is not None:
                     channel = (d, rank, out.dst_stage % pp)
@@ -170,11 +191,14 @@ def leading_forwards(actions: list[Action]) -> int:
     return next((i for i, a in enumerate(actions) if a.kind == "B"), len(actions))
 
 
-def max_in_flight(actions: list[Action]) -> int:
+def max_in_flight(actions: list[Action], kind: str = "F") -> int:
+    """The most micro-batches at once past their `kind` pass ("F": forward, "B": B) and before the next."""
+    passes = "FBW"
+    following = passes[passes.index(kind) + 1]
     held = 0
     most = 0
     for a in actions:
-        held += 1 if a.kind == "F" else -1
+        held += (a.kind == kind) - (a.kind == following)
         most = max(most, held)
     return most
 
@@ -190,11 +214,25 @@ def test_every_forward_has_one_backward_after_it(engine, pp):
         for rank, actions in enumerate(lists_for(engine, pp, m, v)):
             forwards = [(a.micro_batch, a.chunk) for a in actions if a.kind == "F"]
             backwards = [(a.micro_batch, a.chunk) for a in actions if a.kind == "B"]
+            weights = [(a.micro_batch, a.chunk) for a in actions if a.kind == "W"]
             assert sorted(forwards) == sorted(expected), (engine, pp, m, v, rank)
             assert sorted(backwards) == sorted(expected), (engine, pp, m, v, rank)
+            assert sorted(weights) == (sorted(expected) if engine == "zb-h1" else []), (
+                engine,
+                pp,
+                m,
+                v,
+                rank,
+            )
             position = {(a.kind, a.micro_batch, a.chunk): i for i, a in enumerate(actions)}
             for mb, c in expected:
                 assert position[("F", mb, c)] < position[("B", mb, c)], (engine, pp, m, v, rank, mb, c)
+                assert position[("B", mb, c)] < position.get(("W", mb, c), len(actions)), (
+                    engine,
+                    pp,
+                    m,
+                    rank,
+                )
 
 
 # 2. Warm-up: the forwards a rank runs before its first backward. The list holds the warm-up
@@ -208,6 +246,7 @@ def test_warmup_counts(pp):
             assert leading_forwards(schedule("afab", pp, rank, m)) == m
             warmup = min(pp - rank - 1, m)
             assert leading_forwards(schedule("1f1b", pp, rank, m)) == min(warmup + 1, m), (pp, m, rank)
+            assert leading_forwards(schedule("zb-h1", pp, rank, m)) == min(warmup + 1, m), (pp, m, rank)
     for m, v in cases("interleaved-1f1b", pp):
         for rank in range(pp):
             warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, m * v)
@@ -251,6 +290,10 @@ def test_in_flight_bound(pp):
         for rank in range(pp):
             assert max_in_flight(schedule("afab", pp, rank, m)) == m
             assert max_in_flight(schedule("1f1b", pp, rank, m)) == min(pp - rank, m), (pp, m, rank)
+            # zb-h1: 1F1B's forwards and B's; W's keep at most rank + 1 micro-batches' weight-gradient inputs
+            zero_bubble = schedule("zb-h1", pp, rank, m)
+            assert max_in_flight(zero_bubble) == min(pp - rank, m), (pp, m, rank)
+            assert max_in_flight(zero_bubble, "B") == min(rank + 1, m), (pp, m, rank)
     for m, v in cases("interleaved-1f1b", pp):
         for rank in range(pp):
             warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, m * v)
@@ -298,9 +341,40 @@ def test_small_interleaved_pipelines_complete(pp, v, groups):
 def test_bubble_matches_pipeline_bubble(engine, pp):
     for m, v in cases(engine, pp):
         result = simulate(lists_for(engine, pp, m, v), pp, v)
-        assert result.makespan == (m * v + pp - 1) * (F_COST + B_COST), (engine, pp, m, v)
+        if engine != "zb-h1":
+            assert result.makespan == (m * v + pp - 1) * (F_COST + B_COST), (engine, pp, m, v)
         bubble = 1 - m * v * (F_COST + B_COST) / result.makespan
-        assert bubble == pytest.approx(pipeline_bubble(pp, m, v)), (engine, pp, m, v)
+        assert bubble == pytest.approx(pipeline_bubble(pp, m, v, engine)), (engine, pp, m, v)
+
+
+@pytest.mark.parametrize("pp", range(2, 9))
+def test_zb_h1_idles_a_third_of_1f1b(pp):
+    """With F = B = W (a third of a stage-step each): 1F1B idles (pp - 1)(F + B + W) per rank, ZB-H1
+    (pp - 1)(F + B - W) once m >= pp (every rank alike); with fewer micro-batches still less than 1F1B."""
+    for m in range(1, 4 * pp + 1):
+        plain = simulate(lists_for("1f1b", pp, m, 1), pp, 1)
+        zero_bubble = simulate(lists_for("zb-h1", pp, m, 1), pp, 1)
+        busy = m * (F_COST + B_COST)
+        assert zero_bubble.makespan - busy < plain.makespan - busy, (pp, m)
+        if m >= pp:
+            assert plain.makespan - busy == (pp - 1) * (F_COST + B_COST)
+            assert zero_bubble.makespan - busy == (pp - 1) * (F_COST + B_COST - 2 * W_COST), (pp, m)
+
+
+def test_zb_h1_examples():
+    """Rank r's W's trail its B's by r: the last stage sends gradients back first, its W's at the end."""
+    assert [repr(a) for a in schedule("zb-h1", 4, 0, 4)] == [
+        *("F0", "F1", "F2", "F3"),
+        *("B0", "W0", "B1", "W1", "B2", "W2", "B3", "W3"),
+    ]
+    assert [repr(a) for a in schedule("zb-h1", 4, 3, 4)] == [
+        *("F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "W0"),
+        *("W1", "W2", "W3"),
+    ]
+    assert [repr(a) for a in schedule("zb-h1", 4, 1, 4)] == [
+        *("F0", "F1", "F2", "B0", "F3", "B1", "W0"),
+        *("B2", "W1", "B3", "W2", "W3"),
+    ]
 
 
 @pytest.mark.parametrize("pp", [2, 4, 8])
@@ -386,6 +460,14 @@ def test_simulator_reports_backward_before_forward():
     lists[0] = [Action("B", 0, 0), Action("F", 0, 0), Action("F", 1, 0), Action("B", 1, 0)]
     result = simulate(lists, 2, 1)
     assert result.status == "error" and "before its forward" in result.detail
+
+
+def test_simulator_reports_weight_gradients_before_their_backward():
+    lists = lists_for("zb-h1", 2, 2, 1)
+    assert [repr(a) for a in lists[1]] == ["F0", "B0", "F1", "B1", "W0", "W1"]
+    lists[1] = [Action("F", 0, 0), Action("W", 0, 0), Action("B", 0, 0), *lists[1][2:]]
+    result = simulate(lists, 2, 1)
+    assert result.status == "error" and "W0 runs before its backward" in result.detail
 
 
 def test_single_stage_needs_no_communication():

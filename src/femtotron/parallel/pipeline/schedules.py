@@ -9,6 +9,10 @@ gradient and sends the input gradient back. Sends never block: the lists' order 
   drains the backwards. The same bubble, at most pp micro-batches in flight.
 - `interleaved-1f1b`: v model chunks per rank (virtual stages r, r + pp, ...): a micro-batch visits the
   ranks v times, so fill and drain shrink v-fold (Megatron-LM's schedule).
+- `zb-h1`: 1F1B with each backward split in two (parallel/split_backward.py): B computes the input's
+  gradient, which the previous stage waits for, and W the weights' gradients, which nothing waits for but
+  the optimizer step; W fills time a stage would spend waiting. A third of 1F1B's bubble when forward, B
+  and W take alike (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024: ZB-H1).
 """
 
 from __future__ import annotations
@@ -21,16 +25,21 @@ from torch import nn
 
 from femtotron.batch import MicroBatch
 from femtotron.parallel.pipeline.p2p import PendingRecv, PipelineP2P, Send, Transfer
+from femtotron.parallel.split_backward import WeightGradient, compute_weight_gradients, defer_weight_gradients
+
+PASSES = {"F": "forward", "B": "backward", "W": "weight gradients"}
+# Engines that split each backward into B and W.
+SPLIT_BACKWARD = ("zb-h1",)
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "F" (forward) or "B" (backward)
+    kind: str  # "F" (forward), "B" (backward; with a W of its own: of the input only) or "W" (weights)
     micro_batch: int
     chunk: int  # this rank's model chunk; its virtual stage is chunk * pp + rank
 
     def describe(self) -> str:
-        return f"{'forward' if self.kind == 'F' else 'backward'} of micro-batch {self.micro_batch}"
+        return f"{PASSES[self.kind]} of micro-batch {self.micro_batch}"
 
     def __repr__(self) -> str:
         return f"{self.kind}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
@@ -46,6 +55,21 @@ def one_f_one_b(pp: int, rank: int, micro_batches: int) -> list[Action]:
     for mb in range(micro_batches - warmup):
         actions += [Action("F", warmup + mb, 0), Action("B", mb, 0)]
     return actions + [Action("B", mb, 0) for mb in range(micro_batches - warmup, micro_batches)]
+
+
+def zero_bubble_h1(pp: int, rank: int, micro_batches: int) -> list[Action]:
+    """1F1B's forwards and backwards (B where 1F1B has its backward), and rank r's W of micro-batch k just
+    after its B of micro-batch k + r; its last r W's at the end. The last stage so sends every gradient back
+    as soon as it can, and stage r fills with W's the time it would wait for them: fill and drain take
+    (pp - 1)(F + B - W) instead of (pp - 1)(F + B + W). Activations held are 1F1B's (at most pp - r
+    micro-batches between F and B), plus what up to r + 1 micro-batches' W's keep (their linears' inputs and
+    output gradients): rank 0's peak stays 1F1B's."""
+    actions = []
+    for action in one_f_one_b(pp, rank, micro_batches):
+        actions.append(action)
+        if action.kind == "B" and action.micro_batch >= rank:
+            actions.append(Action("W", action.micro_batch - rank, 0))
+    return actions + [Action("W", mb, 0) for mb in range(max(micro_batches - rank, 0), micro_batches)]
 
 
 def interleaved_one_f_one_b(pp: int, rank: int, micro_batches: int, chunks: int) -> list[Action]:
@@ -79,7 +103,7 @@ def interleaved_one_f_one_b(pp: int, rank: int, micro_batches: int, chunks: int)
 def schedule(engine: str, pp: int, rank: int, micro_batches: int, chunks: int = 1) -> list[Action]:
     if engine == "interleaved-1f1b":
         return interleaved_one_f_one_b(pp, rank, micro_batches, chunks)
-    plain = {"afab": afab, "1f1b": one_f_one_b}
+    plain = {"afab": afab, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1}
     return plain[engine](pp, rank, micro_batches)  # KeyError: an unknown pp_engine
 
 
@@ -100,6 +124,8 @@ class Pipeline:
         self.p2p = p2p
         self.stages = pp * len(chunks)
         self.current = Action("F", 0, 0)
+        # Zero-bubble engines: the weight gradients each backward leaves for its W action.
+        self.deferred = defer_weight_gradients(chunks) if engine in SPLIT_BACKWARD else None
         # Stage s talks to stages s - 1 and s + 1: with interleaving that wraps around the pp ranks.
         neighbours = [pp_rank - 1, pp_rank + 1]
         if len(chunks) > 1:
@@ -143,17 +169,25 @@ class Pipeline:
         (docs/architecture.md, "Invariants")."""
         loss_sum = torch.zeros((), device=global_tokens.device)
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        weight_gradients: dict[tuple[int, int], list[WeightGradient]] = {}
 
         def step(action: Action, received: PendingRecv | None) -> Send | None:
             nonlocal loss_sum
+            key = (action.micro_batch, action.chunk)
+            if action.kind == "W":
+                compute_weight_gradients(weight_gradients.pop(key))
+                return None
             if action.kind == "B":
-                inputs, output = saved.pop((action.micro_batch, action.chunk))
-                return self.backward(action, inputs, output, received)
+                inputs, output = saved.pop(key)
+                send = self.backward(action, inputs, output, received)
+                if self.deferred is not None:
+                    weight_gradients[key] = self.deferred.take()
+                return send
             inputs, output, send = self.forward(action, micro_batches[action.micro_batch], received)
             if self.stage_of(action.chunk) == self.stages - 1:
                 loss_sum += output.detach()
                 output = output / global_tokens
-            saved[action.micro_batch, action.chunk] = (inputs, output)
+            saved[key] = (inputs, output)
             return send
 
         actions = schedule(
