@@ -1,7 +1,9 @@
 """Pipeline bubble: measured idle share of a training step against theory, per schedule, pp and micro-batches.
 
 Theory (diagnostics.advice.pipeline_bubble): fill and drain cost pp - 1 stage-steps, shortened v-fold by
-interleaving, so a stage idles (pp - 1) / v / (m + (pp - 1) / v) of a step, the same on every stage.
+interleaving, so a stage idles (pp - 1) / v / (m + (pp - 1) / v) of a step, the same on every stage. zb-h1
+(backward split in B and W, each as long as the forward) idles (pp - 1) / 3 stage-steps once m >= pp: a third
+of 1F1B's; the `idle/1f1b` column is its measured idle over 1F1B's at the same pp and m.
 
 `--compute sleep` (default) runs the real `Pipeline` executor with real gloo point-to-point on
 pp = 2 and 4 processes, but every model chunk is a stand-in whose forward sleeps F ms and whose
@@ -62,7 +64,7 @@ from femtotron.parallel.pipeline.p2p import PipelineP2P
 from femtotron.parallel.pipeline.schedules import Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINES = ("afab", "1f1b", "interleaved-1f1b")
+ENGINES = ("afab", "1f1b", "interleaved-1f1b", "zb-h1")
 INTERLEAVED_V = 2
 
 
@@ -100,20 +102,21 @@ class Clock:
 
 class _Sleep(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, forward_s: float, backward_s: float, clock: Clock) -> torch.Tensor:
-        ctx.backward_s, ctx.clock = backward_s, clock
-        clock.sleep(forward_s)
+    def forward(ctx, x: torch.Tensor, chunk: SleepChunk) -> torch.Tensor:
+        ctx.chunk = chunk
+        chunk.clock.sleep(chunk.forward_s)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.clock.sleep(ctx.backward_s)
-        return grad, None, None, None
+        ctx.chunk.backward_pass()
+        return grad, None
 
 
 class SleepChunk(nn.Module):
-    """A model chunk that takes forward_s to run forward and backward_s to run backward. No parameters:
-    the first stage's output hangs off a fresh leaf, so nothing but the sleeps and the transfers costs."""
+    """A model chunk that takes forward_s to run forward and backward_s to run backward: under zb-h1 half of
+    it in B and half in W (its one-number weight's gradient, computed in W as the split linears' are). The
+    first stage's output hangs off a fresh leaf, so nothing but the sleeps and the transfers costs."""
 
     def __init__(
         self,
@@ -127,12 +130,25 @@ class SleepChunk(nn.Module):
         super().__init__()
         self.first, self.last, self.shape = first, last, shape
         self.forward_s, self.backward_s, self.clock = forward_s, backward_s, clock
+        self.weight = nn.Parameter(torch.zeros(1))
+        self.deferred = None  # zb-h1: where W's work goes (the Pipeline sets it: parallel/split_backward.py)
 
     def run_stage(self, inputs: torch.Tensor, targets: torch.Tensor, placement: None = None) -> torch.Tensor:
         # The first stage gets token ids; it makes up activations of the transferred shape instead.
         x = torch.zeros(self.shape, requires_grad=True) if self.first else inputs
-        out = _Sleep.apply(x, self.forward_s, self.backward_s, self.clock)
+        out = _Sleep.apply(x, self)
         return out.sum() if self.last else out
+
+    def backward_pass(self) -> None:
+        if self.deferred is None:
+            self.clock.sleep(self.backward_s)
+            return
+        self.clock.sleep(self.backward_s / 2)  # B
+        self.deferred.defer(self.weight, self.weight_pass)
+
+    def weight_pass(self) -> torch.Tensor:
+        self.clock.sleep(self.backward_s / 2)  # W
+        return torch.zeros(1)
 
 
 def sleep_rank(ctx: ParallelContext, cases: list[Case], args: argparse.Namespace, report) -> None:
@@ -285,24 +301,29 @@ def main() -> None:
     )
     header = (
         f"{'engine':<17} {'pp':>2} {'v':>2} {'m':>3} {'step':>8} {'extra':>8} {'theory':>7} "
-        f"{'idle':>7} {'(worst)':>8} {'ratio':>6} {'p2p wait':>8} {'ratio':>6}"
+        f"{'idle':>7} {'(worst)':>8} {'ratio':>6} {'p2p wait':>8} {'ratio':>6} {'idle/1f1b':>9}"
     )
     header += "" if sleep else f" {'trainer pp share':>16}"
     print(header)
     print("-" * len(header))
     ratios: list[tuple[float, float, Case]] = []
+    idle_of_1f1b: dict[tuple[int, int], float] = {}  # (pp, m) -> 1F1B's measured idle share
 
     def on_case(case: Case, per_rank: list[list[StepTimes]]) -> None:
         s = summarize(per_rank)
-        theory = pipeline_bubble(case.pp, case.m, case.v)
+        theory = pipeline_bubble(case.pp, case.m, case.v, case.engine)
         ratio, wait_ratio = s["idle"] / theory, s["wait"] / theory
         ratios.append((ratio, wait_ratio, case))
+        if case.engine == "1f1b":
+            idle_of_1f1b[case.pp, case.m] = s["idle"]
+        plain = idle_of_1f1b.get((case.pp, case.m))
+        against_1f1b = f"{s['idle'] / plain:>8.2f}x" if plain else f"{'-':>9}"
         extra = s["span"] - s["compute"] / (1 - theory)
         worst = f"({s['worst']:.1%})"
         row = (
             f"{case.engine:<17} {case.pp:>2} {case.v:>2} {case.m:>3} {s['span'] * 1000:>6.0f}ms "
             f"{extra * 1000:>6.1f}ms {theory:>7.1%} {s['idle']:>7.1%} {worst:>8} {ratio:>5.2f}x "
-            f"{s['wait']:>8.1%} {wait_ratio:>5.2f}x"
+            f"{s['wait']:>8.1%} {wait_ratio:>5.2f}x {against_1f1b}"
         )
         print(row + ("" if sleep else f" {s['share']:>16.1%}"), flush=True)
 

@@ -241,10 +241,28 @@ def test_P2_few_micro_batches_for_the_pipeline_warn_with_the_bubble():
     config = load_config_dict(tiny(**{"parallelism.pp": 2, "tokens.batch_accumulation_per_replica": 2}))
     (w,) = config_warnings(config)
     assert "idles for about 33% of each step (P2)" in w and "at least 4 * pp = 8 micro-batches" in w
+    # 2 layers cannot interleave over pp=2: the engine that holds is offered
+    assert w.endswith("batch), or pp_engine=zb-h1 (a third of 1F1B's bubble).")
     assert (
         config_warnings(load_config_dict(tiny(**{**INTERLEAVED, "tokens.batch_accumulation_per_replica": 8})))
         == []
     )
+    zero_bubble = {
+        "parallelism.pp": 2,
+        "parallelism.pp_engine": "zb-h1",
+        "tokens.batch_accumulation_per_replica": 2,
+    }
+    (w,) = config_warnings(load_config_dict(tiny(**zero_bubble)))
+    assert "idles for about 14% of each step (P2)" in w and w.endswith(
+        "(lower tokens.micro_batch_size to keep the batch)."
+    )
+
+
+def test_zb_h1_refuses_zero_3_naming_both_keys_and_the_fixes():
+    load_config_dict(tiny(**{"parallelism.pp_engine": "zb-h1", "optimizer.zero_stage": 2}))  # valid
+    p = only_problem(tiny(**{"parallelism.pp_engine": "zb-h1", "optimizer.zero_stage": 3}))
+    assert p.fields == ("parallelism.pp_engine", "optimizer.zero_stage")
+    assert "Fix: zero_stage=2 (gradients and optimizer state still sharded), or pp_engine=1f1b" in p.message
 
 
 def test_sequence_length_within_max_positions():

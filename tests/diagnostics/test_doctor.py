@@ -59,6 +59,21 @@ def test_P2_T3_M3_doctor_prints_the_bubble_the_stage_map_and_the_tp_placement(ti
     assert "tp=2 > 1 GPUs per node" in out and "pp: " in out and "tp: " in out
 
 
+def test_P2_doctor_prints_zb_h1_s_smaller_bubble_and_what_waits_for_w(tiny_config, tmp_path, capsys):
+    """pp=2, 2 micro-batches: 1F1B idles 1/3 of a step; zb-h1 spans 7 thirds of a stage-step for 6 of work."""
+    config = write(
+        tiny_config,
+        tmp_path,
+        "parallelism.pp=2",
+        "parallelism.pp_engine=zb-h1",
+        "tokens.batch_accumulation_per_replica=2",
+    )
+    assert main(["doctor", config]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: zb-h1, each stage idles 14% of a step in theory (P2)" in out
+    assert out.count("of it until its weight gradients, W)") == 2  # both pp ranks
+
+
 def test_T3_the_tp_link_is_named_by_what_it_crosses(tiny_config, tmp_path, capsys):
     """NVLink only inside a GPU node: on a CPU the tp group talks between processes of one host, and a tp
     group larger than a node crosses the network (as the warning above it says)."""
@@ -179,6 +194,7 @@ def test_doctor_offers_more_expert_parallelism_when_experts_do_not_fit(capsys):
         ("parallelism.recompute_layer=true", "model.dtype=bfloat16"),
         ("parallelism.pp=2", "tokens.batch_accumulation_per_replica=4"),
         ("parallelism.pp=2", "parallelism.pp_engine=interleaved-1f1b", "parallelism.pp_virtual_stages=2"),
+        ("parallelism.pp=2", "parallelism.pp_engine=zb-h1"),
         ("parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER", "parallelism.cp=2", "parallelism.dp=2"),
         (
             "model.model_config.moe.num_experts=4",

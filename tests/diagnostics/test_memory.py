@@ -36,6 +36,10 @@ LAYOUTS = {  # (overrides, bf16 path: native or upcast matmuls, None for fp32)
     ),
     "tp=2 sequence parallel": (("parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"), None),
     "pp=2 1F1B, 4 micro-batches": (("parallelism.pp=2", "tokens.batch_accumulation_per_replica=4"), None),
+    "pp=2 zb-h1, 4 micro-batches": (
+        ("parallelism.pp=2", "parallelism.pp_engine=zb-h1", "tokens.batch_accumulation_per_replica=4"),
+        None,
+    ),
     "dp=2 ZeRO-1 bf16 native": (("parallelism.dp=2", "optimizer.zero_stage=1", "model.dtype=bfloat16"), True),
     "cp=2 ZeRO-1 over the cp ranks": (("parallelism.cp=2", "optimizer.zero_stage=1"), None),
     "cp=2 with tp=2 sequence parallel": (

@@ -41,8 +41,12 @@ def test_N1_an_injected_nan_in_one_layers_output_is_reported_with_that_layers_na
     assert all(torch.equal(a, p) for a, (_, p) in zip(before, trainer.model.named_parameters(), strict=True))
 
 
-def test_N1_a_gradient_that_breaks_in_backward_is_traced_there(tiny_config):
-    trainer = Trainer(tiny_config("tokens.train_steps=5"), ParallelContext(), log_to_console=False)
+@pytest.mark.parametrize("engine", ["1f1b", "zb-h1"])
+def test_N1_a_gradient_that_breaks_in_backward_is_traced_there(tiny_config, engine):
+    """zb-h1 too: the weights' gradients come in W, but a broken one comes from a broken output gradient,
+    which B meets first."""
+    config = tiny_config("tokens.train_steps=5", f"parallelism.pp_engine={engine}")
+    trainer = Trainer(config, ParallelContext(), log_to_console=False)
 
     def break_gradient(module, inputs, output):  # its output's gradient turns NaN; forward stays finite
         output.register_hook(lambda grad: grad * float("nan"))

@@ -332,6 +332,12 @@ def data_plan(config: Config) -> list[str]:
     return lines
 
 
+def _until_w(e: RankEstimate) -> str:
+    """zb-h1: what a micro-batch still keeps between its B and its W."""
+    left = max(e.left_for_w_per_micro_batch)
+    return f" ({human(left)} of it until its weight gradients, W)" if left else ""
+
+
 def _memory_line(e: RankEstimate) -> str:
     """One pp rank's estimate, part by part."""
     state = " + ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in e.state.items())
@@ -339,7 +345,7 @@ def _memory_line(e: RankEstimate) -> str:
         state += f" + gathered parameters and whole gradients during the step {human(e.working)}"
     line = (
         f"  pp rank {e.pp_rank}: {human(e.total)} = {state} + activations: a micro-batch keeps "
-        f"{human(max(e.saved_per_micro_batch))} for its backward and peaks at "
+        f"{human(max(e.saved_per_micro_batch))} for its backward{_until_w(e)} and peaks at "
         f"{human(e.micro_batch_peak)}, {e.micro_batches_held} held at most (+{human(e.waiting)})"
     )
     if e.communicators:

@@ -38,7 +38,12 @@ from femtotron.optim.muon import Muon
 from femtotron.parallel.context_parallel import place_tokens
 from femtotron.parallel.data_parallel import IN_FLIGHT
 from femtotron.parallel.mesh import Mesh, MeshCoordinates
-from femtotron.parallel.pipeline.schedules import schedule
+from femtotron.parallel.pipeline.schedules import SPLIT_BACKWARD, schedule
+from femtotron.parallel.split_backward import (
+    DeferredWeightGradients,
+    compute_weight_gradients,
+    defer_weight_gradients,
+)
 from femtotron.precision import ESTIMATING_FOR_THIS_CPU
 
 GIB = 2**30
@@ -103,6 +108,9 @@ class RankEstimate:
     state: dict[str, int]  # params, grads, master_weights, adam_moments
     # Per model chunk: the activations a micro-batch keeps until its backward.
     saved_per_micro_batch: list[int]
+    # zb-h1: per model chunk, what a micro-batch keeps from its B to its W (the split linears' inputs and
+    # output gradients); zeros for the other engines.
+    left_for_w_per_micro_batch: list[int]
     micro_batch_peak: int  # the most alive while one micro-batch runs forward and backward
     waiting: int  # the activations of the other micro-batches held meanwhile (1F1B: up to pp - pp_rank - 1)
     micro_batches_held: int
@@ -124,19 +132,23 @@ class RankEstimate:
 
 
 def schedule_peak(
-    engine: str, pp: int, pp_rank: int, micro_batches: int, saved: list[int]
+    engine: str, pp: int, pp_rank: int, micro_batches: int, saved: list[int], left_for_w: list[int]
 ) -> tuple[int, int]:
-    """The most activation bytes this rank holds for micro-batches whose backward has not run, and the most
-    micro-batches at once, walking its action list."""
+    """The most activation bytes this rank holds for micro-batches whose backward has not run (or, split
+    in B and W, whose W has not: `left_for_w` per chunk), and the most micro-batches at once, walking its
+    action list."""
     held: dict[tuple[int, int], int] = {}
     worst = 0
     most = 0
     actions = schedule(engine, pp=pp, rank=pp_rank, micro_batches=micro_batches, chunks=len(saved))
     for action in actions:
+        key = (action.micro_batch, action.chunk)
         if action.kind == "F":
-            held[action.micro_batch, action.chunk] = saved[action.chunk]
+            held[key] = saved[action.chunk]
+        elif action.kind == "B" and engine in SPLIT_BACKWARD:
+            held[key] = left_for_w[action.chunk]
         else:
-            held.pop((action.micro_batch, action.chunk))
+            held.pop(key)
         worst = max(worst, sum(held.values()))
         most = max(most, len(held))
     return worst, most
@@ -180,11 +192,18 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
     whole = MicroBatch.from_tokens(zeros)
     saved: list[int] = []  # per chunk
     peaks: list[int] = []
+    left_for_w: list[int] = []
     for chunk_index, chunk in enumerate(model.chunks):
         stage = chunk_index * par.pp + pp_rank
         batch = place_tokens(whole, par.cp, 0, eos).to(meta)
+        deferred = defer_weight_gradients([chunk]) if par.pp_engine in SPLIT_BACKWARD else None
 
-        def step(chunk: Llama = chunk, stage: int = stage, batch: MicroBatch = batch) -> tuple[int, int]:
+        def step(
+            chunk: Llama = chunk,
+            stage: int = stage,
+            batch: MicroBatch = batch,
+            deferred: DeferredWeightGradients | None = deferred,
+        ) -> tuple[int, ...]:
             with LiveMemory() as memory:
                 if stage == 0:
                     inputs = batch.inputs
@@ -203,14 +222,19 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
                 else:
                     torch.autograd.backward(output, torch.empty_like(output))
                 del inputs, output
+                waiting_for_w = 0
+                if deferred is not None:  # W right after B: its inputs are what a micro-batch leaves
+                    waiting_for_w = memory.live
+                    compute_weight_gradients(deferred.take())
             model.data_parallel.zero_grad()  # the gradient hooks take each step as a fresh one
-            return kept, memory.peak
+            return kept, memory.peak, waiting_for_w
 
-        kept, peak = _per_layer(chunk, step)
+        kept, peak, waiting_for_w = _per_layer(chunk, step)
         saved.append(kept)
         peaks.append(peak)
+        left_for_w.append(waiting_for_w)
     micro_batches = tokens.batch_accumulation_per_replica
-    held_bytes, held = schedule_peak(par.pp_engine, par.pp, pp_rank, micro_batches, saved)
+    held_bytes, held = schedule_peak(par.pp_engine, par.pp, pp_rank, micro_batches, saved, left_for_w)
     waiting = held_bytes - max(saved) if held > 1 else 0  # the others, while the largest one runs
     if on_this_cpu:  # no NCCL
         nccl = 0
@@ -222,6 +246,7 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
         pp_rank=pp_rank,
         state=state,
         saved_per_micro_batch=saved,
+        left_for_w_per_micro_batch=left_for_w,
         micro_batch_peak=max(peaks),
         waiting=waiting,
         micro_batches_held=held,
@@ -268,8 +293,8 @@ def working_set_bytes(model: RankModel) -> int:
     return grad_bytes * (largest + once_per_step + in_flight) + params
 
 
-def _per_layer(chunk: Llama, step: Callable[[], tuple[int, int]]) -> tuple[int, int]:
-    """`step()`'s (saved, peak) bytes for `chunk`. A deep chunk is stepped with its first SIMULATED_LAYERS - 1
+def _per_layer(chunk: Llama, step: Callable[[], tuple[int, ...]]) -> tuple[int, ...]:
+    """`step()`'s byte counts for `chunk`. A deep chunk is stepped with its first SIMULATED_LAYERS - 1
     and SIMULATED_LAYERS layers only, each further layer adding what the last one added (they are alike): a
     128-layer stage is estimated as fast as a 2-layer one, and exactly (tests/diagnostics/test_doctor.py)."""
     layers = chunk.layers
@@ -284,7 +309,7 @@ def _per_layer(chunk: Llama, step: Callable[[], tuple[int, int]]) -> tuple[int, 
         finally:
             chunk.layers = layers
     fewer, more = measured
-    return more[0] + extra * (more[0] - fewer[0]), more[1] + extra * (more[1] - fewer[1])
+    return tuple(count + extra * (count - before) for before, count in zip(fewer, more, strict=True))
 
 
 def human(nbytes: float) -> str:
