@@ -167,6 +167,8 @@ def build_pipeline(config: Config, ctx: ParallelContext, model: RankModel) -> Pi
     shape = (tokens.micro_batch_size, sequence, hidden)
     p2p = PipelineP2P(ctx.comm, ctx.pp_links, ctx.pp_rank, ctx.device, shape, DTYPES[config.model.dtype])
     pipeline = Pipeline(model.chunks, config.parallelism.pp_engine, ctx.pp, ctx.pp_rank, p2p)
+    if model.data_parallel.gathering is not None:  # ZeRO-3: zb-h1 reduces a unit once its W has run
+        model.data_parallel.gathering.deferred = pipeline.deferred
     ctx.comm.take_seconds()  # the start-up handshake is not part of any step's communication
     return pipeline
 

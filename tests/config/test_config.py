@@ -258,13 +258,6 @@ def test_P2_few_micro_batches_for_the_pipeline_warn_with_the_bubble():
     )
 
 
-def test_zb_h1_refuses_zero_3_naming_both_keys_and_the_fixes():
-    load_config_dict(tiny(**{"parallelism.pp_engine": "zb-h1", "optimizer.zero_stage": 2}))  # valid
-    p = only_problem(tiny(**{"parallelism.pp_engine": "zb-h1", "optimizer.zero_stage": 3}))
-    assert p.fields == ("parallelism.pp_engine", "optimizer.zero_stage")
-    assert "Fix: zero_stage=2 (gradients and optimizer state still sharded), or pp_engine=1f1b" in p.message
-
-
 def test_sequence_length_within_max_positions():
     p = only_problem(tiny(**{"tokens.sequence_length": 128}))
     assert p.fields == ("tokens.sequence_length", M + "max_position_embeddings")

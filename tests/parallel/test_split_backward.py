@@ -25,6 +25,7 @@ from femtotron.parallel.split_backward import (
     split_linear,
 )
 from femtotron.precision import grouped_linear, linear
+from femtotron.trainer import Trainer
 
 MOE = (
     "model.model_config.moe.num_experts=4",
@@ -82,23 +83,29 @@ def test_split_linear_gives_the_input_gradient_in_b_and_the_weight_gradient_in_w
     torch.testing.assert_close(weight.grad, expected[1], **tolerance(dtype))
 
 
-@pytest.mark.parametrize("out_features", [4, 6], ids=["grouped-gemm", "loop"])  # 6 fp32 = 24 bytes: unaligned
-def test_split_grouped_linear_equals_grouped_linear_with_an_expert_without_rows(out_features):
-    x, weight = parameters((16, 8), (3, out_features, 8))
+@pytest.mark.parametrize(
+    "dtype, native",
+    [(torch.float32, None), (torch.bfloat16, True), (torch.bfloat16, False)],
+    ids=["fp32", "native-bf16", "upcast-bf16"],
+)
+@pytest.mark.parametrize("out_features", [8, 6], ids=["grouped-gemm", "loop"])  # 6 fp32 = 24 bytes: unaligned
+def test_split_grouped_linear_equals_grouped_linear_with_an_expert_without_rows(out_features, dtype, native):
+    x, weight = parameters((16, 8), (3, out_features, 8), dtype=dtype)
     ends = torch.tensor([5, 5, 16])
-    grad = torch.randn(16, out_features)
-    grouped_linear(x, weight, ends).backward(grad)
-    expected = [x.grad.clone(), weight.grad.clone()]
-    x.grad = None
-    weight.grad = None
-    fired = count_hooks([weight])
-    store = DeferredWeightGradients()
-    split_grouped_linear(x, param=weight, weight=weight, ends=ends, deferred=store).backward(grad)
-    assert weight.grad is None and fired == [0]
-    compute_weight_gradients(store.take())
+    grad = torch.randn(16, out_features).to(dtype)
+    with precision_path(native):
+        grouped_linear(x, weight, ends).backward(grad)
+        expected = [x.grad.clone(), weight.grad.clone()]
+        x.grad = None
+        weight.grad = None
+        fired = count_hooks([weight])
+        store = DeferredWeightGradients()
+        split_grouped_linear(x, param=weight, weight=weight, ends=ends, deferred=store).backward(grad)
+        assert weight.grad is None and fired == [0]
+        compute_weight_gradients(store.take())
     assert fired == [1]
-    torch.testing.assert_close(x.grad, expected[0])
-    torch.testing.assert_close(weight.grad, expected[1])
+    torch.testing.assert_close(x.grad, expected[0], **tolerance(dtype))
+    torch.testing.assert_close(weight.grad, expected[1], **tolerance(dtype))
     assert not weight.grad[1].any()  # the expert without rows
 
 
@@ -170,13 +177,34 @@ def test_zb_h1_with_tp_and_cp_equals_one_process(tiny_config):
 @pytest.mark.distributed
 def test_zb_h1_with_experts_and_data_parallel_equals_one_process(tiny_config):
     """dp2 x ep2 x pp2: the experts' grouped weights' gradients in W, their buckets reduced over their
-    replicas as W completes them (ZeRO-2: sharded)."""
+    replicas as W completes them (ZeRO-2: sharded; ZeRO-3: each layer reduced once its W has run)."""
     check_layouts(
         lambda *overrides: tiny_config(*MOE, *overrides),
         {
             ("parallelism.dp=2", "parallelism.ep=2", "parallelism.pp=2", ZB): [
-                ("float32", None, ("optimizer.zero_stage=2",))
+                ("float32", None, ("optimizer.zero_stage=2",)),
+                ("float32", None, ("optimizer.zero_stage=3",)),
             ],
+        },
+    )
+
+
+@pytest.mark.distributed
+def test_zb_h1_with_zero_3_equals_one_process(tiny_config):
+    """dp2 x pp2 under ZeRO-3 (parameters gathered per layer, freed after its B; its reduce-scatter queued
+    behind its weight gradients), resharding after forward or not; dp2 at pp = 1 in bf16."""
+    check_layouts(
+        tiny_config,
+        {
+            ("parallelism.dp=2", "parallelism.pp=2", ZB, "optimizer.zero_stage=3"): [("float32", None, ())],
+            (
+                "parallelism.dp=2",
+                "parallelism.pp=2",
+                ZB,
+                "optimizer.zero_stage=3",
+                "optimizer.reshard_after_forward=false",
+            ): [("float32", None, ())],
+            ("parallelism.dp=2", ZB, "optimizer.zero_stage=3"): [("bfloat16", False, ())],
         },
     )
 
@@ -186,3 +214,24 @@ def test_zb_h1_with_experts_and_data_parallel_equals_one_process(tiny_config):
 def test_zb_h1_compiled_equals_one_eager_process(tiny_config):
     """model.compile: the layers' compiled graphs end at the split linears."""
     check_layouts(tiny_config, {("parallelism.pp=2", ZB, "model.compile=true"): [("float32", None, ())]})
+
+
+def test_under_zero_3_a_layer_is_reduced_as_soon_as_its_weight_gradients_are_in(tiny_config):
+    """ZeRO-3 reduce-scatters each layer's gradients as its backward ends; under zb-h1 that waits for its W,
+    and happens right after it: when the step's last W is done, no layer's whole gradients are left for the
+    end of the step (only the embedding's, reduced once per step by design)."""
+    config = layout_case(tiny_config, "float32", None, ZB, "optimizer.zero_stage=3")
+    trainer = Trainer(config, ParallelContext(), log_to_console=False)
+    data_parallel = trainer.data_parallel
+    finish = data_parallel.finish_reduction
+    left_whole = []
+
+    def look_then_finish() -> None:
+        left_whole.extend(i for i, grads in enumerate(data_parallel.bucket_grads) if grads is not None)
+        finish()
+
+    data_parallel.finish_reduction = look_then_finish
+    trainer.train_step()
+    units = data_parallel.gathering.units[0]
+    assert units[0].name == "embedding" and not units[0].needed_in_backward
+    assert left_whole and set(left_whole) <= set(units[0].buckets)

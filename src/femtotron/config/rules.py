@@ -384,19 +384,6 @@ def reshard_after_forward_needs_zero3(cfg: ConfigFields) -> Problem | None:
     )
 
 
-def split_backward_needs_whole_gradients(cfg: ConfigFields) -> Problem | None:
-    stage = cfg.optimizer.zero_stage
-    if cfg.parallelism.pp_engine != "zb-h1" or stage < 3:
-        return None
-    return Problem(
-        ("parallelism.pp_engine", "optimizer.zero_stage"),
-        "pp_engine=zb-h1 computes the weights' gradients after the backward that sends the input's "
-        "gradient on (its W actions), but zero_stage=3 reduce-scatters a layer's gradients and frees its "
-        "parameters as that backward ends. Fix: zero_stage=2 (gradients and optimizer state still sharded), "
-        "or pp_engine=1f1b to keep zero_stage=3.",
-    )
-
-
 def muon_settings_need_muon(cfg: ConfigFields) -> Problem | None:
     factory = cfg.optimizer.optimizer_factory
     fields = type(factory).model_fields
@@ -533,7 +520,6 @@ RULES: list[Callable[[ConfigFields], Problem | None]] = [
     sequence_splits_over_cp_and_tp,
     zero_stage_implemented,
     reshard_after_forward_needs_zero3,
-    split_backward_needs_whole_gradients,
     muon_settings_need_muon,
     loss_scale_range,
     decay_ends_below_the_peak,

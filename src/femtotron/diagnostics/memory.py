@@ -252,7 +252,7 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
         micro_batches_held=held,
         communicators=nccl,
         links=one_way,
-        working=working_set_bytes(model),
+        working=working_set_bytes(model, par.pp_engine in SPLIT_BACKWARD),
         elements=model.data_parallel.size,
         checkpoint=model.data_parallel.checkpoint_bytes(),
         muon_gather=muon_gather_bytes(config, model),
@@ -268,12 +268,12 @@ def muon_gather_bytes(config: Config, model: RankModel) -> dict[str, int] | None
     return muon.bytes_per_step()
 
 
-def working_set_bytes(model: RankModel) -> int:
+def working_set_bytes(model: RankModel, split_backward: bool = False) -> int:
     """ZeRO-2/3's memory beyond what a rank keeps between steps. ZeRO-2: the whole gradients of the buckets
     being filled and reduced (under accumulation all of them, kept from the first micro-batch's backward
     to the last's). ZeRO-3: the gathered parameters (parallel/fully_sharded.py's working set) and the
-    whole gradients of the largest unit, of the embedding (reduced once per step) and of the reductions in
-    flight."""
+    whole gradients of the largest unit (with the backward split, zb-h1: of every unit, each reduced only
+    once its W has run), of the embedding (reduced once per step) and of the reductions in flight."""
     data_parallel = model.data_parallel
     if not data_parallel.shard_gradients:
         return 0
@@ -285,7 +285,8 @@ def working_set_bytes(model: RankModel) -> int:
         whole = data_parallel.size if data_parallel.micro_batches > 1 else filling + in_flight
         return grad_bytes * whole
     units = [unit for chunk in gathering.units for unit in chunk]
-    largest = max(gathering.elements(unit.buckets) for unit in units if unit.needed_in_backward)
+    sizes = [gathering.elements(unit.buckets) for unit in units if unit.needed_in_backward]
+    largest = sum(sizes) if split_backward else max(sizes)
     once_per_step = gathering.elements(
         b for unit in units if not unit.needed_in_backward for b in unit.buckets
     )

@@ -27,6 +27,7 @@ of its compiled graphs, as tp's collectives do.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 
 from femtotron.errors import FemtotronError
+from femtotron.parallel.split_backward import DeferredWeightGradients
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,8 @@ class ParameterGathering:
         self.whole_elements = 0  # of the buckets whole now, padding included
         self.peak_whole_elements = 0  # the most at once: the working set (doctor counts it, tests bound it)
         self.units: list[list[Unit]] = []  # per model chunk, in forward order
+        # zb-h1 (parallel/split_backward.py): where a unit's reduction waits for its weight gradients (W)
+        self.deferred: DeferredWeightGradients | None = None
 
     def install(self, chunks: list[nn.Module]) -> None:
         """Hook every unit of every chunk: the layers and the embedding by module hooks, the head around
@@ -247,10 +251,15 @@ class ParameterGathering:
 
     def leave_backward(self, unit: Unit) -> None:
         """All of the unit's backward ran (autograd runs a weight's gradient accumulation as soon as it is
-        ready, before any other node): free its parameters, reduce its gradients of this micro-batch."""
+        ready, before any other node): free its parameters, reduce its gradients of this micro-batch. Under
+        zb-h1 the reduction waits for the unit's weight gradients, in W (which needs no parameters)."""
         self.in_backward.discard(unit)
         self.release(unit)
-        self.data_parallel.reduce_micro_batch(unit.buckets)
+        reduce = functools.partial(self.data_parallel.reduce_micro_batch, unit.buckets)
+        if self.deferred is None:
+            reduce()
+        else:
+            self.deferred.after(reduce)
 
 
 class _BeforeBackward(torch.autograd.Function):

@@ -10,8 +10,9 @@ The norms, the embedding, the router and biases keep their cheap gradients in B.
 W hands each gradient to autograd on the parameter itself (`torch.autograd.backward(param, grad)`), so it
 accumulates and fires the parameter's hooks as a gradient from B would: data parallelism adds it to its
 bucket, and launches the bucket's reduction once the step's last micro-batch has completed it, as the
-backward of 1F1B does. Until its W runs, each deferred layer keeps its input (saved for backward anyway)
-and its output's gradient.
+backward of 1F1B does. Under ZeRO-3, whose reductions run per layer as the layer's backward ends, that
+reduction is queued behind the layer's weight gradients (`after`), so W reduces each layer once complete.
+Until its W runs, each deferred layer keeps its input (saved for backward anyway) and its output's gradient.
 
 model.compile: the deferring matmuls are `torch.compiler.disable`d (their backward leaves work for later,
 a side effect a compiled graph cannot hold), so a compiled layer is cut at its linears as it is at its tp
@@ -28,29 +29,39 @@ from torch import nn
 
 from femtotron.precision import grouped_linear, grouped_linear_weight_gradient, linear, linear_weight_gradient
 
-WeightGradient = tuple[nn.Parameter, Callable[[], torch.Tensor]]
+WeightPass = Callable[[], None]  # one piece of a W action's work
 
 
 class DeferredWeightGradients:
-    """The weight gradients a backward left for W: each a parameter and how to compute its gradient."""
+    """The work a backward left for W, in the order the backward ran: weight gradients (so the buckets fill
+    as under 1F1B), and what must follow some of them."""
 
     def __init__(self) -> None:
-        self.collected: list[WeightGradient] = []
+        self.collected: list[WeightPass] = []
 
     def defer(self, param: nn.Parameter, gradient: Callable[[], torch.Tensor]) -> None:
-        self.collected.append((param, gradient))
+        self.collected.append(functools.partial(_accumulate, param, gradient))
 
-    def take(self) -> list[WeightGradient]:
-        """What the backward just run left (in the order it ran: the buckets fill as under 1F1B)."""
+    def after(self, work: WeightPass) -> None:
+        """Run `work` in W once the weight gradients deferred so far are in (ZeRO-3: a layer's reduction)."""
+        self.collected.append(work)
+
+    def take(self) -> list[WeightPass]:
+        """What the backward just run left."""
         taken = self.collected
         self.collected = []
         return taken
 
 
-def compute_weight_gradients(deferred: list[WeightGradient]) -> None:
-    """W: each weight's gradient, accumulated into the parameter through autograd (its hooks fire)."""
-    for param, gradient in deferred:
-        torch.autograd.backward(param, gradient().view_as(param))
+def _accumulate(param: nn.Parameter, gradient: Callable[[], torch.Tensor]) -> None:
+    """A weight's gradient, accumulated into the parameter through autograd (its hooks fire)."""
+    torch.autograd.backward(param, gradient().view_as(param))
+
+
+def compute_weight_gradients(deferred: list[WeightPass]) -> None:
+    """W: the work a backward left, in its order."""
+    for work in deferred:
+        work()
 
 
 def defer_weight_gradients(chunks: list[nn.Module]) -> DeferredWeightGradients:

@@ -25,7 +25,7 @@ from torch import nn
 
 from femtotron.batch import MicroBatch
 from femtotron.parallel.pipeline.p2p import PendingRecv, PipelineP2P, Send, Transfer
-from femtotron.parallel.split_backward import WeightGradient, compute_weight_gradients, defer_weight_gradients
+from femtotron.parallel.split_backward import WeightPass, compute_weight_gradients, defer_weight_gradients
 
 PASSES = {"F": "forward", "B": "backward", "W": "weight gradients"}
 # Engines that split each backward into B and W.
@@ -169,7 +169,7 @@ class Pipeline:
         (docs/architecture.md, "Invariants")."""
         loss_sum = torch.zeros((), device=global_tokens.device)
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        weight_gradients: dict[tuple[int, int], list[WeightGradient]] = {}
+        weight_gradients: dict[tuple[int, int], list[WeightPass]] = {}
 
         def step(action: Action, received: PendingRecv | None) -> Send | None:
             nonlocal loss_sum
