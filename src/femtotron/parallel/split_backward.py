@@ -54,8 +54,24 @@ class DeferredWeightGradients:
 
 
 def _accumulate(param: nn.Parameter, gradient: Callable[[], torch.Tensor]) -> None:
-    """A weight's gradient, accumulated into the parameter through autograd (its hooks fire)."""
-    torch.autograd.backward(param, gradient().view_as(param))
+    """A weight's gradient, accumulated into the parameter through autograd (its hooks fire). Computed
+    inside autograd's engine, by `_WeightPass`'s backward: the engine then holds the only reference, and
+    the parameter takes the tensor as its gradient (passed from here, it would be copied first)."""
+    torch.autograd.backward(_WeightPass.apply(param, gradient))
+
+
+class _WeightPass(torch.autograd.Function):
+    """A number depending on `param`, whose backward gives `param` the gradient `gradient()`."""
+
+    @staticmethod
+    def forward(ctx, param: nn.Parameter, gradient: Callable[[], torch.Tensor]) -> torch.Tensor:
+        ctx.gradient = gradient
+        ctx.shape = param.shape
+        return param.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _: torch.Tensor):
+        return ctx.gradient().view(ctx.shape), None
 
 
 def compute_weight_gradients(deferred: list[WeightPass]) -> None:
