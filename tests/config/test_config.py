@@ -241,8 +241,8 @@ def test_P2_few_micro_batches_for_the_pipeline_warn_with_the_bubble():
     config = load_config_dict(tiny(**{"parallelism.pp": 2, "tokens.batch_accumulation_per_replica": 2}))
     (w,) = config_warnings(config)
     assert "idles for about 33% of each step (P2)" in w and "at least 4 * pp = 8 micro-batches" in w
-    # 2 layers cannot interleave over pp=2: the engine that holds is offered
-    assert w.endswith("batch), or pp_engine=zb-h1 (a third of 1F1B's bubble).")
+    # 2 layers cannot interleave over pp=2: the engine that holds is offered, with what it would idle
+    assert w.endswith("batch), or pp_engine=zb-h1 (idles 14%).")
     assert (
         config_warnings(load_config_dict(tiny(**{**INTERLEAVED, "tokens.batch_accumulation_per_replica": 8})))
         == []
@@ -256,6 +256,21 @@ def test_P2_few_micro_batches_for_the_pipeline_warn_with_the_bubble():
     assert "idles for about 14% of each step (P2)" in w and w.endswith(
         "(lower tokens.micro_batch_size to keep the batch)."
     )
+
+
+def test_P2_only_an_engine_that_idles_less_is_suggested():
+    """pp=4, 4 micro-batches, 16 layers: 1F1B idles 43%, interleaving (v = 2) 27%, zb-h1 20%; a zb-h1 run is
+    told of no other engine, an interleaved one with v = 4 (16%) neither, one with v = 2 of zb-h1."""
+    base = {M + "num_hidden_layers": 16, "parallelism.pp": 4, "tokens.batch_accumulation_per_replica": 4}
+    (w,) = config_warnings(load_config_dict(tiny(**base)))
+    assert w.endswith(", or pp_engine=interleaved-1f1b (idles 27%) or pp_engine=zb-h1 (idles 20%).")
+    (w,) = config_warnings(load_config_dict(tiny(**{**base, "parallelism.pp_engine": "zb-h1"})))
+    assert w.endswith("to keep the batch).")
+    interleaved = {**base, "parallelism.pp_engine": "interleaved-1f1b", "parallelism.pp_virtual_stages": 2}
+    (w,) = config_warnings(load_config_dict(tiny(**interleaved)))
+    assert w.endswith(", or pp_engine=zb-h1 with pp_virtual_stages=1 (idles 20%).")
+    (w,) = config_warnings(load_config_dict(tiny(**{**interleaved, "parallelism.pp_virtual_stages": 4})))
+    assert w.endswith("to keep the batch).")
 
 
 def test_sequence_length_within_max_positions():

@@ -17,7 +17,9 @@ from helpers import (
     record_steps,
 )
 
+from femtotron.errors import FemtotronError
 from femtotron.parallel.context import ParallelContext
+from femtotron.parallel.pipeline import schedules
 from femtotron.parallel.split_backward import (
     DeferredWeightGradients,
     compute_weight_gradients,
@@ -235,3 +237,18 @@ def test_under_zero_3_a_layer_is_reduced_as_soon_as_its_weight_gradients_are_in(
     units = data_parallel.gathering.units[0]
     assert units[0].name == "embedding" and not units[0].needed_in_backward
     assert left_whole and set(left_whole) <= set(units[0].buckets)
+
+
+def test_work_left_by_a_failed_step_is_dropped_and_a_missing_w_is_reported(tiny_config, monkeypatch):
+    """A backward that raised part-way leaves deferred work behind: the next step drops it (its gradients
+    belong to no micro-batch of this step). A schedule without some W would lose those gradients silently:
+    the step stops, naming them."""
+    trainer = Trainer(layout_case(tiny_config, "float32", None, ZB), ParallelContext(), log_to_console=False)
+    ran = []
+    trainer.pipeline.deferred.after(lambda: ran.append(True))
+    trainer.train_step()
+    assert ran == []
+    full = schedules.schedule
+    monkeypatch.setattr(schedules, "schedule", lambda *args, **kwargs: full(*args, **kwargs)[:-1])
+    with pytest.raises(FemtotronError, match=r"weight gradients of \[\(3, 0\)\] .* bug in femtotron"):
+        trainer.train_step()

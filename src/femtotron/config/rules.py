@@ -286,7 +286,7 @@ def interleaving_needs_several_ranks(cfg: ConfigFields) -> Problem | None:
     return Problem(
         ("parallelism.pp_engine", "parallelism.pp"),
         "pp_engine=interleaved-1f1b interleaves model chunks over several pipeline ranks, so pp must be "
-        ">= 2. Fix: pp_engine=1f1b (with pp=1 every engine is the same).",
+        ">= 2. Fix: pp_engine=1f1b (with pp=1 it runs as afab and interleaving would).",
     )
 
 

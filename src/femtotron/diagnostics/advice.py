@@ -68,16 +68,19 @@ def config_warnings(config: Config) -> list[str]:
     par = config.parallelism
     accumulation = config.tokens.batch_accumulation_per_replica
     if par.pp > 1 and accumulation < 4 * par.pp:
-        interleaving = {
-            "parallelism.pp_engine": "interleaved-1f1b",
-            "parallelism.pp_virtual_stages": max(par.pp_virtual_stages, 2),
-        }
-        engines = {
-            "interleaved-1f1b": ("pp_engine=interleaved-1f1b", interleaving),
-            "zb-h1": ("pp_engine=zb-h1 (a third of 1F1B's bubble)", {"parallelism.pp_engine": "zb-h1"}),
-        }
-        others = fixes_that_hold(config, [fix for name, fix in engines.items() if name != par.pp_engine])
         bubble = pipeline_bubble(par.pp, accumulation, par.pp_virtual_stages, par.pp_engine)
+        # The engines that would idle less, each as the rules would take it.
+        engines = {"interleaved-1f1b": max(par.pp_virtual_stages, 2), "zb-h1": 1}
+        faster = []
+        for engine, virtual in engines.items():
+            idle = pipeline_bubble(par.pp, accumulation, virtual, engine)
+            if idle < bubble:
+                chunks = (
+                    " with pp_virtual_stages=1" if engine == "zb-h1" and par.pp_virtual_stages > 1 else ""
+                )
+                changes = {"parallelism.pp_engine": engine, "parallelism.pp_virtual_stages": virtual}
+                faster.append((f"pp_engine={engine}{chunks} (idles {idle:.0%})", changes))
+        others = fixes_that_hold(config, faster)
         ending = "."
         if others:
             ending = f", or {' or '.join(others)}."

@@ -43,6 +43,7 @@ from femtotron.parallel.split_backward import (
     DeferredWeightGradients,
     compute_weight_gradients,
     defer_weight_gradients,
+    kept_tensors,
 )
 from femtotron.precision import ESTIMATING_FOR_THIS_CPU
 
@@ -223,8 +224,12 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
                     torch.autograd.backward(output, torch.empty_like(output))
                 del inputs, output
                 waiting_for_w = 0
-                if deferred is not None:  # W right after B: its inputs are what a micro-batch leaves
-                    waiting_for_w = memory.live
+                if deferred is not None:  # what W will read, distinct storages once (x feeds q, k and v)
+                    storages = {
+                        id(t.untyped_storage()): t.untyped_storage().nbytes()
+                        for t in kept_tensors(deferred.collected)
+                    }
+                    waiting_for_w = sum(storages.values())
                     compute_weight_gradients(deferred.take())
             model.data_parallel.zero_grad()  # the gradient hooks take each step as a fresh one
             return kept, memory.peak, waiting_for_w

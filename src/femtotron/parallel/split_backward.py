@@ -4,10 +4,11 @@ its weight for later (W: only the optimizer step needs it), so that the schedule
 stage would otherwise spend waiting (parallel/pipeline/schedules.py).
 
 Deferred are the matmuls that hold nearly all of a layer's weight-gradient work: the column- and
-row-parallel linears (attention's projections, the MLPs, the LM head) and the experts' grouped weights.
-The norms, the embedding, the router and biases keep their cheap gradients in B.
+row-parallel linears (attention's projections, the MLPs, an untied LM head) and the experts' grouped
+weights. The norms, the embedding (a tied LM head too: it is the embedding's weight), the router and biases
+keep their cheap gradients in B.
 
-W hands each gradient to autograd on the parameter itself (`torch.autograd.backward(param, grad)`), so it
+W hands each gradient to autograd as the gradient of the parameter itself (`_AdoptGradient`), so it
 accumulates and fires the parameter's hooks as a gradient from B would: data parallelism adds it to its
 bucket, and launches the bucket's reduction once the step's last micro-batch has completed it, as the
 backward of 1F1B does. Under ZeRO-3, whose reductions run per layer as the layer's backward ends, that
@@ -29,7 +30,7 @@ from torch import nn
 
 from femtotron.precision import grouped_linear, grouped_linear_weight_gradient, linear, linear_weight_gradient
 
-WeightPass = Callable[[], None]  # one piece of a W action's work
+DeferredWork = Callable[[], None]  # one piece of a W action's work
 
 
 class DeferredWeightGradients:
@@ -37,16 +38,16 @@ class DeferredWeightGradients:
     as under 1F1B), and what must follow some of them."""
 
     def __init__(self) -> None:
-        self.collected: list[WeightPass] = []
+        self.collected: list[DeferredWork] = []
 
     def defer(self, param: nn.Parameter, gradient: Callable[[], torch.Tensor]) -> None:
         self.collected.append(functools.partial(_accumulate, param, gradient))
 
-    def after(self, work: WeightPass) -> None:
+    def after(self, work: DeferredWork) -> None:
         """Run `work` in W once the weight gradients deferred so far are in (ZeRO-3: a layer's reduction)."""
         self.collected.append(work)
 
-    def take(self) -> list[WeightPass]:
+    def take(self) -> list[DeferredWork]:
         """What the backward just run left."""
         taken = self.collected
         self.collected = []
@@ -55,12 +56,13 @@ class DeferredWeightGradients:
 
 def _accumulate(param: nn.Parameter, gradient: Callable[[], torch.Tensor]) -> None:
     """A weight's gradient, accumulated into the parameter through autograd (its hooks fire). Computed
-    inside autograd's engine, by `_WeightPass`'s backward: the engine then holds the only reference, and
-    the parameter takes the tensor as its gradient (passed from here, it would be copied first)."""
-    torch.autograd.backward(_WeightPass.apply(param, gradient))
+    inside autograd's engine, by `_AdoptGradient`'s backward: the engine then holds the only reference, and
+    the parameter takes the tensor as its gradient (passed from here, to `torch.autograd.backward(param,
+    grad)`, it would be copied first)."""
+    torch.autograd.backward(_AdoptGradient.apply(param, gradient))
 
 
-class _WeightPass(torch.autograd.Function):
+class _AdoptGradient(torch.autograd.Function):
     """A number depending on `param`, whose backward gives `param` the gradient `gradient()`."""
 
     @staticmethod
@@ -74,10 +76,24 @@ class _WeightPass(torch.autograd.Function):
         return ctx.gradient().view(ctx.shape), None
 
 
-def compute_weight_gradients(deferred: list[WeightPass]) -> None:
+def compute_weight_gradients(deferred: list[DeferredWork]) -> None:
     """W: the work a backward left, in its order."""
     for work in deferred:
         work()
+
+
+def kept_tensors(deferred: list[DeferredWork]) -> list[torch.Tensor]:
+    """The tensors `deferred` keeps alive until its W runs (the split layers' inputs and output gradients,
+    inside its partials; parameters aside): for memory estimates."""
+    found = []
+    pending = list(deferred)
+    while pending:
+        item = pending.pop()
+        if isinstance(item, functools.partial):
+            pending += item.args
+        elif isinstance(item, torch.Tensor) and not isinstance(item, nn.Parameter):
+            found.append(item)
+    return found
 
 
 def defer_weight_gradients(chunks: list[nn.Module]) -> DeferredWeightGradients:
@@ -125,45 +141,45 @@ def split_grouped_linear(
     return _split_grouped_linear(x, weight.detach(), ends, functools.partial(deferred.defer, param))
 
 
-# The weight goes in detached, and the parameter only inside `leave` (the store's `defer` for it): autograd
+# The weight goes in detached, and the parameter only inside `defer_weight` (the store's `defer` for it):
 # sees no path to the parameter, so B neither accumulates into it nor fires its hooks (it would, with an
 # empty gradient, were the parameter an input that gets None back).
 class _SplitLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, leave):
+    def forward(ctx, x, weight, bias, defer_weight):
         ctx.save_for_backward(x, weight)
-        ctx.leave = leave
+        ctx.defer_weight = defer_weight
         ctx.has_bias = bias is not None
         return linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        ctx.leave(functools.partial(linear_weight_gradient, x, grad))
+        ctx.defer_weight(functools.partial(linear_weight_gradient, x, grad))
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
         return linear(grad, weight.t()), None, grad_bias, None
 
 
 class _SplitGroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, ends, leave):
+    def forward(ctx, x, weight, ends, defer_weight):
         ctx.save_for_backward(x, weight, ends)
-        ctx.leave = leave
+        ctx.defer_weight = defer_weight
         return grouped_linear(x, weight, ends)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, ends = ctx.saved_tensors
         grad = grad.contiguous()  # the grouped GEMM takes only a contiguous one
-        ctx.leave(functools.partial(grouped_linear_weight_gradient, x, grad, ends))
+        ctx.defer_weight(functools.partial(grouped_linear_weight_gradient, x, grad, ends))
         return grouped_linear(grad, weight.transpose(-2, -1), ends), None, None, None
 
 
 @torch.compiler.disable
-def _split_linear(x, weight, bias, leave) -> torch.Tensor:
-    return _SplitLinear.apply(x, weight, bias, leave)
+def _split_linear(x, weight, bias, defer_weight) -> torch.Tensor:
+    return _SplitLinear.apply(x, weight, bias, defer_weight)
 
 
 @torch.compiler.disable
-def _split_grouped_linear(x, weight, ends, leave) -> torch.Tensor:
-    return _SplitGroupedLinear.apply(x, weight, ends, leave)
+def _split_grouped_linear(x, weight, ends, defer_weight) -> torch.Tensor:
+    return _SplitGroupedLinear.apply(x, weight, ends, defer_weight)

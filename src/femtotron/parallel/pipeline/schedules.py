@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from femtotron.batch import MicroBatch
+from femtotron.errors import FemtotronError
 from femtotron.parallel.pipeline.p2p import PendingRecv, PipelineP2P, Send, Transfer
-from femtotron.parallel.split_backward import WeightPass, compute_weight_gradients, defer_weight_gradients
+from femtotron.parallel.split_backward import DeferredWork, compute_weight_gradients, defer_weight_gradients
 
 PASSES = {"F": "forward", "B": "backward", "W": "weight gradients"}
 # Engines that split each backward into B and W.
@@ -169,7 +170,9 @@ class Pipeline:
         (docs/architecture.md, "Invariants")."""
         loss_sum = torch.zeros((), device=global_tokens.device)
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        weight_gradients: dict[tuple[int, int], list[WeightPass]] = {}
+        weight_gradients: dict[tuple[int, int], list[DeferredWork]] = {}
+        if self.deferred is not None:
+            self.deferred.take()  # what a step that raised part-way through a backward left behind
 
         def step(action: Action, received: PendingRecv | None) -> Send | None:
             nonlocal loss_sum
@@ -198,6 +201,11 @@ class Pipeline:
             chunks=len(self.chunks),
         )
         self.run(actions, step)
+        if weight_gradients:
+            raise FemtotronError(
+                f"pp_engine={self.engine}: the weight gradients of {sorted(weight_gradients)} (micro-batch, "
+                "chunk) were never computed: the schedule has no W for them. This is a bug in femtotron."
+            )
         return loss_sum
 
     @torch.no_grad()
