@@ -98,7 +98,8 @@ def grouped_linear_weight_gradient(x: torch.Tensor, grad: torch.Tensor, ends: to
         return grouped_linear_weight_gradient(x.float(), grad.float(), ends).to(x.dtype)
     if _grouped_mm_runs(x, (grad.shape[-1], x.shape[-1])):
         return torch._grouped_mm(grad.t(), x, offs=_offsets(ends, x))
-    parts = zip(grad.split(_rows(ends)), x.split(_rows(ends)), strict=True)
+    rows = _rows(ends)
+    parts = zip(grad.split(rows), x.split(rows), strict=True)
     return torch.stack([part_grad.t() @ part for part_grad, part in parts])
 
 

@@ -239,7 +239,9 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
         peaks.append(peak)
         left_for_w.append(waiting_for_w)
     micro_batches = tokens.batch_accumulation_per_replica
-    held_bytes, held = schedule_peak(par.pp_engine, par.pp, pp_rank, micro_batches, saved, left_for_w)
+    held_bytes, held = schedule_peak(
+        par.pp_engine, par.pp, pp_rank, micro_batches, saved=saved, left_for_w=left_for_w
+    )
     waiting = held_bytes - max(saved) if held > 1 else 0  # the others, while the largest one runs
     if on_this_cpu:  # no NCCL
         nccl = 0
@@ -257,7 +259,7 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
         micro_batches_held=held,
         communicators=nccl,
         links=one_way,
-        working=working_set_bytes(model, par.pp_engine in SPLIT_BACKWARD),
+        working=working_set_bytes(model, split_backward=par.pp_engine in SPLIT_BACKWARD),
         elements=model.data_parallel.size,
         checkpoint=model.data_parallel.checkpoint_bytes(),
         muon_gather=muon_gather_bytes(config, model),

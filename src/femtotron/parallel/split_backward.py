@@ -142,8 +142,8 @@ def split_grouped_linear(
 
 
 # The weight goes in detached, and the parameter only inside `defer_weight` (the store's `defer` for it):
-# sees no path to the parameter, so B neither accumulates into it nor fires its hooks (it would, with an
-# empty gradient, were the parameter an input that gets None back).
+# autograd sees no path to the parameter, so B neither accumulates into it nor fires its hooks (it would,
+# with an empty gradient, were the parameter an input that gets None back).
 class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, defer_weight):
