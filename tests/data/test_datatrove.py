@@ -155,6 +155,18 @@ def test_metadata_naming_another_token_size_is_refused(tmp_path, datatrove_folde
         DatatroveFolder(folder)
 
 
+def test_metadata_that_is_not_utf8_is_read_for_its_size_or_named(tmp_path, datatrove_folder):
+    """It was read as UTF-8, and a byte that is not raised a UnicodeDecodeError. Only the token size is read:
+    a tokenizer name that is not UTF-8 does not matter; a size that cannot be read names the file."""
+    folder = _copy(datatrove_folder, tmp_path)
+    metadata = folder / "00000_00000_doc_shuffled.ds.metadata"
+    metadata.write_bytes(b"gpt\xff\xfe2|2\n100\n")
+    assert DatatroveFolder(folder).token_size == 2
+    metadata.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff")
+    with pytest.raises(DataError, match=rf"{metadata}: first line names token size .*, expected 2 or 4"):
+        DatatroveFolder(folder)
+
+
 def test_a_folder_mixing_token_sizes_is_refused(tmp_path, datatrove_folder):
     folder = _copy(datatrove_folder, tmp_path)
     written = TokenizedFile(str(folder), "zz.ds", token_size=4)

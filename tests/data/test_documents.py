@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import re
+import tracemalloc
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -106,3 +109,60 @@ def test_a_zst_file_of_several_frames_reads_whole(tmp_path, texts):
     frames = b"".join(zstandard.ZstdCompressor().compress(half.encode()) for half in halves)
     (tmp_path / "c.jsonl.zst").write_bytes(frames)
     assert list(iter_documents(tmp_path / "c.jsonl.zst")) == texts
+
+
+def _zst_bomb(path, characters):
+    """A .jsonl.zst of one line of `characters` spaces, then a short line, in a few KB."""
+    compressor = zstandard.ZstdCompressor().compressobj()
+    parts = [compressor.compress(b'{"text": "')]
+    parts += [compressor.compress(b" " * 2**20) for _ in range(characters // 2**20)]
+    parts += [compressor.compress(b'"}\n{"text": "after"}\n'), compressor.flush()]
+    path.write_bytes(b"".join(parts))
+
+
+def test_a_zst_bomb_is_refused_in_bounded_memory(tmp_path):
+    """A 4 KB .jsonl.zst holding a 128 MiB line: zstandard decompressed it whole at once, then copied what
+    was left on every 8 KiB read (a 1 GiB line ran for minutes at 2 GB). A zstd block is at most 128 KiB from
+    4 bytes: fed 256 bytes at a time, the decompressor gives at most 8 MiB, and reading stops one character
+    past the limit."""
+    source = tmp_path / "bomb.jsonl.zst"
+    _zst_bomb(source, 2**27)
+    assert source.stat().st_size < 2**15
+    tracemalloc.start()
+    with pytest.raises(DataError, match=r"bomb\.jsonl\.zst, line 1: longer than 65,536 characters"):
+        list(DocumentReader(max_characters=2**16).read([source]))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 2**25, f"{peak:,} bytes"  # 8 MiB of output, joined from its pieces, and a line's worth
+    reader = DocumentReader(skip_bad_records=True, max_characters=2**16)
+    assert list(reader.read([source])) == ["after"] and reader.skipped == 1
+
+
+def test_links_out_of_a_directory_or_a_glob_are_refused_and_a_file_named_is_read(tmp_path):
+    """A link in a data folder to a file elsewhere (a system file) was read with the rest; one named as an
+    input is the user's choice, and a link inside the folder stays there."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "secret.txt").write_text("secret")
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.txt").write_text("one")
+    (folder / "b.txt").symlink_to(folder / "a.txt")
+    (folder / "c.txt").symlink_to(elsewhere / "secret.txt")
+    (folder / "more").symlink_to(elsewhere)  # a walk does not enter it, a glob does
+    for given, found in (
+        (folder, "c.txt"),
+        (folder / "*.txt", "c.txt"),
+        (folder / "*/*.txt", "more/secret.txt"),
+    ):
+        outside = (
+            rf"{re.escape(str(folder / found))} leads to {re.escape(str(elsewhere / 'secret.txt'))}, outside"
+        )
+        with pytest.raises(DataError, match=outside):
+            list(iter_documents(given))
+    assert list(iter_documents(folder / "c.txt")) == ["secret"]
+    (folder / "c.txt").unlink()
+    assert list(iter_documents(folder)) == ["one", "one"]
+    os.mkfifo(folder / "pipe.jsonl")  # refused, never opened (that would wait for a writer forever)
+    with pytest.raises(DataError, match=r"pipe\.jsonl: a named pipe, not a regular file"):
+        list(iter_documents(folder))

@@ -92,6 +92,11 @@ def test_unsupported_or_missing_input(tmp_path, tokenizer_path):
         preprocess(tmp_path / "corpus.csv", tokenizer_path, tmp_path / "out", progress=False)
     with pytest.raises(DataError, match=r"absent\.jsonl: input file does not exist"):
         preprocess(tmp_path / "absent.jsonl", tokenizer_path, tmp_path / "out", progress=False)
+    os.mkfifo(tmp_path / "pipe.jsonl")  # said to be one, not "does not exist"; never opened
+    with pytest.raises(
+        DataError, match=r"pipe\.jsonl: a named pipe, not a regular file; .* regular files ending"
+    ):
+        preprocess(tmp_path / "pipe.jsonl", tokenizer_path, tmp_path / "out", progress=False)
     with pytest.raises(DataError, match=r"no-tokenizer\.json does not exist"):
         preprocess(
             tmp_path / "absent.jsonl", tmp_path / "no-tokenizer.json", tmp_path / "out", progress=False
@@ -219,6 +224,37 @@ def test_deeply_nested_json_line_is_named(tmp_path, tokenizer_path):
     source.write_text('{"text": "ok"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
     with pytest.raises(DataError, match=r"nested\.jsonl, line 2: JSON nested too deeply"):
         preprocess(source, tokenizer_path, tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        (
+            '{"text": "a \\ud800 b"}',
+            r"field 'text' holds a lone surrogate \\ud800 at character 2, which is no text",
+        ),
+        ('{"text": "a", "n": ' + "9" * 5000 + "}", r"a JSON number of more than 4,300 digits"),
+    ],
+)
+def test_a_record_python_cannot_take_as_text_is_named_or_skipped(tmp_path, tokenizer_path, line, problem):
+    """json.loads reads a lone surrogate (the tokenizer then raised a TypeError) and refuses a 5,000-digit
+    number with a ValueError: both were tracebacks."""
+    source = tmp_path / "corpus.jsonl"
+    source.write_text(_jsonl_lines(["before"]) + line + "\n" + _jsonl_lines(["after"]))
+    with pytest.raises(DataError, match=rf"corpus\.jsonl, line 2: {problem}.*--skip-bad-records"):
+        preprocess(source, tokenizer_path, tmp_path / "out", progress=False)
+    reader = DocumentReader(skip_bad_records=True)
+    summary = preprocess(source, tokenizer_path, tmp_path / "out", reader=reader, progress=False)
+    assert summary.documents == 2 and summary.skipped == 1
+
+
+def test_a_zst_file_of_random_bytes_is_named(tmp_path, tokenizer_path):
+    source = tmp_path / "random.jsonl.zst"
+    source.write_bytes(np.random.default_rng(0).bytes(4096))
+    reader = DocumentReader(skip_bad_records=True)  # a file that is no zstd is no bad record
+    with pytest.raises(DataError, match=r"random\.jsonl\.zst: cannot be read \(zstd\): not zstd data"):
+        preprocess(source, tokenizer_path, tmp_path / "out", reader=reader, progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["random.jsonl.zst"]
 
 
 @pytest.mark.distributed  # the command in a process of its own, its stderr a pipe as in a batch job's log

@@ -105,6 +105,47 @@ def test_changing_the_text_or_the_tokenizer_tokenizes_again(tmp_path, tokenizer_
     assert cached_prefix(str(folder), "text", digest, str(tmp_path / "cache")) != second
 
 
+def test_an_edit_keeping_size_and_modification_time_tokenizes_again(tmp_path, tokenizer_path):
+    """The key was path, size and modification time: a same-size edit with its time kept (cp -p, rsync -t,
+    touch -r) reused the stale tokens. The ends of each file are digested too, as the data identity does."""
+    source = tmp_path / "book.txt"
+    source.write_text("the model")
+    kept = source.stat()
+    config = text_config(tmp_path, tokenizer_path, str(source))
+    tokenize_text_data(config)
+    source.write_text("the layer")
+    os.utime(source, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+    assert source.stat().st_size == kept.st_size and source.stat().st_mtime_ns == kept.st_mtime_ns
+    assert "tokenized 1 documents" in tokenize_text_data(config)[0]
+
+
+def test_links_out_of_a_text_directory_are_refused(tmp_path, tokenizer_path, hf_dataset):
+    """A link in the directory to a file elsewhere (a system file) was tokenized with the rest."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("the model")
+    (tmp_path / "secret").write_text("secret")
+    (folder / "passwd.txt").symlink_to(tmp_path / "secret")
+    with pytest.raises(DataError, match=r"texts/passwd\.txt leads to .*/secret, outside .*texts"):
+        tokenize_text_data(text_config(tmp_path, tokenizer_path, str(folder)))
+    arrow = next(hf_dataset.glob("*.arrow"))
+    arrow.rename(tmp_path / "elsewhere.arrow")
+    arrow.symlink_to(tmp_path / "elsewhere.arrow")
+    with pytest.raises(DataError, match=r"\.arrow leads to .*/elsewhere\.arrow, outside .*hf_text"):
+        list(iter_documents(hf_dataset))
+    with pytest.raises(DataError, match=r"\.arrow leads to .*/elsewhere\.arrow, outside .*hf_text"):
+        tokenize_text_data(text_config(tmp_path, tokenizer_path, str(hf_dataset)))
+    assert not os.path.exists(tmp_path / "cache")
+
+
+def test_a_bad_record_of_a_text_source_is_named_by_file_and_line(tmp_path, tokenizer_path):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"text": "the model"}\n{"text": "x", "n": ' + "9" * 5000 + "}\n")
+    with pytest.raises(DataError, match=r"texts/a\.jsonl, line 2: a JSON number of more than 4,300 digits"):
+        tokenize_text_data(text_config(tmp_path, tokenizer_path, str(folder)))
+
+
 def test_a_hub_name_or_missing_tokenizer_is_refused_with_the_fix(tmp_path, tokenizer_path):
     config = text_config(tmp_path, tokenizer_path, "HuggingFaceFW/fineweb-edu")
     with pytest.raises(DataError) as caught:

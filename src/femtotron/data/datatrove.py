@@ -45,7 +45,8 @@ def _metadata_token_size(path: str) -> int | None:
     """The token size a `.ds.metadata` names on its first line (`tokenizer|size`), or None without one."""
     if not os.path.isfile(f"{path}.metadata"):
         return None
-    with open(f"{path}.metadata", encoding="utf-8") as f:
+    # Not UTF-8 throughout is no matter: only the size is read, and one that is not 2 or 4 names the file.
+    with open(f"{path}.metadata", encoding="utf-8", errors="replace") as f:
         size = f.readline().strip().rsplit("|", 1)[-1]
     if size not in ("2", "4"):
         raise _corrupt(f"{path}.metadata", f"first line names token size {size!r}, expected 2 or 4")

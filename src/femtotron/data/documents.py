@@ -6,11 +6,13 @@ skipped). `.parquet`: the column `text_key`, a row group at a time. `.txt`, `.md
 document, or with `blocks` each run of lines between blank lines is. A Hugging Face `datasets` directory
 (`save_to_disk`): its rows in order, the text in column `text_key` (a `DatasetDict`: its "train" split), read
 a record batch at a time with pyarrow. Any other directory: the files in it and below ending in the suffixes
-above, in sorted order. Several inputs, or a glob (`shards/*.parquet`), are read one after the other.
+above, in sorted order. Several inputs, or a glob (`shards/*.parquet`), are read one after the other. A
+file found in a directory or by a glob must be a regular file inside it, links resolved (`found_in`): a link
+there to a file elsewhere is refused; a file named as an input is read wherever a link to it leads.
 
-A malformed record (a line that is not JSON, has no text, or is too long; a row without text) stops the read
-naming the file and the line or row; with `skip_bad_records` it is counted (`DocumentReader.skipped`) and
-the read goes on. A file that cannot be read at all always stops it.
+A malformed record (a line that is not JSON or not text, has no text, or is too long; a row without text)
+stops the read naming the file and the line or row; with `skip_bad_records` it is counted
+(`DocumentReader.skipped`) and the read goes on. A file that cannot be read at all always stops it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import importlib
 import io
 import json
 import os
+import stat
+import sys
 from collections.abc import Iterator
 from types import ModuleType
 from typing import IO, Any
@@ -33,6 +37,10 @@ WHOLE_FILES = (".txt", ".md")  # a file is a document (or, with blocks, its blan
 # read at most this far, so a gzip bomb (one 3 GB line from 3 MB) is refused instead of filling memory.
 MAX_DOCUMENT_CHARACTERS = 2**26
 PARQUET_BATCH_ROWS = 1024  # rows handed on at a time
+# A zstd block decodes to at most 128 KiB from as little as 4 bytes (one byte repeated): fed this many bytes
+# at a time, the decompressor gives at most 8 MiB a call however much a file holds (32 KB can hold a 1 GiB
+# line), and still hundreds of MB/s.
+ZSTD_FEED_BYTES = 256
 
 
 def _open(path: str) -> IO[str]:
@@ -45,29 +53,42 @@ def _open(path: str) -> IO[str]:
 
 
 class ZstdFile(io.RawIOBase):
-    """A .zst file's decompressed bytes, frame after frame. A file cut short is an error: zstandard's own
-    stream reader ends quietly there, so a truncated shard would lose its last documents unseen."""
+    """A .zst file's decompressed bytes, frame after frame, a bounded piece at a time. A file cut short is an
+    error: zstandard's own stream reader ends quietly there, so a truncated shard would lose its last
+    documents unseen."""
 
     def __init__(self, path: str, zstandard: ModuleType) -> None:
         self.zstandard = zstandard
         self.file = open(path, "rb")  # noqa: SIM115 - closed with this object
         self.frame = zstandard.ZstdDecompressor().decompressobj()
-        self.pending = b""
+        self.between_frames = False  # one has ended and the next not begun: the only place the file may end
+        self.compressed = memoryview(b"")  # as read from the file
+        self.fed = 0  # bytes of it given to the decompressor
+        self.pending = memoryview(b"")  # decompressed, not read yet
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
         while not self.pending:
-            compressed = self.frame.unused_data if self.frame.eof else self.file.read(1 << 20)
-            if self.frame.eof:  # the next frame, if any
+            if self.frame.eof:  # the next frame, if any, begins in the bytes fed last
+                self.fed -= len(self.frame.unused_data)
                 self.frame = self.zstandard.ZstdDecompressor().decompressobj()
-                compressed = compressed or self.file.read(1 << 20)
-                if not compressed:
+                self.between_frames = True
+            if self.fed == len(self.compressed):
+                self.compressed = memoryview(self.file.read(1 << 20))
+                self.fed = 0
+            if not self.compressed:
+                if self.between_frames:
                     return 0
-            elif not compressed:
                 raise OSError("the file ends inside a zstd frame: it is truncated")
-            self.pending = self.frame.decompress(compressed)
+            piece = self.compressed[self.fed : self.fed + ZSTD_FEED_BYTES]
+            self.fed += len(piece)
+            self.between_frames = False
+            try:
+                self.pending = memoryview(self.frame.decompress(piece))
+            except self.zstandard.ZstdError as e:
+                raise OSError(f"not zstd data, or damaged ({e})") from None
         size = min(len(buffer), len(self.pending))
         buffer[:size] = self.pending[:size]
         self.pending = self.pending[size:]
@@ -96,7 +117,10 @@ def expand_inputs(inputs: list[str | os.PathLike]) -> list[str]:
         matches = sorted(glob.glob(given, recursive=True))
         if not matches:
             raise DataError(f"{given}: no file matches this pattern")
-        paths += matches
+        root = given
+        while glob.has_magic(root):
+            root = os.path.dirname(root)
+        paths += [found_in(root or os.curdir, match) for match in matches]
     return paths
 
 
@@ -135,7 +159,7 @@ class DocumentReader:
             if is_hf_dataset(path):
                 yield from self._hf_rows(path)
                 return
-            files = text_files(path)
+            files = files_in(path)
             if not files:
                 raise DataError(
                     f"{path}: a directory without any {', '.join(SUFFIXES)} file, and not a Hugging Face "
@@ -146,8 +170,7 @@ class DocumentReader:
             return
         if not path.endswith(SUFFIXES):
             raise DataError(f"{path}: unsupported input; expected a file ending in {', '.join(SUFFIXES)}")
-        if not os.path.isfile(path):
-            raise DataError(f"{path}: input file does not exist")
+        regular_file(path)
         if path.endswith(".parquet"):
             yield from self._parquet_rows(path)
             return
@@ -171,7 +194,7 @@ class DocumentReader:
                             yield text
         except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as e:
             raise DataError(f"{path}: cannot be read as UTF-8 text{_compression(path)}: {e}") from e
-        except OSError as e:  # zstandard's errors for a damaged frame are OSErrors too
+        except OSError as e:  # ZstdFile raises zstandard's errors as OSErrors
             raise DataError(f"{path}: cannot be read{_compression(path)}: {e}") from e
 
     def _whole_file(self, f: IO[str], path: str) -> Iterator[str]:
@@ -244,7 +267,7 @@ class DocumentReader:
         with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
             state = json.load(f)
         for record in state.get("_data_files", []):
-            arrow = os.path.join(path, os.path.basename(str(record.get("filename", ""))))
+            arrow = found_in(path, os.path.join(path, os.path.basename(str(record.get("filename", "")))))
             with pa.memory_map(arrow) as source:
                 reader = pa.ipc.open_stream(source)  # datasets writes Arrow's streaming format
                 if self.text_key not in reader.schema.names:
@@ -262,15 +285,45 @@ def iter_documents(
     return DocumentReader(text_key, max_characters=max_characters).read([path])
 
 
-def text_files(directory: str) -> list[str]:
-    """The text files in `directory` and below, in sorted order (the order documents are read)."""
+def files_in(directory: str, suffixes: str | tuple[str, ...] = SUFFIXES) -> list[str]:
+    """The files in `directory` and below ending in `suffixes` (text files), in sorted order (the order
+    documents are read); each must be a regular file inside `directory`."""
     found = [
         os.path.join(root, name)
         for root, _, names in os.walk(directory)
         for name in names
-        if name.endswith(SUFFIXES)
+        if name.endswith(suffixes)
     ]
-    return sorted(found)
+    return sorted(regular_file(found_in(directory, path)) for path in found)
+
+
+def found_in(directory: str, path: str) -> str:
+    """`path`, found in `directory` (by a walk, a glob or a datasets directory's list), refused when it leads
+    outside it, links resolved: a link planted in a data folder (to a system file, say) is not read, as
+    serialize/hf.py's `inside` refuses one in a model directory."""
+    real = os.path.realpath(path)
+    root = os.path.realpath(directory)
+    if os.path.commonpath([real, root]) != root:
+        raise DataError(
+            f"{path} leads to {real}, outside {directory} where it was found: files are read from a "
+            "directory or a glob only when they are inside it, links resolved. Name the file itself as an "
+            "input (or a text_dataset path) if you mean it, or copy it into the directory."
+        )
+    return path
+
+
+def regular_file(path: str) -> str:
+    """`path`, refused unless it is a regular file (or a link to one): a pipe or a device is never opened."""
+    if os.path.isfile(path):
+        return path
+    if not os.path.exists(path):
+        raise DataError(f"{path}: input file does not exist")
+    kind = "a named pipe" if stat.S_ISFIFO(os.stat(path).st_mode) else "a socket or a device"
+    raise DataError(
+        f"{path}: {kind}, not a regular file; text is read from regular files ending in "
+        f"{', '.join(SUFFIXES)} (and directories of them). Write the stream to a file first (e.g. a "
+        ".jsonl.zst) and give that."
+    )
 
 
 def is_hf_dataset(path: str) -> bool:
@@ -317,10 +370,24 @@ def _text_of(line: str, path: str, line_number: int, text_key: str) -> str | Dat
             f"{path}, line {line_number}: not valid JSON ({e.msg} at column {e.colno}). "
             'Each line must be one JSON object, e.g. {"text": "..."} (or pass --skip-bad-records).'
         )
+    except ValueError:  # the one other error json raises: an integer longer than int() converts
+        return DataError(
+            f"{path}, line {line_number}: a JSON number of more than {sys.get_int_max_str_digits():,} "
+            "digits, longer than Python reads. Remove or quote it (or pass --skip-bad-records)."
+        )
     if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         return DataError(
             f"{path}, line {line_number}: no string field {text_key!r} (found {keys}). "
             "Pass --text-key with the field that holds the text (or --skip-bad-records)."
         )
-    return record[text_key]
+    text = record[text_key]
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a "\\ud800" escape: JSON allows it, but it is half a character
+        return DataError(
+            f"{path}, line {line_number}: field {text_key!r} holds a lone surrogate "
+            f"\\u{ord(text[e.start]):x} at character {e.start}, which is no text a tokenizer can encode "
+            "(half of a character's UTF-16 pair). Remove or fix the record (or pass --skip-bad-records)."
+        )
+    return text

@@ -14,6 +14,7 @@ import os
 import struct
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +28,20 @@ _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D: 34 bytes
 # Position + 1 is the dtype code stored in the header.
 _DTYPE_NAMES = ("uint8", "int8", "int16", "int32", "int64", "float64", "float32", "uint16")
 DTYPE_CODES: dict[int, np.dtype] = {i + 1: np.dtype(name) for i, name in enumerate(_DTYPE_NAMES)}
+
+DIGESTED_BYTES = 1 << 20  # of each end of a file: a digest of its contents that costs milliseconds
+
+
+def digest_ends(digest: Any, path: str) -> None:
+    """Add file `path`'s size and first and last DIGESTED_BYTES to `digest`: another corpus, another
+    tokenization or an edit near either end changes them. The data identity (run_data.py) and the text
+    cache's key (text_cache.py)."""
+    size = os.path.getsize(path)
+    digest.update(f"{size}:".encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(DIGESTED_BYTES))
+        f.seek(max(size - DIGESTED_BYTES, 0))
+        digest.update(f.read())
 
 
 def token_dtype_for(vocab_size: int) -> np.dtype:

@@ -2,9 +2,10 @@
 `datasets` directory or .jsonl / .jsonl.gz / .txt files, tokenized once, at start, into `data.cache_dir`, and
 read from there by every later run while the text and the tokenizer are the same.
 
-A cached copy is named by a digest of what decides its tokens: each text file's path, size and modification
-time, the text column, and the tokenizer's vocabulary and rules. Changing any of them tokenizes again into a
-new name; the old copy is left (delete data.cache_dir to reclaim it). The .bin/.idx pair appears only when
+A cached copy is named by a digest of what decides its tokens: each text file's path, modification time, size
+and first and last MiB (as the data identity digests dataset files: an edit keeping size and time is seen),
+the text column, and the tokenizer's vocabulary and rules. Changing any of them tokenizes again into a new
+name; the old copy is left (delete data.cache_dir to reclaim it). The .bin/.idx pair appears only when
 complete (data/preprocess.py), so a run killed while tokenizing leaves nothing taken for a finished copy.
 
 The process that starts a run tokenizes, before any rank exists (the local launcher, or the one process), so
@@ -21,7 +22,8 @@ from collections.abc import Iterator
 
 from femtotron.config import Config
 from femtotron.config.sections import DataSource
-from femtotron.data.documents import SUFFIXES, DocumentReader, is_hf_dataset, text_files
+from femtotron.data.documents import SUFFIXES, DocumentReader, files_in, is_hf_dataset
+from femtotron.data.indexed import digest_ends
 from femtotron.data.tokenizer import load_tokenizer
 from femtotron.errors import DataError, FemtotronError
 from femtotron.parallel.store import Store
@@ -41,9 +43,7 @@ def _inputs(path: str) -> list[str]:
     """The files whose contents a text source's tokens come from."""
     if os.path.isfile(path):
         return [path]
-    if is_hf_dataset(path):
-        return sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
-    return text_files(path)
+    return files_in(path, suffixes="" if is_hf_dataset(path) else SUFFIXES)  # "": every file
 
 
 def _missing(path: str, where: str, tokenizer: str) -> DataError:
@@ -69,8 +69,8 @@ def cached_prefix(path: str, text_column: str, tokenizer: str, directory: str) -
     `tokenizer`: the tokenizer's digest (`tokenizer_digest`)."""
     digest = hashlib.sha256()
     for file in _inputs(path):
-        stat = os.stat(file)
-        digest.update(f"{os.path.relpath(file, path)}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+        digest.update(f"{os.path.relpath(file, path)}:{os.stat(file).st_mtime_ns}\n".encode())
+        digest_ends(digest, file)
     digest.update(f"column:{text_column}\ntokenizer:{tokenizer}\n".encode())
     name = os.path.basename(os.path.normpath(path)) or "text"
     return os.path.join(directory, f"{name}-{digest.hexdigest()[:16]}")
