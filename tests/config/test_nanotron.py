@@ -232,11 +232,6 @@ def test_a_nanotron_config_loads_as_the_femtotron_config_of_the_same_run(tmp_pat
             {"a": 0.7, "b": 0.3},
         ),
         (
-            {"data_stages__0__data__dataset": {"dataset_folder": {"a": 0.6, "b": 0.4}}},
-            "data.dataset_folder",
-            {"a": 0.6, "b": 0.4},
-        ),
-        (
             {"data_stages__0__data__dataset": {"dataset_folder": ["a"], "dataset_read_path": ["/local/a"]}},
             "data.dataset_folder",
             ["/local/a"],
@@ -267,7 +262,24 @@ def test_nanotron_moe_config_becomes_femtotron_moe(tmp_path):
     config = load_config(write(tmp_path, tiny(tmp_path, **changes)))
     got = config.model.model_config_.moe
     assert (got.num_experts, got.num_experts_per_tok, got.intermediate_size) == (4, 2, 32)
-    assert (got.num_shared_experts, got.aux_loss_coef) == (2, 0.02)
+    assert (got.num_shared_experts, got.shared_expert_gate) == (2, True)
+    assert got.aux_loss_coef == 0.0  # nanotron reads router_aux_loss_coef but adds no such loss
+
+
+def test_a_moe_config_s_missing_keys_are_nanotron_s_defaults_and_its_layer_is_femtotron_s(tmp_path):
+    """nanotron's MoEConfig defaults (models_config.py at 2411b02), not femtotron's, for the keys left out;
+    and its Qwen2 MoE layer (nn/moe.py): the top k of a softmax over all experts, a shared expert scaled by
+    sigmoid(x . w), no load-balancing loss."""
+    moe = {"num_experts": 8, "top_k": 1, "enable_shared_expert": True}
+    changes = {"model__model_config__moe_config": moe, "model__model_config__is_qwen2_config": True}
+    got = load_config(write(tmp_path, tiny(tmp_path, **changes))).model.model_config_.moe
+    assert (got.num_experts, got.num_experts_per_tok, got.intermediate_size) == (8, 1, 1408)
+    assert (got.num_shared_experts, got.shared_expert_gate) == (4, True)  # 5632 = 4 experts of 1408
+    assert (got.router_norm, got.aux_loss_coef) == ("softmax_then_topk", 0.0)
+    changes["model__model_config__moe_config"] = {}
+    got = load_config(write(tmp_path, tiny(tmp_path, **changes))).model.model_config_.moe
+    assert (got.num_experts, got.num_experts_per_tok, got.intermediate_size) == (8, 2, 1408)
+    assert (got.num_shared_experts, got.shared_expert_gate) == (0, False)
 
 
 def test_what_femtotron_cannot_run_is_refused_all_at_once_with_lines(tmp_path):
@@ -409,11 +421,11 @@ def test_the_parameter_name_table_covers_every_femtotron_parameter():
 
 
 def test_a_key_missing_from_the_table_is_refused_as_unknown_naming_it(tmp_path):
-    config = tiny(tmp_path, parallelism__cp=2, model__model_config__not_a_key=1, optimizer__adam_eps=1e-8)
+    config = tiny(tmp_path, parallelism__cp=2, model__model_config__not_a_key=1, tokens__adam_eps=1e-8)
     with pytest.raises(ConfigError) as caught:
         load_config(write(tmp_path, config))
     paths = sorted(p.path for p in caught.value.problems)
-    assert paths == ["model.model_config.not_a_key", "optimizer.adam_eps", "parallelism.cp"]
+    assert paths == ["model.model_config.not_a_key", "parallelism.cp", "tokens.adam_eps"]
     assert "has it at optimizer.optimizer_factory.adam_eps; move it there" in str(caught.value)
     assert "unknown key in a nanotron config" in str(caught.value)
     assert "context_parallel_size" in str(caught.value)  # nanotron's keys of that section
@@ -538,6 +550,144 @@ def test_a_qwen_moe_example_s_expert_layers_translate_and_a_layer_it_lacks_is_re
     assert code == 2
     assert "1 problem" in err and "moe_config.layers" in err and "from 0 to 3" in err
     assert "attention_bias -> model.model_config.qkv_bias" in err  # translated, not a problem
+
+
+EXAMPLES = Path(__file__).parent / "nanotron_examples"
+_ADAM = [
+    "optimizer.adam_beta1",
+    "optimizer.adam_beta2",
+    "optimizer.adam_eps",
+    "optimizer.torch_adam_is_fused",
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "refused"),
+    [
+        ("config_tiny_llama.yaml", []),
+        ("config_qwen.yaml", []),
+        ("config_qwen_with_moe.yaml", []),  # its moe_config twice: nanotron keeps the last
+        ("config_nanoset.yaml", ["data_stages.2.data.dataset.dataset_folder"]),  # a {folder: weight} mapping
+        (
+            "config_llamoe.yaml",
+            [
+                "model.model_config.is_llamoe_config",
+                "model.model_config.moe_capacity_factor",
+                "model.model_config.moe_num_experts",
+                "model.model_config.num_experts_per_tok",
+            ],
+        ),
+        (
+            "config_resume_training.yaml",
+            ["model.model_config.interleaved_rotary", "parallelism.moe_layer_recompute"],
+        ),
+        ("debug_config_tiny_llama.yaml", _ADAM),
+    ],
+)
+def test_nanotron_s_example_configs_load_or_are_refused_as_nanotron_s_loader_does(name, refused):
+    """nanotron's own examples at 2411b02, each as its loader (get_config_from_file) treats it: what it
+    accepts loads and holds femtotron's rules; what it refuses is refused on the same keys, saying so."""
+    if not refused:
+        load_config(EXAMPLES / name)
+        return
+    with pytest.raises(ConfigError) as caught:
+        load_config(EXAMPLES / name)
+    assert sorted(p.path for p in caught.value.problems) == refused
+    assert all("nanotron's loader at 2411b02 refuses" in p.message for p in caught.value.problems)
+
+
+def test_a_duplicated_key_is_kept_last_with_a_warning_in_a_nanotron_config_and_refused_in_femtotron_s(
+    tmp_path, capsys
+):
+    """nanotron reads its YAML with yaml.load, which keeps a duplicated key's last value: so does femtotron
+    for a nanotron config, saying which lines; its own configs still refuse a duplicate."""
+    path = tmp_path / "qwen_moe.yaml"
+    path.write_text((EXAMPLES / "config_qwen_with_moe.yaml").read_text())  # moe_config at lines 66 and 83
+    moe = load_config(path).model.model_config_.moe
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.num_shared_experts) == (8, 1, 4)
+    assert "model.model_config.moe_config (line 83): duplicate key (also set at line 66)" in (
+        capsys.readouterr().err
+    )
+    own = tmp_path / "own.yaml"
+    own.write_text("tokens:\n  train_steps: 10\n  train_steps: 20\ndata:\n  dataset_folder: data\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(own)
+    assert [p.path for p in caught.value.problems] == ["tokens.train_steps"]
+    assert "duplicate key (also set at line 2)" in str(caught.value)
+
+
+def test_llamoe_s_keys_are_refused_as_nanotron_refuses_them_naming_qwen2_s_moe_keys(tmp_path):
+    """nanotron's examples/moe has its own LlaMoEConfig, but its loader builds model_config as a Qwen2Config
+    first (ModelArgs.__post_init__), in examples/moe/train_moe.py too: the LlaMoE keys are refused."""
+    model = {**tiny(tmp_path)["model"]["model_config"], "is_llamoe_config": True}
+    del model["is_llama_config"]
+    model |= {"moe_num_experts": 4, "num_experts_per_tok": 1, "moe_capacity_factor": 1}
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, tiny(tmp_path, model__model_config=model)))
+    messages = {p.path.rsplit(".", 1)[-1]: p.message for p in caught.value.problems}
+    assert "is_qwen2_config: true" in messages["is_llamoe_config"]
+    assert "moe_config.num_experts" in messages["moe_num_experts"]
+    assert "moe_config.top_k" in messages["num_experts_per_tok"]
+    assert "delete it" in messages["moe_capacity_factor"]
+    # the fix named: LlaMoE's experts are of intermediate_size
+    for key in ("is_llamoe_config", "moe_num_experts", "num_experts_per_tok", "moe_capacity_factor"):
+        del model[key]
+    model |= {
+        "is_qwen2_config": True,
+        "moe_config": {"num_experts": 4, "top_k": 1, "moe_intermediate_size": 64},
+    }
+    moe = load_config(write(tmp_path, tiny(tmp_path, model__model_config=model))).model.model_config_.moe
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.intermediate_size) == (4, 1, 64)
+
+
+def test_keys_nanotron_renamed_or_removed_are_refused_as_its_loader_refuses_them_with_the_fix(tmp_path):
+    config = tiny(
+        tmp_path, model__model_config__interleaved_rotary=False, parallelism__moe_layer_recompute=False
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, config))
+    messages = {p.path: p.message for p in caught.value.problems}
+    assert "rename it rope_interleaved" in messages["model.model_config.interleaved_rotary"]
+    assert "delete it" in messages["parallelism.moe_layer_recompute"]
+    renamed = tiny(tmp_path, model__model_config__rope_interleaved=False)
+    load_config(write(tmp_path, renamed))  # the fix named loads
+
+
+def test_adam_settings_above_optimizer_factory_are_refused_as_nanotron_refuses_them(tmp_path):
+    """Where nanotron read them before its optimizer_factory; at 2411b02 its loader refuses them there."""
+    config = tiny(tmp_path)
+    factory = config["optimizer"].pop("optimizer_factory")
+    config["optimizer"] |= {key: factory[key] for key in ("adam_beta1", "adam_beta2", "adam_eps")}
+    config["optimizer"]["torch_adam_is_fused"] = factory["torch_adam_is_fused"]
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, config))
+    assert sorted(p.path for p in caught.value.problems) == _ADAM
+    assert all("move it under optimizer.optimizer_factory" in p.message for p in caught.value.problems)
+
+
+def test_a_folder_weight_mapping_and_unmatched_weights_are_refused_as_nanotron_refuses_them(tmp_path):
+    """nanotron's dataset_folder is a folder or a list (the mapping form went in 7323ce1c): the fix is the
+    list with dataset_weights, which must have one weight per folder."""
+    mapping = {"dataset_folder": {"a": 0.6, "b": 0.4}}
+    with pytest.raises(ConfigError, match=r"dataset_folder: \['a', 'b'\] with dataset_weights: \[0.6, 0.4\]"):
+        load_config(write(tmp_path, tiny(tmp_path, data_stages__0__data__dataset=mapping)))
+    unmatched = {"dataset_folder": ["a", "b"], "dataset_weights": [1.0]}
+    with pytest.raises(ConfigError, match="2 folders but dataset_weights has 1"):
+        load_config(write(tmp_path, tiny(tmp_path, data_stages__0__data__dataset=unmatched)))
+
+
+def test_weight_decay_patterns_over_nanotron_s_grouped_experts_are_rewritten_over_femtotron_s(tmp_path):
+    """nanotron's Qwen2 MoE layer (nn/moe.py at 2411b02) holds a layer's experts in two tensors,
+    experts.merged_gate_up_proj and experts.merged_down_proj, as femtotron does."""
+    changes = {
+        "model__model_config__moe_config": {"num_experts": 4, "top_k": 2, "moe_intermediate_size": 32},
+        "optimizer__weight_decay_exclude_named_params": [".*experts.merged_.*"],
+    }
+    config = load_config(write(tmp_path, tiny(tmp_path, **changes)))
+    assert config.optimizer.weight_decay_exclude_named_params == [
+        r"layers\.\d+\.mlp\.experts\.gate_up_proj$",
+        r"layers\.\d+\.mlp\.experts\.down_proj$",
+    ]
 
 
 def test_qwen2_biases_and_smollm3_layers_without_rope_translate(tmp_path):

@@ -4,7 +4,8 @@
 honored (same name, same meaning), translated (to another femtotron key, perhaps with its value changed:
 one report line each), of no effect (one summary line says why), or refused (every problem at once, each
 with its YAML line, the reason and what to do instead). A key that is not in the table is refused as
-unknown. docs/nanotron.md is rendered from the table (`render_table`). Imported only when load.py sees a
+unknown (one of `FORMER_KEYS`, which nanotron's own examples still hold, saying where it went).
+docs/nanotron.md is rendered from the table (`render_table`). Imported only when load.py sees a
 nanotron config.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,9 +107,21 @@ def _padded_vocab(multiple: Any, parent: Mapping[str, Any]) -> Any:
 
 
 def _dataset_folder(value: Any, parent: Mapping[str, Any]) -> Any:
+    """As nanotron's NanosetDatasetsArgs (config.py at 2411b02) reads them: a folder, or a list with one
+    weight each; its loader refuses a {folder: weight} mapping (dropped in 7323ce1c, September 2024)."""
+    if isinstance(value, Mapping):
+        raise Refusal(
+            f"{_REFUSES}: a folder or a list; write dataset_folder: {list(value)} with dataset_weights: "
+            f"{list(value.values())}"
+        )
     folders = parent.get("dataset_read_path") or value  # nanotron reads the local copy when given
     weights = parent.get("dataset_weights")
-    if isinstance(folders, list) and isinstance(weights, list) and len(weights) == len(folders):
+    if isinstance(folders, list) and isinstance(weights, list):
+        if len(weights) != len(folders):
+            raise Refusal(
+                f"{_REFUSES}: {len(folders)} folders but dataset_weights has {len(weights)}; give one weight "
+                "per folder"
+            )
         return dict(zip(folders, weights, strict=True))
     return folders
 
@@ -126,8 +139,8 @@ def _stage_list(value: Any, parent: Mapping[str, Any]) -> Any:
 
 
 # femtotron's parameter names (models/llama.py, models/moe.py) and nanotron's for the same tensor (its Llama
-# and Qwen2 models at 2411b02); {i}: a layer, {e}: an expert (femtotron holds a layer's experts in one
-# tensor).
+# and Qwen2 models at 2411b02; its Qwen2 MoE layer, nn/moe.py, holds a layer's experts in one tensor, as
+# femtotron does); {i}: a layer.
 _LAYER = "model.decoder.{i}.pp_block."
 PARAMETER_NAMES = {
     "embed_tokens.weight": "model.token_position_embeddings.pp_block.token_embedding.weight",
@@ -139,8 +152,8 @@ PARAMETER_NAMES = {
     "layers.{i}.mlp.gate_up_proj.weight": _LAYER + "mlp.gate_up_proj.weight",
     "layers.{i}.mlp.down_proj.weight": _LAYER + "mlp.down_proj.weight",
     "layers.{i}.mlp.router.weight": _LAYER + "mlp.router.weight",
-    "layers.{i}.mlp.experts.gate_up_proj": _LAYER + "mlp.experts.{e}.gate_up_proj.weight",
-    "layers.{i}.mlp.experts.down_proj": _LAYER + "mlp.experts.{e}.down_proj.weight",
+    "layers.{i}.mlp.experts.gate_up_proj": _LAYER + "mlp.experts.merged_gate_up_proj",
+    "layers.{i}.mlp.experts.down_proj": _LAYER + "mlp.experts.merged_down_proj",
     "layers.{i}.mlp.shared_expert.gate_up_proj.weight": _LAYER + "mlp.shared_expert.gate_up_proj.weight",
     "layers.{i}.mlp.shared_expert.down_proj.weight": _LAYER + "mlp.shared_expert.down_proj.weight",
     "layers.{i}.mlp.shared_expert_gate.weight": _LAYER + "mlp.shared_expert_gate.weight",
@@ -151,12 +164,12 @@ PARAMETER_NAMES = {
 
 def _model_names(config: Mapping[str, Any]) -> dict[str, list[list[str]]]:
     """For the model `config` describes: femtotron's name (generic) -> per layer, the nanotron names of the
-    tensor."""
+    tensor (two for a tied embedding)."""
     model = (config.get("model") or {}).get("model_config") or {}
     moe = model.get("moe_config")
     layers = model.get("num_hidden_layers", 32)
-    experts = moe.get("num_experts", 8) if isinstance(moe, Mapping) else 0
-    shared = isinstance(moe, Mapping) and bool(moe.get("enable_shared_expert"))
+    experts = isinstance(moe, Mapping)
+    shared = experts and bool(moe.get("enable_shared_expert"))
     tied = bool(model.get("tie_word_embeddings", False))
     names: dict[str, list[list[str]]] = {}
     for ours, theirs in PARAMETER_NAMES.items():
@@ -171,10 +184,7 @@ def _model_names(config: Mapping[str, Any]) -> dict[str, list[list[str]]]:
         if ours.endswith(".bias") and not model.get("attention_bias"):
             continue
         per_layer = range(layers) if "{i}" in ours else [0]
-        names[ours] = [
-            [theirs.format(i=i, e=e) for e in range(max(experts, 1) if "{e}" in theirs else 1)]
-            for i in per_layer
-        ]
+        names[ours] = [[theirs.format(i=i)] for i in per_layer]
     if tied:  # nanotron excludes tied parameters when a pattern matches either name
         names["embed_tokens.weight"][0].append(PARAMETER_NAMES["lm_head.weight"])
     return names
@@ -207,17 +217,9 @@ def _excluded_from_decay(value: Any, config: Mapping[str, Any]) -> Any:
 
 
 def _femtotron_pattern(rule: re.Pattern[str], ours: str, per_layer: list[list[str]]) -> str | None:
-    """The pattern over femtotron's name `ours` for the layers whose nanotron names `rule` matches, or None.
-    A tensor is decayed whole: a rule matching some of the experts in it is refused (a tied embedding's two
-    names are one tensor, excluded when either matches, as nanotron does)."""
-    counts = [sum(bool(rule.match(name)) for name in names) for names in per_layer]
-    layers = [i for i, count in enumerate(counts) if count]
-    experts = ".experts." in ours
-    if experts and any(0 < count < len(names) for count, names in zip(counts, per_layer, strict=True)):
-        raise Refusal(
-            f"{rule.pattern!r} matches some of the experts of a layer: femtotron holds a layer's experts in "
-            "one tensor, decayed alike; match all of them or none"
-        )
+    """The pattern over femtotron's name `ours` for the layers whose nanotron names `rule` matches, or None
+    (a tied embedding's two names are one tensor, excluded when either matches, as nanotron does)."""
+    layers = [i for i, names in enumerate(per_layer) if any(rule.match(name) for name in names)]
     if not layers:
         return None
     which = "\\d+" if len(layers) == len(per_layer) else "(" + "|".join(map(str, layers)) + ")"
@@ -250,7 +252,7 @@ def _profile_steps(value: Any, parent: Mapping[str, Any]) -> Any:
 
 def _shared_experts(value: Any, parent: Mapping[str, Any]) -> Any:
     if not parent.get("enable_shared_expert"):
-        return 0
+        return DROP
     size = parent.get("moe_intermediate_size", 1408)
     if not isinstance(value, int) or value % size:
         raise Refusal(
@@ -270,6 +272,17 @@ def _dense_layers(value: Any, config: Mapping[str, Any]) -> Any:
     return [i for i in range(layers) if i not in value]
 
 
+# nanotron's MoEConfig (models_config.py at 2411b02) for the keys a moe_config leaves out: its model's
+# sizes, not femtotron's defaults.
+_MOE_DEFAULTS = {
+    "num_experts": 8,
+    "top_k": 2,
+    "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632,
+    "router_aux_loss_coef": 0.01,
+    "enable_shared_expert": False,
+}
+_REFUSES = "nanotron's loader at 2411b02 refuses it"
 _NO_NETWORK = "femtotron reads local files only"
 _HF_DATASETS = (
     "text (a local Hugging Face datasets directory or text files) tokenized at start into data.cache_dir; "
@@ -371,9 +384,13 @@ KEYS: dict[str, Key] = {
     _MOE + "shared_expert_intermediate_size": to(
         _MODEL + "moe.num_shared_experts",
         _shared_experts,
-        "in experts of moe_intermediate_size; 0 unless enabled",
+        "in experts of moe_intermediate_size, when enabled",
     ),
-    _MOE + "router_aux_loss_coef": to(_MODEL + "moe.aux_loss_coef"),
+    _MOE + "router_aux_loss_coef": to(
+        _MODEL + "moe.aux_loss_coef",
+        lambda value, parent: 0.0,
+        "0: nanotron reads it, but its MoE layer (nn/moe.py) adds no load-balancing loss",
+    ),
     _MOE + "layers": Key(
         action=TRANSLATED,
         target=_MODEL + "moe.dense_layers",
@@ -381,7 +398,11 @@ KEYS: dict[str, Key] = {
         transform=_dense_layers,
         whole=True,
     ),
-    _MOE + "enable_shared_expert": no_effect("read with shared_expert_intermediate_size"),
+    _MOE + "enable_shared_expert": to(
+        _MODEL + "moe.shared_expert_gate",
+        _dropping(False),
+        "nanotron's shared expert is scaled per token by sigmoid(x . w) (nn/moe.py)",
+    ),
     _MOE + "token_dispatcher_type": no_effect("a communication pattern; the experts compute the same"),
     "model.init_method.std": same(),
     "model.init_method.scaling_method": unless_default(
@@ -476,7 +497,8 @@ KEYS: dict[str, Key] = {
     _DATASET + "dataset_folder": to(
         "data.stages.*.dataset_folder",
         _dataset_folder,
-        "with dataset_weights: {folder: weight}; dataset_read_path first",
+        "with dataset_weights, one per folder: {folder: weight}; dataset_read_path first; a {folder: weight} "
+        "mapping is refused, as nanotron's loader refuses it",
     ),
     _DATASET + "dataset_weights": no_effect("read with dataset_folder: {folder: weight}"),
     _DATASET + "dataset_read_path": no_effect("read with dataset_folder: its folders are the ones read"),
@@ -509,6 +531,32 @@ KEYS: dict[str, Key] = {
     _DATASET + "debug_max_samples": unless_default(None, "femtotron reads whole datasets; delete it"),
 }
 
+_LLAMOE = (
+    f"{_REFUSES}: a key of LlaMoE's own config class (examples/moe/config_llamoe.py), but nanotron builds "
+    "model_config as a Qwen2Config first (ModelArgs), in examples/moe/train_moe.py too; "
+)
+_ADAM_PLACE = (
+    f"{_REFUSES} here: nanotron read the Adam settings here until optimizer_factory (April 2024, "
+    "abd91dc3); move it under optimizer.optimizer_factory"
+)
+# Keys that nanotron's own example configs at 2411b02 still hold but its loader there refuses (an older
+# schema's, or an example's own model class): refused as unknown, saying where they went.
+FORMER_KEYS = {
+    _MODEL + "interleaved_rotary": f"{_REFUSES}: nanotron's name for rope_interleaved until 6407c9cb "
+    "(March 2025); rename it rope_interleaved",
+    "parallelism.moe_layer_recompute": f"{_REFUSES}: removed from nanotron in 7bc99232 (June 2025); delete "
+    "it (parallelism.recompute_layer recomputes whole layers, experts included)",
+    "optimizer.adam_beta1": _ADAM_PLACE,
+    "optimizer.adam_beta2": _ADAM_PLACE,
+    "optimizer.adam_eps": _ADAM_PLACE,
+    "optimizer.torch_adam_is_fused": _ADAM_PLACE,
+    _MODEL + "is_llamoe_config": _LLAMOE + "write is_qwen2_config: true with the experts in moe_config",
+    _MODEL + "moe_num_experts": _LLAMOE + "write it as moe_config.num_experts, with moe_config."
+    "moe_intermediate_size: intermediate_size (LlaMoE's experts are that wide)",
+    _MODEL + "num_experts_per_tok": _LLAMOE + "write it as moe_config.top_k",
+    _MODEL + "moe_capacity_factor": _LLAMOE + "LlaMoE's model does not read it; delete it",
+}
+
 # Every section of the table (`lighteval`, `model.model_config`, ...): null there means not set; but a
 # stage's `dataset: null` is nanotron's dummy data.
 _SECTIONS = {key.rsplit(".", 1)[0] for key in KEYS} - {_STAGE + "data.dataset"} | {"lighteval", "s3_upload"}
@@ -532,8 +580,9 @@ class Translation:
             for path, target, value in self.moves
         ]
 
-    def report(self, source: str) -> str:
+    def report(self, source: str, duplicates: Sequence[Problem] = ()) -> str:
         text = [f"femtotron: {source} is a nanotron config; translated into femtotron's (docs/nanotron.md):"]
+        text += [f"  warning: {problem} femtotron uses the last, as nanotron does" for problem in duplicates]
         text += [f"  nanotron {line}" for line in self.translated]
         if self.no_effect:
             text.append(
@@ -555,6 +604,8 @@ def _leaves(data: Any, prefix: str = "") -> list[tuple[str, str, Any, Mapping[st
             flag = path + ".is_starcoder2_config"  # its other keys are Starcoder2's: one refusal says it all
             found.append((flag, flag, True, value))
             continue
+        if path == _MOE[:-1] and isinstance(value, Mapping):
+            value = {**_MOE_DEFAULTS, **value}
         if isinstance(value, Mapping) and not path.endswith(
             (".rope_scaling", ".dataset_folder", ".hf_dataset_or_datasets")
         ):
@@ -600,7 +651,15 @@ def translate(data: Mapping[str, Any], lines: Mapping[str, int]) -> Translation:
             _apply(entry, table_key, path, value, parent, data, lines, result)
     _place_stages(result, lines)
     _full_attention_without_rope(result)
+    _softmax_then_topk(result)
     return result
+
+
+def _softmax_then_topk(result: Translation) -> None:
+    """nanotron's router (nn/moe.py) weighs the chosen experts by a softmax over all of them."""
+    moe = result.config.get("model", {}).get("model_config", {}).get("moe")
+    if moe is not None:
+        moe["router_norm"] = "softmax_then_topk"
 
 
 def _full_attention_without_rope(result: Translation) -> None:
@@ -701,6 +760,8 @@ def _line(lines: Mapping[str, int], path: str) -> str:
 
 
 def _unknown(table_key: str, path: str, lines: Mapping[str, int]) -> Problem:
+    if table_key in FORMER_KEYS:
+        return Problem((path,), FORMER_KEYS[table_key], (_line(lines, path),))
     section = table_key.rsplit(".", 1)[0] if "." in table_key else ""
     leaf = table_key.rsplit(".", 1)[-1]
     elsewhere = [k for k in KEYS if k.rsplit(".", 1)[-1] == leaf]
@@ -720,9 +781,12 @@ def _unknown(table_key: str, path: str, lines: Mapping[str, int]) -> Problem:
 _REPORTED: set[str] = set()  # the files whose translation this process has printed
 
 
-def translate_or_fail(data: Mapping[str, Any], lines: Mapping[str, int], source: str) -> Translation:
-    """`translate`, raising one ConfigError with every problem; the report is printed once (not by the
-    processes a run starts, which load the same file again)."""
+def translate_or_fail(
+    data: Mapping[str, Any], lines: Mapping[str, int], source: str, duplicates: Sequence[Problem] = ()
+) -> Translation:
+    """`translate`, raising one ConfigError with every problem; the report, with a warning for each of the
+    file's `duplicates` (keys set twice: the last is kept, as nanotron keeps it), is printed once (not by
+    the processes a run starts, which load the same file again)."""
     result = translate(data, lines)
     if result.problems:
         n = len(result.problems)
@@ -730,13 +794,13 @@ def translate_or_fail(data: Mapping[str, Any], lines: Mapping[str, int], source:
         raise_problems(header, result.problems)
     first = source not in _REPORTED  # check-tp loads its config twice
     if first and os.environ.get("RANK", "0") == "0" and not os.environ.get(LOCKED_ENV):
-        print(result.report(source), file=sys.stderr)
+        print(result.report(source, duplicates), file=sys.stderr)
     _REPORTED.add(source)
     return result
 
 
 def render_table() -> str:
-    """The Markdown table of KEYS for docs/nanotron.md."""
+    """The Markdown table of KEYS, then FORMER_KEYS, for docs/nanotron.md."""
     rows = ["| nanotron key | femtotron | notes |", "|---|---|---|"]
     for key, entry in KEYS.items():
         if entry.action == HONORED:
@@ -747,4 +811,5 @@ def render_table() -> str:
             what = entry.action
         notes = entry.why.replace("|", "\\|")
         rows.append(f"| `{key}` | {what} | {notes} |")
+    rows += [f"| `{key}` | refused (not nanotron's at 2411b02) | {why} |" for key, why in FORMER_KEYS.items()]
     return "\n".join(rows)
