@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from femtotron.cli import main
 from femtotron.serialize.files import (
     MANIFEST,
+    MANIFEST_CHECKSUM,
     CheckpointError,
     CheckpointReader,
     Slice,
@@ -21,6 +22,7 @@ from femtotron.serialize.files import (
     checksum_of,
     rank_file,
     read_manifest,
+    sealed,
     write_rank_file,
 )
 
@@ -49,7 +51,7 @@ def test_S2_overlapping_slices_that_add_up_to_the_whole_are_refused(tmp_path):
     manifest = hand_checkpoint(tmp_path / "c")
     slices = manifest["tensors"]["model/w"]["slices"]
     slices[1] = {**slices[0], "key": slices[1]["key"]}
-    (tmp_path / "c" / MANIFEST).write_text(json.dumps(manifest))
+    (tmp_path / "c" / MANIFEST).write_text(json.dumps(sealed(manifest)))
     with pytest.raises(
         CheckpointError, match=r"tensor 'model/w' has overlapping slices \(\(0, 0\), \(1, 4\)\)"
     ):
@@ -106,7 +108,7 @@ def write_hostile(directory, name):
     """A hand-built checkpoint in `directory` whose manifest is `HOSTILE[name]`'s; returns the phrase."""
     mutate, phrase = HOSTILE[name]
     manifest = hand_checkpoint(directory)
-    (directory / MANIFEST).write_text(json.dumps(mutate(manifest)))
+    (directory / MANIFEST).write_text(json.dumps(sealed(mutate(manifest))))
     return phrase
 
 
@@ -123,7 +125,7 @@ def test_E5_a_huge_shape_with_a_file_size_to_match_is_refused_before_anything_is
     # must check the real file's size before it allocates the tensor's box.
     manifest = huge_shape(hand_checkpoint(tmp_path / "c"))
     next(iter(manifest["files"].values()))["bytes"] = 4 * 2**40
-    (tmp_path / "c" / MANIFEST).write_text(json.dumps(manifest))
+    (tmp_path / "c" / MANIFEST).write_text(json.dumps(sealed(manifest)))
     with (
         CheckpointReader(tmp_path / "c") as reader,
         pytest.raises(CheckpointError, match="bytes but the manifest"),
@@ -199,6 +201,7 @@ def version_1_checkpoint(directory):
         for row in (0, 1)
     ]
     manifest = build_manifest({"step": 1, "config": {}, "mesh": {}}, [record | {"slices": rows}])
+    del manifest[MANIFEST_CHECKSUM]  # version 1 had none
     (directory / MANIFEST).write_text(json.dumps(manifest | {"version": 1}))
     return path
 
@@ -226,3 +229,43 @@ def test_a_flipped_bit_in_any_tensor_fails_its_checksum_when_read(tmp_path):
         assert torch.equal(reader.read("model/w", ((0, 0), (1, 4))), VALUES[:1])  # the first row is sound
         with pytest.raises(CheckpointError, match="fails its checksum for its tensor '1:model/w'"):
             reader.read("model/w", ((1, 0), (2, 4)))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda text: text.replace('"step": 4', '"step": 6'),  # one bit: "4" is 0x34, "6" 0x36
+        lambda text: text.replace('"step": 4', '"step": 1' + "0" * 400),
+        lambda text: text.replace(
+            MANIFEST_CHECKSUM, MANIFEST_CHECKSUM.replace("m", "l", 1)
+        ),  # one bit: 0x6d 0x6c
+        lambda text: text.replace('"version": 3', '"version": 2'),  # one bit: 0x33 0x32
+    ],
+    ids=["step 4 read as 6", "step 10^400", "its checksum's name", "version 3 read as 2"],
+)
+def test_a_manifest_with_a_changed_byte_fails_its_own_checksum(tmp_path, damage):
+    """Every other file of a checkpoint has a checksum; the manifest had none, so a flipped bit that made step
+    4 into 6 resumed with exit 0 and trained nothing."""
+    directory = tmp_path / "c"
+    hand_checkpoint(directory)
+    manifest = json.loads((directory / MANIFEST).read_text())
+    (directory / MANIFEST).write_text(json.dumps(sealed({**manifest, "step": 4}), indent=1))
+    read_manifest(directory)  # intact: reads, however the file is laid out
+    (directory / MANIFEST).write_text(damage((directory / MANIFEST).read_text()))
+    with pytest.raises(
+        CheckpointError, match=f"{re.escape(str(directory / MANIFEST))} fails its own checksum"
+    ):
+        read_manifest(directory)
+
+
+def test_a_version_2_manifest_without_its_own_checksum_still_reads(tmp_path):
+    manifest = hand_checkpoint(tmp_path / "c")
+    del manifest[MANIFEST_CHECKSUM]
+    (tmp_path / "c" / MANIFEST).write_text(json.dumps(manifest | {"version": 2}))
+    assert read_manifest(tmp_path / "c")["version"] == 2
+
+
+def test_a_number_too_long_for_python_is_a_damaged_manifest_not_a_traceback(tmp_path):
+    (tmp_path / MANIFEST).write_text('{"step": ' + "7" * 5000 + "}")
+    with pytest.raises(CheckpointError, match="is not valid JSON"):
+        read_manifest(tmp_path)

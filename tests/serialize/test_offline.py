@@ -219,7 +219,7 @@ def edit_manifest(checkpoint, edit):
     path = checkpoint / files.MANIFEST
     manifest = json.loads(path.read_text())
     edit(manifest)
-    path.write_text(json.dumps(manifest))
+    path.write_text(json.dumps(files.sealed(manifest)))  # made by hand, whole
 
 
 def test_X1_a_manifest_listing_no_tokenizer_gets_none_copied_whatever_its_config_names(

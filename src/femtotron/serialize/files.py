@@ -45,9 +45,11 @@ from femtotron.errors import FemtotronError
 from femtotron.serialize.geometry import Box, first_overlap, intersect, relative, volume
 
 FORMAT = "femtotron-checkpoint"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 1: a sha256 per file, checked by reading the file a second time
+VERSION = 3
+# 1: a sha256 per file, checked by reading the file a second time; 2: no checksum of the manifest itself
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
+MANIFEST_CHECKSUM = "manifest_xxh3_128"  # of the manifest's other fields: a changed step or shape is found
 DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "uint8")}
 # safetensors' names for them
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8}
@@ -201,13 +203,27 @@ def build_manifest(state: dict[str, Any], files: list[dict[str, Any]]) -> dict[s
             )
             where = {"file": record["file"], "key": piece["key"]}
             entry["slices"].append(where | {"start": list(piece["start"]), "stop": list(piece["stop"])})
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        **state,
-        "files": {r["file"]: {k: v for k, v in r.items() if k not in ("file", "slices")} for r in files},
-        "tensors": dict(sorted(tensors.items())),
-    }
+    return sealed(
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            **state,
+            "files": {r["file"]: {k: v for k, v in r.items() if k not in ("file", "slices")} for r in files},
+            "tensors": dict(sorted(tensors.items())),
+        }
+    )
+
+
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """XXH3-128 of the manifest's fields but this checksum, written canonically (sorted keys): the same fields
+    give the same checksum however the file is laid out, and one changed digit (a step 4 read as 6) fails."""
+    fields = {key: value for key, value in manifest.items() if key != MANIFEST_CHECKSUM}
+    return xxhash.xxh3_128_hexdigest(json.dumps(fields, sort_keys=True).encode())
+
+
+def sealed(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest with its own checksum (`MANIFEST_CHECKSUM`)."""
+    return {**manifest, MANIFEST_CHECKSUM: manifest_checksum(manifest)}
 
 
 class SafetensorsFile:
@@ -228,7 +244,7 @@ class SafetensorsFile:
         self._check(HEADER, memoryview(self.map)[: self.data_start])
         try:
             header = json.loads(bytes(self.map[8 : self.data_start]))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:  # also a number of over 4,300 digits
             raise self.error(f"has a header that is not JSON ({e})") from None
         if not isinstance(header, dict):
             raise self.error("has a header that is not a JSON object")
@@ -446,7 +462,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         )
     try:
         manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, or a number of over 4,300 digits
         raise CheckpointError(
             f"{path} is not valid JSON ({type(e).__name__}: {e}): the checkpoint is damaged. Resume from an "
             "earlier checkpoint."
@@ -459,6 +475,18 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             f"versions {', '.join(map(str, READABLE_VERSIONS))}. Use the femtotron version that wrote it (or "
             "convert it with that version's `femtotron consolidate`)."
         )
+    # Version 3 keeps one; a field named otherwise, or a version read otherwise, must not switch the check off.
+    if manifest["version"] >= 3 or MANIFEST_CHECKSUM in manifest:
+        try:
+            intact = manifest.get(MANIFEST_CHECKSUM) == manifest_checksum(manifest)
+        except (ValueError, RecursionError):
+            intact = False
+        if not intact:
+            raise CheckpointError(
+                f"{path} fails its own checksum ({MANIFEST_CHECKSUM}): a byte of it changed since it was "
+                "written (its step, counters or shapes cannot be trusted). Resume from an earlier checkpoint, "
+                "or copy this one again from where it was saved."
+            )
     for key in ("step", "config", "mesh", "files", "tensors"):
         if key not in manifest:
             raise CheckpointError(
