@@ -38,7 +38,7 @@ from femtotron.errors import ConfigError
 from femtotron.optim.lr_schedule import lr_at
 from femtotron.parallel.context import ParallelContext
 from femtotron.serialize import checkpoint
-from femtotron.serialize.files import MANIFEST, CheckpointError, rank_file
+from femtotron.serialize.files import MANIFEST, MANIFEST_CHECKSUM, CheckpointError, rank_file
 from femtotron.serialize.offline import reshard
 from femtotron.trainer import Trainer
 
@@ -257,7 +257,7 @@ def test_bad_checkpoints_are_named_with_the_fix(tiny_config):
     data.write_bytes(original)
     manifest = json.loads((step / MANIFEST).read_text())
     (step / MANIFEST).write_text(json.dumps({**manifest, "version": 99}))
-    assert "has format version 99; this femtotron reads versions 1, 2" in resume_error(tiny_config, step)
+    assert "has format version 99; this femtotron reads versions 1, 2, 3" in resume_error(tiny_config, step)
     (step / MANIFEST).write_text("{ not json")
     assert f"{step / MANIFEST} is not valid JSON" in resume_error(tiny_config, step)
     (step / MANIFEST).write_text(json.dumps(manifest))
@@ -475,7 +475,8 @@ def test_a_checkpoint_written_before_data_identities_still_resumes_and_warns_on_
     step = saved / "step-0000004"
     manifest = json.loads((step / MANIFEST).read_text())
     del manifest["data_identity"]
-    (step / MANIFEST).write_text(json.dumps(manifest))
+    del manifest[MANIFEST_CHECKSUM]  # as older versions wrote them
+    (step / MANIFEST).write_text(json.dumps(manifest | {"version": 2}))
     other = write_patterned_tokens(saved.parent / "other", documents=20)
     trainer = Trainer(
         make(tiny_config, "old-resume", f"data.dataset_folder={other}", steps=6), ParallelContext()

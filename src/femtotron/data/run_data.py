@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from typing import Any
 
 import numpy as np
@@ -17,6 +16,7 @@ from tokenizers import Tokenizer
 from femtotron.batch import MicroBatch
 from femtotron.config import Config
 from femtotron.data.datatrove import DatatroveFolder, check_token_size
+from femtotron.data.indexed import digest_ends
 from femtotron.data.nanoset import Nanoset, open_nanoset
 from femtotron.data.stages import DataStages
 from femtotron.data.synthetic import SyntheticTokens
@@ -25,7 +25,6 @@ from femtotron.errors import ConfigError, DataError
 from femtotron.parallel.context import ParallelContext
 
 SCANNED_TOKENS = 1 << 24  # per dataset at start: ~30 ms; later tokens are checked batch by batch
-DIGESTED_BYTES = 1 << 20  # of each end of every .bin and .idx: a data identity costs milliseconds
 # What a changed part of the data identity names, and what resuming with it would do.
 DATA_CHANGES = {
     "digest": (
@@ -78,12 +77,7 @@ def data_identity(nanoset: Nanoset, tokenizer: Tokenizer | None) -> dict[str, An
     digest = hashlib.sha256()
     for dataset in nanoset.datasets:
         for path in dataset.files:
-            size = os.path.getsize(path)
-            digest.update(f"{size}:".encode())
-            with open(path, "rb") as f:
-                digest.update(f.read(DIGESTED_BYTES))
-                f.seek(max(size - DIGESTED_BYTES, 0))
-                digest.update(f.read())
+            digest_ends(digest, path)
     vocab = None
     if tokenizer is not None:
         vocab = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
@@ -97,9 +91,10 @@ def data_identity(nanoset: Nanoset, tokenizer: Tokenizer | None) -> dict[str, An
     }
 
 
-def stage_identity(data: DataStages, index: int, tokenizer: Tokenizer | None) -> dict[str, Any]:
-    """The data identity of stage `index`, with its name: a resume compares it with the stage of that name."""
-    return {**data_identity(data.nanosets[index], tokenizer), "stage": data.stages[index].name}
+def stage_identity(data: DataStages, name: str, tokenizer: Tokenizer | None) -> dict[str, Any]:
+    """The data identity of the stage called `name`: a resume compares it with the stage of that name."""
+    nanoset = data.nanoset_of(name, "the run's record of its data stages")
+    return {**data_identity(nanoset, tokenizer), "stage": name}
 
 
 def data_changes(saved: dict[str, Any], now: dict[str, Any], samples: int) -> list[str]:

@@ -377,6 +377,7 @@ def run_state(parts: TrainingParts) -> dict[str, Any]:
     config = parts.config
     state = parts.state.state_dict()
     state["lr_schedule"]["style"] = config.optimizer.learning_rate_scheduler.lr_decay_style
+    stage_name = parts.data.stages[current_stage(parts)].name
     return {
         **state,
         "optimizer_steps": parts.optimizer.steps,
@@ -384,7 +385,11 @@ def run_state(parts: TrainingParts) -> dict[str, Any]:
         "world_size": parts.ctx.world_size,
         "global_batch_size": config.global_batch_size,
         "data": data_size(parts),
-        "data_identity": stage_identity(parts.data, current_stage(parts), parts.tokenizer),
+        "data_identity": stage_identity(parts.data, stage_name, parts.tokenizer),
+        # Where a later stage's datasets continue depends on what the earlier ones drew (data/stages.py).
+        "earlier_data_identities": [
+            stage_identity(parts.data, entry.name, parts.tokenizer) for entry in parts.state.stages[:-1]
+        ],
         "config": config.to_dict(),
     }
 
@@ -661,14 +666,29 @@ def check_optimizer_matches(manifest: dict[str, Any], config: Config, directory:
 def check_data_matches(parts: TrainingParts, manifest: dict[str, Any], directory: Path) -> None:
     """Refuse to resume on other data, another order of it or another tokenizer, saying what that would do,
     unless checkpoints.resume_with_other_data (then warn). The data compared is that of the stage the
-    checkpoint was in, as the config now describes the stage of that name. Checkpoints written before
-    identities resume."""
+    checkpoint was in and of every stage the run went through before it, as the config now describes the
+    stages of those names. Checkpoints written before identities resume."""
     saved = manifest.get("data_identity")
     if not isinstance(saved, dict):
         return
-    stage = saved.get("stage", parts.data.stages[0].name)  # checkpoints from before stages had one
-    now = data_identity(parts.data.nanoset_of(str(stage), f"checkpoint {directory}"), parts.tokenizer)
-    changes = data_changes(saved, now, manifest.get("consumed_samples", 0))
+    samples = manifest.get("consumed_samples", 0)
+
+    def changes_in(identity: dict[str, Any]) -> list[str]:
+        stage = str(
+            identity.get("stage", parts.data.stages[0].name)
+        )  # checkpoints from before stages had one
+        now = data_identity(parts.data.nanoset_of(stage, f"checkpoint {directory}"), parts.tokenizer)
+        return data_changes(identity, now, samples)
+
+    changes = changes_in(saved)
+    earlier = manifest.get("earlier_data_identities")
+    for identity in earlier if isinstance(earlier, list) else []:
+        if isinstance(identity, dict):
+            changes += [
+                f"in data stage {identity.get('stage')!r}, which the run went through before: {change}"
+                for change in changes_in(identity)
+                if change not in changes  # the tokenizer: said once
+            ]
     if changes and not parts.config.checkpoints.resume_with_other_data:
         lines = "".join(f"\n  {change}" for change in changes)
         raise ConfigError(
