@@ -521,3 +521,15 @@ def test_a_ring_across_hosts_is_a_start_warning_that_says_what_to_watch():
     (warning,) = cp_host_warnings(rings, ["a", "a", "b", "b"])
     assert warning.startswith("2 context-parallel ring(s) span several hosts, e.g. ranks 0, 2 on a, b")
     assert "parallelism.tp * parallelism.cp within a node" in warning
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_windowed_block_is_planned_on_the_host_so_doctor_s_meta_device_can_place_it(cp):
+    """doctor runs the model on the meta device, where a value cannot be read: the block's window checks read
+    indices, and ended every doctor of a windowed config with document masking in a traceback."""
+    meta = torch.device("meta")
+    block = _block_of(0, 0, 16 // cp, None, window=3, cp_size=cp, device=meta)
+    assert block.in_window and block.window is not None
+    assert block.window.query_index.device == meta
+    host = _block_of(0, 0, 16 // cp, None, window=3, cp_size=cp)
+    assert torch.equal(host.window.query_index, zigzag_indices(16, cp, 0))

@@ -165,12 +165,13 @@ def _block_of(
     if window is None:
         return block
     length = local_length * cp_size
-    query_index = zigzag_indices(length, cp_size, rank, device)[rows]
-    key_index = zigzag_indices(length, cp_size, source, device)[cols]
+    # On the host: the two checks read values, which a meta device (doctor's) has not, and a GPU would sync.
+    query_index = zigzag_indices(length, cp_size, rank, None)[rows]
+    key_index = zigzag_indices(length, cp_size, source, None)[cols]
     # Indices grow along a block, and every key of another rank's block precedes every query.
     in_window = bool(query_index[0] - key_index[-1] < window)
     needs_mask = bool(query_index[-1] - key_index[0] >= window)
-    sliding = Window(query_index, key_index, window) if needs_mask else None
+    sliding = Window(query_index.to(device), key_index.to(device), window) if needs_mask else None
     return replace(block, window=sliding, in_window=in_window)
 
 
