@@ -12,8 +12,9 @@ absent when the model is fp32), `exp_avg` and `exp_avg_sq` (Adam, fp32). Nothing
 Checksums (format version 2) are XXH3-128, computed while a file is written, never by reading it back: a
 rank file records one for its header and one for each tensor's bytes (together every byte of the file), so
 a load checks each tensor it reads as it reads it, in the same pass, instead of reading every file twice
-(version 1's per-file sha256, still read). XXH3 is not cryptographic, and need not be: whoever can change a
-file can change the manifest beside it; the checksums find disks, copies and transfers that lost bytes.
+(version 1's per-file sha256, still read). Version 3 adds the manifest's own (`MANIFEST_CHECKSUM`). XXH3 is
+not cryptographic, and need not be: whoever can change a file can change the manifest beside it; the
+checksums find disks, copies and transfers that lost bytes.
 The safetensors files are written and read here, not by the safetensors library, so that the bytes go from
 the tensors to the file (and back) without another copy, hashed on the way, with the GIL released for the
 background writes of `checkpoints.async_save`.
