@@ -212,20 +212,81 @@ def test_first_host_of_a_slurm_node_list(nodelist, host):
     assert first_host(nodelist) == host
 
 
+# What Slurm 22.05.8 (slurmctld + slurmd on one host) set in `sbatch --ntasks=2 --wrap ...`: the batch
+# shell, one process, has SLURM_PROCID and SLURM_NTASKS too, but no SLURM_STEP_* (ids and lists as there).
+BATCH_SHELL = {
+    "SLURM_JOB_ID": "4",
+    "SLURM_JOBID": "4",
+    "SLURM_JOB_NODELIST": "vm",
+    "SLURM_NODELIST": "vm",
+    "SLURM_NNODES": "1",
+    "SLURM_JOB_NUM_NODES": "1",
+    "SLURM_NTASKS": "2",
+    "SLURM_NPROCS": "2",
+    "SLURM_TASKS_PER_NODE": "2",
+    "SLURM_CPUS_ON_NODE": "2",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_GTIDS": "0",
+}
+# ... and what its `srun` added in each of the step's two tasks (task 1 shown; task 0 has PROCID/LOCALID 0).
+SRUN_STEP = {
+    **BATCH_SHELL,
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEPID": "0",
+    "SLURM_STEP_NODELIST": "vm",
+    "SLURM_STEP_NUM_NODES": "1",
+    "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_TASKS_PER_NODE": "2",
+    "SLURM_GTIDS": "0,1",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "1",
+}
+
+
+def free_job_id() -> int:
+    """A job id whose rendezvous port in train.sbatch (20000 + id % 20000) is free here."""
+    for job_id in random.sample(range(20000), 100):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", 20000 + job_id))
+            return job_id
+    raise AssertionError("no free port between 20000 and 39999")
+
+
 def test_slurm_variables_become_torchrun_variables():
-    env = {
-        "SLURM_PROCID": "5",
-        "SLURM_NTASKS": "8",
-        "SLURM_LOCALID": "1",
-        "SLURM_JOB_ID": "123456",
-        "SLURM_STEP_NODELIST": "gpu[07-10]",
-    }
+    env = {**SRUN_STEP, "SLURM_JOB_ID": "123456", "SLURM_STEP_NODELIST": "gpu[07-10]"}
     assert adopt_slurm_environment(env)
-    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("5", "8", "1")
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("1", "2", "1")
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("gpu07", str(20000 + 123456 % 20000))
     # torchrun inside an allocation, or a single task: left alone.
-    assert not adopt_slurm_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "WORLD_SIZE": "16"})
-    assert not adopt_slurm_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
+    assert not adopt_slurm_environment({**SRUN_STEP, "WORLD_SIZE": "16"})
+    assert not adopt_slurm_environment({**SRUN_STEP, "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1"})
+
+
+def test_a_batch_script_is_not_a_task_of_a_job_step():
+    """`sbatch --ntasks=2 --wrap "femtotron train ..."`: the batch shell is one process, not task 0 of 2.
+    Taken for one, it waited for a task 1 that never came."""
+    env = dict(BATCH_SHELL)
+    assert not adopt_slurm_environment(env)
+    assert env == BATCH_SHELL
+
+
+@pytest.mark.distributed
+def test_a_batch_script_starts_the_layouts_processes_itself(config, tmp_path):
+    """`femtotron train CONFIG parallelism.dp=2` in the batch shell of `sbatch --ntasks=2` runs as on any
+    machine: it starts its 2 processes locally (it waited for a rank 1 and exited 4)."""
+    shell = {**BATCH_SHELL, "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_JOB_ID": str(free_job_id())}
+    overrides = [
+        "parallelism.dp=2",
+        "tokens.train_steps=2",
+        "general.run=batch",
+        "parallelism.init_timeout_seconds=20",
+    ]
+    result = femtotron("train", config, *overrides, env=shell)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert LAUNCH_LINE in result.stderr and "Slurm task" not in result.stderr
+    assert len(losses(tmp_path / "runs" / "batch")) == 2
 
 
 @pytest.mark.distributed
@@ -233,9 +294,9 @@ def test_srun_style_tasks_train_together(config, tmp_path):
     """Two processes started the way `srun --ntasks 2` starts them (only SLURM_* set) form one dp=2 run."""
     base = {
         **os.environ,
+        **SRUN_STEP,
         "OMP_NUM_THREADS": "1",
-        "SLURM_NTASKS": "2",
-        "SLURM_JOB_ID": str(free_port()),
+        "SLURM_JOB_ID": str(free_job_id()),
         "SLURM_STEP_NODELIST": "127.0.0.1",
     }
     tasks = [
@@ -349,8 +410,8 @@ def test_the_slurm_script_default_config_fills_its_nodes():
     assert "--signal=B:USR1@" in text and "#SBATCH --requeue" in text
 
 
-# Stand-ins for Slurm's commands on one machine: srun starts its command once per node, scancel signals those
-# tasks, scontrol names 127.0.0.1 as every node and notes a requeue.
+# Stand-ins for Slurm's commands on one machine (Slurm itself cannot run in CI): srun starts its command once
+# per node, scancel signals those tasks, scontrol names 127.0.0.1 as every node and notes a requeue.
 FAKE_SLURM = {
     "srun": """while [[ $1 == --* ]]; do shift; done
 for ((node = 0; node < SLURM_NNODES; node++)); do "$@" & echo $! >> "$FAKE_SLURM/tasks"; done
@@ -361,13 +422,75 @@ requeue) echo "$2" > "$FAKE_SLURM/requeued" ;; esac""",
 }
 
 
-def free_job_id() -> int:
-    """A job id whose rendezvous port in train.sbatch (20000 + id % 20000) is free here."""
-    for job_id in random.sample(range(20000), 100):
-        with socket.socket() as s, contextlib.suppress(OSError):
-            s.bind(("127.0.0.1", 20000 + job_id))
-            return job_id
-    raise AssertionError("no free port between 20000 and 39999")
+def fake_slurm(directory: Path, **replaced: str) -> dict[str, str]:
+    """FAKE_SLURM's commands (some `replaced`) as scripts in `directory`: the environment that finds them."""
+    directory.mkdir()
+    for name, body in {**FAKE_SLURM, **replaced}.items():
+        (directory / name).write_text(f"#!/bin/bash\n{body}\n")
+        (directory / name).chmod(0o755)
+    # python and torchrun: this Python's
+    return {
+        "PATH": f"{directory}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "FAKE_SLURM": str(directory),
+    }
+
+
+def submitted(config, tmp_path, overrides: str, **slurm: str) -> subprocess.CompletedProcess:
+    """train.sbatch run under the variables Slurm sets in a batch script, with an srun that only prints the
+    command it was given (and the OMP_NUM_THREADS it would pass on): a stand-in, as Slurm cannot run in CI
+    (the script was run under a real Slurm 22.05.8 too: docs/training.md, "Several nodes")."""
+    srun = 'echo "OMP_NUM_THREADS=$OMP_NUM_THREADS srun $*"'
+    env = {**os.environ, **fake_slurm(tmp_path / "fake_slurm", srun=srun), "SLURM_JOB_ID": "77", **slurm}
+    env.pop("OMP_NUM_THREADS", None)
+    return subprocess.run(
+        ["bash", str(SBATCH), config, *overrides.split()], env=env, capture_output=True, text=True
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "node, overrides, per_node",
+    [
+        ({"SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "4"}, "parallelism.dp=2", 2),  # --exclusive: all 4 GPUs
+        ({"SLURM_NNODES": "1"}, "parallelism.dp=2", 2),  # a CPU node: no SLURM_GPUS_ON_NODE
+        ({"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "8"}, "parallelism.dp=4 parallelism.tp=2 --debug", 4),
+    ],
+)
+def test_the_slurm_script_starts_the_layouts_processes_on_each_node(
+    config, tmp_path, node, overrides, per_node
+):
+    """One rank per process of dp * cp * tp * pp, spread over the nodes; not one per GPU of the node (a dp=2
+    run on a 4-GPU node had WORLD_SIZE=4), nor 8 on a CPU node."""
+    job = submitted(config, tmp_path, overrides, **node)
+    assert job.returncode == 0, job.stderr
+    launched = job.stdout.splitlines()[-1]
+    assert f"--nnodes {node['SLURM_NNODES']} --nproc-per-node {per_node} " in launched
+    assert launched.endswith(f"-m femtotron train {config} {overrides}")
+
+
+@pytest.mark.distributed
+def test_the_slurm_script_gives_each_rank_its_share_of_a_cpu_node(config, tmp_path):
+    job = submitted(config, tmp_path, "parallelism.dp=2", SLURM_NNODES="1", SLURM_CPUS_ON_NODE="16")
+    assert job.returncode == 0, job.stderr
+    assert job.stdout.splitlines()[-1].startswith("OMP_NUM_THREADS=8 srun ")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            "parallelism.dp=2",
+            "dp * cp * tp * pp = 2 processes cannot be spread evenly over the job's 4 nodes",
+        ),
+        ("parallelism.dq=2", "unknown key 'dq' in parallelism"),
+    ],
+)
+def test_the_slurm_script_refuses_a_layout_before_starting_anything(config, tmp_path, overrides, message):
+    job = submitted(config, tmp_path, overrides, SLURM_NNODES="4")
+    assert job.returncode == 2, job.stdout + job.stderr
+    assert message in job.stderr and "Traceback" not in job.stderr
+    assert "srun" not in job.stdout
 
 
 @pytest.mark.distributed
@@ -378,19 +501,13 @@ def test_the_slurm_script_stops_at_its_time_limit_signal_requeues_and_resumes(co
     syntax = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
     fake = tmp_path / "fake_slurm"
-    fake.mkdir()
-    for name, body in FAKE_SLURM.items():
-        (fake / name).write_text(f"#!/bin/bash\n{body}\n")
-        (fake / name).chmod(0o755)
     env = {
         **os.environ,
+        **fake_slurm(fake),
         "OMP_NUM_THREADS": "1",
-        "PATH": f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}",  # torchrun: this Python's
-        "FAKE_SLURM": str(fake),
         "SLURM_JOB_ID": str(free_job_id()),
         "SLURM_JOB_NODELIST": "node[1-2]",
         "SLURM_NNODES": "2",
-        "SLURM_GPUS_ON_NODE": "2",
     }
     overrides = (
         "parallelism.dp=2 parallelism.tp=2 tokens.train_steps=40 checkpoints.checkpoint_interval=1000 "

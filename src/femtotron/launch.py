@@ -43,11 +43,13 @@ def adopt_slurm_environment(env: MutableMapping[str, str]) -> bool:
     already set is kept.
 
     Nothing changes when WORLD_SIZE is set (a launcher such as torchrun, started by srun once per node,
-    has set the variables already) or when the step has a single task (it is a one-process run, or starts
-    its local processes as on any machine). Returns whether it set anything.
+    has set the variables already), when the step has a single task (it is a one-process run, or starts
+    its local processes as on any machine), or outside a job step: a batch script (`sbatch --ntasks=2
+    --wrap ...`) has SLURM_PROCID=0 and SLURM_NTASKS=2 too, but is one process, with no task 1 to wait
+    for; only srun's tasks have SLURM_STEP_ID. Returns whether it set anything.
     """
     already_launched = "WORLD_SIZE" in env
-    under_srun = "SLURM_PROCID" in env
+    under_srun = "SLURM_STEP_ID" in env and "SLURM_PROCID" in env
     several_tasks = int(env.get("SLURM_NTASKS", "1")) > 1
     if already_launched or not under_srun or not several_tasks:
         return False
