@@ -1,5 +1,6 @@
 import json
 import math
+import re
 import resource
 
 import pytest
@@ -54,7 +55,44 @@ def test_the_mfu_yardstick_is_the_fastest_matmul_ever_measured_on_this_machine(t
     assert second == 4e11  # measured 1e11 while busy: the earlier, faster measurement stands
     assert "the fastest torch.float32 matmul 1024x1024x1024" in source and str(cache) in source
     assert peak_flops(cpu, torch.float32, shape, cache)[0] == 9e11
-    assert json.loads(cache.read_text()) == {next(iter(json.loads(cache.read_text()))): 9e11}
+    [record] = json.loads(cache.read_text()).values()
+    assert record["flops"] == 9e11
+
+
+def test_the_mfu_yardstick_says_when_and_how_it_was_measured_and_is_measured_per_thread_count(
+    tmp_path, monkeypatch
+):
+    """A figure kept for good must say where it came from; one measured with 2 threads is no yardstick for a
+    rank running 1 (a launcher's ranks), and an entry of an older femtotron (a bare number) is measured again."""
+    import femtotron.metrics
+
+    trials = []
+
+    def rate(*args, **kwargs):
+        trials.append(kwargs["trials"])
+        return 1e11 * torch.get_num_threads()
+
+    monkeypatch.setattr(femtotron.metrics, "matmul_flops_rate", rate)
+    cache = tmp_path / "peak_flops.json"
+    cpu = torch.device("cpu")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        peak, source = peak_flops(cpu, torch.float32, (64, 256, 64), cache)
+        assert peak == 2e11 and trials == [3]
+        assert re.search(
+            r"with 2 thread\(s\) measured on this machine, on \d{4}-\d\d-\d\d \d\d:\d\d \(the best of 3 "
+            r"trial\(s\) of 0.3 s\), kept in .*peak_flops.json: delete it to measure afresh",
+            source,
+        )
+        torch.set_num_threads(1)
+        assert peak_flops(cpu, torch.float32, (64, 256, 64), cache)[0] == 1e11 and trials == [3, 3]
+        assert peak_flops(cpu, torch.float32, (64, 256, 64), cache)[0] == 1e11 and trials == [3, 3, 1]
+        older = {key: record["flops"] for key, record in json.loads(cache.read_text()).items()}
+        cache.write_text(json.dumps(older))
+        assert peak_flops(cpu, torch.float32, (64, 256, 64), cache)[0] == 1e11 and trials[-1] == 3
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_matmul_flops_rate_is_positive_and_finite():

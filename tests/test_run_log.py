@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from femtotron.run_log import RunLog, StepLogger, StepResult
+from femtotron.run_log import RunLog, StepLogger, StepResult, abbreviated, duration
 
 
 def test_run_log_main_rank_writes_jsonl_and_prefixed_lines(tmp_path, capsys):
@@ -81,7 +81,11 @@ def test_a_logged_step_records_the_gpu_s_peak_and_free_memory_and_shows_them(tmp
         peak_flops=1e15,
         peak_source="a data sheet",
     )
-    logger(1, StepResult(loss=5.0, grad_norm=1.0, lr=1e-4, tokens=1000, seconds=0.5, comm_seconds={}))
+    logger(
+        1,
+        StepResult(loss=5.0, grad_norm=1.0, lr=1e-4, tokens=1000, seconds=0.5, comm_seconds={}),
+        consumed_tokens=1000,
+    )
     record = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert {k: v for k, v in record.items() if k.startswith("mem_")} == memory
     assert (
@@ -89,3 +93,57 @@ def test_a_logged_step_records_the_gpu_s_peak_and_free_memory_and_shows_them(tmp
         .out.rstrip()
         .endswith("| mem peak allocated 61.50 GiB, peak reserved 70.25 GiB, free 8.00 GiB, total 79.20 GiB")
     )
+
+
+def test_the_step_line_shows_the_first_steps_then_every_interval_with_time_eta_and_tokens(tmp_path, capsys):
+    """What nanotron, torchtitan and Megatron users read first: the step's time, the time left (from the
+    steps after this process's first, which pays for warming up) and the tokens consumed; and a run that
+    logs every 10 steps still says at once that it trains."""
+    logger = StepLogger(
+        log=RunLog("[rank 0]", tmp_path, is_main=True),
+        train_steps=1000,
+        interval=10,
+        world_size=1,
+        device=torch.device("cpu"),
+        flops_per_token=1e6,
+        peak_flops=1e12,
+        peak_source="a test",
+    )
+    for step in range(101, 121):  # resumed at step 100: this process's first 5 steps are shown
+        seconds = 9.0 if step == 101 else 0.25
+        result = StepResult(loss=2.0, grad_norm=1.0, lr=1e-4, tokens=2048, seconds=seconds, comm_seconds={})
+        logger(step, result, consumed_tokens=2048 * step)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" | ")[0] for line in lines] == [
+        f"[rank 0] step {s}/1000" for s in (101, 102, 103, 104, 105, 110, 120)
+    ]
+    assert " | 9,000 ms | ETA 2h14m | 207K tokens | " in lines[0]  # only the first step to go by
+    assert " | 250 ms | ETA 3m44s | 209K tokens | " in lines[1]  # 898 steps to go at 0.25 s
+    assert " | 250 ms | ETA 3m40s | 246K tokens | " in lines[-1]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [101, 102, 103, 104, 105, 110, 120]
+    assert records[-1]["consumed_tokens"] == 2048 * 120 and records[-1]["eta_seconds"] == 880 * 0.25
+
+
+def test_durations_and_token_counts_read_as_people_say_them():
+    assert [duration(s) for s in (0.4, 59, 60, 725, 3599.6, 3600, 10_920, 86_400, 187_200)] == [
+        "0s",
+        "59s",
+        "1m00s",
+        "12m05s",
+        "1h00m",
+        "1h00m",
+        "3h02m",
+        "1d00h",
+        "2d04h",
+    ]
+    assert [abbreviated(n) for n in (0, 999, 2048, 20_480, 999_999, 1_234_567, 4.1e9, 1.2e12)] == [
+        "0",
+        "999",
+        "2.05K",
+        "20.5K",
+        "1M",
+        "1.23M",
+        "4.1B",
+        "1.2T",
+    ]

@@ -1,5 +1,6 @@
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,20 @@ def test_D4_loss_decreases_and_metrics_are_written(tiny_config):
     assert losses[0] == pytest.approx(math.log(256), rel=0.05)  # an untrained model is uniform over the vocab
     assert sum(losses[-5:]) / 5 < losses[0] - 1.0
     records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 5, 10, 15, 20, 25, 30, 35, 40]
+    assert [r["step"] for r in records] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        10,
+        15,
+        20,
+        25,
+        30,
+        35,
+        40,
+    ]  # the first 5, then every 5
     for key in (
         "loss",
         "lr",
@@ -36,6 +50,10 @@ def test_D4_loss_decreases_and_metrics_are_written(tiny_config):
         assert key in records[0]
     assert records[0]["loss"] == pytest.approx(losses[0]) and records[-1]["loss"] == pytest.approx(losses[-1])
     assert (trainer.run_dir / "model.safetensors").is_file() and (trainer.run_dir / "config.yaml").is_file()
+    # At pp = 1 too model-parts.json lists the weights (it replaces an earlier pp run's list): as README says.
+    assert json.loads((trainer.run_dir / "model-parts.json").read_text()) == {"parts": ["model.safetensors"]}
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert "at any pp `RUN_DIR/model-parts.json` lists the files" in readme
 
 
 def loss_and_grads(config, ctx=None):

@@ -510,13 +510,15 @@ def main(argv: list[str] | None = None) -> int:
     except FemtotronError as e:
         # Every rank checks the config (or stops on a signal) alike; one copy of the message is enough.
         if not e.same_on_every_rank or os.environ.get("RANK", "0") == "0":
-            print(f"femtotron: error: {e}", file=sys.stderr)
+            print(f"femtotron: {e.heading}: {e}", file=sys.stderr)
         return e.exit_code
     except OSError as e:  # a path the user gave that cannot be read or written
         where = f": {e.filename}" if e.filename else ""
         print(f"femtotron: error: {e.strerror or e}{where}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C outside training's loop, where it saves (stop_signals.py)
+        if os.environ.get("RANK", "0") == "0":
+            print("femtotron: stopped by Ctrl-C", file=sys.stderr)
         return 130
 
 

@@ -6,6 +6,7 @@ class FemtotronError(Exception):
 
     exit_code = 1
     same_on_every_rank = False  # True: every rank raises it alike, and only rank 0 prints it
+    heading = "error"  # the CLI prints `femtotron: {heading}: {message}`
 
 
 class PathError(FemtotronError):
@@ -64,10 +65,12 @@ class WriteError(FemtotronError, OSError):
 
 
 class TrainingInterrupted(FemtotronError):
-    """SIGTERM or SIGUSR1 (sent by schedulers before preemption): a checkpoint was saved, the run stopped."""
+    """SIGTERM or SIGUSR1 (sent by schedulers before preemption) or Ctrl-C: a checkpoint was saved, the run
+    stopped. Planned, so not printed as an error."""
 
     exit_code = 7
     same_on_every_rank = True
+    heading = "stopped"
 
 
 def is_out_of_memory(error: BaseException) -> bool:

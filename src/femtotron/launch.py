@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 # torch logs every child failure at ERROR level under this name, timestamped like a crash of the
 # launcher itself; the failing child has already printed its own message, so the line is only noise.
 _FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def adopt_slurm_environment(env: MutableMapping[str, str]) -> bool:
@@ -101,10 +102,11 @@ def launch_local(nprocs: int, argv: list[str], what: str = "this run") -> int:
 
     The code is 0 when every rank finished. When one failed, torch stops the others, and the code is that
     of the rank that failed first, so that a script sees the same code as under torchrun: the code its
-    femtotron error carries (errors.py; 2 for a bad config, 7 for a run stopped by SIGTERM or SIGUSR1
-    after saving a checkpoint), 1 for a traceback, or 128 + the signal for a rank killed without a
-    message. A signal that reached this launcher and made torch stop the ranks (Ctrl-C, say) also gives
-    128 + that signal. `what` names the layout for the message.
+    femtotron error carries (errors.py; 2 for a bad config, 7 for a run stopped by SIGTERM, SIGUSR1 or
+    Ctrl-C after saving a checkpoint), 1 for a traceback, or 128 + the signal for a rank killed without a
+    message. Ctrl-C, SIGTERM and SIGUSR1 go on to the ranks (`StopForwarding`); another signal that
+    reached this launcher and made torch stop the ranks gives 128 + that signal. `what` names the layout
+    for the message.
     """
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -119,49 +121,68 @@ def launch_local(nprocs: int, argv: list[str], what: str = "this run") -> int:
     # torchrun sets the same default (N ranks each threading over every core would oversubscribe the
     # CPU), but announces it with a four-line warning.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    forwarded = _forward_stop_signals()
-    # The signals torch's agent handles itself (by stopping the ranks): not SIGTERM when it is forwarded.
-    handled = "SIGINT,SIGHUP,SIGQUIT" if forwarded else "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
-    flags = ["--standalone", "--nproc-per-node", str(nprocs), "--signals-to-handle", handled]
-    args = torchrun.parse_args([*flags, "-m", "femtotron", *argv])
-    failure_log = logging.getLogger(_FAILURE_LOGGER)
-    level = failure_log.level
-    failure_log.setLevel(logging.CRITICAL)
-    try:
-        # run(), not main(): main's @record handler prints a page-long banner for any child failure.
-        torchrun.run(args)
-    except ChildFailedError as e:
-        return _first_failure_code(e)
-    except SignalException as e:  # Ctrl-C or a kill reached the launcher; torch has stopped the ranks
-        return 128 + int(e.sigval)
-    finally:
-        failure_log.setLevel(level)
-        for sig, handler in forwarded.items():
-            signal.signal(sig, handler)
+    with StopForwarding() as forwarding:
+        # The signals torch's agent handles itself (by stopping the ranks): not those forwarded.
+        handled = "SIGHUP,SIGQUIT" if forwarding.previous else "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+        flags = ["--standalone", "--nproc-per-node", str(nprocs), "--signals-to-handle", handled]
+        args = torchrun.parse_args([*flags, "-m", "femtotron", *argv])
+        failure_log = logging.getLogger(_FAILURE_LOGGER)
+        level = failure_log.level
+        failure_log.setLevel(logging.CRITICAL)
+        try:
+            # run(), not main(): main's @record handler prints a page-long banner for any child failure.
+            torchrun.run(args)
+        except ChildFailedError as e:
+            if forwarding.interrupts > 1:
+                print("femtotron: stopped at once by a second Ctrl-C, saving nothing", file=sys.stderr)
+                return 128 + signal.SIGINT
+            return _first_failure_code(e)
+        except SignalException as e:  # a signal torch handles reached the launcher; it has stopped the ranks
+            return 128 + int(e.sigval)
+        finally:
+            failure_log.setLevel(level)
     return 0
 
 
-def _forward_stop_signals() -> dict[int, object]:
-    """Pass SIGTERM and SIGUSR1 on to the ranks; return the handlers they replaced, to restore.
+class StopForwarding:
+    """Inside it, SIGTERM, SIGUSR1 and Ctrl-C (SIGINT) sent to this launcher go on to the ranks.
 
-    A scheduler sends these two ("stop soon") to the process it started, which is this launcher. Passed
-    on, they reach the ranks' own handlers (stop_signals.py): the ranks finish the step, save a checkpoint
-    and exit 7, and the launcher passes that 7 on, as each rank does under torchrun or srun. Left to
-    torch's agent, SIGTERM would kill the ranks without a checkpoint (exit 143), and SIGUSR1 would kill the
-    launcher outright.
+    A scheduler sends the first two ("stop soon") to the process it started, which is this launcher, and a
+    terminal sends Ctrl-C to it alone (torch starts each rank in a session of its own). Passed on, they
+    reach the ranks' own handlers (stop_signals.py): the ranks finish the step, save a checkpoint and exit
+    7, and the launcher passes that 7 on, as each rank does under torchrun or srun. Left to torch's agent,
+    SIGTERM and SIGINT would kill the ranks without a checkpoint, and SIGUSR1 would kill the launcher
+    outright. A second Ctrl-C kills the ranks at once (SIGKILL: a rank waiting inside a collective would not
+    run a handler); one before any rank started stops the launch.
 
     The ranks are found through /proc; where there is none, nothing is forwarded and torch's handling
-    stays.
+    stays (`previous` is empty).
     """
-    if not os.path.isdir("/proc/self"):
-        return {}
 
-    def forward(signum: int, _frame: object) -> None:
-        for pid in _child_processes():
+    def __init__(self) -> None:
+        self.interrupts = 0
+        self.previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopForwarding:
+        if os.path.isdir("/proc/self"):
+            self.previous = {sig: signal.signal(sig, self.forward) for sig in FORWARDED_SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def forward(self, signum: int, _frame: object) -> None:
+        ranks = _child_processes()
+        if signum == signal.SIGINT:
+            if not ranks:
+                raise KeyboardInterrupt
+            self.interrupts += 1
+            if self.interrupts > 1:
+                signum = signal.SIGKILL
+        for pid in ranks:
             with contextlib.suppress(ProcessLookupError):  # exited meanwhile
                 os.kill(pid, signum)
-
-    return {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
 
 
 def _child_processes() -> list[int]:

@@ -82,7 +82,8 @@ def peak_flops(
 ) -> tuple[float, str]:
     """The FLOP/s to divide by for MFU, and its source: on known GPUs the data sheet's peak for `dtype`; else
     the fastest rate of a timed matmul ever measured here for this shape, dtype, thread count and torch
-    version (a busy machine only slows it), kept in `cache` (default ~/.cache/femtotron/peak_flops.json)."""
+    version (a busy machine only slows it), kept in `cache` (default ~/.cache/femtotron/peak_flops.json)
+    with when it was measured and how."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         # Read with torch's newer API, which also reports the older one's setting (not the reverse).
@@ -94,15 +95,22 @@ def peak_flops(
     # itself achieves (MFU > 100%): at least 1024 in every dimension; at most 4096 (64 MiB per fp32 operand),
     # which reaches the peak already, whatever the micro-batch.
     m, n, k = (min(max(size, 1024), 4096) for size in gemm_shape)
+    # The thread count is this process's: ranks started by a launcher run 1 thread each (OMP_NUM_THREADS=1).
     what = f"{dtype} matmul {m}x{k}x{n} on {device.type} with {torch.get_num_threads()} thread(s)"
     home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     cache = cache or home / "femtotron" / "peak_flops.json"
     key = f"{processor_name()} | {what} | torch {torch.__version__}"
     try:
         known = json.loads(cache.read_text()) if cache.is_file() else {}
-        cached = float(known.get(key, 0.0))
-    except (OSError, ValueError, TypeError, AttributeError):  # unreadable or mangled: measure afresh
+    except (OSError, ValueError):
         known = None
+    if not isinstance(known, dict):  # unreadable or mangled: measured now, the file left as it is
+        known = None
+    try:
+        record = known[key]
+        cached = float(record["flops"])
+        record = {"flops": cached, "measured": str(record["measured"]), "how": str(record["how"])}
+    except (TypeError, KeyError, ValueError):  # none yet, or an older entry (a bare number): measure afresh
         cached = 0.0
     # With a rate on record, one short trial more is enough (0.05 s): the record only ever rises.
     if cached:
@@ -112,17 +120,25 @@ def peak_flops(
         trials = 3
         seconds = 0.3
     measured = matmul_flops_rate(m, n, k, dtype=dtype, device=device, seconds=seconds, trials=trials)
-    best = max(measured, cached)
-    unusable = (best, f"{what}, measured now: no cache at {cache}")
+    if measured > cached:
+        record = {
+            "flops": measured,
+            "measured": time.strftime("%Y-%m-%d %H:%M"),
+            "how": f"the best of {trials} trial(s) of {seconds:g} s",
+        }
+    unusable = (measured, f"the fastest {what}, measured now ({record['how']}): no cache at {cache}")
     if known is None:
         return unusable
-    if best > cached:
+    if measured > cached:
         try:
             with atomic_path(cache) as tmp:
-                Path(tmp).write_text(json.dumps({**known, key: best}, indent=1))
+                Path(tmp).write_text(json.dumps({**known, key: record}, indent=1))
         except OSError:  # an unwritable home
             return unusable
-    return best, f"the fastest {what} measured on this machine, kept in {cache}"
+    return record["flops"], (
+        f"the fastest {what} measured on this machine, on {record['measured']} ({record['how']}), kept in "
+        f"{cache}: delete it to measure afresh"
+    )
 
 
 def processor_name() -> str:

@@ -88,10 +88,16 @@ class StepResult:
     moe: dict[str, float] = field(default_factory=dict)  # a mixture of experts' `moe/` metrics
 
 
+# Shown whatever logging.iteration_step_info_interval says: a run (or a resumed one) shows at once that it
+# trains, and how fast, before the first interval ends.
+FIRST_STEPS_SHOWN = 5
+
+
 @dataclass(kw_only=True)
 class StepLogger:
     """Turns a step's result into its metrics.jsonl record and console line, every `interval` steps (and the
-    first and last step: the first loss should be near ln(vocab_size), a quick check the data is sane)."""
+    first steps this process runs and the last step: the first loss should be near ln(vocab_size), a quick
+    check the data is sane)."""
 
     log: RunLog
     train_steps: int
@@ -101,17 +107,26 @@ class StepLogger:
     flops_per_token: float
     peak_flops: float
     peak_source: str
+    steps_run: int = 0  # by this process
+    timed_seconds: float = 0.0  # of those steps after this process's first, which pays for warming up
 
     @classmethod
     def for_run(
         cls, config: Config, ctx: ParallelContext, log: RunLog, matmul_dtype: torch.dtype
     ) -> StepLogger:
-        """MFU against the peak of the matmul the model runs most: its largest weight times a micro-batch."""
+        """MFU against the peak of the matmul the model runs most: its largest weight times a micro-batch.
+        Rank 0 measures it (where it is not a data sheet's) while the other ranks wait, so that no other rank
+        of this run loads the machine meanwhile; they take its figure, the one the run's MFU is logged with."""
         tokens = config.tokens
         mcfg = config.model.model_config_
         rows = tokens.micro_batch_size * tokens.sequence_length
         columns = max(mcfg.intermediate_size, mcfg.vocab_size)
-        peak, source = peak_flops(ctx.device, matmul_dtype, (rows, columns, mcfg.hidden_size))
+        peak = 0.0
+        source = "measured by rank 0"
+        if ctx.rank == 0:
+            peak, source = peak_flops(ctx.device, matmul_dtype, (rows, columns, mcfg.hidden_size))
+        measured = torch.tensor(peak, dtype=torch.float64, device=ctx.device)
+        peak = ctx.comm.read(ctx.comm.all_reduce(measured, ctx.world_group, op="max"), "MFU yardstick")
         return cls(
             log=log,
             train_steps=tokens.train_steps,
@@ -127,10 +142,19 @@ class StepLogger:
     def yardstick(self) -> str:
         return f"{self.peak_flops / 1e12:.2f} TFLOP/s ({self.peak_source})"
 
-    def __call__(self, step: int, result: StepResult, skipped_steps: int | None = None) -> None:
-        """`skipped_steps`: fp16 only, the overflowed steps so far."""
-        if step % self.interval and step not in (1, self.train_steps):
+    def __call__(
+        self, step: int, result: StepResult, *, consumed_tokens: int, skipped_steps: int | None = None
+    ) -> None:
+        """Called after every step. `consumed_tokens`: the run's, up to this step; `skipped_steps`: fp16 only,
+        the overflowed steps so far."""
+        self.steps_run += 1
+        if self.steps_run > 1:
+            self.timed_seconds += result.seconds
+        shown = self.steps_run <= FIRST_STEPS_SHOWN or step % self.interval == 0 or step == self.train_steps
+        if not shown:
             return
+        seconds_per_step = self.timed_seconds / (self.steps_run - 1) if self.steps_run > 1 else result.seconds
+        eta_seconds = (self.train_steps - step) * seconds_per_step
         tokens_per_sec = result.tokens / result.seconds
         achieved = tokens_per_sec * self.flops_per_token / self.world_size
         record = {
@@ -138,11 +162,13 @@ class StepLogger:
             "loss": result.loss,
             "lr": result.lr,
             "grad_norm": result.grad_norm if math.isfinite(result.grad_norm) else None,  # None: skipped
+            "consumed_tokens": consumed_tokens,
             "tokens_per_sec": tokens_per_sec,
             "tokens_per_sec_per_device": tokens_per_sec / self.world_size,
             "model_tflops_per_device": achieved / 1e12,
             "mfu": achieved / self.peak_flops,
             "step_seconds": result.seconds,
+            "eta_seconds": eta_seconds,
             **memory_gib(self.device),
             **{f"{kind}_comm_share": s / result.seconds for kind, s in result.comm_seconds.items()},
             **result.moe,
@@ -161,11 +187,32 @@ class StepLogger:
             comm += f" | moe aux {result.moe['moe/aux_loss']:.3f}"
         self.log.info(
             f"step {step}/{self.train_steps} | loss {result.loss:.4f} | lr {result.lr:.3e} | grad_norm "
-            f"{result.grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s | {achieved / 1e12:.2f} TFLOP/s | MFU "
-            f"{record['mfu']:.1%} | mem {describe_memory(record)}{comm}"
+            f"{result.grad_norm:.3f} | {result.seconds * 1000:,.0f} ms | ETA {duration(eta_seconds)} | "
+            f"{abbreviated(consumed_tokens)} tokens | {tokens_per_sec:,.0f} tok/s | {achieved / 1e12:.2f} "
+            f"TFLOP/s | MFU {record['mfu']:.1%} | mem {describe_memory(record)}{comm}"
             + (f" | loss scale {result.loss_scale:g}" if skipped_steps is not None else "")
             + (" | step skipped" if result.skipped else "")
         )
+
+
+def duration(seconds: float) -> str:
+    """A time left, to the precision a reader needs: "45s", "12m05s", "3h02m", "2d04h"."""
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def abbreviated(count: int) -> str:
+    """A token count as people say it: "999", "2.05K", "20.5K", "1.23M", "4.1B", "1.2T"."""
+    for power, suffix in ((12, "T"), (9, "B"), (6, "M"), (3, "K")):
+        if count >= 0.9995 * 10**power:  # 999,999 is "1M", not "1e+03K"
+            return f"{count / 10**power:.3g}{suffix}"
+    return str(count)
 
 
 def _step_of(line: str) -> float:

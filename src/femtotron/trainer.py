@@ -6,7 +6,6 @@ Read `Trainer.one_step` top to bottom to follow one optimizer step.
 from __future__ import annotations
 
 import math
-import signal
 import time
 from pathlib import Path
 
@@ -41,7 +40,7 @@ from femtotron.serialize import checkpoint
 from femtotron.serialize.background import BackgroundSaves, Written, check_host_memory
 from femtotron.serialize.init import init_weights
 from femtotron.serialize.weights import save_weights, write_config, write_tokenizer
-from femtotron.stop_signals import StopSignals
+from femtotron.stop_signals import StopSignals, signal_name
 from femtotron.train_state import TrainingParts, TrainState
 
 
@@ -153,15 +152,17 @@ class Trainer:
         path, what, warnings = checkpoint.agreed_resume_source(self.config, self.ctx)
         for warning in warnings:
             self.log.warn(warning)
+        resumed = None
         if path is not None:
-            summary, self.last_checkpoint = checkpoint.load(self.parts, path, what)
-            self.log.info(summary)
+            resumed, self.last_checkpoint = checkpoint.load(self.parts, path, what)
             self.state.stages = self.train_data.resumed(self.state.stages, self.state.step)
         last_saved = self.state.step if path is not None else None  # that state is on disk already
         if self.background is not None and ckpt.checkpoint_interval:
             self.background.reserve(self.parts)
         self.log.start_at(self.state.step)  # the run starts: metrics.jsonl keeps the steps before it
         self.log.info(start_report.summary(self.parts, self.step_logger.yardstick))
+        if resumed is not None:  # after the report, which begins with the run's name
+            self.log.info(resumed)
         for warning in start_report.start_warnings(self.parts, self.val_data is not None, self.upcasts):
             self.log.warn(warning)
         if self.ctx.rank == 0:
@@ -172,7 +173,7 @@ class Trainer:
         # disable None: tqdm shows the bar only on a terminal
         style = dict(unit="step", dynamic_ncols=True, leave=False, disable=True if self.ctx.rank else None)
         bar = tqdm(total=train_steps, initial=self.state.step, **style)
-        with StopSignals() as signals:
+        with StopSignals(announce=self.ctx.rank == 0) as signals:
             while self.state.step < train_steps:
                 with self.profiler.step(self.state.step + 1):
                     results.append(self.train_step())
@@ -203,7 +204,12 @@ class Trainer:
         return results
 
     def log_step(self, result: StepResult) -> None:
-        self.step_logger(self.state.step, result, self.scaler.skipped_steps if self.scaler.enabled else None)
+        self.step_logger(
+            self.state.step,
+            result,
+            consumed_tokens=self.state.consumed_tokens,
+            skipped_steps=self.scaler.skipped_steps if self.scaler.enabled else None,
+        )
 
     def warn_on_loss(self, loss: float) -> None:
         """N3: a first loss far from ln(vocab) (only a freshly initialised model starts there, not one of
@@ -260,15 +266,14 @@ class Trainer:
         )
 
     def stop(self, signum: int, last_saved: int | None) -> None:
-        """Some rank got SIGTERM or SIGUSR1: save a checkpoint (unless this step's is saved), then stop."""
+        """Some rank got SIGTERM, SIGUSR1 or Ctrl-C: save a checkpoint (unless this step's is saved), then stop."""
         if last_saved != self.state.step:
             self.save_checkpoint()
         if self.background is not None:
             self.saved(self.background.wait())
         path = self.last_checkpoint
-        name = signal.Signals(signum).name
         raise TrainingInterrupted(
-            f"{name} received: stopped after step {self.state.step} and saved checkpoint {path}. Run the "
+            f"{signal_name(signum)} received: stopped after step {self.state.step} and saved checkpoint {path}. Run the "
             "same command again to resume from it (checkpoints.auto_resume); another run resumes it with "
             f"checkpoints.resume_checkpoint_path={path.parent}."
         )
