@@ -116,12 +116,13 @@ def cmd_reshard(args: argparse.Namespace) -> None:
 
     from femtotron.serialize.offline import reshard
 
-    layout = [
-        f"parallelism.{key}={value}"
+    # Each option as an override, with the option itself for messages.
+    layout = {
+        f"parallelism.{key}={value}": f"--{key} {value}"
         for key in ("dp", "cp", "tp", "pp", "ep")
         if (value := getattr(args, key)) is not None
-    ]
-    path = reshard(Path(args.checkpoint), Path(args.out), [*layout, *args.overrides])
+    }
+    path = reshard(Path(args.checkpoint), Path(args.out), [*layout, *args.overrides], layout)
     print(f"wrote {path}; resume with checkpoints.resume_checkpoint_path={path.parent}")
 
 

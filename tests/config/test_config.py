@@ -471,3 +471,99 @@ def test_nanotron_s_run_name_templates_are_expanded(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID")
     cfg = load_config_dict(tiny(**{"general.run": "tiny_llama_%date_%jobid"}))
     assert re.fullmatch(r"tiny_llama_\d{8}_\d{6}_local", cfg.general.run)
+
+
+@pytest.mark.parametrize("spelling", ["adamw", "AdamW", "ADAMW", "adamW"])
+def test_the_optimizer_name_is_read_in_any_case(spelling):
+    """PyTorch and torchtitan write adamw: refused before, though no other name differs only in case."""
+    cfg = load_config_dict(tiny(**{"optimizer.optimizer_factory.name": spelling}))
+    assert cfg.optimizer.optimizer_factory.name == "adamW"
+    muon = load_config_dict(tiny(**{"optimizer.optimizer_factory.name": "Muon"}))
+    assert muon.optimizer.optimizer_factory.name == "muon"
+    p = only_problem(tiny(**{"optimizer.optimizer_factory.name": "adam"}))
+    assert "must be 'adamW' or 'muon'" in p.message
+
+
+def test_L1_the_world_size_message_multiplies_every_dimension_cp_included():
+    """It said `dp=1 * tp=1 * pp=1 = 1` while asking for dp * cp * tp * pp."""
+    with pytest.raises(ConfigError, match=re.escape("dp=1 * cp=1 * tp=2 * pp=1 = 2, but WORLD_SIZE=4")):
+        check_world_size(load_config_dict(tiny(**{"parallelism.tp": 2})), 4)
+    moe = {
+        M + "moe.num_experts": 4,
+        M + "moe.intermediate_size": 32,
+        "parallelism.dp": 2,
+        "parallelism.ep": 2,
+    }
+    message = "dp=2 * cp=1 * tp=1 * pp=1 = 2 (ep=2 is carved out of dp * cp: no processes of its own)"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_world_size(load_config_dict(tiny(**moe)), 4)
+
+
+class CountedInt(int):
+    """An int that counts the remainders taken of it, refusing more than 2^20 (what `_divisors` may try)."""
+
+    taken = 0
+
+    def __mod__(self, other):
+        CountedInt.taken += 1
+        assert CountedInt.taken <= 2**20, "more than 2^20 trial divisions"
+        return int(self) % other
+
+
+def test_divisors_of_a_huge_size_take_at_most_2_to_the_20_trial_divisions():
+    """`_divisors` tried every number up to n: a hidden_size of 2^40 + 1 hung the loading of every command."""
+    from femtotron.config.rules import _divisors
+
+    assert _divisors(CountedInt(2**40 + 1)) == [1, 257, 4278255361, 2**40 + 1]  # 2^40 + 1 = 257 * 4278255361
+    assert _divisors(360) == [d for d in range(1, 361) if 360 % d == 0]
+
+
+def test_a_huge_hidden_size_not_divisible_by_the_heads_gets_the_usual_message():
+    problems = problems_of(tiny(**{M + "hidden_size": 2**40 + 1, M + "num_attention_heads": 7}))
+    heads = next(p for p in problems if M + "num_attention_heads" in p.fields)
+    assert "hidden_size=1099511627777 must be divisible by num_attention_heads=7" in heads.message
+    assert "Fix: set hidden_size to 1099511627774 or 1099511627788" in heads.message
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 0.0, -1e-6])
+def test_a_non_finite_or_non_positive_norm_epsilon_or_rope_theta_is_refused(bad):
+    """rms_norm_eps=inf trained (exit 0) a model that normalises everything to zero."""
+    p = only_problem(tiny(**{M + "rms_norm_eps": bad}))
+    assert p.fields == (M + "rms_norm_eps",)
+    assert "finite number" in p.message or "greater than 0" in p.message
+    p = only_problem(tiny(**{M + "rope_theta": bad}))
+    assert p.fields == (M + "rope_theta",)
+
+
+@pytest.mark.parametrize(
+    "changes, fields, what",
+    [
+        ({M + "hidden_size": 2**40}, (M + "vocab_size", M + "hidden_size"), "the embedding"),
+        (
+            {"tokens.micro_batch_size": 10**12},
+            ("tokens.micro_batch_size", "tokens.sequence_length", M + "hidden_size"),
+            "a micro-batch's activations",
+        ),
+        (
+            {M + "vocab_size": 4 * 10**9, "tokens.micro_batch_size": 512},
+            ("tokens.micro_batch_size", "tokens.sequence_length", M + "vocab_size"),
+            "a micro-batch's logits",
+        ),
+        (
+            {M + "max_position_embeddings": 10**30, "tokens.sequence_length": 32},
+            (M + "max_position_embeddings", M + "head_dim"),
+            "each of RoPE's tables",
+        ),
+        (
+            {M + "moe.num_experts": 2**30, M + "moe.intermediate_size": 2**10},
+            (M + "moe.num_experts", M + "moe.intermediate_size", M + "hidden_size"),
+            "each of a layer's expert weights",
+        ),
+    ],
+)
+def test_sizes_beyond_any_machine_are_refused_naming_the_fields(changes, fields, what):
+    """Such sizes reached doctor, whose meta tensors overflowed or whose real ones could not be allocated (a
+    traceback), and every command built on them."""
+    p = only_problem(tiny(**changes))
+    assert p.fields == fields
+    assert f"elements in {what}, more than 1,099,511,627,776 (rule: at most 2^40 elements" in p.message

@@ -357,3 +357,43 @@ def test_deeply_nested_dict_is_refused():
         nested = [nested]
     with pytest.raises(ConfigError, match="nested too deeply"):
         load_config_dict({"general": nested}, source="manifest.json")
+
+
+def test_a_number_of_more_digits_than_python_reads_is_refused_with_its_line(tmp_path):
+    """YAML's int() of 5,000 digits raised Python's ValueError (a 4,300-digit limit) from inside yaml."""
+    error = errors(tmp_path, GOOD.replace("train_steps: 10", "train_steps: " + "9" * 5000))
+    assert "line 16: a number of 5,000 digits (999999999999...): Python reads at most 4,300" in str(error)
+
+
+def test_an_override_of_more_digits_than_python_reads_is_refused_naming_its_field(tmp_path):
+    error = errors(tmp_path, GOOD, [f"tokens.train_steps={'9' * 5000}"])
+    problem = find(error, "tokens.train_steps")
+    assert "a number of 5,000 digits" in problem and "9" * 100 not in problem
+
+
+def test_a_config_file_over_1_mib_is_refused_before_it_is_parsed(tmp_path):
+    """A 50 MB or a 200,000-key YAML took minutes to load; /dev/zero was read until memory ran out."""
+    path = write(tmp_path, GOOD + "#" * 2**20 + "\n")
+    with pytest.raises(ConfigError, match=f"Cannot load config {path}:\n  - larger than 1 MiB"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="1,048,576 bytes"):
+        load_config("/dev/zero")
+    assert load_config(write(tmp_path, GOOD + "#" * (2**20 - len(GOOD) - 1) + "\n"))  # 1 MiB exactly
+
+
+def test_a_position_count_beyond_any_machine_is_refused_naming_its_line(tmp_path):
+    """max_position_embeddings: 10^30 loaded, and doctor's RoPE tables overflowed the meta device."""
+    huge = f"max_position_embeddings: {10**30}"
+    error = errors(tmp_path, GOOD.replace("max_position_embeddings: 64", huge))
+    problem = find(error, "model.model_config.max_position_embeddings")
+    assert "(line 9)" in problem and "elements in each of RoPE's tables" in problem
+
+
+def test_a_date_that_does_not_exist_is_refused_not_raised(tmp_path):
+    """YAML reads 2001-13-45 as a date, and its constructor raised ValueError from inside yaml."""
+    error = errors(tmp_path, GOOD.replace("train_steps: 10", "train_steps: 2001-13-45"))
+    assert "a value cannot be read (month must be in 1..12); quote it" in str(error)
+    error = errors(tmp_path, GOOD, ["tokens.train_steps=2001-13-45"])
+    assert "the value '2001-13-45' cannot be read (month must be in 1..12)" in find(
+        error, "tokens.train_steps"
+    )

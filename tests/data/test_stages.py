@@ -220,3 +220,65 @@ def test_doctor_and_inspect_data_show_the_stages(
     out = capsys.readouterr().out
     assert "data stage 1 of 2, 'stable' (steps 1 to 3)" in out and "data stage 2 of 2, 'decay'" in out
     assert out.count("sample 0: ") == 2 and str(other_folder) in out
+
+
+def test_doctor_names_each_stage_s_source_and_which_stage_trains_on_random_tokens(
+    tiny_config, tokenizer_path, tmp_path, capsys
+):
+    text = tmp_path / "notes.jsonl"
+    text.write_text('{"text": "a pipeline stage"}\n')
+    stages = [
+        {"name": "warm", "start_training_step": 1, "synthetic": True},
+        {"name": "text", "start_training_step": 4, "text_dataset": str(text)},
+    ]
+    config = tiny_config(
+        "general.run=sources",
+        VOCAB,
+        "tokens.train_steps=6",
+        f"tokenizer.tokenizer_name_or_path={tokenizer_path}",
+        data={"dataset_folder": None, "stages": stages},
+    )
+    assert main(["doctor", write_yaml(config, tmp_path / "sources.yaml"), "--device", "H100"]) == 0
+    out = capsys.readouterr().out
+    assert "'warm': steps 1 to 3, random tokens (synthetic), seed 1234" in out
+    assert f"'text': steps 4 to 6, text {text} (tokenized at start), seed 1234" in out and "None" not in out
+    # The warning names the stage, and a fix the stage rules allow (not data.dataset_folder: stages forbid it).
+    assert "data.stages.0.synthetic ('warm'): this run trains on random token ids" in out
+    assert "Set data.stages.0.dataset_folder (or data.stages.0.text_dataset) instead" in out
+
+
+def test_a_resume_in_a_later_stage_is_refused_when_an_earlier_stage_s_data_changed(
+    tiny_config, datatrove_folder, other_folder
+):
+    """Where a later stage's datasets continue depends on what the earlier stages drew: another seed or dataset
+    there would replay or skip samples with no word (exit 0 before the checkpoint recorded every stage)."""
+    first, _, _ = train(
+        two_stages(
+            tiny_config,
+            datatrove_folder,
+            other_folder,
+            "first",
+            "tokens.train_steps=5",
+            "checkpoints.checkpoint_interval=5",
+        )
+    )
+    saved = f"checkpoints.resume_checkpoint_path={first.run_dir / 'checkpoints'}"
+
+    def resumed(earlier: dict, run: str):
+        stages = [
+            {**stage("stable", 1, str(datatrove_folder)), **earlier},
+            stage("decay", 4, str(other_folder)),
+        ]
+        data = {"dataset_folder": None, "stages": stages}
+        config = tiny_config(
+            f"general.run={run}", VOCAB, CONSTANT_LR, "tokens.train_steps=6", saved, data=data
+        )
+        return Trainer(config, ParallelContext(), log_to_console=False)
+
+    with pytest.raises(
+        ConfigError, match=r"in data stage 'stable', which the run went through before: data\.seed"
+    ):
+        resumed({"seed": 7}, "seed").train()
+    with pytest.raises(ConfigError, match=r"in data stage 'stable', .*: the contents of the datasets"):
+        resumed({"dataset_folder": str(other_folder)}, "dataset").train()
+    assert len(resumed({}, "same").train()) == 1  # unchanged: resumes

@@ -12,6 +12,7 @@ from femtotron.config import LlamaConfig
 from femtotron.diagnostics import memory
 from femtotron.diagnostics.memory import human
 from femtotron.optim.muon import orthogonalised
+from femtotron.serialize.background import available_host_bytes
 
 
 def write(tiny_config, tmp_path, *overrides):
@@ -232,3 +233,80 @@ def test_doctor_counts_muon_s_momentum_and_what_it_gathers(tiny_config, tmp_path
     assert main(["doctor", write(tiny_config, tmp_path, "parallelism.tp=2")]) == 0
     out = capsys.readouterr().out
     assert "muon momentum" not in out and "muon:" not in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without --device, a GPU machine estimates its GPU")
+def test_without_a_device_a_gpu_config_gets_a_verdict_a_hint_and_its_missing_paths(capsys):
+    """examples/llama_8b_gpu.yaml on a machine without a GPU: it was sized against "CPU" with no verdict,
+    exit 0, its placeholder data and tokenizer paths unmentioned. Now: the verdict for this machine's memory,
+    shared by the 32 processes `femtotron train` would start here (20.98 GiB each), and how to size for
+    GPUs."""
+    code = main(["doctor", "examples/llama_8b_gpu.yaml"])
+    out = capsys.readouterr().out
+    fits = 32 * 20.98 * memory.GIB <= available_host_bytes()
+    assert code == (0 if fits else 1)
+    assert (
+        "fits: the largest rank needs 20.98 GiB"
+        if fits
+        else "does NOT fit (M1): pp rank 0 needs 20.98 GiB, each process has "
+    ) in out
+    assert "of this machine's memory available, for 32 process(es)" in out
+    assert (
+        "hint: no --device, and this machine has no GPU: sized for its CPU" in out and "--device H100" in out
+    )
+    for field, path in (
+        ("tokenizer.tokenizer_name_or_path", "path/to/tokenizer.json"),
+        ("data.dataset_folder", "path/to/data"),
+    ):
+        assert f"warning: {field}: {path} does not exist (relative paths start from " in out
+    assert main(["doctor", "examples/llama_8b_gpu.yaml", "--device", "H100"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: the largest rank needs" in out and "hint:" not in out
+
+
+def test_the_cpu_is_sized_against_this_machine_s_memory(tiny_config, tmp_path, capsys):
+    """--device CPU gave no verdict: the CPU had no budget."""
+    config = write(tiny_config, tmp_path, "parallelism.dp=2")
+    assert main(["doctor", config, "--device", "CPU"]) == 0
+    out = capsys.readouterr().out
+    assert "device: CPU, " in out and "GiB of this machine's memory available, for 2 process(es)" in out
+    assert "fits: the largest rank needs" in out
+    assert "does not exist" not in out  # the patterned data is there
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("tokens.micro_batch_size=1000000000000", "tokens.micro_batch_size"),
+        ("model.model_config.hidden_size=1099511627776", "model.model_config.hidden_size"),
+        (
+            f"model.model_config.max_position_embeddings={10**30}",
+            "model.model_config.max_position_embeddings",
+        ),
+    ],
+)
+def test_sizes_beyond_any_machine_are_config_errors_not_tracebacks(
+    tiny_config, tmp_path, capsys, override, named
+):
+    """A micro-batch of 1e12 was allocated for real (the allocator's traceback), a hidden size of 2^40 or 1e30
+    positions overflowed the meta device's byte counts."""
+    config = write(tiny_config, tmp_path)
+    assert main(["doctor", config, override, "--device", "H100"]) == 2
+    err = capsys.readouterr().err
+    assert f"{named} (command line override '{override}')" in err and "rule: at most 2^40 elements" in err
+
+
+def test_a_vocabulary_of_4e9_within_the_bound_does_not_fit(tiny_config, tmp_path, capsys):
+    """Its embedding (4e9 x 64) and logits (4 x 32 x 4e9) are under 2^40 elements: estimated, too large."""
+    config = write(tiny_config, tmp_path)
+    assert main(["doctor", config, "model.model_config.vocab_size=4000000000", "--device", "H100"]) == 1
+    assert "does NOT fit (M1): pp rank 0 needs" in capsys.readouterr().out
+
+
+@pytest.mark.cuda
+def test_without_a_device_a_gpu_machine_is_sized_against_its_own_gpu(tiny_config, tmp_path, capsys):
+    """No --device on a GPU machine: the GPU `femtotron train` uses, its free memory (once no verdict)."""
+    assert main(["doctor", write(tiny_config, tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"device: this machine's {torch.cuda.get_device_name()}, " in out and " GiB free)" in out
+    assert "fits: the largest rank needs" in out and "hint:" not in out

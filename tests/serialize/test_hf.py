@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from femtotron.cli import main
+from femtotron.config import load_config
+from femtotron.data.tokenizer import load_tokenizer
 from femtotron.errors import FemtotronError, PathError
 from femtotron.generate import load_run
 from femtotron.parallel.context import ParallelContext
@@ -444,16 +446,25 @@ def test_L2_an_export_from_a_checkpoint_killed_mid_way_is_cleaned_up_by_the_next
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"num_hidden_layers": 10**6}, "num_hidden_layers=1000000, but .* holds? 2 layers"),
+        ({"num_hidden_layers": 1000}, "num_hidden_layers=1000, but .* holds? 2 layers"),
+        ({"num_hidden_layers": 10**9}, "has num_hidden_layers=1000000000: a whole number from 1 to 1024"),
+        ({"num_hidden_layers": 1e9}, "has num_hidden_layers=1000000000.0: a whole number from 1 to 1024"),
         (
             {"hidden_size": 2**40, "head_dim": None},
-            "embed_tokens.weight .* is 64 wide, but config.json has hidden_size=1099511627776",
+            "vocab_size=128 \\* hidden_size=1099511627776 = .* elements in the embedding, more than",
         ),
         (
             {"intermediate_size": 10**9},
             r"mlp.down_proj.weight .* has shape \(64, 96\), but config.json makes it \(64, 1000000000\)",
         ),
-        ({"intermediate_size": 2**62}, "larger than any machine holds"),
+        (
+            {"intermediate_size": 2**62},
+            "intermediate_size=4611686018427387904 = .* elements in an MLP weight",
+        ),
+        (
+            {"max_position_embeddings": 10**30},
+            "max_position_embeddings=10{30} \\* head_dim=16 = .* RoPE's tables",
+        ),
     ],
 )
 def test_E2_a_config_far_larger_than_its_weights_is_refused_from_the_headers_at_once(
@@ -501,3 +512,67 @@ def test_an_output_directory_that_is_the_source_is_refused(hf_with_tokenizer, tm
     assert main(["import-hf", str(hf_with_tokenizer), "--out", str(hf_with_tokenizer)]) == 2
     load_run(tmp_path / "run")
     load_run(hf_with_tokenizer)
+
+
+def test_an_imported_config_works_from_any_directory(tmp_path, monkeypatch, tiny_dataset):
+    """import-hf wrote init_from absolute but the tokenizer and the output directory relative to where it ran:
+    from another directory the config named a tokenizer that was not there."""
+    hf_directory(tmp_path / "hf", shard="1GB", vocab_size=256)
+    shutil.copyfile(TOKENIZER, tmp_path / "hf" / "tokenizer.json")
+    monkeypatch.chdir(tmp_path)
+    assert main(["import-hf", "hf", "--out", "imported"]) == 0
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    config = load_config(tmp_path / "imported" / "config.yaml", [f"data.dataset_folder={tiny_dataset}"])
+    assert config.tokenizer.tokenizer_name_or_path == str(tmp_path / "imported" / "tokenizer.json")
+    assert config.model.init_from == str(tmp_path / "imported")
+    assert config.run_dir == tmp_path / "imported-train"
+    load_tokenizer(config.tokenizer.tokenizer_name_or_path)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[" + json.dumps(dict(SHAPE)) + "]", "config.json holds a JSON list, not an object"),
+        ("[" * 100_000 + "]" * 100_000, "config.json is not JSON (RecursionError"),
+    ],
+    ids=["list", "nested"],
+)
+def test_a_config_json_that_is_not_an_object_is_refused_naming_it(tmp_path, text, message):
+    """A JSON list raised AttributeError (a list has no .get), deep nesting RecursionError."""
+    hf_directory(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(text)
+    with pytest.raises(HFError, match=re.escape(message)):
+        import_hf(tmp_path / "hf", tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": float("nan")}}, "rope_theta=nan"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}}, "rope_theta=inf"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 0.0}}, "rope_theta=0.0"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps=nan"),
+        ({"rms_norm_eps": float("inf")}, "rms_norm_eps=inf"),
+        ({"rms_norm_eps": -1e-5}, "rms_norm_eps=-1e-05"),
+        ({"max_position_embeddings": 1e30}, "max_position_embeddings=1e+30"),
+    ],
+)
+def test_a_non_finite_or_non_positive_value_in_config_json_is_refused_naming_it(tmp_path, change, message):
+    """NaN and inf (JSON as Python writes it) were imported: a model computing NaN, or RoPE's tables built for
+    1e30 positions."""
+    hf_directory(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(
+        HFError, match=f"config.json holds values femtotron's Llama cannot take: {re.escape(message)}"
+    ):
+        import_hf(tmp_path / "hf", tmp_path / "run")
+
+
+def test_a_generation_config_nested_too_deep_is_refused_naming_it(tmp_path):
+    hf_directory(tmp_path / "hf")
+    (tmp_path / "hf" / "generation_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(HFError, match="generation_config.json is not a JSON object"):
+        import_hf(tmp_path / "hf", tmp_path / "run")

@@ -374,3 +374,38 @@ def test_a_reshard_that_would_change_the_optimizer_is_refused(saved, tmp_path, c
     assert main(["reshard", str(checkpoints), "--out", str(tmp_path / "muon"), muon]) != 0
     assert "holds the state of optimizer_factory.name=adamW" in capsys.readouterr().err
     assert not (tmp_path / "muon").exists()
+
+
+def test_a_layout_the_model_cannot_take_is_refused_naming_the_option_and_the_checkpoint(
+    with_tokenizer, tmp_path, capsys
+):
+    """`reshard --tp 3` reported `Invalid config <dict>` and an override `'parallelism.tp=3'` never typed."""
+    assert main(["reshard", str(with_tokenizer), "--out", str(tmp_path / "tp3"), "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert f"Invalid config in checkpoint {with_tokenizer}: 2 problems" in err
+    assert (
+        "parallelism.tp (--tp 3): num_attention_heads=4 and num_key_value_heads=2 must both be divisible"
+        in err
+    )
+    assert "<dict>" not in err and "override" not in err
+    assert not (tmp_path / "tp3").exists()
+
+
+@pytest.mark.parametrize("kind", ["model", "exp_avg"])
+def test_a_manifest_whose_shape_disagrees_with_its_config_is_a_damaged_checkpoint(
+    with_tokenizer, tmp_path, capsys, kind
+):
+    """A manifest (sealed: its own checksum holds) giving the embedding the shape [0, 64] with no slices:
+    consolidate wrote an empty embedding, exit 0."""
+
+    def empty_embedding(manifest):
+        manifest["tensors"][f"{kind}/embed_tokens.weight"].update(shape=[0, 64], slices=[])
+
+    edit_manifest(with_tokenizer, empty_embedding)
+    manifest = with_tokenizer / files.MANIFEST
+    for verb, options in (("consolidate", ["--with-optimizer"]), ("reshard", ["--dp", "2"])):
+        assert main([verb, str(with_tokenizer), "--out", str(tmp_path / verb), *options]) == 6
+        err = capsys.readouterr().err
+        assert f"{kind}/embed_tokens.weight in {manifest} has shape (0, 64), " in err, err
+        assert "the checkpoint is damaged" in err
+        assert not (tmp_path / verb / "model.safetensors").exists()

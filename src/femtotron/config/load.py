@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
+import sys
 import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,6 +27,10 @@ _PLACEHOLDERS = {"tokens.train_steps": 1, "data.seed": 1234}
 # The most values (keys, items, scalars) a config may hold once its YAML aliases are expanded. A real one
 # holds a few hundred; nested aliases (`&a [*b, *b, ...]`) can reach billions from a few hundred bytes.
 MAX_VALUES = 100_000
+# The largest config file read, checked before parsing: a real one is a few KiB; PyYAML parses about
+# 200 KiB a second, and a device (`/dev/zero`) never ends.
+MAX_CONFIG_BYTES = 2**20
+INT_TAG = "tag:yaml.org,2002:int"
 # Sections only a nanotron config has: it is translated (config/nanotron.py).
 NANOTRON_SECTIONS = {"data_stages", "lighteval", "s3_upload", "metrics_logging", "profiler"}
 _TOO_DEEP = "nested too deeply to be a config (a few levels of sections are enough)"
@@ -37,7 +43,15 @@ def load_config(
     `sources`: where overrides not typed as such came from (e.g. {"parallelism.tp=3": "--tp 3"})."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            _fail(
+                path,
+                f"larger than {MAX_CONFIG_BYTES // 2**20} MiB (rule: a config file is at most "
+                f"{MAX_CONFIG_BYTES:,} bytes; a real one is a few KiB): not a config. Check the path",
+            )
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         example = "e.g. `femtotron train examples/debug.yaml`"
         _fail(path, f"file not found (relative paths start from {Path.cwd()}); check the path, {example}")
@@ -55,6 +69,8 @@ def load_config(
         _fail(path, _yaml_error(e))
     except RecursionError:
         _fail(path, _TOO_DEEP)
+    except ValueError as e:  # a date that does not exist (2001-13-45); numbers too long are refused above
+        _fail(path, f"a value cannot be read ({e}); quote it to keep it a string")
     finally:
         if loader is not None:
             loader.dispose()
@@ -63,9 +79,11 @@ def load_config(
     if is_nanotron(data):  # translated into femtotron's keys, or refused with every reason at once
         from femtotron.config.nanotron import translate_or_fail
 
-        translation = translate_or_fail(data, lines, str(path))
+        # nanotron's yaml.load keeps a duplicated key's last value: a warning there, not a problem
+        translation = translate_or_fail(data, lines, str(path), duplicates)
         data = translation.config
         lines = translation.lines
+        duplicates = []
     return _build(
         data,
         source=str(path),
@@ -89,10 +107,14 @@ def is_nanotron(data: Any) -> bool:
 
 
 def load_config_dict(
-    mapping: Mapping[str, Any], source: str = "<dict>", overrides: Sequence[str] = ()
+    mapping: Mapping[str, Any],
+    source: str = "<dict>",
+    overrides: Sequence[str] = (),
+    sources: Mapping[str, str] | None = None,
 ) -> Config:
-    """Validate an in-memory config (tests, `Config.to_dict()` output) exactly like a YAML file."""
-    return _build(mapping, source=source, overrides=overrides, lines={}, found=[], sources={})
+    """Validate an in-memory config (tests, `Config.to_dict()` output, a checkpoint's) exactly like a YAML
+    file; `source` names it in messages, `sources` as in `load_config`."""
+    return _build(mapping, source=source, overrides=overrides, lines={}, found=[], sources=sources or {})
 
 
 def _fail(path: Path, message: str) -> NoReturn:
@@ -120,6 +142,8 @@ def _count_values(node: yaml.Node, counted: dict[int, int], path: Path) -> int:
         return counted[key]
     counted[key] = -1  # being counted: seen again below means a cycle
     children: list[yaml.Node] = []
+    if node.tag == INT_TAG and len(node.value) > sys.get_int_max_str_digits():  # int() would raise in yaml
+        _fail(path, f"line {node.start_mark.line + 1}: {_too_many_digits(node.value)}")
     if isinstance(node, yaml.MappingNode):
         children = [part for pair in node.value for part in pair]
     elif isinstance(node, yaml.SequenceNode):
@@ -134,6 +158,14 @@ def _count_values(node: yaml.Node, counted: dict[int, int], path: Path) -> int:
         )
     counted[key] = total
     return total
+
+
+def _too_many_digits(number: str) -> str:
+    limit = sys.get_int_max_str_digits()
+    return (
+        f"a number of {len(number):,} digits ({number[:12]}...): Python reads at most {limit:,}, and a "
+        "config's numbers have a few. Fix: write the number meant"
+    )
 
 
 def _map_lines(node: yaml.Node, prefix: str, lines: dict[str, int]) -> list[Problem]:
@@ -243,6 +275,12 @@ def _apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> tuple[di
             message = f"the value {raw!r} is not valid YAML ({getattr(e, 'problem', e)}); quote a string"
             problems.append(Problem((key,), message, where))
             continue
+        except ValueError as e:  # int() of more digits than Python converts, or a date that does not exist
+            message = f"the value {raw!r} cannot be read ({e}); quote a string"
+            if len(raw) > sys.get_int_max_str_digits():
+                message = _too_many_digits(raw)
+            problems.append(Problem((key,), message, (f"command line override '{key}=...'",)))
+            continue
         *parents, leaf = key.split(".")
         node = data
         for i, part in enumerate(parents):
@@ -322,6 +360,15 @@ def _all_paths(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
     return paths
 
 
+@functools.cache  # asked once per unknown key: 40,000 of them took 5 s when each walked the schema
+def _paths_by_key() -> dict[str, list[str]]:
+    """Every field's dotted paths, by its key."""
+    paths: dict[str, list[str]] = {}
+    for path in _all_paths():
+        paths.setdefault(path.rsplit(".", 1)[-1], []).append(path)
+    return paths
+
+
 def _unknown_key(parent: list[str], key: str) -> tuple[str, list[str]]:
     """Message for an unknown key: the likely intended key, the section it belongs in, or the valid keys."""
     section = ".".join(parent)
@@ -330,12 +377,14 @@ def _unknown_key(parent: list[str], key: str) -> tuple[str, list[str]]:
     valid = [f.alias or name for name, f in model.model_fields.items()]
     prefix = f"{section}." if section else ""
     what = f"unknown key '{key}' in {section}" if section else f"unknown section '{key}'"
-    scores = {v: difflib.SequenceMatcher(None, key, v).ratio() for v in valid}
+    matchers = {v: difflib.SequenceMatcher(None, key, v) for v in valid}
+    # ratio() is at most quick_ratio(), which is cheap: the keys that cannot reach 0.6 are not compared
+    scores = {v: m.ratio() for v, m in matchers.items() if m.quick_ratio() >= 0.6}
     best = max(scores.values(), default=0.0)
-    close = [v for v in valid if scores[v] >= max(0.6, best - 0.05)]  # the best match, and any as good
+    close = [v for v in scores if scores[v] >= max(0.6, best - 0.05)]  # the best match, and any as good
     if close:
         return f"{what}; did you mean {' or '.join(repr(c) for c in close)}?", [prefix + c for c in close]
-    elsewhere = [p for p in _all_paths() if p.rsplit(".", 1)[-1] == key]
+    elsewhere = _paths_by_key().get(key, [])
     if elsewhere:
         return f"{what}; '{key}' belongs at {' or '.join(elsewhere)}. Move it there.", elsewhere
     return f"{what}; valid keys here: {', '.join(valid)}", []

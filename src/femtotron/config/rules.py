@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn, TypeVar
 
-from femtotron.config.sections import ConfigFields
+from femtotron.config.sections import ConfigFields, LlamaConfig
 from femtotron.errors import ConfigError
 from femtotron.parallel.mesh import WORLD_DIMENSIONS, Mesh
 
@@ -23,6 +23,10 @@ M = "model.model_config."
 # The most decoder layers a model may have. The largest trained have about 130; a config from elsewhere with
 # 1e9 would make everything built per layer (the model, the checks of it) exhaust the machine.
 MAX_LAYERS = 1024
+# The most elements one tensor may have: 2^40, 2 TiB in bf16, 14 times the largest GPU's memory. A size
+# past it is a typo or a hostile file's, and would overflow even the meta device's byte counts (doctor builds
+# there).
+MAX_TENSOR_ELEMENTS = 2**40
 # A config of any class, given back as the same class by `with_changes` (a `Config` stays a `Config`).
 AnyConfig = TypeVar("AnyConfig", bound=ConfigFields)
 
@@ -81,7 +85,11 @@ def fixes_that_hold(cfg: ConfigFields, candidates: list[tuple[str, dict[str, Any
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of `n`, ascending, by trial division up to sqrt(n) in at most 2^20 steps: all of them
+    for any n up to 2^40 (every real size); of a larger n (a hostile config's), those below 2^20 and their
+    cofactors, so the fixes suggested stay true."""
+    small = [d for d in range(1, min(math.isqrt(n), 2**20) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def _join(values: list[int]) -> str:
@@ -229,6 +237,65 @@ def layers_within_bound(cfg: ConfigFields) -> Problem | None:
         f"num_hidden_layers={layers} is more than {MAX_LAYERS} (rule: at most {MAX_LAYERS}; the largest "
         f"models have about 130). Fix: num_hidden_layers={MAX_LAYERS} or fewer; check the config's source.",
     )
+
+
+def model_tensor_too_large(m: LlamaConfig, prefix: str = M) -> Problem | None:
+    """The first of the model's largest tensors with more than MAX_TENSOR_ELEMENTS elements, its fields named
+    with `prefix` (config.json's have none)."""
+    sizes = {
+        "the embedding": {"vocab_size": m.vocab_size, "hidden_size": m.hidden_size},
+        "an MLP weight": {"hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size},
+        "the query weight": {
+            "hidden_size": m.hidden_size,
+            "num_attention_heads": m.num_attention_heads,
+            "head_dim": m.head_dim,
+        },
+        "each of RoPE's tables": {
+            "max_position_embeddings": m.max_position_embeddings,
+            "head_dim": m.head_dim,
+        },
+    }
+    if m.moe is not None:
+        sizes["each of a layer's expert weights"] = {
+            "moe.num_experts": m.moe.num_experts,
+            "moe.intermediate_size": m.moe.intermediate_size,
+            "hidden_size": m.hidden_size,
+        }
+        sizes["the shared experts' weights"] = {
+            "moe.num_shared_experts": m.moe.num_shared_experts,
+            "moe.intermediate_size": m.moe.intermediate_size,
+            "hidden_size": m.hidden_size,
+        }
+    return _too_large({what: {prefix + k: v for k, v in fields.items()} for what, fields in sizes.items()})
+
+
+def tensors_within_bound(cfg: ConfigFields) -> Problem | None:
+    m = cfg.model.model_config_
+    tokens = {
+        "tokens.micro_batch_size": cfg.tokens.micro_batch_size,
+        "tokens.sequence_length": cfg.tokens.sequence_length,
+    }
+    return model_tensor_too_large(m) or _too_large(
+        {
+            "a micro-batch's activations": {**tokens, M + "hidden_size": m.hidden_size},
+            "a micro-batch's logits": {**tokens, M + "vocab_size": m.vocab_size},
+        }
+    )
+
+
+def _too_large(sizes: dict[str, dict[str, int]]) -> Problem | None:
+    for what, fields in sizes.items():
+        elements = math.prod(fields.values())
+        if elements > MAX_TENSOR_ELEMENTS:
+            product = " * ".join(f"{field.rsplit('.', 1)[-1]}={value}" for field, value in fields.items())
+            return Problem(
+                tuple(fields),
+                f"{product} = {elements:,} elements in {what}, more than {MAX_TENSOR_ELEMENTS:,} (rule: "
+                "at most 2^40 elements in a tensor, 2 TiB in bf16: no machine holds more). Fix: give the "
+                "sizes of the model meant (hidden_size 4096, vocab_size 128256, intermediate_size 14336 for "
+                "Llama 3 8B); check the config's source.",
+            )
+    return None
 
 
 def listed_layers_exist(cfg: ConfigFields) -> Problem | None:
@@ -510,6 +577,7 @@ RULES: list[Callable[[ConfigFields], Problem | None]] = [
     experts_split_over_tp_and_ep,
     experts_split_over_data_parallel_ranks,
     layers_within_bound,
+    tensors_within_bound,
     listed_layers_exist,
     enough_layers_for_the_stages,
     interleaving_needs_several_ranks,
@@ -558,8 +626,10 @@ def check_world_size(config: ConfigFields, world_size: int) -> None:
     if len(valid) > 12:
         listing += f"; ... and {len(valid) - 12} more"
     processes = f"{mesh.world_size} process{'es' if mesh.world_size > 1 else ''}"
+    product = " * ".join(f"{name}={mesh.size(name)}" for name in WORLD_DIMENSIONS)  # cp too, even at 1
+    experts = f" (ep={mesh.ep} is carved out of dp * cp: no processes of its own)" if mesh.ep > 1 else ""
     message = (
-        f"{mesh.describe(' * ')} = {mesh.world_size}, but WORLD_SIZE={world_size} processes were launched; "
+        f"{product} = {mesh.world_size}{experts}, but WORLD_SIZE={world_size} processes were launched; "
         f"{' * '.join(WORLD_DIMENSIONS)} must equal WORLD_SIZE. Fix: launch {processes}, or choose a layout "
         f"for {world_size}: {listing or 'none fits this model'}."
     )

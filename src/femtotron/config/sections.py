@@ -13,7 +13,7 @@ import os
 import re
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -31,8 +31,9 @@ from pydantic import (
 
 
 class _Section(BaseModel):
-    # A misspelled key must be an error, never a silently ignored setting.
-    model_config = ConfigDict(extra="forbid")
+    # A misspelled key must be an error, never a silently ignored setting; no number is inf or nan (an
+    # rms_norm_eps of inf trained to a constant model, exit 0).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # `%date` in general.run: this start's date, set once by `femtotron train` so that every process it
@@ -56,7 +57,14 @@ class GeneralArgs(_Section):
     def _expand_templates(cls, run: str) -> str:
         if "%date" in run:
             run = run.replace("%date", run_date())
-        return run.replace("%jobid", os.environ.get("SLURM_JOB_ID", "local"))
+        run = run.replace("%jobid", os.environ.get("SLURM_JOB_ID", "local"))
+        # The run directory is logging.output_dir/general.run: a run may write nowhere else.
+        if not run or Path(run).is_absolute() or ".." in Path(run).parts:
+            raise ValueError(
+                "it would put the run directory outside logging.output_dir: give a relative name "
+                "without '..' (e.g. exp1 or exp1/lr3e-4), and the directory above it as logging.output_dir"
+            )
+        return run
 
 
 class RopeScaling(_Section):
@@ -349,6 +357,15 @@ class OptimizerFactoryArgs(_Section):
     muon_learning_rate: PositiveFloat | None = None
     muon_weight_decay: NonNegativeFloat | None = None  # None: optimizer.weight_decay
 
+    @field_validator("name", mode="before")
+    @classmethod
+    def _in_any_case(cls, name: Any) -> Any:
+        """`adamw` (PyTorch's and torchtitan's spelling) is adamW: the names differ in more than case."""
+        names = get_args(cls.model_fields["name"].annotation)
+        return next(
+            (known for known in names if isinstance(name, str) and name.lower() == known.lower()), name
+        )
+
 
 class LossScaleArgs(_Section):
     """Dynamic loss scaling, used only with model.dtype=float16 (optim/loss_scale.py)."""
@@ -392,7 +409,8 @@ class OptimizerArgs(_Section):
         return patterns
 
 
-DatasetSpec = str | list[str] | dict[str, float]
+# A blend weight of inf or nan is let through to `_checked_spec`, whose message says what a weight must be.
+DatasetSpec = str | list[str] | dict[str, Annotated[float, Field(allow_inf_nan=True)]]
 _SPEC_SHAPES = {
     "text_dataset": "must be a path to text (string), a list of them, or a mapping {path: weight}",
     "tokens": "must be a .bin/.idx path prefix or directory (string), a list of them, or a mapping "

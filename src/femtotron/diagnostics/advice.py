@@ -114,10 +114,15 @@ def data_warnings(config: Config) -> list[str]:
                 f"run's last step (tokens.train_steps={steps}): it is never read. Raise train_steps, or move "
                 "its start_training_step earlier."
             )
-    if any(stage.synthetic for stage in config.data.stage_list()):
+    for i, stage in enumerate(config.data.stage_list()):
+        if not stage.synthetic:
+            continue
+        where = config.data.stage_path(i)
+        named = f" ({stage.name!r})" if config.data.stages else ""
         out.append(
-            "data.synthetic: this run trains on random token ids, uniform over the vocabulary, to measure "
-            "throughput: the loss cannot fall below ln(vocab_size). Set data.dataset_folder to train a model."
+            f"{where}.synthetic{named}: this run trains on random token ids, uniform over the vocabulary, to "
+            f"measure throughput: the loss cannot fall below ln(vocab_size). Set {where}.dataset_folder (or "
+            f"{where}.text_dataset) instead to train a model."
         )
     return out
 

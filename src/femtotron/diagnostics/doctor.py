@@ -8,6 +8,8 @@ fit, the usual fixes, each with the estimate it gives.
 
 from __future__ import annotations
 
+import glob
+import os
 from collections import Counter
 
 import torch
@@ -65,12 +67,14 @@ def fixes(config: Config, budget: float, on_cpu: bool) -> list[str]:
     lines = []
     for label, changed in candidates:
         total = worst_stage(changed, on_cpu).total
-        verdict = "fits" if total <= budget else "still too much"
+        # A CPU's memory is shared by every process on it: more processes, less each.
+        share = par.world_size / changed.parallelism.world_size if on_cpu else 1
+        verdict = "fits" if total <= budget * share else "still too much"
         lines.append(f"  {label}: {human(total)} per rank ({verdict})")
     return lines
 
 
-def variants(config: Config, budget: float | None, on_cpu: bool) -> list[str]:
+def variants(config: Config, budget: float, on_cpu: bool) -> list[str]:
     """The same layout at the other ZeRO stages and with recomputation switched the other way, whether or not
     it fits."""
     par = config.parallelism
@@ -86,10 +90,7 @@ def variants(config: Config, budget: float | None, on_cpu: bool) -> list[str]:
     lines = []
     for label, changed in toggles:
         total = worst_stage(changed, on_cpu).total
-        if budget is None:
-            verdict = ""
-        else:
-            verdict = " (fits)" if total <= budget else " (does not fit)"
+        verdict = " (fits)" if total <= budget else " (does not fit)"
         lines.append(f"  with {label}: {human(total)} per rank{verdict}")
     return lines
 
@@ -234,9 +235,11 @@ def diagnose(
     gpus_per_node: int,
 ) -> tuple[str, bool]:
     """The report, and whether everything fits. No device named: the one `femtotron train` would use here,
-    this machine's CPU when it has no GPU (no NCCL communicators then)."""
+    this machine's GPU, or its CPU when it has none (no NCCL communicators then), with a hint to name the
+    GPUs meant."""
     par = config.parallelism
-    if device is None and device_memory is None and not torch.cuda.is_available():
+    for_this_cpu = device is None and device_memory is None and not torch.cuda.is_available()
+    if for_this_cpu:
         device = "CPU"
     if world_size is not None:
         check_world_size(config, world_size)  # L1: raises with the valid layouts
@@ -248,6 +251,7 @@ def diagnose(
     ]
     lines += data_plan(config)
     lines += [f"warning: {w}" for w in config_warnings(config)]
+    lines += [f"warning: {m}" for m in missing_paths(config)]
     if par.tp > gpus_per_node:
         lines.append(
             f"warning: tp={par.tp} > {gpus_per_node} GPUs per node: every layer's tp collectives cross the "
@@ -270,7 +274,7 @@ def diagnose(
         imbalance = imbalance_warning(config, stages)
         if imbalance:
             lines.append(f"warning: {imbalance}")
-    where, budget = device_budget(device, device_memory)
+    where, budget = device_budget(device, device_memory, par.world_size)
     on_cpu = (device or "").lower() == "cpu"
     estimates = [estimate_rank(config, p, on_cpu) for p in range(par.pp)]
     lines.append("communication per rank:")
@@ -295,26 +299,53 @@ def diagnose(
         )
     worst = max(estimates, key=lambda e: e.total)
     lines += variants(config, budget, on_cpu)
-    fits = budget is None or worst.total <= budget
-    if budget is not None:
-        if fits:
-            line = (
-                f"fits: the largest rank needs {human(worst.total)} of {budget / GIB:.1f} GiB "
-                f"({worst.total / budget:.0%})"
+    fits = worst.total <= budget
+    if fits:
+        line = (
+            f"fits: the largest rank needs {human(worst.total)} of {budget / GIB:.1f} GiB "
+            f"({worst.total / budget:.0%})"
+        )
+        if budget - worst.total < 2 * GIB and not on_cpu:
+            line += (
+                "; within 2 GiB of the device: the allocator's slack (not in the estimate) and NCCL "
+                f"buffers beyond {human(NCCL_COMMUNICATOR_BYTES)} per communicator may not fit"
             )
-            if budget - worst.total < 2 * GIB:
-                line += (
-                    "; within 2 GiB of the device: the allocator's slack (not in the estimate) and NCCL "
-                    f"buffers beyond {human(NCCL_COMMUNICATOR_BYTES)} per communicator may not fit"
-                )
-            lines.append(line)
-        else:
-            lines.append(
-                f"does NOT fit (M1): pp rank {worst.pp_rank} needs {human(worst.total)}, the device has "
-                f"{budget / GIB:.1f} GiB. More fixes, each on its own (ZeRO-1 and recomputation: above):"
-            )
-            lines += fixes(config, budget, on_cpu)
+        lines.append(line)
+    else:
+        has = "each process has" if on_cpu else "the device has"
+        lines.append(
+            f"does NOT fit (M1): pp rank {worst.pp_rank} needs {human(worst.total)}, {has} "
+            f"{budget / GIB:.1f} GiB. More fixes, each on its own (ZeRO-1 and recomputation: above):"
+        )
+        lines += fixes(config, budget, on_cpu)
+    if for_this_cpu:
+        lines.append(
+            "hint: no --device, and this machine has no GPU: sized for its CPU, where `femtotron train` "
+            "would run here. For the GPUs you will train on, pass --device H100 (or H200, A100-80GB, "
+            "A100-40GB, L40S, V100-32GB), or --device-memory GIB"
+        )
     return "\n".join(lines), fits
+
+
+def missing_paths(config: Config) -> list[str]:
+    """The files the config reads (tokenizer, data) that are not here: said, as doctor sizes the model
+    anyway."""
+    named = [
+        ("tokenizer.tokenizer_name_or_path", config.tokenizer.tokenizer_name_or_path),
+        ("data.validation_folder", config.data.validation_folder),
+    ]
+    for index, stage in enumerate(config.data.stage_list()):
+        path = config.data.stage_path(index)
+        named += [(f"{path}.{key}", getattr(stage, key)) for key in ("dataset_folder", "text_dataset")]
+    lines = []
+    for field, spec in named:
+        for given in [spec] if isinstance(spec, str) else spec or []:  # a list, or {path: weight}
+            if not (glob.glob(given) or os.path.exists(f"{given}.bin")):  # a .bin/.idx prefix, or a glob
+                lines.append(
+                    f"{field}: {given} does not exist (relative paths start from {os.getcwd()}): `femtotron "
+                    "train` would stop there. Fix the path; the estimates below do not need the file"
+                )
+    return lines
 
 
 def data_plan(config: Config) -> list[str]:
@@ -323,7 +354,11 @@ def data_plan(config: Config) -> list[str]:
     lines = ["data stages:"] if len(stages) > 1 else []
     for i, stage in enumerate(stages):
         last = stage_end(stages, i) or config.tokens.train_steps
-        source = "random tokens (synthetic)" if stage.synthetic else f"{stage.dataset_folder}"
+        source = f"{stage.dataset_folder}"
+        if stage.synthetic:
+            source = "random tokens (synthetic)"
+        elif stage.text_dataset is not None:
+            source = f"text {stage.text_dataset} (tokenized at start)"
         if len(stages) == 1:
             lines.append(f"data: {source}, seed {stage.seed}")
         else:

@@ -46,6 +46,7 @@ from femtotron.parallel.split_backward import (
     kept_tensors,
 )
 from femtotron.precision import ESTIMATING_FOR_THIS_CPU
+from femtotron.serialize.background import available_host_bytes
 
 GIB = 2**30
 # A chunk's step is simulated with at most this many decoder layers (see `_per_layer`).
@@ -58,7 +59,7 @@ DEVICES = {
     "A100-40GB": 39.4,
     "L40S": 44.4,
     "V100-32GB": 31.7,
-    "CPU": None,
+    "CPU": None,  # this machine's memory, as available now
 }
 # NCCL's device memory per communicator, a middle figure (0.3-1.6 GiB are reported on H100-class GPUs): every
 # channel keeps, per peer it receives from, a buffer per protocol (Simple: NCCL_BUFFSIZE, 4 MiB by default;
@@ -324,17 +325,23 @@ def human(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def device_budget(device: str | None, device_memory: float | None) -> tuple[str, float | None]:
+def device_budget(device: str | None, device_memory: float | None, processes: int) -> tuple[str, float]:
+    """What the device is called in the report, and the bytes a rank may take on it: `device_memory` GiB; a
+    named GPU's usable memory; the CPU's, this machine's memory available now, shared by the `processes`
+    that `femtotron train` starts on it; no device named: this machine's first GPU's free memory."""
     if device_memory is not None:
         return f"{device_memory:g} GiB per device", device_memory * GIB
     if device is None:
-        return "no device given (--device or --device-memory)", None
+        free, _ = torch.cuda.mem_get_info()
+        return f"this machine's {torch.cuda.get_device_name()}, {free / GIB:.1f} GiB free", free
     name = next((k for k in DEVICES if k.lower() == device.lower()), None)
     if name is None:
         raise ValueError(
             f"unknown device {device!r}; known: {', '.join(DEVICES)}, or give --device-memory GIB"
         )
     memory = DEVICES[name]
-    if not memory:  # a CPU: no fixed budget
-        return name, None
+    if not memory:
+        available = available_host_bytes()
+        where = f"{available / GIB:.1f} GiB of this machine's memory available, for {processes} process(es)"
+        return f"{name}, {where}", available / processes
     return f"{name} ({memory:g} GiB usable)", memory * GIB

@@ -25,11 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from femtotron.atomic import atomic_path, copy_file, remove, temporary_name
 from femtotron.config import Config, LlamaConfig, load_config_dict
+from femtotron.config.rules import MAX_LAYERS, model_tensor_too_large
 from femtotron.data.tokenizer import load_tokenizer
 from femtotron.errors import ConfigError, FemtotronError, PathError
 from femtotron.layout import DTYPES
@@ -85,6 +87,13 @@ def llama_config(hf: dict[str, Any], where: Path) -> tuple[LlamaConfig, Family]:
     """LlamaConfig from an HF config.json's contents, and its family; what femtotron's Llama does not compute
     is refused, each thing named."""
     family = family_in(hf, where)
+    layers = hf.get("num_hidden_layers")
+    if layers is not None and not (isinstance(layers, int) and 1 <= layers <= MAX_LAYERS):
+        # before anything counts the layers: the families' readers go through them one by one
+        raise HFError(
+            f"{where} has num_hidden_layers={layers!r}: a whole number from 1 to {MAX_LAYERS} (the largest "
+            "models have about 130). Check the file's source, or re-save the model with save_pretrained"
+        )
     problems = [
         f"{key}={hf[key]!r}: femtotron's model has none (needs {off!r})"
         for key, off in family.not_used.items()
@@ -111,9 +120,17 @@ def llama_config(hf: dict[str, Any], where: Path) -> tuple[LlamaConfig, Family]:
     if problems:
         raise HFError(f"{where} describes a model femtotron cannot load:\n  - " + "\n  - ".join(problems))
     try:
-        return LlamaConfig(**values), family
-    except ValueError as e:
-        raise HFError(f"{where} holds values femtotron's Llama cannot take: {e}") from None
+        cfg = LlamaConfig(**values)
+    except ValidationError as e:
+        wrong = [f"{'.'.join(map(str, err['loc']))}={err['input']!r}: {err['msg']}" for err in e.errors()]
+        raise HFError(
+            f"{where} holds values femtotron's Llama cannot take: {'; '.join(wrong)}. Check the file's "
+            "source, or re-save the model with save_pretrained"
+        ) from None
+    too_large = model_tensor_too_large(cfg, prefix="")
+    if too_large is not None:
+        raise HFError(f"{where}: {too_large.message}")
+    return cfg, family
 
 
 @dataclass(frozen=True)
@@ -135,8 +152,13 @@ def open_hf(hf_dir: Path) -> OpenedHF:
     inside(hf_dir, HF_CONFIG)
     try:
         hf = json.loads(config_path.read_text())
-    except ValueError as e:
-        raise HFError(f"{config_path} is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise HFError(f"{config_path} is not JSON ({type(e).__name__}: {e}): re-save the model") from None
+    if not isinstance(hf, dict):
+        raise HFError(
+            f"{config_path} holds a JSON {type(hf).__name__}, not an object of the model's settings "
+            '({"architectures": [...], "hidden_size": ...}): re-save the model with save_pretrained'
+        )
     cfg, family = llama_config(hf, config_path)
     handles: dict[str, Any] = {}
     for file, names in _weight_files(hf_dir).items():
@@ -216,7 +238,7 @@ def read_as_run(hf_dir: Path, out: Path | None = None) -> tuple[Config, dict[str
     opened = open_hf(hf_dir)
     cfg = opened.cfg
     state = from_hf({name: f.get_tensor(name) for name, f in opened.handles.items()}, cfg, opened.family)
-    out = out or hf_dir
+    out = (out or hf_dir).resolve()  # every path in the config absolute: it works from any directory
     dtype = opened.config_json.get("dtype") or opened.config_json.get("torch_dtype") or "float32"
     tokenizer = str(out / TOKENIZER_FILE) if inside(hf_dir, TOKENIZER_FILE).is_file() else None
     config = load_config_dict(
@@ -225,7 +247,7 @@ def read_as_run(hf_dir: Path, out: Path | None = None) -> tuple[Config, dict[str
             "model": {
                 "model_config": cfg.model_dump(),
                 "dtype": dtype if dtype in DTYPES else "float32",
-                "init_from": str(out.resolve()),
+                "init_from": str(out),
                 "hf_architecture": opened.family.architecture,
             },
             "tokenizer": {
@@ -250,7 +272,7 @@ def _eos_token_ids(hf_dir: Path, config_json: dict[str, Any]) -> list[int]:
     if path.is_file():
         try:
             eos = json.loads(inside(hf_dir, GENERATION_CONFIG).read_text()).get("eos_token_id")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             raise HFError(f"{path} is not a JSON object: re-save the model with save_pretrained") from None
     if eos is None:
         eos = config_json.get("eos_token_id")

@@ -17,14 +17,22 @@ import torch
 from safetensors.torch import save_file
 
 from femtotron.atomic import atomic_path, copy_file, remove
-from femtotron.config import Config, load_config_dict
+from femtotron.config import Config, LlamaConfig, load_config_dict
 from femtotron.layout import meta_rank_model
 from femtotron.serialize.checkpoint import check_optimizer_matches, commit, mesh_of, resolve, saved_slices
-from femtotron.serialize.files import CheckpointError, CheckpointReader, Slice, file_record, write_rank_file
+from femtotron.serialize.files import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointReader,
+    Slice,
+    file_record,
+    write_rank_file,
+)
 from femtotron.serialize.weights import (
     CONFIG_FILE,
     TOKENIZER_FILE,
     WEIGHTS_FILE,
+    shape_problem,
     staged_outputs,
     write_config,
     write_parts,
@@ -35,9 +43,10 @@ SOURCE = "the CHECKPOINT argument"
 KINDS = ("model", "master", "exp_avg", "exp_avg_sq", "momentum")
 
 
-def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
+def reshard(source: Path, out: Path, overrides: list[str], sources: dict[str, str] | None = None) -> Path:
     """Write the checkpoint at (or latest under) `source` into the checkpoints directory `out`, laid out
-    for the config the checkpoint was saved with plus `overrides` (e.g. parallelism.tp=4)."""
+    for the config the checkpoint was saved with plus `overrides` (e.g. parallelism.tp=4). `sources`: the
+    option each override came from, for messages (e.g. {"parallelism.tp=4": "--tp 4"})."""
     directory, _ = resolve(source, SOURCE)
     if out.resolve() == directory.parent.resolve():
         raise CheckpointError(
@@ -46,7 +55,8 @@ def reshard(source: Path, out: Path, overrides: list[str]) -> Path:
         )
     with CheckpointReader(directory, verify_all=True) as reader:
         manifest = reader.manifest
-        config = load_config_dict(manifest["config"], overrides=overrides)
+        config = load_config_dict(manifest["config"], f"in checkpoint {directory}", overrides, sources)
+        check_shapes(reader, config)
         check_optimizer_matches(manifest, config, directory)  # the state it holds is one optimizer's
         tmp = out / f".tmp-{directory.name}"
         final = out / directory.name
@@ -97,6 +107,7 @@ def consolidate(source: Path, out: Path, with_optimizer: bool = False) -> Path:
             shape = reader.shape(tensor)
             return reader.read(tensor, ((0,) * len(shape), shape))
 
+        check_shapes(reader, load_config_dict(reader.manifest["config"], f"in checkpoint {directory}"))
         step = str(reader.manifest["step"])
         files = {WEIGHTS_FILE: lambda name: name.startswith("model/")}
         if with_optimizer:
@@ -109,6 +120,27 @@ def consolidate(source: Path, out: Path, with_optimizer: bool = False) -> Path:
         write_config(staging, reader.manifest["config"])
         write_parts(staging, [WEIGHTS_FILE])
     return out
+
+
+def check_shapes(reader: CheckpointReader, config: Config) -> None:
+    """Refuse a checkpoint whose tensors do not have the shapes its config makes (a zero dimension among them,
+    which consolidated into an empty embedding), naming the manifest and the tensor."""
+    shapes = {tensor: reader.shape(tensor) for tensor in reader.tensors}
+    weights = {tensor: shape for tensor, shape in shapes.items() if tensor.startswith("model/")}
+    where = str(reader.directory / MANIFEST)
+
+    def saved_names(state: dict[str, torch.Tensor], _: LlamaConfig) -> dict[str, torch.Tensor]:
+        return {f"model/{name}": tensor for name, tensor in state.items()}
+
+    problem = shape_problem(config.model.model_config_, weights, where, "its config", saved_names)
+    for tensor, shape in shapes.items():  # the optimizer's state has its weight's shape
+        weight = f"model/{tensor.partition('/')[2]}"
+        if problem is None and shape != shapes.get(weight):
+            problem = (
+                f"{tensor} in {where} has shape {shape}, unlike {weight} ({shapes.get(weight, 'absent')})"
+            )
+    if problem is not None:
+        raise CheckpointError(f"{problem}: the checkpoint is damaged. Use an earlier checkpoint.")
 
 
 def copy_tokenizer(reader: CheckpointReader, directory: Path) -> bool:
