@@ -62,8 +62,9 @@ def test_the_mfu_yardstick_is_the_fastest_matmul_ever_measured_on_this_machine(t
 def test_the_mfu_yardstick_says_when_and_how_it_was_measured_and_is_measured_per_thread_count(
     tmp_path, monkeypatch
 ):
-    """A figure kept for good must say where it came from; one measured with 2 threads is no yardstick for a
-    rank running 1 (a launcher's ranks), and an entry of an older femtotron (a bare number) is measured again."""
+    """A figure kept for good must say where it came from; one measured with 2 threads is no yardstick for
+    a rank running 1 (a launcher's ranks), and an entry of an older femtotron (a bare number) is measured
+    again."""
     import femtotron.metrics
 
     trials = []

@@ -118,7 +118,7 @@ def test_a_second_ctrl_c_to_a_self_launched_run_stops_its_ranks_at_once(config, 
 
 
 def test_ctrl_c_under_torchrun_reaches_the_ranks_which_save_and_exit_7(config, tmp_path):
-    """torchrun passes a SIGINT on to its ranks and waits for them (30 s by default, its --shutdown-timeout)."""
+    """torchrun passes a SIGINT on to its ranks and waits for them (30 s by default: --shutdown-timeout)."""
     run = start(
         config,
         "parallelism.dp=2",

@@ -115,8 +115,9 @@ class StepLogger:
         cls, config: Config, ctx: ParallelContext, log: RunLog, matmul_dtype: torch.dtype
     ) -> StepLogger:
         """MFU against the peak of the matmul the model runs most: its largest weight times a micro-batch.
-        Rank 0 measures it (where it is not a data sheet's) while the other ranks wait, so that no other rank
-        of this run loads the machine meanwhile; they take its figure, the one the run's MFU is logged with."""
+        Rank 0 measures it (where it is not a data sheet's) while the other ranks wait, so that no other
+        rank of this run loads the machine meanwhile; they take its figure, the one the run's MFU is logged
+        with."""
         tokens = config.tokens
         mcfg = config.model.model_config_
         rows = tokens.micro_batch_size * tokens.sequence_length

@@ -26,8 +26,8 @@ def signal_name(signum: int) -> str:
 
 
 class StopSignals:
-    """A context manager: inside it SIGTERM, SIGUSR1 and a first SIGINT are noted instead of ending the process
-    (signal handlers belong to the main thread: elsewhere, e.g. in a test's thread, nothing changes).
+    """A context manager: inside it SIGTERM, SIGUSR1 and a first SIGINT are noted instead of ending the
+    process (signal handlers belong to the main thread: elsewhere, e.g. in a test's thread, nothing changes).
     `announce`: say at once that the run will stop after this step (the rank that prints for the run)."""
 
     def __init__(self, announce: bool = True) -> None:

@@ -266,16 +266,17 @@ class Trainer:
         )
 
     def stop(self, signum: int, last_saved: int | None) -> None:
-        """Some rank got SIGTERM, SIGUSR1 or Ctrl-C: save a checkpoint (unless this step's is saved), then stop."""
+        """Some rank got SIGTERM, SIGUSR1 or Ctrl-C: save a checkpoint (unless this step's is saved), then
+        stop."""
         if last_saved != self.state.step:
             self.save_checkpoint()
         if self.background is not None:
             self.saved(self.background.wait())
         path = self.last_checkpoint
         raise TrainingInterrupted(
-            f"{signal_name(signum)} received: stopped after step {self.state.step} and saved checkpoint {path}. Run the "
-            "same command again to resume from it (checkpoints.auto_resume); another run resumes it with "
-            f"checkpoints.resume_checkpoint_path={path.parent}."
+            f"{signal_name(signum)} received: stopped after step {self.state.step} and saved checkpoint "
+            f"{path}. Run the same command again to resume from it (checkpoints.auto_resume); another run "
+            f"resumes it with checkpoints.resume_checkpoint_path={path.parent}."
         )
 
     def train_step(self) -> StepResult:

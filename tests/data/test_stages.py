@@ -36,6 +36,22 @@ def two_stages(tiny_config, first, second, run: str, *overrides: str, switch: in
     return tiny_config(f"general.run={run}", VOCAB, CONSTANT_LR, *overrides, data=data)
 
 
+def saved_after(tiny_config, first, second, *, steps: int, switch: int = 4) -> str:
+    """A two-stage run of `steps` steps that checkpoints at its end: the override that resumes from it."""
+    trainer, _, _ = train(
+        two_stages(
+            tiny_config,
+            first,
+            second,
+            "first",
+            f"tokens.train_steps={steps}",
+            f"checkpoints.checkpoint_interval={steps}",
+            switch=switch,
+        )
+    )
+    return f"checkpoints.resume_checkpoint_path={trainer.run_dir / 'checkpoints'}"
+
+
 def train(config, console: bool = False):
     """The trainer, its losses and each step's sample rows as it read them; `console`: log to stdout."""
     trainer = Trainer(config, ParallelContext(), log_to_console=console)
@@ -107,18 +123,7 @@ def test_a_resumed_run_continues_in_the_right_stage_at_the_right_sample(
 def test_a_stage_moved_before_the_checkpoint_or_removed_is_refused(
     tiny_config, datatrove_folder, other_folder
 ):
-    first, _, _ = train(
-        two_stages(
-            tiny_config,
-            datatrove_folder,
-            other_folder,
-            "first",
-            "tokens.train_steps=2",
-            "checkpoints.checkpoint_interval=2",
-            switch=5,
-        )
-    )
-    saved = f"checkpoints.resume_checkpoint_path={first.run_dir / 'checkpoints'}"
+    saved = saved_after(tiny_config, datatrove_folder, other_folder, steps=2, switch=5)
     moved = two_stages(
         tiny_config, datatrove_folder, other_folder, "moved", "tokens.train_steps=6", saved, switch=2
     )
@@ -242,7 +247,7 @@ def test_doctor_names_each_stage_s_source_and_which_stage_trains_on_random_token
     out = capsys.readouterr().out
     assert "'warm': steps 1 to 3, random tokens (synthetic), seed 1234" in out
     assert f"'text': steps 4 to 6, text {text} (tokenized at start), seed 1234" in out and "None" not in out
-    # The warning names the stage, and a fix the stage rules allow (not data.dataset_folder: stages forbid it).
+    # The warning names the stage, and a fix the stage rules allow (not data.dataset_folder: stages forbid).
     assert "data.stages.0.synthetic ('warm'): this run trains on random token ids" in out
     assert "Set data.stages.0.dataset_folder (or data.stages.0.text_dataset) instead" in out
 
@@ -250,19 +255,10 @@ def test_doctor_names_each_stage_s_source_and_which_stage_trains_on_random_token
 def test_a_resume_in_a_later_stage_is_refused_when_an_earlier_stage_s_data_changed(
     tiny_config, datatrove_folder, other_folder
 ):
-    """Where a later stage's datasets continue depends on what the earlier stages drew: another seed or dataset
-    there would replay or skip samples with no word (exit 0 before the checkpoint recorded every stage)."""
-    first, _, _ = train(
-        two_stages(
-            tiny_config,
-            datatrove_folder,
-            other_folder,
-            "first",
-            "tokens.train_steps=5",
-            "checkpoints.checkpoint_interval=5",
-        )
-    )
-    saved = f"checkpoints.resume_checkpoint_path={first.run_dir / 'checkpoints'}"
+    """Where a later stage's datasets continue depends on what the earlier stages drew: another seed or
+    dataset there would replay or skip samples with no word (exit 0 before the checkpoint recorded every
+    stage)."""
+    saved = saved_after(tiny_config, datatrove_folder, other_folder, steps=5)
 
     def resumed(earlier: dict, run: str):
         stages = [

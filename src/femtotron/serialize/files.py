@@ -476,7 +476,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             f"versions {', '.join(map(str, READABLE_VERSIONS))}. Use the femtotron version that wrote it (or "
             "convert it with that version's `femtotron consolidate`)."
         )
-    # Version 3 keeps one; a field named otherwise, or a version read otherwise, must not switch the check off.
+    # Version 3 keeps one: a field or a version read otherwise must not switch the check off.
     if manifest["version"] >= 3 or MANIFEST_CHECKSUM in manifest:
         try:
             intact = manifest.get(MANIFEST_CHECKSUM) == manifest_checksum(manifest)
@@ -485,8 +485,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         if not intact:
             raise CheckpointError(
                 f"{path} fails its own checksum ({MANIFEST_CHECKSUM}): a byte of it changed since it was "
-                "written (its step, counters or shapes cannot be trusted). Resume from an earlier checkpoint, "
-                "or copy this one again from where it was saved."
+                "written (its step, counters or shapes cannot be trusted). Resume from an earlier "
+                "checkpoint, or copy this one again from where it was saved."
             )
     for key in ("step", "config", "mesh", "files", "tensors"):
         if key not in manifest:
