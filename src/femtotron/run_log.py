@@ -8,6 +8,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,7 @@ class StepLogger:
             return
         seconds_per_step = self.timed_seconds / (self.steps_run - 1) if self.steps_run > 1 else result.seconds
         eta_seconds = (self.train_steps - step) * seconds_per_step
+        eta = timedelta(seconds=round(eta_seconds))  # "0:03:44", "2 days, 4:00:00"
         tokens_per_sec = result.tokens / result.seconds
         achieved = tokens_per_sec * self.flops_per_token / self.world_size
         record = {
@@ -188,32 +190,12 @@ class StepLogger:
             comm += f" | moe aux {result.moe['moe/aux_loss']:.3f}"
         self.log.info(
             f"step {step}/{self.train_steps} | loss {result.loss:.4f} | lr {result.lr:.3e} | grad_norm "
-            f"{result.grad_norm:.3f} | {result.seconds * 1000:,.0f} ms | ETA {duration(eta_seconds)} | "
-            f"{abbreviated(consumed_tokens)} tokens | {tokens_per_sec:,.0f} tok/s | {achieved / 1e12:.2f} "
-            f"TFLOP/s | MFU {record['mfu']:.1%} | mem {describe_memory(record)}{comm}"
+            f"{result.grad_norm:.3f} | {result.seconds * 1000:,.0f} ms | ETA {eta} | {consumed_tokens:,} "
+            f"tokens | {tokens_per_sec:,.0f} tok/s | {achieved / 1e12:.2f} TFLOP/s | MFU "
+            f"{record['mfu']:.1%} | mem {describe_memory(record)}{comm}"
             + (f" | loss scale {result.loss_scale:g}" if skipped_steps is not None else "")
             + (" | step skipped" if result.skipped else "")
         )
-
-
-def duration(seconds: float) -> str:
-    """A time left, to the precision a reader needs: "45s", "12m05s", "3h02m", "2d04h"."""
-    whole = round(seconds)
-    if whole < 60:
-        return f"{whole}s"
-    if whole < 3600:
-        return f"{whole // 60}m{whole % 60:02d}s"
-    if whole < 86400:
-        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
-    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
-
-
-def abbreviated(count: int) -> str:
-    """A token count as people say it: "999", "2.05K", "20.5K", "1.23M", "4.1B", "1.2T"."""
-    for power, suffix in ((12, "T"), (9, "B"), (6, "M"), (3, "K")):
-        if count >= 0.9995 * 10**power:  # 999,999 is "1M", not "1e+03K"
-            return f"{count / 10**power:.3g}{suffix}"
-    return str(count)
 
 
 def _step_of(line: str) -> float:
