@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN_VERB = ("cmd_train", "launch_train", "main", "parse_args", "build_parser")
 # The size the training path may have, in nodes. A feature issue declares in its note what it adds
 # (measured before and after with this script) and raises this by that much; a review reads the change.
-TRAINING_PATH_BUDGET = 86_500
+TRAINING_PATH_BUDGET = 88_700
 
 
 @dataclass(frozen=True)

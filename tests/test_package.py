@@ -138,7 +138,13 @@ def test_D4_the_training_path_stays_within_its_node_budget():
     budget to 85,500; its zero-bubble pipeline (parallel/split_backward.py: the split linears and their
     store, 420; the W actions and the ZB-H1 schedule, 170; the weight-gradient matmuls in precision.py, 170;
     the memory estimate's W inputs, the bubble formula, the advice naming only engines that idle less,
-    ZeRO-3's reductions after W, a step's leftovers dropped, 550) to 86,399, and the budget to 86,500)."""
+    ZeRO-3's reductions after W, a step's leftovers dropped, 550) to 86,399, and the budget to 86,500;
+    issue 47's defects, each a user's lost hour (Ctrl-C saved and forwarded by the launcher, a stop that is
+    no error, Slurm's job step, 180; the step line's time, ETA and tokens and the MFU yardstick's record,
+    210; the manifest's own checksum and every stage's data identity, 145; preprocess's and text's hostile
+    inputs bounded and named, 320; config files, numbers, tensors, inf/nan and general.run bounded, 620;
+    nanotron's example configs, 180; doctor's verdict without a device and its missing paths, 250; HF
+    imports and checkpoint shapes checked against their configs, 270) to 88,605, and the budget to 88,700)."""
     nodes = sum(module.nodes for module in size.sizes(SRC))
     assert nodes <= size.TRAINING_PATH_BUDGET, (
         f"the training path has {nodes} syntax-tree nodes, over its budget of {size.TRAINING_PATH_BUDGET}: "
