@@ -144,7 +144,8 @@ def test_D4_the_training_path_stays_within_its_node_budget():
     210; the manifest's own checksum and every stage's data identity, 145; preprocess's and text's hostile
     inputs bounded and named, 320; config files, numbers, tensors, inf/nan and general.run bounded, 620;
     nanotron's example configs, 180; doctor's verdict without a device and its missing paths, 250; HF
-    imports and checkpoint shapes checked against their configs, 270) to 88,605, and the budget to 88,700)."""
+    imports and checkpoint shapes checked against their configs, 270; micro-batches per step bounded, 50) to
+    88,653, and the budget to 88,700)."""
     nodes = sum(module.nodes for module in size.sizes(SRC))
     assert nodes <= size.TRAINING_PATH_BUDGET, (
         f"the training path has {nodes} syntax-tree nodes, over its budget of {size.TRAINING_PATH_BUDGET}: "

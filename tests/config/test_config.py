@@ -567,3 +567,11 @@ def test_sizes_beyond_any_machine_are_refused_naming_the_fields(changes, fields,
     p = only_problem(tiny(**changes))
     assert p.fields == fields
     assert f"elements in {what}, more than 1,099,511,627,776 (rule: at most 2^40 elements" in p.message
+
+
+def test_a_billion_micro_batches_per_step_is_refused_naming_the_field():
+    """doctor walks a pipeline's schedule action by action: 10^9 micro-batches at pp = 2 ran for minutes."""
+    p = only_problem(tiny(**{"tokens.batch_accumulation_per_replica": 10**9}))
+    assert p.fields == ("tokens.batch_accumulation_per_replica",)
+    assert "1,000,000,000 micro-batches per step is more than 65,536" in p.message
+    assert load_config_dict(tiny(**{"tokens.batch_accumulation_per_replica": 2**16})).tokens is not None

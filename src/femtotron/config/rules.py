@@ -23,6 +23,9 @@ M = "model.model_config."
 # The most decoder layers a model may have. The largest trained have about 130; a config from elsewhere with
 # 1e9 would make everything built per layer (the model, the checks of it) exhaust the machine.
 MAX_LAYERS = 1024
+# The most micro-batches a replica accumulates per step: thousands at the largest batches trained; doctor walks
+# a pipeline's schedule action by action (a billion took minutes), and so would every step.
+MAX_MICRO_BATCHES = 2**16
 # The most elements one tensor may have: 2^40, 2 TiB in bf16, 14 times the largest GPU's memory. A size
 # past it is a typo or a hostile file's, and would overflow even the meta device's byte counts (doctor builds
 # there).
@@ -236,6 +239,18 @@ def layers_within_bound(cfg: ConfigFields) -> Problem | None:
         (M + "num_hidden_layers",),
         f"num_hidden_layers={layers} is more than {MAX_LAYERS} (rule: at most {MAX_LAYERS}; the largest "
         f"models have about 130). Fix: num_hidden_layers={MAX_LAYERS} or fewer; check the config's source.",
+    )
+
+
+def micro_batches_within_bound(cfg: ConfigFields) -> Problem | None:
+    accumulation = cfg.tokens.batch_accumulation_per_replica
+    if accumulation <= MAX_MICRO_BATCHES:
+        return None
+    return Problem(
+        ("tokens.batch_accumulation_per_replica",),
+        f"{accumulation:,} micro-batches per step is more than {MAX_MICRO_BATCHES:,} (rule: at most "
+        f"{MAX_MICRO_BATCHES:,}; the largest batches trained take thousands). Fix: raise "
+        "tokens.micro_batch_size or parallelism.dp instead; check the config's source.",
     )
 
 
@@ -577,6 +592,7 @@ RULES: list[Callable[[ConfigFields], Problem | None]] = [
     experts_split_over_tp_and_ep,
     experts_split_over_data_parallel_ranks,
     layers_within_bound,
+    micro_batches_within_bound,
     tensors_within_bound,
     listed_layers_exist,
     enough_layers_for_the_stages,
