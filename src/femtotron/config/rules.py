@@ -23,8 +23,8 @@ M = "model.model_config."
 # The most decoder layers a model may have. The largest trained have about 130; a config from elsewhere with
 # 1e9 would make everything built per layer (the model, the checks of it) exhaust the machine.
 MAX_LAYERS = 1024
-# The most micro-batches a replica accumulates per step: thousands at the largest batches trained; doctor walks
-# a pipeline's schedule action by action (a billion took minutes), and so would every step.
+# The most micro-batches a replica accumulates per step: thousands at the largest batches trained; doctor
+# walks a pipeline's schedule action by action (a billion took minutes), and so would every step.
 MAX_MICRO_BATCHES = 2**16
 # The most elements one tensor may have: 2^40, 2 TiB in bf16, 14 times the largest GPU's memory. A size
 # past it is a typo or a hostile file's, and would overflow even the meta device's byte counts (doctor builds
