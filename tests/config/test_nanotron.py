@@ -411,6 +411,36 @@ def test_weight_decay_exclusions_are_rewritten_over_femtotron_names(tmp_path):
         load_config(write(tmp_path, tiny(tmp_path, optimizer__weight_decay_exclude_named_params=[".*bias"])))
 
 
+def test_lm_head_exclusions_of_a_tied_model_exclude_its_one_embedding_tensor(tmp_path):
+    """In a tied model nanotron's model.lm_head.pp_block.weight is the embedding, excluded when a pattern
+    matches either of its names; a translation that knew only the embedding's own name refused the pattern
+    as matching nothing, so nanotron's config would not load. Untied, the same pattern is the head alone."""
+    patterns = ["model.lm_head.*"]
+    for tied, excluded in ((True, "embed_tokens.weight"), (False, "lm_head.weight")):
+        changes = {
+            "optimizer__weight_decay_exclude_named_params": patterns,
+            "model__model_config__tie_word_embeddings": tied,
+        }
+        config = load_config(write(tmp_path, tiny(tmp_path, **changes)))
+        ours = config.optimizer.weight_decay_exclude_named_params
+        assert ours == [re.escape(excluded) + "$"]
+        model = build_llama(config.model.model_config_)
+        assert {name for name, p in model.named_parameters() if not decays(name, p, ours)} == {excluded}
+
+
+def test_z_loss_enabled_without_a_coefficient_takes_nanotron_s_default_coefficient(tmp_path):
+    """nanotron's z_loss_coefficient defaults to 1e-4 (config/models_config.py: "Default from the paper");
+    a translation defaulting to another value trained with another loss and said nothing."""
+
+    def coefficient(**model_config) -> float:
+        changes = {f"model__model_config__{key}": value for key, value in model_config.items()}
+        return load_config(write(tmp_path, tiny(tmp_path, **changes))).model.model_config_.logits_z_loss_coef
+
+    assert coefficient(z_loss_enabled=True) == 1e-4
+    assert coefficient(z_loss_enabled=True, z_loss_coefficient=3e-4) == 3e-4
+    assert coefficient(z_loss_enabled=False, z_loss_coefficient=3e-4) == 0.0
+
+
 def test_the_parameter_name_table_covers_every_femtotron_parameter():
     """Fails when a model parameter is renamed without the table that maps nanotron's names onto ours."""
     moe = {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "num_shared_experts": 1}

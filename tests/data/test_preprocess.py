@@ -382,3 +382,22 @@ def test_shards_hold_the_tokens_of_one_pair_and_appear_only_whole(
         "one.idx",
         "sharded",
     ]  # no half
+
+
+def test_a_document_that_exactly_fills_a_shard_stays_in_it(tmp_path, tokenizer_path, capsys):
+    """--shard-size is the most a shard holds: a document ending exactly at the size belongs to the shard it
+    fills. A shard cut when full rather than when over it (>= for >) gave one shard more than the data
+    needs, here six shards of one document instead of three of two."""
+    from femtotron.cli import main
+
+    source = tmp_path / "six.jsonl"
+    source.write_text(_jsonl_lines(["pipeline shard"] * 6), encoding="utf-8")
+    preprocess(source, tokenizer_path, tmp_path / "one", progress=False)
+    document_bytes = IndexedDataset(tmp_path / "one").num_tokens * 2 // 6  # uint16 tokens, equal documents
+    arguments = ["preprocess", "--input", str(source), "--tokenizer", str(tokenizer_path), "--workers", "1"]
+    out = tmp_path / "sharded"
+    assert main([*arguments, "--output-prefix", str(out), "--shard-size", str(2 * document_bytes)]) == 0
+    assert "(3 shard(s) of .bin/.idx; train on the directory)" in capsys.readouterr().out
+    shards = [IndexedDataset(out / f"{i:05d}") for i in range(3)]
+    assert [shard.num_documents for shard in shards] == [2, 2, 2]
+    assert sorted(os.listdir(out)) == [f"{i:05d}{suffix}" for i in range(3) for suffix in (".bin", ".idx")]

@@ -2,6 +2,7 @@
 and a dataset shared by two stages continued rather than repeated; random tokens for throughput runs."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ from helpers import tokenize_with_datatrove, write_patterned_tokens, write_yaml
 
 from femtotron.cli import main
 from femtotron.config import load_config_dict
+from femtotron.data.nanoset import Nanoset
 from femtotron.data.stages import DataStages, StageStart
 from femtotron.errors import ConfigError
 from femtotron.parallel.context import ParallelContext
@@ -171,6 +173,68 @@ def test_a_dataset_shared_by_two_stages_continues_where_the_first_left_it(tmp_pa
     later = [index for dataset, index in map(decay.locate, range(100)) if dataset == 0]
     assert len(later) == 50 and not set(seen) & set(later)
     assert len(set(seen + later)) == 150  # an epoch of the corpus is 262 samples: none repeats
+
+
+def draws_by_dataset(data: DataStages, global_batch_size: int, train_steps: int) -> dict[str, list[int]]:
+    """Each dataset's samples (its own indices) in the order an uninterrupted run's stages draw them."""
+    history = data.planned(global_batch_size)
+    ends = [entry.samples for entry in history[1:]] + [train_steps * global_batch_size]
+    drawn: dict[str, list[int]] = {}
+    for index, (entry, end) in enumerate(zip(history, ends, strict=True)):
+        nanoset = data.continued(index, history[: index + 1])
+        for g in range(end - entry.samples):
+            dataset, sample = nanoset.locate(g)
+            drawn.setdefault(os.path.realpath(nanoset.prefixes[dataset]), []).append(sample)
+    return drawn
+
+
+def one_stream(prefix: str, seed: int, count: int) -> list[int]:
+    """The first `count` draws of a dataset's permutation stream in a one-stage run of data seed `seed`."""
+    nanoset = Nanoset([prefix], None, 32, seed)
+    return [nanoset.locate(g)[1] for g in range(count)]
+
+
+def test_a_dataset_in_three_stages_is_one_stream_over_all_of_them(tmp_path):
+    """The third stage continued the corpus in the second stage's own stream (seed 6), not the stream the
+    second stage itself continued (the first's, seed 5): samples the first two stages drew came again.
+    The corpus over all three stages must be the first stage's stream, unbroken."""
+    corpus = write_patterned_tokens(tmp_path / "corpus", documents=12, length=700)  # 262 samples
+    stages = [
+        {"name": name, "start_training_step": start, "dataset_folder": corpus, "seed": seed}
+        for name, start, seed in [("stable", 1, 5), ("long", 6, 6), ("decay", 11, 7)]
+    ]
+    config = load_config_dict(
+        {"tokens": {"train_steps": 15, "sequence_length": 32}, "data": {"stages": stages}}
+    )
+    drawn = draws_by_dataset(DataStages(config), global_batch_size=10, train_steps=15)
+    samples = drawn[os.path.realpath(corpus)]
+    assert len(set(samples)) == 150  # 150 draws within the corpus's first epoch of 262: none comes twice
+    assert samples == one_stream(corpus, 5, 150)
+
+
+def test_a_dataset_first_drawn_by_a_later_stage_continues_after_that_stage_s_draws(tmp_path):
+    """The corpus enters at the second stage (after 50 samples of other data) and continues in the third:
+    the third skipped the samples consumed before the second stage's start too (drawn 50 of the corpus,
+    skipped 100), so 50 of its samples were never trained on. Each dataset over the run must be the stream of
+    the stage that first drew it, unbroken."""
+    corpus = write_patterned_tokens(tmp_path / "corpus", documents=12, length=700)  # 262 samples
+    new = write_patterned_tokens(tmp_path / "new", documents=4, length=700, seed=1)  # 87 samples
+    stages = [
+        {"name": "warmup", "start_training_step": 1, "dataset_folder": new, "seed": 4},
+        {"name": "stable", "start_training_step": 6, "dataset_folder": corpus, "seed": 5},
+        {"name": "decay", "start_training_step": 11, "dataset_folder": {corpus: 0.5, new: 0.5}, "seed": 6},
+    ]
+    config = load_config_dict(
+        {"tokens": {"train_steps": 15, "sequence_length": 32}, "data": {"stages": stages}}
+    )
+    data = DataStages(config)
+    decay = data.continued(2, data.planned(global_batch_size=10))
+    assert decay.skip == [50, 50]  # each dataset's draws before the decay stage: 50 apiece
+    drawn = draws_by_dataset(data, global_batch_size=10, train_steps=15)
+    assert drawn == {
+        os.path.realpath(new): one_stream(new, 4, 75),
+        os.path.realpath(corpus): one_stream(corpus, 5, 75),
+    }
 
 
 def test_stage_rules_name_the_field_and_the_fix():

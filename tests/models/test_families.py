@@ -230,6 +230,27 @@ def test_a_family_in_bf16_is_as_close_to_fp32_as_transformers_in_bf16(tmp_path, 
     assert_close_to_reference(got, theirs, exact, label=family)
 
 
+def test_a_qwen2_moe_config_without_layer_types_slides_where_transformers_does(tmp_path):
+    """config.json from before transformers 4.53 has no layer_types: Qwen2-MoE then slides on the even layers
+    below max_window_layers, as transformers derives them. Odd layers instead (i % 2 == 1) put the window on
+    the wrong layers, logits off by the size of the logits."""
+    from transformers import AutoModelForCausalLM
+
+    window = {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}
+    hf_family(tmp_path / "hf", "qwen2_moe", num_hidden_layers=3, **window)
+    path = tmp_path / "hf" / "config.json"
+    written = json.loads(path.read_text())
+    assert written.pop("layer_types") == ["sliding_attention", "full_attention", "full_attention"]
+    path.write_text(json.dumps(written))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()  # reads it without them
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    config, ours = load_run(tmp_path / "run")
+    assert [config.model.model_config_.windowed(i) for i in range(3)] == [True, False, False]
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_logits_equal(ours.logits(ids), theirs(ids).logits)
+
+
 @pytest.mark.parametrize(
     "family, changes, message",
     [
