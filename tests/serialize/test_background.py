@@ -3,9 +3,16 @@ from it are exact, on the same mesh and another; a full disk is named; a host wi
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,12 +24,15 @@ from checkpoint_runs import (
     train,
     whole_then_halves,
 )
-from helpers import femtotron, small_disk, write_yaml
+from distributed import run_ranks
+from helpers import LIBC, femtotron, small_disk, write_yaml
 
 from femtotron.cli import main
+from femtotron.errors import ConfigError
 from femtotron.parallel.context import ParallelContext
+from femtotron.serialize import checkpoint
 from femtotron.serialize.background import Staging, staging_shortfall
-from femtotron.serialize.files import MANIFEST, CheckpointError, Slice, rank_file
+from femtotron.serialize.files import MANIFEST, CheckpointError, CheckpointReader, Slice, rank_file
 from femtotron.trainer import Trainer
 
 ASYNC = "checkpoints.async_save=true"
@@ -145,6 +155,89 @@ def test_a_host_without_room_for_the_staging_buffers_is_refused_with_the_fix():
         "1.00 GiB per rank, 8.00 GiB for the 8 rank(s) on this host, which has 7.00 GiB available" in problem
     )
     assert "Fix: set checkpoints.async_save=false" in problem
+
+
+CLONE_NEWNS = 0x00020000  # unshare(2): a mount namespace of this process's own
+MS_REC_PRIVATE = (1 << 14) | (1 << 18)  # mount(2): MS_REC | MS_PRIVATE, nothing propagates out
+
+
+def see_a_cgroup_at_its_memory_limit() -> None:
+    """This process alone (a mount namespace of its own) sees what a container at its memory limit sees: a
+    cgroup v2 memory.max that memory.current has reached, on a tmpfs over /sys/fs/cgroup. Root only."""
+    if (
+        LIBC.unshare(CLONE_NEWNS)
+        or LIBC.mount(b"none", b"/", None, MS_REC_PRIVATE, None)  # before the mount below: kept in here
+        or LIBC.mount(b"tmpfs", b"/sys/fs/cgroup", b"tmpfs", 0, b"size=64k")
+    ):
+        raise OSError(ctypes.get_errno(), "cannot give this rank a cgroup of its own at its memory limit")
+    for name in ("memory.max", "memory.current"):
+        Path("/sys/fs/cgroup", name).write_text(f"{2**30}\n")
+
+
+def _train_with_rank_1_out_of_host_memory(rank, config):
+    """The ConfigError the run stops with on this rank (None: it trained)."""
+    if rank == 1:
+        see_a_cgroup_at_its_memory_limit()
+    ctx = ParallelContext(dp=2, collective_timeout_seconds=10)
+    try:
+        Trainer(config, ctx, log_to_console=False).train()
+    except ConfigError as e:
+        return str(e)
+    finally:
+        ctx.close()
+    return None
+
+
+@pytest.mark.distributed
+def test_a_host_without_room_for_the_staging_buffers_stops_the_ranks_of_every_host_before_step_1(tiny_config):
+    """Rank 1's host has no room for its staging buffers, rank 0's has (the machine's real memory). Both stop
+    before step 1, each saying why; rank 0 going on instead would hang at its first collective."""
+    # unshare(2) of mounts needs CAP_SYS_ADMIN: root, and not in an unprivileged container (as small_disk).
+    probe = f"import ctypes, sys; sys.exit(ctypes.CDLL(None).unshare({CLONE_NEWNS}) != 0)"
+    if os.geteuid() != 0 or subprocess.run([sys.executable, "-c", probe]).returncode != 0:
+        pytest.skip("needs root for a mount namespace that gives one rank a cgroup at its memory limit")
+    config = make(tiny_config, "no-room", "checkpoints.checkpoint_interval=2", ASYNC, dp=2, steps=2)
+    rank_0, rank_1 = run_ranks(_train_with_rank_1_out_of_host_memory, 2, config, timeout=120)
+    assert "for the 2 rank(s) on this host, which has 0.00 GiB available" in rank_1
+    assert rank_0 == (
+        "checkpoints.async_save=true: another host has no room for its ranks' staging buffers; its rank's "
+        "error says how much. Fix: set checkpoints.async_save=false."
+    )
+    assert not (config.run_dir / "checkpoints" / "latest").exists()
+
+
+def test_an_async_save_waits_for_the_write_still_running_and_raises_its_failure(tiny_config, monkeypatch):
+    """A save every step on a slow disk. `BackgroundSaves.start` must wait for the write still running: else
+    it copies step 2's values into the staging buffers that step 1's writer is reading (step 1's checkpoint
+    then holds step 2's weights), and it forgets a failed write, the run going on without its checkpoints.
+    The trainer waits before each start too, which hid a start that did not."""
+    config = make(tiny_config, "slow-disk", "checkpoints.checkpoint_interval=1", ASYNC, steps=3)
+    trainer = Trainer(config, ParallelContext(), log_to_console=False)
+    saves = trainer.background
+    next_save_started = threading.Event()
+    write = checkpoint.write_rank_file
+
+    def slow_disk(directory, *args, **kwargs):  # in the writer thread
+        next_save_started.wait(timeout=2)  # the write takes 2 s, or until the next save has its values
+        if directory.name == ".tmp-step-0000002":
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return write(directory, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "write_rank_file", slow_disk)
+    trainer.train_step()
+    saves.start(trainer.parts)
+    step_1 = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train_step()
+    saves.start(trainer.parts)
+    next_save_started.set()
+    trainer.train_step()
+    with pytest.raises(
+        CheckpointError, match=r"(?s)step-0000002 was not committed: .*rank 0: OSError: \[Errno 5\]"
+    ):
+        saves.start(trainer.parts)
+    with CheckpointReader(config.run_dir / "checkpoints" / "step-0000001") as reader:
+        for name, weights in step_1.items():
+            assert torch.equal(reader.read(f"model/{name}", ((0,) * weights.dim(), weights.shape)), weights)
 
 
 def test_staging_buffers_are_reused_by_the_next_save():

@@ -8,13 +8,17 @@ import re
 
 import pytest
 import torch
+from checkpoint_runs import make
 from helpers import write_yaml
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from femtotron.cli import main
+from femtotron.parallel.context import ParallelContext
+from femtotron.serialize import checkpoint
 from femtotron.serialize.files import (
     MANIFEST,
     MANIFEST_CHECKSUM,
+    SAFETENSORS_DTYPES,
     CheckpointError,
     CheckpointReader,
     Slice,
@@ -25,6 +29,7 @@ from femtotron.serialize.files import (
     sealed,
     write_rank_file,
 )
+from femtotron.trainer import Trainer
 
 VALUES = torch.arange(8, dtype=torch.float32).view(2, 4)
 
@@ -269,3 +274,49 @@ def test_a_number_too_long_for_python_is_a_damaged_manifest_not_a_traceback(tmp_
     (tmp_path / MANIFEST).write_text('{"step": ' + "7" * 5000 + "}")
     with pytest.raises(CheckpointError, match="is not valid JSON"):
         read_manifest(tmp_path)
+
+
+def test_F1_a_flipped_bit_in_the_saved_python_rng_state_fails_the_header_checksum_on_resume(tiny_config):
+    """Python's and numpy's RNG states are JSON in the rank file's header (its __metadata__), which only the
+    header's checksum covers: unchecked, a digit changed on disk was resumed without a word, as another
+    random stream."""
+    config = make(tiny_config, "rng-bit", steps=1)
+    saved = checkpoint.save(Trainer(config, ParallelContext(), log_to_console=False).parts)
+    path = saved / rank_file(0)
+    data = bytearray(path.read_bytes())
+    marker = b'{\\"python\\": [3, ['  # the JSON of random.getstate(), escaped in the header's JSON
+    words = data.index(marker) + len(marker)  # the Mersenne Twister's 625 words
+    second_word_end = data.index(b",", data.index(b", ", words) + 2)
+    assert words < 8 + int.from_bytes(data[:8], "little")  # in the header
+    # Its last digit's lowest bit: still a digit (0 <-> 1, ..., 8 <-> 9), the header still valid JSON.
+    data[second_word_end - 1] ^= 1
+    path.write_bytes(bytes(data))
+    resumed = Trainer(config, ParallelContext(), log_to_console=False)
+    with pytest.raises(
+        CheckpointError, match=f"checkpoint file {re.escape(str(path))} fails its checksum for its header"
+    ):
+        checkpoint.load(resumed.parts, saved)
+
+
+def test_F2_every_tensor_of_a_rank_file_starts_at_a_multiple_of_its_element_size(tmp_path):
+    """The reader maps the file and views each tensor in place (torch.frombuffer), which needs it aligned to
+    its element size: x86 forgives a misaligned float, other CPUs do not. An odd-sized uint8 tensor comes
+    first here, then bfloat16 and float32 slices: written in that order, they would start at bytes 3 and 9."""
+    odd = torch.arange(3, dtype=torch.uint8)
+    pieces = {
+        "model/h": torch.arange(3, dtype=torch.bfloat16),
+        "model/f": torch.arange(2, dtype=torch.float32),
+    }
+    slices = [Slice(name, tuple(v.shape), ((0,), tuple(v.shape)), v) for name, v in pieces.items()]
+    write_rank_file(tmp_path, 0, slices, extra={"rng/odd": odd}, metadata={})
+    path = tmp_path / rank_file(0)
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    header.pop("__metadata__", None)
+    for key, entry in header.items():
+        itemsize = SAFETENSORS_DTYPES[entry["dtype"]].itemsize
+        assert (8 + length + entry["data_offsets"][0]) % itemsize == 0, (key, entry)
+    stored = load_file(path)  # the safetensors library reads the same values back
+    assert torch.equal(stored["rng/odd"], odd)
+    assert all(torch.equal(stored[f"{i}:{name}"], v) for i, (name, v) in enumerate(pieces.items()))
