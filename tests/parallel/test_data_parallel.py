@@ -9,6 +9,7 @@ from distributed import run_ranks
 from helpers import (
     SMOOTH_ADAM,
     assert_close_to_reference,
+    check_layouts,
     full_masters,
     held_bytes,
     precision_path,
@@ -408,3 +409,12 @@ def test_a_parameter_without_a_gradient_on_some_rank_is_still_reduced_over_dp(st
     for grads, weights in run_ranks(_unused_parameter, 2, stage, bucket_mb):
         for got, expected in zip(grads + weights, expected_grads + expected_weights, strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.distributed
+def test_zero3_with_a_tied_embedding_at_pp1_equals_one_process(tiny_config):
+    """At pp = 1 the tied embedding's bucket is in two units, the head's and the embedding's: the head's
+    reduction runs before the embedding's own gradient arrives, so that gradient, the last of the step, is
+    left whole and must still be reduced after the step's backward (not dropped as already reduced)."""
+    tied = "model.model_config.tie_word_embeddings=true"
+    check_layouts(tiny_config, {("parallelism.dp=2", "optimizer.zero_stage=3"): [("float32", None, (tied,))]})

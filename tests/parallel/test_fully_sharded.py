@@ -169,3 +169,33 @@ def test_the_gathered_working_set_is_two_units_or_every_unit_kept_for_backward(t
     assert gathering.peak_whole_elements == expected == gathering.working_set()  # what doctor counts
     assert held_bytes(trainer)["params"] == 2 * data_parallel.size  # one process owns every shard
     assert gathering.whole_elements == 0
+
+
+def _working_set_of_each_stage(rank, config):
+    ctx = ParallelContext(pp=2, collective_timeout_seconds=60)
+    trainer = Trainer(config, ctx, log_to_console=False)
+    trainer.train_step()
+    gathering = trainer.data_parallel.gathering
+    units = gathering.units[0]
+    kept = gathering.elements(b for unit in units if unit.needed_in_backward for b in unit.buckets)
+    first_two = gathering.elements(units[0].buckets + units[1].buckets)
+    ctx.close()
+    return units[0].name, gathering.peak_whole_elements, gathering.working_set(), kept, first_two
+
+
+@pytest.mark.distributed
+def test_kept_for_backward_at_pp2_the_embedding_with_the_first_layer_is_the_working_set(tiny_config):
+    """pp = 2 with two layers: the first stage holds the embedding and one layer. Kept for backward, the layer
+    alone is whole at the end of the forward, but the embedding and the layer were whole together before
+    (the layer prefetched while the embedding ran): the working set doctor counts (`working_set`) is that
+    larger pair on the first stage, and every unit backward reads on the last; the step measures the same."""
+    config = tiny_config(
+        ZERO3, KEEP_FOR_BACKWARD, "parallelism.pp=2", "tokens.batch_accumulation_per_replica=2"
+    )
+    first, last = run_ranks(_working_set_of_each_stage, 2, config)
+    for _, peak, working_set, _, _ in (first, last):
+        assert peak == working_set
+    name, peak, _, kept, embedding_and_layer = first
+    assert name == "embedding" and peak == embedding_and_layer > kept
+    _, peak, _, kept, _ = last
+    assert peak == kept

@@ -252,3 +252,35 @@ def test_work_left_by_a_failed_step_is_dropped_and_a_missing_w_is_reported(tiny_
     monkeypatch.setattr(schedules, "schedule", lambda *args, **kwargs: full(*args, **kwargs)[:-1])
     with pytest.raises(FemtotronError, match=r"weight gradients of \[\(3, 0\)\] .* bug in femtotron"):
         trainer.train_step()
+
+
+def test_under_zero_3_w_completes_one_layer_at_a_time_so_few_buckets_are_whole_at_once(tiny_config):
+    """W runs the work in the order backward left it: a layer's weight gradients, then its reduction, then the
+    next layer's. So when a layer's buckets are reduced, the only other whole gradients are those B opened:
+    the buckets of the embedding and of the norms (their gradients come in B) of the layers whose W is still
+    to run, not one holding a deferred weight's gradient. W in another order (the reductions after all the
+    weight gradients, or before their own) gives the same numbers but holds every bucket whole at once."""
+    config = layout_case(tiny_config, "float32", None, ZB, "optimizer.zero_stage=3")
+    trainer = Trainer(config, ParallelContext(), log_to_console=False)
+    data_parallel = trainer.data_parallel
+    chunk = trainer.model.chunks[0]
+    deferred = {id(m.weight) for m in chunk.modules() if hasattr(m, "deferred")}
+    opened_in_b = {
+        data_parallel.bucket_of[index]
+        for index, (_, param) in enumerate(trainer.model.named_parameters())
+        if id(param) not in deferred
+    }
+    reduce = data_parallel.reduce_micro_batch
+    others_whole = []  # at each unit's reduction: the other buckets whose gradients are whole
+
+    def look_then_reduce(buckets: tuple[int, ...]) -> None:
+        whole = {i for i, grads in enumerate(data_parallel.bucket_grads) if grads is not None}
+        others_whole.append(whole - set(buckets))
+        reduce(buckets)
+
+    data_parallel.reduce_micro_batch = look_then_reduce
+    trainer.train_step()
+    units = len(data_parallel.gathering.units[0]) - 1  # every unit but the embedding, in each micro-batch
+    assert len(others_whole) == config.tokens.batch_accumulation_per_replica * units
+    most = max(len(whole) for whole in others_whole)  # 5 of 19 here: the 4 layers' norms, the embedding
+    assert all(whole <= opened_in_b for whole in others_whole), (most, len(data_parallel.buckets))
