@@ -27,7 +27,7 @@ def test_the_layout_is_one_tuple_and_the_coordinates_follow_it():
     assert LAYOUT == ("pp", "dp", "cp", "tp")
     assert list(MeshCoordinates.__dataclass_fields__) == [f"{name}_rank" for name in LAYOUT]
     assert Mesh(dp=4, cp=2, tp=2, pp=2, ep=8).describe() == "dp=4 cp=2 tp=2 pp=2"
-    assert Mesh(dp=2, tp=2).describe(" * ") == "dp=2 * tp=2 * pp=1"
+    assert Mesh(dp=2, tp=2).describe() == "dp=2 tp=2 pp=1"
 
 
 LAYOUTS = {  # (dp, tp, pp, cp) -> process groups created: before (one per group of every kind), now

@@ -88,10 +88,10 @@ class Mesh:
             rank //= self.size(dimension)
         return MeshCoordinates(**place)
 
-    def describe(self, joint: str = " ") -> str:
+    def describe(self) -> str:
         """`dp=2 tp=2 pp=1`: the dimensions of the world size by name, those added later only where used."""
         shown = [name for name in WORLD_DIMENSIONS if name not in ADDED_LATER or self.size(name) > 1]
-        return joint.join(f"{name}={self.size(name)}" for name in shown)
+        return " ".join(f"{name}={self.size(name)}" for name in shown)
 
     def groups(self) -> dict[str, list[tuple[int, ...]]]:
         """Every group of each kind, as its ranks: the ranks that differ only in the kind's dimensions.

@@ -133,12 +133,14 @@ def check_shapes(reader: CheckpointReader, config: Config) -> None:
         return {f"model/{name}": tensor for name, tensor in state.items()}
 
     problem = shape_problem(config.model.model_config_, weights, where, "its config", saved_names)
-    for tensor, shape in shapes.items():  # the optimizer's state has its weight's shape
-        weight = f"model/{tensor.partition('/')[2]}"
-        if problem is None and shape != shapes.get(weight):
-            problem = (
-                f"{tensor} in {where} has shape {shape}, unlike {weight} ({shapes.get(weight, 'absent')})"
-            )
+    if problem is None:
+        for tensor, shape in shapes.items():  # the optimizer's state has its weight's shape
+            weight = f"model/{tensor.partition('/')[2]}"
+            if shape != shapes.get(weight):
+                problem = (
+                    f"{tensor} in {where} has shape {shape}, unlike {weight} ({shapes.get(weight, 'absent')})"
+                )
+                break
     if problem is not None:
         raise CheckpointError(f"{problem}: the checkpoint is damaged. Use an earlier checkpoint.")
 
