@@ -342,3 +342,31 @@ def test_a_resume_in_a_later_stage_is_refused_when_an_earlier_stage_s_data_chang
     with pytest.raises(ConfigError, match=r"in data stage 'stable', .*: the contents of the datasets"):
         resumed({"dataset_folder": str(other_folder)}, "dataset").train()
     assert len(resumed({}, "same").train()) == 1  # unchanged: resumes
+
+
+def test_every_earlier_stage_s_data_is_checked_on_a_resume_in_the_third(
+    tiny_config, datatrove_folder, other_folder
+):
+    """Three stages, the checkpoint in the third: a change in the second (not only the first) is named."""
+
+    def three_stages(run: str, *overrides: str, middle: dict):
+        stages = [
+            stage("stable", 1, str(datatrove_folder)),
+            {**stage("mid", 3, str(other_folder)), **middle},
+            stage("decay", 5, str(datatrove_folder)),
+        ]
+        data = {"dataset_folder": None, "stages": stages}
+        return tiny_config(f"general.run={run}", VOCAB, CONSTANT_LR, *overrides, data=data)
+
+    first, _, _ = train(
+        three_stages("first", "tokens.train_steps=6", "checkpoints.checkpoint_interval=6", middle={})
+    )
+    assert [s.name for s in first.state.stages] == ["stable", "mid", "decay"]
+    saved = f"checkpoints.resume_checkpoint_path={first.run_dir / 'checkpoints'}"
+    changed = three_stages("changed", "tokens.train_steps=7", saved, middle={"seed": 7})
+    with pytest.raises(
+        ConfigError, match=r"in data stage 'mid', which the run went through before: data\.seed"
+    ):
+        Trainer(changed, ParallelContext(), log_to_console=False).train()
+    _, losses, _ = train(three_stages("same", "tokens.train_steps=7", saved, middle={}))
+    assert len(losses) == 1  # unchanged: resumes
