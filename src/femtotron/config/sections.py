@@ -29,6 +29,9 @@ from pydantic import (
     model_validator,
 )
 
+from femtotron.config.pipeline_engines import ENGINES, Engine
+from femtotron.config.zero_stages import ZERO_STAGES, ZeroStage
+
 
 class _Section(BaseModel):
     # A misspelled key must be an error, never a silently ignored setting; no number is inf or nan (an
@@ -309,7 +312,7 @@ class ParallelismArgs(_Section):
     cp: PositiveInt = 1  # context parallel: each sequence split over cp ranks, attention as a ring
     # expert parallel: each MoE layer's experts split over ep of the dp x cp ranks (ep divides dp * cp)
     ep: PositiveInt = 1
-    pp_engine: Literal["1f1b", "afab", "interleaved-1f1b", "zb-h1"] = "1f1b"
+    pp_engine: Literal[tuple(ENGINES)] = "1f1b"
     pp_virtual_stages: PositiveInt = 1  # model chunks per pp rank; > 1 only with interleaved-1f1b
     tp_mode: Literal["ALL_REDUCE", "REDUCE_SCATTER"] = "ALL_REDUCE"
     recompute_layer: bool = False  # recompute each decoder layer's forward in backward (less memory)
@@ -322,6 +325,10 @@ class ParallelismArgs(_Section):
     @property
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def engine(self) -> Engine:
+        return ENGINES[self.pp_engine]
 
 
 class TokensArgs(_Section):
@@ -407,6 +414,11 @@ class OptimizerArgs(_Section):
                     f"{pattern!r} is not a regular expression ({e}); escape it, e.g. '\\.'"
                 ) from None
         return patterns
+
+    @property
+    def zero(self) -> ZeroStage:
+        """The record of `zero_stage` (one the rules accept: zero_stage_implemented)."""
+        return ZERO_STAGES[self.zero_stage]
 
 
 # A blend weight of inf or nan is let through to `_checked_spec`, whose message says what a weight must be.
