@@ -57,7 +57,7 @@ def dp_rank(ctx, cases, args, report) -> None:
         for _ in range(args.steps):
             result = trainer.train_step()
             steps.append((result.seconds, result.comm_seconds.get("dp", 0.0)))
-        report(index, (steps, len(trainer.data_parallel.buckets)))
+        report(index, (steps, len(trainer.data_parallel.layout.buckets)))
 
 
 def main() -> None:

@@ -57,10 +57,10 @@ def memory_rank(ctx, cases, args, report) -> None:
         trainer.train_step()
         with LiveMemory() as live:
             trainer.train_step()
-        plan = trainer.data_parallel.model_state_bytes()
+        plan = trainer.data_parallel.state.model_state_bytes()
         params = sum(p.numel() for _, p in trainer.model.named_parameters())
         estimate = estimate_rank(config, ctx.pp_rank, on_this_cpu=True).total
-        gathering = trainer.data_parallel.gathering
+        gathering = trainer.model.gathering
         gathered = 2 * gathering.peak_whole_elements if gathering else 0  # bf16
         report(index, (sum(plan.values()), sum(plan.values()) + live.peak + gathered, estimate, params))
 

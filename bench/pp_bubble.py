@@ -1,9 +1,9 @@
 """Pipeline bubble: measured idle share of a training step against theory, per schedule, pp and micro-batches.
 
-Theory (diagnostics.advice.pipeline_bubble): fill and drain cost pp - 1 stage-steps, shortened v-fold by
-interleaving, so a stage idles (pp - 1) / v / (m + (pp - 1) / v) of a step, the same on every stage. zb-h1
-(backward split in B and W, each as long as the forward) idles (pp - 1) / 3 stage-steps once m >= pp: a third
-of 1F1B's; the `idle/1f1b` column is its measured idle over 1F1B's at the same pp and m.
+Theory (each engine's `bubble`, config/pipeline_engines.py): fill and drain cost pp - 1 stage-steps,
+shortened v-fold by interleaving, so a stage idles (pp - 1) / v / (m + (pp - 1) / v) of a step, the same on
+every stage. zb-h1 (backward split in B and W, each as long as the forward) idles (pp - 1) / 3 stage-steps
+once m >= pp: a third of 1F1B's; the `idle/1f1b` column is its measured idle over 1F1B's at the same pp and m.
 
 `--compute sleep` (default) runs the real `Pipeline` executor with real gloo point-to-point on
 pp = 2 and 4 processes, but every model chunk is a stand-in whose forward sleeps F ms and whose
@@ -58,10 +58,11 @@ from torch import nn
 
 from femtotron.batch import MicroBatch
 from femtotron.config import load_config
-from femtotron.diagnostics.advice import pipeline_bubble
+from femtotron.config.pipeline_engines import ENGINES as ENGINE_RECORDS
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.pipeline.p2p import PipelineP2P
 from femtotron.parallel.pipeline.schedules import Pipeline
+from femtotron.parallel.split_backward import defer_weight_gradients
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("afab", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -165,7 +166,9 @@ def sleep_rank(ctx: ParallelContext, cases: list[Case], args: argparse.Namespace
             for stage in (c * case.pp + ctx.pp_rank for c in range(case.v))
         ]
         p2p = PipelineP2P(ctx.comm, ctx.pp_links, ctx.pp_rank, ctx.device, shape, torch.float32)
-        pipeline = Pipeline(chunks, case.engine, case.pp, ctx.pp_rank, p2p)
+        engine = ENGINE_RECORDS[case.engine]
+        deferred = defer_weight_gradients(chunks) if engine.splits_backward else None
+        pipeline = Pipeline(chunks, case.engine, case.pp, ctx.pp_rank, p2p, deferred=deferred)
         micro_batches = [
             MicroBatch.from_tokens(torch.zeros(mbs, seq + 1, dtype=torch.int64)) for _ in range(case.m)
         ]
@@ -311,7 +314,7 @@ def main() -> None:
 
     def on_case(case: Case, per_rank: list[list[StepTimes]]) -> None:
         s = summarize(per_rank)
-        theory = pipeline_bubble(case.pp, case.m, case.v, case.engine)
+        theory = ENGINE_RECORDS[case.engine].bubble(case.pp, case.m, case.v)
         ratio, wait_ratio = s["idle"] / theory, s["wait"] / theory
         ratios.append((ratio, wait_ratio, case))
         if case.engine == "1f1b":

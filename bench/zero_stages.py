@@ -44,19 +44,19 @@ def stage_rank(ctx, cases, args, report) -> None:
             optimizer={"zero_stage": zero},
         )
         trainer = Trainer(config, ctx, log_to_console=False)
-        data_parallel = trainer.data_parallel
+        state = trainer.data_parallel.state
         waited = [0.0]
-        if data_parallel.gathering is not None:
+        if trainer.model.gathering is not None:
             if not prefetch:
-                data_parallel.gathering.prefetch = lambda unit: None
-            wait_gather = data_parallel.wait_gather
+                trainer.model.gathering.prefetch = lambda unit: None
+            wait_gather = state.wait_gather
 
             def timed_wait(bucket, work, wait_gather=wait_gather, waited=waited):
                 start = time.perf_counter()
                 wait_gather(bucket, work)
                 waited[0] += time.perf_counter() - start
 
-            data_parallel.wait_gather = timed_wait
+            state.wait_gather = timed_wait
         trainer.train_step()  # warm-up: Adam's moments, first allocations
         waited[0] = 0.0
         seconds = [trainer.train_step().seconds for _ in range(args.steps)]

@@ -264,7 +264,9 @@ def record_steps(config, ctx, steps: int = 3, prepare=None) -> Steps:
         }
 
     loss, _, pieces = trainer.compute_gradients()
-    grads = full(trainer.data_parallel.full(pieces))  # per parameter, whole (assembled over dp under ZeRO-1)
+    grads = full(
+        trainer.data_parallel.state.full(pieces)
+    )  # per parameter, whole (assembled over dp under ZeRO-1)
     trainer.optimizer.zero_grad()
     initial = full(full_masters(trainer.optimizer))
     results = [trainer.train_step() for _ in range(steps)]
@@ -425,7 +427,7 @@ def assert_steps_match(got: Steps, reference: Steps, exact: Steps | None = None,
 
 def full_masters(optimizer: ZeroOptimizer) -> list[torch.Tensor]:
     """Per parameter, its whole fp32 master weight (gathered over dp under ZeRO-1)."""
-    return optimizer.data_parallel.full([m.detach().float() for m in optimizer.masters])
+    return optimizer.data_parallel.state.full([m.detach().float() for m in optimizer.masters])
 
 
 LIBC = ctypes.CDLL(None, use_errno=True)  # this process's own C library, for mount(2)
@@ -468,18 +470,18 @@ def held_bytes(trainer):
     params = [p for _, p in trainer.model.named_parameters()]
     optimizer = trainer.optimizer
     assert all(p.grad is None for p in params)  # no low-precision gradient is left behind
-    data_parallel = trainer.data_parallel
-    if data_parallel.shard_params:  # between steps only the owned shards: every bucket's whole ones freed
-        assert all(whole.untyped_storage().nbytes() == 0 for whole in data_parallel.bucket_params)
-        params = data_parallel.param_shards
+    state = trainer.data_parallel.state
+    if state.zero.shards_parameters:  # between steps only the owned shards: every bucket's whole ones freed
+        assert all(whole.untyped_storage().nbytes() == 0 for whole in state.bucket_params)
+        params = state.param_shards
     param_storages = {p.untyped_storage().data_ptr() for p in params}
     masters = [m for m in optimizer.masters if m.untyped_storage().data_ptr() not in param_storages]
     moments = [s[key] for s in optimizer.adam.state.values() for key in ("exp_avg", "exp_avg_sq")]
-    if data_parallel.shard_gradients:  # between steps only the owned shards: every bucket's whole ones freed
-        assert data_parallel.bucket_grads == [None] * len(data_parallel.buckets)
-        grads = data_parallel.shard_grads
+    if state.zero.shards_gradients:  # between steps only the owned shards: every bucket's whole ones freed
+        assert state.bucket_grads == [None] * len(state.layout.buckets)
+        grads = state.shard_grads
     else:
-        grads = [data_parallel.flat_grads]
+        grads = [state.flat_grads]
     return {
         "params": total(params),
         "grads": total(grads),

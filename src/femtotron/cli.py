@@ -24,7 +24,7 @@ def cmd_train(args: argparse.Namespace) -> int | None:
     from femtotron.config.sections import RUN_DATE, run_date
     from femtotron.data.text_cache import tokenize_text_data, tokenized_by_rank_0
     from femtotron.launch import launched_by_torchrun
-    from femtotron.serialize.checkpoint import already_done, decided_by_rank_0
+    from femtotron.serialize.resume_source import already_done, decided_by_rank_0
     from femtotron.serialize.weights import check_own_weights
 
     os.environ.setdefault(RUN_DATE, run_date())  # general.run's %date: the processes started here inherit it
@@ -82,14 +82,14 @@ def launch_train(args: argparse.Namespace, config: Config) -> int:
     rank after processes have started.
     """
     from femtotron.launch import check_local_devices, launch_local
+    from femtotron.parallel.mesh import Mesh
     from femtotron.run_lock import run_lock
 
     par = config.parallelism
     check_local_devices(par.dp, par.tp, par.pp, par.cp)
     argv = ["train", args.config, *args.overrides, *(["--debug"] if args.debug else [])]
-    cp = f" cp={par.cp}" if par.cp > 1 else ""
     with run_lock(config.run_dir):  # for the whole run: the ranks it starts find it held (LOCKED_ENV)
-        return launch_local(par.world_size, argv, what=f"dp={par.dp}{cp} tp={par.tp} pp={par.pp}")
+        return launch_local(par.world_size, argv, what=Mesh.of(par).describe())
 
 
 def cmd_check_tp(args: argparse.Namespace) -> int:
@@ -111,6 +111,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )
 
 
+def mesh_options() -> list[str]:
+    """reshard's options for the mesh, in the order --help lists them: the dimensions whose sizes multiply
+    to the processes, then those carved out of them (ep)."""
+    from femtotron.parallel.mesh import NAMED, WORLD_DIMENSIONS
+
+    return [*WORLD_DIMENSIONS, *(name for name in NAMED if name not in WORLD_DIMENSIONS)]
+
+
 def cmd_reshard(args: argparse.Namespace) -> None:
     from pathlib import Path
 
@@ -119,7 +127,7 @@ def cmd_reshard(args: argparse.Namespace) -> None:
     # Each option as an override, with the option itself for messages.
     layout = {
         f"parallelism.{key}={value}": f"--{key} {value}"
-        for key in ("dp", "cp", "tp", "pp", "ep")
+        for key in mesh_options()
         if (value := getattr(args, key)) is not None
     }
     path = reshard(Path(args.checkpoint), Path(args.out), [*layout, *args.overrides], layout)
@@ -380,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     re.add_argument(
         "--out", required=True, help="the checkpoints directory to write step-NNNNNNN and latest into"
     )
-    for key in ("dp", "cp", "tp", "pp", "ep"):
+    for key in mesh_options():
         re.add_argument(
             f"--{key}", type=int, default=None, help=f"the new parallelism.{key} (default: as saved)"
         )

@@ -4,6 +4,7 @@ slices of which tensors each rank of a mesh holds."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +17,9 @@ from femtotron.optim.muon import orthogonalised
 from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.context_parallel import ContextParallel
-from femtotron.parallel.data_parallel import DataParallel, Replicas
+from femtotron.parallel.data_parallel import DataParallel
 from femtotron.parallel.expert_parallel import ExpertParallel
+from femtotron.parallel.flat_layout import Replicas
 from femtotron.parallel.fully_sharded import ParameterGathering, chunk_units, parameter_indices
 from femtotron.parallel.members import Parallel
 from femtotron.parallel.mesh import Mesh
@@ -25,6 +27,7 @@ from femtotron.parallel.pipeline.p2p import PipelineP2P
 from femtotron.parallel.pipeline.partition import Stage, partition
 from femtotron.parallel.pipeline.schedules import Pipeline
 from femtotron.parallel.sharding import split_dim
+from femtotron.parallel.split_backward import DeferredWeightGradients, defer_weight_gradients
 from femtotron.parallel.tensor_parallel import TensorParallel
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -35,7 +38,9 @@ class RankModel:
     stages: list[Stage]  # every virtual stage of the pipeline (this rank runs stage chunk * pp + pp_rank)
     chunks: list[Llama]  # this rank's model chunks (one unless interleaved)
     tp: TensorParallel
-    data_parallel: DataParallel
+    data_parallel: DataParallel  # the dp reduction, with the flat layout and the model state it reduces
+    gathering: ParameterGathering | None  # ZeRO-3: which units' parameters are whole, and the hooks
+    deferred: DeferredWeightGradients | None  # zb-h1: the weight gradients a backward left for W
     replicated: list[bool]  # per parameter: every tp rank holds it whole (the norms)
     # Per parameter: this rank's copy is the one that counts, in the grad norm and in a checkpoint (a
     # tp-replicated parameter on tp rank 0 only, a tied embedding on the first stage only).
@@ -47,6 +52,19 @@ class RankModel:
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters over all its chunks, by their names in the whole model."""
         return [item for chunk in self.chunks for item in chunk.named_parameters()]
+
+    def finish_reduction(self) -> None:
+        """After the step's backward: every owned gradient summed over dp; under ZeRO-3, what a prefetch left
+        gathered is freed."""
+        self.data_parallel.finish_reduction()
+        if self.gathering is not None:
+            self.gathering.settle()
+
+    def whole_parameters(self, params: list[int]):
+        """A context in which parameters `params` are whole (ZeRO-3 gathers their buckets; else they are)."""
+        if self.gathering is None:
+            return contextlib.nullcontext()
+        return self.gathering.whole_parameters(params)
 
 
 def tensor_parallel(config: Config, comm: Comm, group: Group, rank: int) -> TensorParallel:
@@ -114,7 +132,8 @@ def _build(
     common = dict(std=config.model.init_method.std, seed=config.general.seed, dtype=dtype, device=device)
     stats = RouterStats(mcfg, device) if mcfg.moe else None
     common |= dict(tp=tp, cp=parallel.cp, ep=ep, recompute_layer=par.recompute_layer, router_stats=stats)
-    if config.optimizer.zero_stage == 3:  # parameters drawn a bucket at a time by DataParallel, never whole
+    zero = config.optimizer.zero
+    if zero.shards_parameters:  # parameters drawn a bucket at a time by ModelState, never whole
         common["param_device"] = torch.device("meta")
     chunks = [Llama(mcfg, **common, stage=stages[c * par.pp + pp_rank]) for c in range(par.pp_virtual_stages)]
     named = [item for chunk in chunks for item in chunk.named_parameters()]
@@ -125,32 +144,35 @@ def _build(
     tied_copy = [n == "embed_tokens.weight" and par.pp > 1 and mcfg.tie_word_embeddings for n, _ in named]
     pairs = zip(replicated, tied_copy, strict=True)
     counted = [(tp.rank == 0 or not r) and not (c and pp_rank > 0) for r, c in pairs]
-    data_parallel = DataParallel(
+    data_parallel = DataParallel.build(
         named,
         bucket_groups(chunks, tied_copy),
         comm,
-        dense.group,
-        dense.rank,
+        dense,
         micro_batches=config.tokens.batch_accumulation_per_replica,
         bucket_mb=par.dp_bucket_size_mb,
         grad_dtype=torch.float32 if config.optimizer.accumulate_grad_in_fp32 else dtype,
-        sharded=config.optimizer.zero_stage >= 1,
-        shard_gradients=config.optimizer.zero_stage == 2,
-        shard_params=config.optimizer.zero_stage == 3,
-        expert_replicas=experts if ep.size > 1 else None,
+        zero=zero,
+        experts=experts if ep.size > 1 else None,
         device=device,
         orthogonalised=[muon and orthogonalised(n, p) for n, p in named],
     )
-    if config.optimizer.zero_stage == 3:
-        data_parallel.gathering = ParameterGathering(
-            data_parallel, reshard_after_forward=config.optimizer.reshard_after_forward
+    deferred = defer_weight_gradients(chunks) if par.engine.splits_backward else None
+    gathering = None
+    if zero.shards_parameters:
+        gathering = ParameterGathering(
+            data_parallel,
+            chunks,
+            deferred=deferred,
+            reshard_after_forward=config.optimizer.reshard_after_forward,
         )
-        data_parallel.gathering.install(chunks)
     return RankModel(
         stages=stages,
         chunks=chunks,
         tp=tp,
         data_parallel=data_parallel,
+        gathering=gathering,
+        deferred=deferred,
         replicated=replicated,
         counted=counted,
         tied_embedding=tied_copy.index(True) if any(tied_copy) else None,
@@ -166,9 +188,9 @@ def build_pipeline(config: Config, ctx: ParallelContext, model: RankModel) -> Pi
     sequence = tokens.sequence_length // ctx.cp // (ctx.tp if model.tp.sequence_parallel else 1)
     shape = (tokens.micro_batch_size, sequence, hidden)
     p2p = PipelineP2P(ctx.comm, ctx.pp_links, ctx.pp_rank, ctx.device, shape, DTYPES[config.model.dtype])
-    pipeline = Pipeline(model.chunks, config.parallelism.pp_engine, ctx.pp, ctx.pp_rank, p2p)
-    if model.data_parallel.gathering is not None:  # ZeRO-3: zb-h1 reduces a unit once its W has run
-        model.data_parallel.gathering.deferred = pipeline.deferred
+    pipeline = Pipeline(
+        model.chunks, config.parallelism.pp_engine, ctx.pp, ctx.pp_rank, p2p, deferred=model.deferred
+    )
     ctx.comm.take_seconds()  # the start-up handshake is not part of any step's communication
     return pipeline
 

@@ -67,7 +67,7 @@ def measured_and_estimated(rank, config):
     trainer.train_step()  # Adam's moments exist from here on
     with LiveMemory() as memory:
         trainer.train_step()
-    measured = sum(trainer.data_parallel.model_state_bytes().values()) + memory.peak
+    measured = sum(trainer.data_parallel.state.model_state_bytes().values()) + memory.peak
     estimated = estimate_rank(config, ctx.pp_rank, on_this_cpu=True).total
     ctx.close()
     return measured, estimated
@@ -119,19 +119,19 @@ class WorkingMemory(LiveMemory):
     buckets' whole gradients (filling, or being reduce-scattered) and the parameters gathered whole, which
     `LiveMemory` does not see (their storage is resized in place, not allocated)."""
 
-    def __init__(self, data_parallel) -> None:
+    def __init__(self, model) -> None:
         super().__init__()
-        self.data_parallel = data_parallel
+        self.model = model
         self.working_peak = 0  # whole gradients + gathered parameters, at once
         self.peak_with_gathered = 0  # what `LiveMemory` sees + gathered parameters, at once
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        data_parallel = self.data_parallel
-        whole = sum(grads.nbytes for grads in data_parallel.bucket_grads if grads is not None)
+        data_parallel = self.model.data_parallel
+        whole = sum(grads.nbytes for grads in data_parallel.state.bucket_grads if grads is not None)
         whole += sum(grads.nbytes for grads, _ in data_parallel.in_transit.values())
-        gathering = data_parallel.gathering
-        gathered = gathering.whole_elements * data_parallel.param_dtype.itemsize if gathering else 0
+        gathering = self.model.gathering
+        gathered = gathering.whole_elements * data_parallel.state.param_dtype.itemsize if gathering else 0
         self.working_peak = max(self.working_peak, whole + gathered)
         self.peak_with_gathered = max(self.peak_with_gathered, self.live + gathered)
         return out
@@ -145,9 +145,9 @@ def zero_memory(rank, configs):
     for config in configs:
         trainer = Trainer(config, ctx, log_to_console=False)
         trainer.train_step()  # Adam's moments exist from here on
-        with WorkingMemory(trainer.data_parallel) as memory:
+        with WorkingMemory(trainer.model) as memory:
             trainer.train_step()
-        measured = sum(trainer.data_parallel.model_state_bytes().values()) + memory.peak_with_gathered
+        measured = sum(trainer.data_parallel.state.model_state_bytes().values()) + memory.peak_with_gathered
         estimate = estimate_rank(config, ctx.pp_rank, on_this_cpu=True)
         out.append((measured, estimate.total, memory.working_peak, estimate.working))
     ctx.close()

@@ -32,7 +32,7 @@ def test_the_report_names_async_checkpoints_and_their_host_memory(tiny_config):
     config = tiny_config("checkpoints.checkpoint_interval=2", "checkpoints.async_save=true")
     trainer = Trainer(config, ParallelContext(), log_to_console=False)
     summary = start_report.summary(trainer.parts, "")
-    staging = trainer.model.data_parallel.checkpoint_bytes() / 2**20
+    staging = trainer.model.data_parallel.state.checkpoint_bytes() / 2**20
     assert (
         "checkpoints: written in the background (checkpoints.async_save); staging buffers of "
         f"{staging:,.1f} MiB of host memory on this rank" in summary

@@ -22,13 +22,15 @@ from helpers import (
 )
 
 from femtotron.config import load_config_dict
+from femtotron.config.zero_stages import ZERO_STAGES
 from femtotron.errors import ConfigError
 from femtotron.optim.muon import fused, matrices, newton_schulz, orthogonalised
 from femtotron.optim.zero import ZeroOptimizer
 from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.data_parallel import DataParallel
-from femtotron.serialize.checkpoint import resolve
+from femtotron.parallel.flat_layout import Replicas
 from femtotron.serialize.files import CheckpointError, CheckpointReader
+from femtotron.serialize.resume_source import resolve
 
 LR = 2e-2
 MUON_LR = 5e-2
@@ -123,16 +125,15 @@ class ReferenceMuon:
 
 def single_process(model, section) -> ZeroOptimizer:
     named = list(model.named_parameters())
-    data_parallel = DataParallel(
+    data_parallel = DataParallel.build(
         named,
         [list(range(len(named)))[::-1]],
         Comm(),
-        Group("dp", (0,)),
-        0,
+        Replicas(Group("dp", (0,)), 0),
         micro_batches=1,
         bucket_mb=0.01,  # several buckets: the gathers of one run while the last one's matrices are computed
         grad_dtype=torch.float32,
-        sharded=False,
+        zero=ZERO_STAGES[0],
         orthogonalised=[orthogonalised(n, p) for n, p in named],
     )
     return ZeroOptimizer([p for _, p in named], data_parallel, section)

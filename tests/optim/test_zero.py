@@ -4,11 +4,13 @@ from distributed import run_ranks
 from helpers import full_masters
 
 from femtotron.config import load_config_dict
+from femtotron.config.zero_stages import ZERO_STAGES
 from femtotron.errors import FemtotronError
 from femtotron.optim.zero import ZeroOptimizer
 from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.data_parallel import DataParallel
+from femtotron.parallel.flat_layout import Replicas
 
 LR = 1e-2
 WEIGHT_DECAY = 0.1
@@ -43,16 +45,15 @@ def make_params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
 def single_process_optimizer(params, section, micro_batches=1):
     """The optimizer of one rank without data parallelism, over `params` in one bucket."""
     grad_dtype = torch.float32 if section.accumulate_grad_in_fp32 else params[0].dtype
-    data_parallel = DataParallel(
+    data_parallel = DataParallel.build(
         [(f"p{i}", p) for i, p in enumerate(params)],
         [list(range(len(params)))],
         Comm(),
-        Group("dp", (0,)),
-        0,
+        Replicas(Group("dp", (0,)), 0),
         micro_batches=micro_batches,
         bucket_mb=25,
         grad_dtype=grad_dtype,
-        sharded=False,
+        zero=ZERO_STAGES[0],
     )
     return ZeroOptimizer(params, data_parallel, section)
 
@@ -168,7 +169,7 @@ def test_bf16_grads_accumulate_in_fp32_masters_and_params_follow_the_masters():
     # The fp32 sums are not bf16 numbers, so a bf16 accumulation could not have produced them.
     assert any(not torch.equal(total, total.bfloat16().float()) for total in expected)
     optimizer.data_parallel.finish_reduction()
-    grads = optimizer.data_parallel.full(optimizer.grads())  # per parameter, whole
+    grads = optimizer.data_parallel.state.full(optimizer.grads())  # per parameter, whole
     for grad, total in zip(grads, expected, strict=True):
         assert grad.dtype == torch.float32
         torch.testing.assert_close(grad, total, rtol=1e-6, atol=1e-6)
@@ -200,7 +201,7 @@ def test_bf16_without_fp32_accumulation_still_hands_out_fp32_grads():
     optimizer = single_process_optimizer(
         params, optimizer_section(accumulate_grad_in_fp32=False), micro_batches=2
     )
-    assert optimizer.data_parallel.flat_grads.dtype == torch.bfloat16
+    assert optimizer.data_parallel.state.flat_grads.dtype == torch.bfloat16
     expected = [torch.zeros_like(p) for p in params]
     for micro_batch in range(2):
         for total, grad in zip(expected, bf16_grads(params, micro_batch), strict=True):
@@ -220,12 +221,12 @@ def test_zero_grad_clears_every_gradient(dtype):
     params = make_params(dtype)
     optimizer = single_process_optimizer(params, optimizer_section())
     loss_of(params, 0).backward()
-    assert optimizer.data_parallel.flat_grads.any()
+    assert optimizer.data_parallel.state.flat_grads.any()
     optimizer.zero_grad()
     assert all(p.grad is None for p in params) and all(m.grad is None for m in optimizer.masters)
-    assert not optimizer.data_parallel.flat_grads.any()
+    assert not optimizer.data_parallel.state.flat_grads.any()
     loss_of(params, 1).backward()  # the next step starts from zero, not from the old sums
-    whole = optimizer.data_parallel.full(optimizer.data_parallel.owned_grads())
+    whole = optimizer.data_parallel.state.full(optimizer.data_parallel.state.owned_grads())
     for grad, fresh in zip(whole, bf16_grads(params, 1), strict=True):
         torch.testing.assert_close(grad, fresh.float(), rtol=1e-6, atol=1e-6)
 
@@ -244,19 +245,18 @@ def _decay_only_step(rank, dp):
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in [(20, 12), (20,), (12,)]]
     initial = [p.detach().clone() for p in params]
-    data_parallel = DataParallel(
+    data_parallel = DataParallel.build(
         [(f"p{i}", p) for i, p in enumerate(params)],
         [[2, 1, 0]],
         ctx.comm,
-        ctx.dp_group,
-        ctx.dp_rank,
+        Replicas(ctx.dp_group, ctx.dp_rank),
         micro_batches=1,
         bucket_mb=25,
         grad_dtype=torch.float32,
-        sharded=True,
+        zero=ZERO_STAGES[1],
     )
     optimizer = ZeroOptimizer(params, data_parallel, optimizer_section(zero_stage=1))
-    owned = {piece.param for piece in data_parallel.pieces}
+    owned = {piece.param for piece in data_parallel.layout.pieces}
     data_parallel.finish_reduction()
     optimizer.step(LR)
     ctx.close()

@@ -3,6 +3,8 @@ exact memory per rank and exact bytes per step."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from distributed import run_ranks
@@ -18,10 +20,12 @@ from helpers import (
 )
 
 from femtotron.config import load_config_dict
+from femtotron.config.zero_stages import ZERO_STAGES
 from femtotron.optim.zero import ZeroOptimizer
 from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.context import ParallelContext
-from femtotron.parallel.data_parallel import ALIGNMENT, DataParallel, plan_buckets
+from femtotron.parallel.data_parallel import DataParallel
+from femtotron.parallel.flat_layout import ALIGNMENT, Replicas, plan_buckets
 from femtotron.parallel.fully_sharded import ParameterGathering
 from femtotron.trainer import Trainer
 
@@ -46,17 +50,16 @@ def _layout(dp, sharded):
     shapes = [(48, 16), (16,), (300,), (7, 9)]
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
     return [
-        DataParallel(
+        DataParallel.build(
             [(f"p{i}", p) for i, p in enumerate(params)],
             [[3, 2, 1, 0]],
             comm=Comm(),
-            dp_group=Group("dp", tuple(range(dp))),
-            dp_rank=rank,
+            dense=Replicas(Group("dp", tuple(range(dp))), rank),
             micro_batches=1,
             bucket_mb=0.002,
             grad_dtype=torch.float32,
-            sharded=sharded,
-        )
+            zero=ZERO_STAGES[1 if sharded else 0],
+        ).layout
         for rank in range(dp)
     ], [p.numel() for p in params]
 
@@ -67,14 +70,14 @@ def test_owned_pieces_cover_every_element_exactly_once_over_the_dp_ranks(dp, sha
     copies = dp if not sharded else 1  # without ZeRO every rank owns everything
     for param, numel in enumerate(numels):
         count = torch.zeros(numel, dtype=torch.int64)
-        for data_parallel in ranks:
-            offset = data_parallel.offsets[param]
-            for piece in data_parallel.pieces:
+        for layout in ranks:
+            offset = layout.offsets[param]
+            for piece in layout.pieces:
                 if piece.param == param:
                     count[piece.start - offset : piece.end - offset] += 1
         assert torch.equal(count, torch.full((numel,), copies))
     owned = [sum(p.end - p.start for p in d.pieces) for d in ranks]
-    total = ranks[0].flat_params.numel()
+    total = ranks[0].size
     assert sum(owned) == copies * sum(numels) and max(owned) <= (total if not sharded else total // dp)
 
 
@@ -126,9 +129,9 @@ def train_and_record(config, ctx):
         n: after - before
         for n, after, before in zip(names, full_masters(trainer.optimizer), initial, strict=True)
     }
-    with data_parallel.whole_parameters(list(range(len(names)))):  # ZeRO-3: gathered to read them
+    with trainer.model.whole_parameters(list(range(len(names)))):  # ZeRO-3: gathered to read them
         params = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
-    gathering = data_parallel.gathering
+    gathering = trainer.model.gathering
     return {
         "losses": [r.loss for r in results],
         "norms": [r.grad_norm for r in results],
@@ -136,9 +139,9 @@ def train_and_record(config, ctx):
         "params": params,
         "traffic": traffic,
         "launches": launches,
-        "buckets": data_parallel.buckets,
+        "buckets": data_parallel.layout.buckets,
         "parameters": len(names),
-        "elements": data_parallel.size,
+        "elements": data_parallel.layout.size,
         "units": gathering.units if gathering else None,
         "peak_whole_elements": gathering.peak_whole_elements if gathering else None,
     }
@@ -287,13 +290,13 @@ def _memory(rank, configs):
     for config in configs:
         trainer = Trainer(config, ctx, log_to_console=False)
         trainer.train_step()  # Adam allocates its moments in the first step
-        data_parallel = trainer.data_parallel
+        layout = trainer.data_parallel.layout
         out.append(
             (
                 held_bytes(trainer),
-                trainer.data_parallel.model_state_bytes(),
-                data_parallel.size,
-                data_parallel.padding,
+                trainer.data_parallel.state.model_state_bytes(),
+                layout.size,
+                layout.padding,
                 sum(p.numel() for _, p in trainer.model.named_parameters()),
             )
         )
@@ -358,23 +361,22 @@ def _step_with_a_bias_used_once(comm, group, dp_rank, micro_batches, bucket_mb, 
         torch.nn.Parameter(torch.randn(5, 4, generator=torch.Generator().manual_seed(7))),
         torch.nn.Parameter(torch.zeros(5)),
     ]
-    data_parallel = DataParallel(
+    data_parallel = DataParallel.build(
         [("weight", params[0]), ("bias", params[1])],
         [[1, 0]],
         comm=comm,
-        dp_group=group,
-        dp_rank=dp_rank,
+        dense=Replicas(group, dp_rank),
         micro_batches=micro_batches,
         bucket_mb=bucket_mb,
         grad_dtype=torch.float32,
-        sharded=stage >= 1,
-        shard_gradients=stage == 2,
-        shard_params=stage == 3,
+        zero=ZERO_STAGES[stage],
     )
-    if stage == 3:  # the two parameters as one unit, whole through the micro-batches
-        data_parallel.gathering = ParameterGathering(data_parallel, reshard_after_forward=True)
+    gathering = None
+    if stage == 3:  # the two parameters as one unit (a tool's, no chunk's), whole through the micro-batches
+        gathering = ParameterGathering(data_parallel, [], deferred=None, reshard_after_forward=True)
     optimizer = ZeroOptimizer(params, data_parallel, load_config_dict(UNUSED_SECTION).optimizer)
-    with data_parallel.whole_parameters([0, 1]):
+    whole = gathering.whole_parameters if gathering else lambda _: contextlib.nullcontext()
+    with whole([0, 1]):
         for index in range(micro_batches):
             global_index = dp_rank * micro_batches + index
             y = torch.randn(3, 4, generator=torch.Generator().manual_seed(global_index)) @ params[0].T
@@ -382,9 +384,11 @@ def _step_with_a_bias_used_once(comm, group, dp_rank, micro_batches, bucket_mb, 
                 y = y + params[1]
             y.pow(2).sum().backward()
     data_parallel.finish_reduction()
-    grads = [g.clone() for g in data_parallel.full(optimizer.grads())]
+    if gathering:
+        gathering.settle()
+    grads = [g.clone() for g in data_parallel.state.full(optimizer.grads())]
     optimizer.step(1e-2)
-    with data_parallel.whole_parameters([0, 1]):
+    with whole([0, 1]):
         return grads, [p.detach().clone() for p in params]
 
 

@@ -49,16 +49,17 @@ def test_every_bucket_belongs_to_one_unit_of_its_own_parameters(tiny_config, ove
     config = tiny_config(*BASE, ZERO3, *overrides)
     tied_at_pp1 = TIED in overrides and config.parallelism.pp == 1
     for rank in range(config.parallelism.world_size):
-        data_parallel = meta_rank_model(config, rank).data_parallel
+        model = meta_rank_model(config, rank)
+        layout = model.data_parallel.layout
         owners: dict[int, list[str]] = {}
-        for units in data_parallel.gathering.units:
+        for units in model.gathering.units:
             for unit in units:
                 prefix = {"embedding": "embed_tokens.", "head": ""}.get(unit.name, f"layers.{unit.name[6:]}.")
                 for bucket in unit.buckets:
                     owners.setdefault(bucket, []).append(unit.name)
-                    names = [data_parallel.names[p] for p in data_parallel.buckets[bucket].params]
+                    names = [layout.names[p] for p in layout.buckets[bucket].params]
                     assert all(name.startswith(prefix) for name in names), (unit.name, names)
-        assert sorted(owners) == list(range(len(data_parallel.buckets)))
+        assert sorted(owners) == list(range(len(layout.buckets)))
         shared = [names for names in owners.values() if len(names) > 1]
         assert shared == ([["embedding", "head"]] if tied_at_pp1 else [])
 
@@ -141,7 +142,7 @@ def test_a_nan_is_traced_to_its_module_under_zero3(tiny_config):
     with pytest.raises(TrainingDiverged) as info:
         trainer.train_step()
     assert "the forward output of layers.1.mlp.down_proj is the first non-finite value" in str(info.value)
-    assert not any(trainer.data_parallel.gathering.whole)  # nothing left gathered
+    assert not any(trainer.model.gathering.whole)  # nothing left gathered
 
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard-after-forward", "keep-for-backward"])
@@ -154,12 +155,12 @@ def test_the_gathered_working_set_is_two_units_or_every_unit_kept_for_backward(t
         tiny_config(*overrides, f"optimizer.reshard_after_forward={str(reshard).lower()}"), ParallelContext()
     )
     trainer.train_step()
-    data_parallel = trainer.data_parallel
-    gathering = data_parallel.gathering
+    layout = trainer.data_parallel.layout
+    gathering = trainer.model.gathering
     units = gathering.units[0]
 
     def elements(buckets) -> int:
-        return sum(data_parallel.buckets[b].end - data_parallel.buckets[b].start for b in set(buckets))
+        return sum(layout.buckets[b].end - layout.buckets[b].start for b in set(buckets))
 
     if reshard:
         expected = max(elements(a.buckets + b.buckets) for a, b in itertools.pairwise(units))
@@ -167,7 +168,7 @@ def test_the_gathered_working_set_is_two_units_or_every_unit_kept_for_backward(t
         embedding_and_first = elements(units[0].buckets + units[1].buckets)
         expected = max(embedding_and_first, elements(b for unit in units[1:] for b in unit.buckets))
     assert gathering.peak_whole_elements == expected == gathering.working_set()  # what doctor counts
-    assert held_bytes(trainer)["params"] == 2 * data_parallel.size  # one process owns every shard
+    assert held_bytes(trainer)["params"] == 2 * layout.size  # one process owns every shard
     assert gathering.whole_elements == 0
 
 
@@ -175,7 +176,7 @@ def _working_set_of_each_stage(rank, config):
     ctx = ParallelContext(pp=2, collective_timeout_seconds=60)
     trainer = Trainer(config, ctx, log_to_console=False)
     trainer.train_step()
-    gathering = trainer.data_parallel.gathering
+    gathering = trainer.model.gathering
     units = gathering.units[0]
     kept = gathering.elements(b for unit in units if unit.needed_in_backward for b in unit.buckets)
     first_two = gathering.elements(units[0].buckets + units[1].buckets)

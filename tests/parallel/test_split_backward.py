@@ -229,12 +229,12 @@ def test_under_zero_3_a_layer_is_reduced_as_soon_as_its_weight_gradients_are_in(
     left_whole = []
 
     def look_then_finish() -> None:
-        left_whole.extend(i for i, grads in enumerate(data_parallel.bucket_grads) if grads is not None)
+        left_whole.extend(i for i, grads in enumerate(data_parallel.state.bucket_grads) if grads is not None)
         finish()
 
     data_parallel.finish_reduction = look_then_finish
     trainer.train_step()
-    units = data_parallel.gathering.units[0]
+    units = trainer.model.gathering.units[0]
     assert units[0].name == "embedding" and not units[0].needed_in_backward
     assert left_whole and set(left_whole) <= set(units[0].buckets)
 
@@ -266,7 +266,7 @@ def test_under_zero_3_w_completes_one_layer_at_a_time_so_few_buckets_are_whole_a
     chunk = trainer.model.chunks[0]
     deferred = {id(m.weight) for m in chunk.modules() if hasattr(m, "deferred")}
     opened_in_b = {
-        data_parallel.bucket_of[index]
+        data_parallel.layout.bucket_of[index]
         for index, (_, param) in enumerate(trainer.model.named_parameters())
         if id(param) not in deferred
     }
@@ -274,13 +274,13 @@ def test_under_zero_3_w_completes_one_layer_at_a_time_so_few_buckets_are_whole_a
     others_whole = []  # at each unit's reduction: the other buckets whose gradients are whole
 
     def look_then_reduce(buckets: tuple[int, ...]) -> None:
-        whole = {i for i, grads in enumerate(data_parallel.bucket_grads) if grads is not None}
+        whole = {i for i, grads in enumerate(data_parallel.state.bucket_grads) if grads is not None}
         others_whole.append(whole - set(buckets))
         reduce(buckets)
 
     data_parallel.reduce_micro_batch = look_then_reduce
     trainer.train_step()
-    units = len(data_parallel.gathering.units[0]) - 1  # every unit but the embedding, in each micro-batch
+    units = len(trainer.model.gathering.units[0]) - 1  # every unit but the embedding, in each micro-batch
     assert len(others_whole) == config.tokens.batch_accumulation_per_replica * units
     most = max(len(whole) for whole in others_whole)  # 5 of 19 here: the 4 layers' norms, the embedding
-    assert all(whole <= opened_in_b for whole in others_whole), (most, len(data_parallel.buckets))
+    assert all(whole <= opened_in_b for whole in others_whole), (most, len(data_parallel.layout.buckets))

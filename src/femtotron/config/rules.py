@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, NoReturn, TypeVar
 
 from femtotron.config.sections import ConfigFields, LlamaConfig
+from femtotron.config.zero_stages import ZERO_STAGES
 from femtotron.errors import ConfigError
 from femtotron.parallel.mesh import WORLD_DIMENSIONS, Mesh
 
@@ -363,29 +364,29 @@ def enough_layers_for_the_stages(cfg: ConfigFields) -> Problem | None:
 
 def interleaving_needs_several_ranks(cfg: ConfigFields) -> Problem | None:
     par = cfg.parallelism
-    if par.pp_engine != "interleaved-1f1b" or par.pp >= 2:
+    if not par.engine.interleaves or par.pp >= 2:
         return None
     return Problem(
         ("parallelism.pp_engine", "parallelism.pp"),
-        "pp_engine=interleaved-1f1b interleaves model chunks over several pipeline ranks, so pp must be "
+        f"pp_engine={par.pp_engine} interleaves model chunks over several pipeline ranks, so pp must be "
         ">= 2. Fix: pp_engine=1f1b (with pp=1 it runs as afab and interleaving would).",
     )
 
 
 def interleaving_needs_several_chunks(cfg: ConfigFields) -> Problem | None:
     par = cfg.parallelism
-    if par.pp_engine != "interleaved-1f1b" or par.pp_virtual_stages >= 2:
+    if not par.engine.interleaves or par.pp_virtual_stages >= 2:
         return None
     return Problem(
         ("parallelism.pp_engine", "parallelism.pp_virtual_stages"),
-        "pp_engine=interleaved-1f1b gives each pp rank several model chunks, so pp_virtual_stages must be "
+        f"pp_engine={par.pp_engine} gives each pp rank several model chunks, so pp_virtual_stages must be "
         f">= 2 (it is {par.pp_virtual_stages}). Fix: pp_virtual_stages=2, or pp_engine=1f1b.",
     )
 
 
 def chunks_need_interleaving(cfg: ConfigFields) -> Problem | None:
     par = cfg.parallelism
-    if par.pp_engine == "interleaved-1f1b" or par.pp_virtual_stages == 1:
+    if par.engine.interleaves or par.pp_virtual_stages == 1:
         return None
     return Problem(
         ("parallelism.pp_engine", "parallelism.pp_virtual_stages"),
@@ -398,11 +399,11 @@ def chunks_need_interleaving(cfg: ConfigFields) -> Problem | None:
 def interleaving_takes_micro_batches_in_groups_of_pp(cfg: ConfigFields) -> Problem | None:
     par = cfg.parallelism
     accumulation = cfg.tokens.batch_accumulation_per_replica
-    if par.pp_engine != "interleaved-1f1b" or par.pp < 2 or accumulation % par.pp == 0:
+    if not par.engine.interleaves or par.pp < 2 or accumulation % par.pp == 0:
         return None
     return Problem(
         ("parallelism.pp_engine", "tokens.batch_accumulation_per_replica", "parallelism.pp"),
-        f"pp_engine=interleaved-1f1b sends micro-batches through the chunks in groups of pp, so "
+        f"pp_engine={par.pp_engine} sends micro-batches through the chunks in groups of pp, so "
         f"batch_accumulation_per_replica={accumulation} must be divisible by pp={par.pp}. Fix: "
         f"batch_accumulation_per_replica={_nearest_multiples(accumulation, par.pp)}.",
     )
@@ -444,19 +445,25 @@ def sequence_splits_over_cp_and_tp(cfg: ConfigFields) -> Problem | None:
 
 
 def zero_stage_implemented(cfg: ConfigFields) -> Problem | None:
+    """zero_stage names a record of ZERO_STAGES: every other reader asks `optimizer.zero`."""
     stage = cfg.optimizer.zero_stage
-    if stage <= 3:
+    if stage in (known.number for known in ZERO_STAGES):
         return None
+    sharding = [f"{known.number} ({known.adds})" for known in ZERO_STAGES if known.shards_optimizer]
     return Problem(
         ("optimizer.zero_stage",),
-        f"zero_stage={stage} does not exist: ZeRO has stages 1 (master weights and Adam moments sharded over "
-        "dp), 2 (the gradients too) and 3 (the parameters too). Fix: zero_stage=3 to shard everything.",
+        f"zero_stage={stage} does not exist: ZeRO has stages {', '.join(sharding[:-1])} and {sharding[-1]}. "
+        f"Fix: zero_stage={ZERO_STAGES[-1].number} to shard everything.",
     )
 
 
 def reshard_after_forward_needs_zero3(cfg: ConfigFields) -> Problem | None:
     optimizer = cfg.optimizer
-    if optimizer.reshard_after_forward or optimizer.zero_stage == 3:
+    if optimizer.reshard_after_forward:
+        return None
+    # Every rule runs, this one too on a stage ZeRO does not have: that has no record (zero_stage_implemented
+    # says so) and shards nothing.
+    if zero_stage_implemented(cfg) is None and optimizer.zero.shards_parameters:
         return None
     return Problem(
         ("optimizer.reshard_after_forward", "optimizer.zero_stage"),

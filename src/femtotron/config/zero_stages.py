@@ -14,12 +14,15 @@ class ZeroStage:
     shards_gradients: bool  # the summed gradients: only the owned shard outlives the reduction
     shards_parameters: bool  # the parameters: gathered while a unit runs (parallel/fully_sharded.py)
     sharded: str  # what it shards, for messages
+    adds: str  # what it shards beyond the stage before, for messages that list the stages
 
     @property
     def name(self) -> str:
         return f"ZeRO-{self.number}" if self.number else "no ZeRO"
 
 
+# Indexed by number (`OptimizerArgs.zero` reads ZERO_STAGES[zero_stage]), each stage sharding all the one
+# before it does.
 ZERO_STAGES = (
     ZeroStage(
         number=0,
@@ -27,6 +30,7 @@ ZERO_STAGES = (
         shards_gradients=False,
         shards_parameters=False,
         sharded="nothing",
+        adds="nothing",
     ),
     ZeroStage(
         number=1,
@@ -34,6 +38,7 @@ ZERO_STAGES = (
         shards_gradients=False,
         shards_parameters=False,
         sharded="master weights and Adam moments",
+        adds="master weights and Adam moments sharded over dp",
     ),
     ZeroStage(
         number=2,
@@ -41,6 +46,7 @@ ZERO_STAGES = (
         shards_gradients=True,
         shards_parameters=False,
         sharded="gradients, master weights and Adam moments",
+        adds="the gradients too",
     ),
     ZeroStage(
         number=3,
@@ -48,5 +54,6 @@ ZERO_STAGES = (
         shards_gradients=True,
         shards_parameters=True,
         sharded="parameters, gradients, master weights and Adam moments",
+        adds="the parameters too",
     ),
 )

@@ -4,21 +4,9 @@ logs them at start and `femtotron doctor` prints them. Like the config itself, t
 from __future__ import annotations
 
 from femtotron.config import Config
+from femtotron.config.pipeline_engines import ENGINES
 from femtotron.config.rules import fixes_that_hold
 from femtotron.parallel.pipeline.partition import IMBALANCE_WARNING, Stage, partition
-
-
-def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1, engine: str = "1f1b") -> float:
-    """The share of a step a pipeline stage idles (P2): fill and drain take pp - 1 stage-steps, which
-    interleaving shortens by its number of virtual stages (AFAB and 1F1B idle alike; 1F1B holds fewer
-    activations). zb-h1, with forward, B and W taking a third of a stage-step each: a step spans
-    3m + pp - 1 thirds, and at least 2m + 2pp - 1 (the first micro-batch's forward and B through every stage,
-    then the rest's F and B on the first stage, then its last W): parallel/pipeline/schedules.py."""
-    if engine == "zb-h1":
-        thirds = max(3 * micro_batches + pp - 1, 2 * micro_batches + 2 * pp - 1)
-        return 1 - 3 * micro_batches / thirds
-    idle = (pp - 1) / virtual_stages
-    return idle / (micro_batches + idle)
 
 
 def _typical_lr(n_params: int) -> float:
@@ -68,18 +56,19 @@ def config_warnings(config: Config) -> list[str]:
     par = config.parallelism
     accumulation = config.tokens.batch_accumulation_per_replica
     if par.pp > 1 and accumulation < 4 * par.pp:
-        bubble = pipeline_bubble(par.pp, accumulation, par.pp_virtual_stages, par.pp_engine)
-        # The engines that would idle less, each as the rules would take it.
-        engines = {"interleaved-1f1b": max(par.pp_virtual_stages, 2), "zb-h1": 1}
+        bubble = par.engine.bubble(par.pp, accumulation, par.pp_virtual_stages)
+        # The engines that would idle less, each as the rules would take it: an interleaving one with at
+        # least 2 virtual stages, any other with 1.
         faster = []
-        for engine, virtual in engines.items():
-            idle = pipeline_bubble(par.pp, accumulation, virtual, engine)
+        for engine in ENGINES.values():
+            virtual = max(par.pp_virtual_stages, 2) if engine.interleaves else 1
+            idle = engine.bubble(par.pp, accumulation, virtual)
             if idle < bubble:
-                chunks = (
-                    " with pp_virtual_stages=1" if engine == "zb-h1" and par.pp_virtual_stages > 1 else ""
-                )
-                changes = {"parallelism.pp_engine": engine, "parallelism.pp_virtual_stages": virtual}
-                faster.append((f"pp_engine={engine}{chunks} (idles {idle:.0%})", changes))
+                chunks = ""
+                if virtual < par.pp_virtual_stages:
+                    chunks = f" with pp_virtual_stages={virtual}"
+                changes = {"parallelism.pp_engine": engine.name, "parallelism.pp_virtual_stages": virtual}
+                faster.append((f"pp_engine={engine.name}{chunks} (idles {idle:.0%})", changes))
         others = fixes_that_hold(config, faster)
         ending = "."
         if others:
@@ -89,11 +78,11 @@ def config_warnings(config: Config) -> list[str]:
             f"pipeline idles for about {bubble:.0%} of each step (P2). Use at least 4 * pp = {4 * par.pp} "
             f"micro-batches (lower tokens.micro_batch_size to keep the batch){ending}"
         )
-    stage = config.optimizer.zero_stage
-    if stage >= 1 and par.dp * par.cp == 1:
+    zero = config.optimizer.zero
+    if zero.shards_optimizer and par.dp * par.cp == 1:
         out.append(
-            f"optimizer.zero_stage={stage} with parallelism.dp=1 (and cp=1): ZeRO-{stage} shards over the dp "
-            "x cp ranks, so with one it saves nothing. Raise parallelism.dp to save memory."
+            f"optimizer.zero_stage={zero.number} with parallelism.dp=1 (and cp=1): {zero.name} shards over "
+            "the dp x cp ranks, so with one it saves nothing. Raise parallelism.dp to save memory."
         )
     if config.model.init_method.std > 0.1:
         out.append(

@@ -17,7 +17,8 @@ import torch
 from femtotron.config import Config, check_world_size
 from femtotron.config.rules import rule_problems, with_changes
 from femtotron.config.sections import stage_end
-from femtotron.diagnostics.advice import config_warnings, imbalance_warning, pipeline_bubble
+from femtotron.config.zero_stages import ZERO_STAGES
+from femtotron.diagnostics.advice import config_warnings, imbalance_warning
 from femtotron.diagnostics.memory import (
     GIB,
     NCCL_COMMUNICATOR_BYTES,
@@ -28,7 +29,7 @@ from femtotron.diagnostics.memory import (
     human,
 )
 from femtotron.layout import DTYPES
-from femtotron.parallel.mesh import Mesh
+from femtotron.parallel.mesh import ADDED_LATER, NAMED, WORLD_DIMENSIONS, Mesh
 from femtotron.parallel.pipeline.partition import partition, stage_map
 
 
@@ -80,10 +81,11 @@ def variants(config: Config, budget: float, on_cpu: bool) -> list[str]:
     par = config.parallelism
     toggles = []
     if par.dp * par.cp > 1:
-        for other in sorted({0, 1, 2, 3} - {config.optimizer.zero_stage}):
-            toggles.append(
-                (f"optimizer.zero_stage={other}", with_changes(config, {"optimizer.zero_stage": other}))
-            )
+        for other in ZERO_STAGES:
+            if other == config.optimizer.zero:
+                continue
+            changed = with_changes(config, {"optimizer.zero_stage": other.number})
+            toggles.append((f"optimizer.zero_stage={other.number}", changed))
     recompute = not par.recompute_layer
     recomputed = with_changes(config, {"parallelism.recompute_layer": recompute})
     toggles.append((f"parallelism.recompute_layer={str(recompute).lower()}", recomputed))
@@ -104,6 +106,7 @@ def communication(config: Config, elements: int, device: str | None, gpus_per_no
     tokens = config.tokens
     size = DTYPES[config.model.dtype].itemsize
     micro = tokens.batch_accumulation_per_replica
+    zero = config.optimizer.zero
     activation = tokens.micro_batch_size * tokens.sequence_length // par.cp * mcfg.hidden_size * size
     lines = []
     replicas = par.dp * par.cp  # the ranks holding the same parameters
@@ -118,12 +121,12 @@ def communication(config: Config, elements: int, device: str | None, gpus_per_no
         grads = fraction * elements * (4 if config.optimizer.accumulate_grad_in_fp32 else size)
         params = fraction * elements * size
         share = (ranks - 1) / ranks  # what a ring sends of the whole
-        if config.optimizer.zero_stage == 3:  # per micro-batch: each unit gathered twice (the embedding once)
+        if zero.shards_parameters:  # per micro-batch: each unit gathered twice (the embedding once)
             lines.append(
                 f"  {name}: all-gather {human(2 * micro * share * params)} + reduce-scatter "
                 f"{human(micro * share * grads)} per step (at most; each unit in each micro-batch)"
             )
-        elif config.optimizer.zero_stage >= 1:
+        elif zero.shards_optimizer:
             gathered = human(share * params)
             lines.append(f"  {name}: reduce-scatter {human(share * grads)} + all-gather {gathered} per step")
         else:
@@ -243,12 +246,8 @@ def diagnose(
         device = "CPU"
     if world_size is not None:
         check_world_size(config, world_size)  # L1: raises with the valid layouts
-    cp = f" cp={par.cp}" if par.cp > 1 else ""
-    cp += f" (ep={par.ep})" if par.ep > 1 else ""
-    lines = [
-        f"config: every rule holds; layout dp={par.dp}{cp} tp={par.tp} pp={par.pp} = "
-        f"{par.world_size} process(es)"
-    ]
+    layout = describe_layout(Mesh.of(par))
+    lines = [f"config: every rule holds; layout {layout} = {par.world_size} process(es)"]
     lines += data_plan(config)
     lines += [f"warning: {w}" for w in config_warnings(config)]
     lines += [f"warning: {m}" for m in missing_paths(config)]
@@ -266,7 +265,7 @@ def diagnose(
         )
     if par.pp > 1:
         micro_batches = config.tokens.batch_accumulation_per_replica
-        bubble = pipeline_bubble(par.pp, micro_batches, par.pp_virtual_stages, par.pp_engine)
+        bubble = par.engine.bubble(par.pp, micro_batches, par.pp_virtual_stages)
         lines.append(f"pipeline: {par.pp_engine}, each stage idles {bubble:.0%} of a step in theory (P2)")
         virtual_stages = par.pp * par.pp_virtual_stages
         stages = partition(config.model.model_config_, config.tokens.sequence_length, virtual_stages)
@@ -325,6 +324,18 @@ def diagnose(
             "A100-40GB, L40S, V100-32GB), or --device-memory GIB"
         )
     return "\n".join(lines), fits
+
+
+def describe_layout(mesh: Mesh) -> str:
+    """`dp=2 cp=2 (ep=2) tp=2 pp=1`: every dimension in the order people name them, those added later only
+    where used; in parentheses those that are not factors of the world size (ep: carved out of dp x cp)."""
+    words = []
+    for name in NAMED:
+        size = mesh.size(name)
+        if name in ADDED_LATER and size == 1:
+            continue
+        words.append(f"{name}={size}" if name in WORLD_DIMENSIONS else f"({name}={size})")
+    return " ".join(words)
 
 
 def missing_paths(config: Config) -> list[str]:

@@ -87,9 +87,10 @@ def out_of_memory(
     fixes = [smaller]
     if not par.recompute_layer:
         fixes.append("parallelism.recompute_layer=true (76-90% fewer saved activations, ~25% more compute)")
-    if config.optimizer.zero_stage < 3 and dp > 1:
+    zero = config.optimizer.zero
+    if not zero.shards_parameters and dp > 1:
         over = f"dp={dp}" if par.cp == 1 else f"dp x cp = {dp}"
-        if config.optimizer.zero_stage < 2:
+        if not zero.shards_gradients:
             fixes.append(f"optimizer.zero_stage=2 (gradients, master weights and Adam moments / {over})")
         fixes.append(
             f"optimizer.zero_stage=3 (the parameters too / {over}; each layer gathered while it runs)"

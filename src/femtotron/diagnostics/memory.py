@@ -32,13 +32,14 @@ from torch.utils._pytree import tree_flatten
 
 from femtotron.batch import MicroBatch
 from femtotron.config import Config
+from femtotron.config.pipeline_engines import Engine
 from femtotron.layout import DTYPES, RankModel, meta_rank_model
 from femtotron.models.llama import DecoderLayers, Llama
 from femtotron.optim.muon import Muon
 from femtotron.parallel.context_parallel import place_tokens
 from femtotron.parallel.data_parallel import IN_FLIGHT
 from femtotron.parallel.mesh import Mesh, MeshCoordinates
-from femtotron.parallel.pipeline.schedules import SPLIT_BACKWARD, schedule
+from femtotron.parallel.pipeline.schedules import schedule
 from femtotron.parallel.split_backward import (
     DeferredWeightGradients,
     compute_weight_gradients,
@@ -134,7 +135,7 @@ class RankEstimate:
 
 
 def schedule_peak(
-    engine: str, pp: int, pp_rank: int, micro_batches: int, saved: list[int], left_for_w: list[int]
+    engine: Engine, pp: int, pp_rank: int, micro_batches: int, saved: list[int], left_for_w: list[int]
 ) -> tuple[int, int]:
     """The most activation bytes this rank holds for micro-batches whose backward has not run (or, split
     in B and W, whose W has not: `left_for_w` per chunk), and the most micro-batches at once, walking its
@@ -142,12 +143,12 @@ def schedule_peak(
     held: dict[tuple[int, int], int] = {}
     worst = 0
     most = 0
-    actions = schedule(engine, pp=pp, rank=pp_rank, micro_batches=micro_batches, chunks=len(saved))
+    actions = schedule(engine.name, pp=pp, rank=pp_rank, micro_batches=micro_batches, chunks=len(saved))
     for action in actions:
         key = (action.micro_batch, action.chunk)
         if action.kind == "F":
             held[key] = saved[action.chunk]
-        elif action.kind == "B" and engine in SPLIT_BACKWARD:
+        elif action.kind == "B" and engine.splits_backward:
             held[key] = left_for_w[action.chunk]
         else:
             held.pop(key)
@@ -185,7 +186,7 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
     meta = torch.device("meta")
     rank = Mesh.of(par).rank_of(MeshCoordinates(pp_rank=pp_rank, dp_rank=0, cp_rank=0, tp_rank=0))
     model = meta_rank_model(config, rank)
-    state = model.data_parallel.model_state_bytes()
+    state = model.data_parallel.state.model_state_bytes()
     sequence_split = par.tp if model.tp.sequence_parallel else 1
     sequence = tokens.sequence_length // par.cp // sequence_split
     # cp rank 0's part of the sequences (the ranks' parts are alike); one document (no token is -1).
@@ -198,7 +199,7 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
     for chunk_index, chunk in enumerate(model.chunks):
         stage = chunk_index * par.pp + pp_rank
         batch = place_tokens(whole, par.cp, 0, eos).to(meta)
-        deferred = defer_weight_gradients([chunk]) if par.pp_engine in SPLIT_BACKWARD else None
+        deferred = defer_weight_gradients([chunk]) if par.engine.splits_backward else None
 
         def step(
             chunk: Llama = chunk,
@@ -241,7 +242,7 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
         left_for_w.append(waiting_for_w)
     micro_batches = tokens.batch_accumulation_per_replica
     held_bytes, held = schedule_peak(
-        par.pp_engine, par.pp, pp_rank, micro_batches, saved=saved, left_for_w=left_for_w
+        par.engine, par.pp, pp_rank, micro_batches, saved=saved, left_for_w=left_for_w
     )
     waiting = held_bytes - max(saved) if held > 1 else 0  # the others, while the largest one runs
     if on_this_cpu:  # no NCCL
@@ -260,9 +261,9 @@ def _estimate_rank(config: Config, pp_rank: int, on_this_cpu: bool) -> RankEstim
         micro_batches_held=held,
         communicators=nccl,
         links=one_way,
-        working=working_set_bytes(model, split_backward=par.pp_engine in SPLIT_BACKWARD),
-        elements=model.data_parallel.size,
-        checkpoint=model.data_parallel.checkpoint_bytes(),
+        working=working_set_bytes(model, split_backward=par.engine.splits_backward),
+        elements=model.data_parallel.layout.size,
+        checkpoint=model.data_parallel.state.checkpoint_bytes(),
         muon_gather=muon_gather_bytes(config, model),
     )
 
@@ -272,7 +273,7 @@ def muon_gather_bytes(config: Config, model: RankModel) -> dict[str, int] | None
     if config.optimizer.optimizer_factory.name != "muon":
         return None
     params = [p for _, p in model.named_parameters()]
-    muon = Muon(params, model.data_parallel, model.tp, config.optimizer.optimizer_factory)
+    muon = Muon(params, model.data_parallel.state, model.tp, config.optimizer.optimizer_factory)
     return muon.bytes_per_step()
 
 
@@ -282,15 +283,16 @@ def working_set_bytes(model: RankModel, split_backward: bool = False) -> int:
     to the last's). ZeRO-3: the gathered parameters (parallel/fully_sharded.py's working set) and the
     whole gradients of the largest unit (with the backward split, zb-h1: of every unit, each reduced only
     once its W has run), of the embedding (reduced once per step) and of the reductions in flight."""
-    data_parallel = model.data_parallel
-    if not data_parallel.shard_gradients:
+    state = model.data_parallel.state
+    if not state.zero.shards_gradients:
         return 0
-    grad_bytes = data_parallel.grad_dtype.itemsize
-    in_flight = IN_FLIGHT * max(bucket.end - bucket.start for bucket in data_parallel.buckets)
-    gathering = data_parallel.gathering
+    grad_bytes = state.grad_dtype.itemsize
+    buckets = state.layout.buckets
+    in_flight = IN_FLIGHT * max(bucket.end - bucket.start for bucket in buckets)
+    gathering = model.gathering
     if gathering is None:
-        filling = max(bucket.end - bucket.start for bucket in data_parallel.buckets)
-        whole = data_parallel.size if data_parallel.micro_batches > 1 else filling + in_flight
+        filling = max(bucket.end - bucket.start for bucket in buckets)
+        whole = state.layout.size if model.data_parallel.micro_batches > 1 else filling + in_flight
         return grad_bytes * whole
     units = [unit for chunk in gathering.units for unit in chunk]
     sizes = [gathering.elements(unit.buckets) for unit in units if unit.needed_in_backward]
@@ -298,7 +300,7 @@ def working_set_bytes(model: RankModel, split_backward: bool = False) -> int:
     once_per_step = gathering.elements(
         b for unit in units if not unit.needed_in_backward for b in unit.buckets
     )
-    params = gathering.working_set() * data_parallel.param_dtype.itemsize
+    params = gathering.working_set() * state.param_dtype.itemsize
     return grad_bytes * (largest + once_per_step + in_flight) + params
 
 

@@ -4,7 +4,7 @@ warnings about legal but risky settings (N1, N2, P2, M3, T3)."""
 from __future__ import annotations
 
 from femtotron.config.sections import stage_end
-from femtotron.diagnostics.advice import config_warnings, imbalance_warning, pipeline_bubble
+from femtotron.diagnostics.advice import config_warnings, imbalance_warning
 from femtotron.parallel.pipeline.partition import stage_map
 from femtotron.train_state import TrainingParts
 
@@ -24,12 +24,11 @@ def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
     )
     if scaler.enabled:
         model_line += f", dynamic loss scale from {scaler.scale:g}"
-    cp = f" cp={ctx.cp}" if ctx.cp > 1 else ""
     ep = f" (experts over ep={ctx.ep})" if ctx.ep > 1 else ""  # ep splits dp x cp: not a factor of the world
     lines = [
         f"run: {config.general.project}/{config.general.run}, directory {config.run_dir}",
         model_line,
-        f"layout: dp={ctx.dp}{cp} tp={ctx.tp} pp={ctx.pp}{ep} on {ctx.world_size} process(es) on "
+        f"layout: {ctx.mesh.describe()}{ep} on {ctx.world_size} process(es) on "
         f"{len(set(ctx.hosts))} host(s), device {ctx.device}",
         f"batch: {tokens.micro_batch_size} x {tokens.sequence_length} tokens x {accumulation} micro-batches "
         f"x dp {ctx.dp} = {config.tokens_per_step:,} tokens per step, {tokens.train_steps} steps",
@@ -39,7 +38,7 @@ def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
     ]
     if config.checkpoints.async_save and config.checkpoints.checkpoint_interval:
         pinned = ", pinned" if ctx.device.type == "cuda" else ""
-        staging = parts.model.data_parallel.checkpoint_bytes() / 2**20
+        staging = parts.model.data_parallel.state.checkpoint_bytes() / 2**20
         lines.append(
             "checkpoints: written in the background (checkpoints.async_save); staging buffers of "
             f"{staging:,.1f} MiB of host memory on this rank{pinned}"
@@ -63,7 +62,7 @@ def summary(parts: TrainingParts, mfu_yardstick: str) -> str:
             f"tp={ctx.tp}; the padded logits are masked out of the loss"
         )
     if ctx.pp > 1:
-        bubble = pipeline_bubble(ctx.pp, accumulation, par.pp_virtual_stages, par.pp_engine)
+        bubble = par.engine.bubble(ctx.pp, accumulation, par.pp_virtual_stages)
         virtual = ""
         if par.pp_virtual_stages > 1:
             virtual = f" with {par.pp_virtual_stages} virtual stages per rank"
@@ -122,32 +121,28 @@ def _experts_line(parts: TrainingParts) -> str:
 
 def memory_summary(parts: TrainingParts) -> str:
     """Where this rank's bytes for the model state go, and how dp reduces gradients."""
-    data_parallel = parts.model.data_parallel
+    layout = parts.model.data_parallel.layout
     dp = parts.ctx.dp * parts.ctx.cp  # the ranks holding the same parameters
     over = "dp" if parts.ctx.cp == 1 else "dp x cp"
-    plan = data_parallel.model_state_bytes()
-    elements = data_parallel.size - data_parallel.padding
+    plan = parts.model.data_parallel.state.model_state_bytes()
+    elements = layout.size - layout.padding
     total = sum(plan.values())
     kinds = " + ".join(f"{key.replace('_', ' ')} {value / 2**20:.1f}" for key, value in plan.items())
-    stage = parts.config.optimizer.zero_stage
-    if stage:
-        sharded = {
-            1: "master weights and Adam moments",
-            2: "gradients, master weights and Adam moments",
-            3: "parameters, gradients, master weights and Adam moments (each unit gathered while it runs)",
-        }[stage]
-        sharing = f"ZeRO-{stage} shards {sharded} over {over}={dp}"
+    zero = parts.config.optimizer.zero
+    if zero.shards_optimizer:
+        gathered = " (each unit gathered while it runs)" if zero.shards_parameters else ""
+        sharing = f"{zero.name} shards {zero.sharded}{gathered} over {over}={dp}"
     else:
         sharing = "optimizer state on every dp rank (zero_stage 0)"
     own_masters = " (fp32 parameters are their own master weights)" if not plan["master_weights"] else ""
     if dp > 1:
-        reduction = f"gradients reduced over {over} in {len(data_parallel.buckets)} bucket(s) during backward"
+        reduction = f"gradients reduced over {over} in {len(layout.buckets)} bucket(s) during backward"
     else:
         reduction = "no dp reduction (dp=1)"
     return (
         f"model state on this rank: {elements / 1e6:.2f}M parameters in {total / 2**20:.1f} MiB = {kinds} "
         f"MiB{own_masters}, {total / elements:.1f} bytes per parameter; {sharing}; {reduction}; buffers "
-        f"padded by {data_parallel.padding:,} elements"
+        f"padded by {layout.padding:,} elements"
     )
 
 

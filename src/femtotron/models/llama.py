@@ -193,8 +193,15 @@ class Attention(nn.Module):
         parallel: Parallel,
         window: int | None,
     ) -> None:
-        """`rotary` None: no position embedding in this layer (`no_rope_layers`). `window`: the sliding
-        window's size, None: the layer attends to the whole sequence."""
+        """Args:
+        make: draws each parameter with its shard metadata (sharding.ParamFactory).
+        name: the module's name in the whole model, e.g. `layers.0.self_attn`.
+        cfg: the model config.
+        out_std: the init std of the output projection (scaled down with depth).
+        rotary: the position embedding; None: none in this layer (`no_rope_layers`).
+        parallel: the tp, cp and ep this layer talks over.
+        window: the sliding window's size; None: the layer attends to the whole sequence.
+        """
         super().__init__()
         tp = parallel.tp
         heads = cfg.num_attention_heads
@@ -377,8 +384,21 @@ class Llama(nn.Module):
         router_stats: RouterStats | None = None,
         param_device: torch.device | None = None,
     ) -> None:
-        """`param_device` (default `device`): where the parameters are made; on the meta device ZeRO-3's
-        DataParallel draws their values later, a bucket at a time."""
+        """Args:
+        cfg: the model config.
+        std: the init std of the weights (model.init_method.std).
+        seed: the init seed; a parameter's values depend on it and its name only, whatever the layout.
+        dtype: the parameters' dtype.
+        device: where the buffers (rotary tables, router statistics) are made.
+        tp: the tensor-parallel group (None: one process).
+        cp: the context-parallel group (None: one process).
+        ep: the expert-parallel group (None: one process).
+        stage: the layers, embedding and head this chunk holds (None: the whole model).
+        recompute_layer: recompute each decoder layer's forward in its backward.
+        router_stats: what the MoE layers routed, shared by a rank's chunks (None: made here if MoE).
+        param_device: where the parameters are made (default `device`); on the meta device ZeRO-3's
+            ModelState (parallel/model_state.py) draws their values later, a bucket at a time.
+        """
         super().__init__()
         self.cfg = cfg
         self.recompute_layer = recompute_layer

@@ -148,6 +148,16 @@ class MoE(nn.Module):
         stats: RouterStats,
         shared: nn.Module | None,
     ) -> None:
+        """Args:
+        make: draws each parameter with its shard metadata (sharding.ParamFactory).
+        name: the module's name in the whole model, e.g. `layers.0.mlp`.
+        layer: the decoder layer's index (where its routing is recorded in `stats`).
+        cfg: the model config (its `moe` section).
+        out_std: the init std of the experts' output projections.
+        parallel: the tp, cp and ep the experts are split and routed over.
+        stats: what this rank's MoE layers routed in a step.
+        shared: the shared expert every token also passes through (None: none).
+        """
         super().__init__()
         self.tp = parallel.tp
         self.cp = parallel.cp

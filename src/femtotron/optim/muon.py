@@ -43,7 +43,7 @@ import math
 
 import torch
 
-from femtotron.parallel.data_parallel import DataParallel
+from femtotron.parallel.model_state import ModelState
 from femtotron.parallel.sharding import split_dim
 from femtotron.parallel.tensor_parallel import TensorParallel, gather_full
 from femtotron.precision import emulated_low_precision
@@ -121,37 +121,38 @@ def orthogonal_update(
 
 class Muon:
     """Muon's momentum and step for one rank's orthogonalised parameters, over the pieces it owns
-    (DataParallel.pieces); optim/zero.py steps the other pieces with AdamW."""
+    (FlatLayout.pieces); optim/zero.py steps the other pieces with AdamW."""
 
     def __init__(
         self,
         params: list[torch.nn.Parameter],
-        data_parallel: DataParallel,
+        state: ModelState,
         tp: TensorParallel,
         factory,
     ) -> None:
-        """`factory`: the optimizer_factory config section."""
-        self.data_parallel = data_parallel
+        """`state`: the model state whose owned pieces it steps; `factory`: the optimizer_factory config
+        section."""
+        self.state = state
+        self.layout = state.layout
         self.tp = tp
         self.beta = factory.muon_momentum
         self.nesterov = factory.muon_nesterov
         self.ns_steps = factory.muon_ns_steps
-        self.dtype = newton_schulz_dtype(data_parallel.param_dtype)
+        self.dtype = newton_schulz_dtype(state.param_dtype)
         self.shards = [getattr(p, "shard", None) for p in params]
         # Which parameters Muon steps: marked once, where the buffers are laid out (layout.py)
-        self.orthogonalised = data_parallel.orthogonalised
-        pieces = data_parallel.pieces
-        # Indices into the owned pieces (DataParallel.pieces) of the orthogonalised parameters.
+        self.orthogonalised = self.layout.orthogonalised
+        pieces = self.layout.pieces
+        # Indices into the owned pieces (FlatLayout.pieces) of the orthogonalised parameters.
         self.piece_indices = [i for i, piece in enumerate(pieces) if self.orthogonalised[piece.param]]
         self.momentum = {
-            i: torch.zeros(pieces[i].end - pieces[i].start, device=data_parallel.device)
-            for i in self.piece_indices
+            i: torch.zeros(pieces[i].end - pieces[i].start, device=state.device) for i in self.piece_indices
         }
-        bucket_of = data_parallel.bucket_of
+        bucket_of = self.layout.bucket_of
         # Every bucket holding a Muon matrix, with this rank's pieces of them (none: it still gathers)
         self.pieces_of_bucket = {
             b: [i for i in self.piece_indices if bucket_of[pieces[i].param] == b]
-            for b, bucket in enumerate(data_parallel.buckets)
+            for b, bucket in enumerate(self.layout.buckets)
             if any(self.orthogonalised[p] for p in bucket.params)
         }
 
@@ -166,38 +167,37 @@ class Muon:
             whole, work = started
             if position + 1 < len(buckets):
                 started = self._start_gather(buckets[position + 1], grads)
-            self.data_parallel.wait_bucket_gather(bucket, work, whole)
+            self.state.wait_bucket_gather(bucket, work, whole)
             self._apply(bucket, whole, masters, lr, decay)
 
     def _start_gather(self, bucket: int, grads: list[torch.Tensor]):
         """Bucket `bucket`'s N: this rank's pieces' momentum stepped and N written in place (a piece at a
         time: no second copy of the momentum), every replica's gathered (started)."""
-        data_parallel = self.data_parallel
-        start = data_parallel.buckets[bucket].start
+        start = self.layout.buckets[bucket].start
         whole = torch.zeros(
-            data_parallel.buckets[bucket].end - start, dtype=self.dtype, device=data_parallel.device
+            self.layout.buckets[bucket].end - start, dtype=self.dtype, device=self.state.device
         )
         for i in self.pieces_of_bucket[bucket]:
-            piece = data_parallel.pieces[i]
+            piece = self.layout.pieces[i]
             momentum = self.momentum[i].mul_(self.beta).add_(grads[i])
             to_orthogonalise = grads[i].add(momentum, alpha=self.beta) if self.nesterov else momentum
             whole[piece.start - start : piece.end - start] = to_orthogonalise
-        return whole, data_parallel.start_bucket_gather(bucket, whole)
+        return whole, self.state.start_bucket_gather(bucket, whole)
 
     def _apply(
         self, bucket: int, whole: torch.Tensor, masters: list[torch.Tensor], lr: float, decay: list[float]
     ) -> None:
         """Step this rank's pieces of the bucket's matrices from `whole`, the bucket's N gathered."""
-        data_parallel = self.data_parallel
-        start = data_parallel.buckets[bucket].start
-        pieces = data_parallel.pieces
+        layout = self.layout
+        start = layout.buckets[bucket].start
+        pieces = layout.pieces
         owned = self.pieces_of_bucket[bucket]
-        for param in data_parallel.buckets[bucket].params:
+        for param in layout.buckets[bucket].params:
             mine = [i for i in owned if pieces[i].param == param]
             if not self.orthogonalised[param] or not mine:  # its tp peers own none of it either
                 continue
-            offset = data_parallel.offsets[param]
-            shape = data_parallel.shapes[param]
+            offset = layout.offsets[param]
+            shape = layout.shapes[param]
             local = whole[offset - start : offset - start + shape.numel()].view(shape)
             update = self._local_update(param, local)
             for i in mine:
@@ -219,17 +219,17 @@ class Muon:
     def bytes_per_step(self) -> dict[str, int]:
         """Bytes this rank receives per step for Newton-Schulz's whole matrices: over its replicas (the
         buckets holding Muon's matrices) and over tp."""
-        data_parallel = self.data_parallel
+        layout = self.layout
         itemsize = self.dtype.itemsize
         replicas = 0
         for bucket in self.pieces_of_bucket:
-            group = data_parallel.replicas[bucket]
-            size = data_parallel.buckets[bucket].end - data_parallel.buckets[bucket].start
-            if data_parallel.sharded:
+            group = layout.replicas[bucket]
+            size = layout.buckets[bucket].end - layout.buckets[bucket].start
+            if self.state.zero.shards_optimizer:
                 replicas += size * (group.size - 1) // group.size * itemsize
-        computed = {data_parallel.pieces[i].param for i in self.piece_indices}
+        computed = {layout.pieces[i].param for i in self.piece_indices}
         tp = sum(
-            data_parallel.shapes[p].numel() * (self.tp.size - 1) * itemsize
+            layout.shapes[p].numel() * (self.tp.size - 1) * itemsize
             for p in computed
             if split_dim(self.shards[p]) is not None
         )

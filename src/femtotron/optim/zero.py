@@ -2,7 +2,7 @@
 
 With bf16 (or fp16) parameters the optimizer keeps an fp32 master copy of the elements it steps (so small
 updates are not rounded away) and Adam's two moments: 12 bytes per parameter. Under ZeRO-1 each rank keeps
-them only for the elements it owns in parallel/data_parallel.py (1/dp of every bucket), gets their dp-summed
+them only for the elements it owns in parallel/flat_layout.py (1/dp of every bucket), gets their dp-summed
 gradients by reduce-scatter, and all-gathers the new parameters: 2 + 4 + 12/dp bytes per parameter (bf16
 weights, fp32 gradients) instead of 2 + 4 + 12. fp32 parameters are their own masters: 4 + 4 + 8/dp.
 ZeRO-2 also keeps only the owned shard of the gradients between steps: 2 + (4 + 12)/dp.
@@ -43,12 +43,14 @@ class ZeroOptimizer:
         cfg: Any,
         tp: TensorParallel | None = None,
     ) -> None:
-        """`params` are laid out in `data_parallel`'s buffers; `cfg` is the `optimizer` config section; `tp`
-        (Muon only): the group its matrices are split over (None: one process, nothing split)."""
+        """`params` are laid out and held by `data_parallel`'s layout and state, and their gradients reduced
+        by it; `cfg` is the `optimizer` config section; `tp` (Muon only): the group its matrices are split
+        over (None: one process, nothing split)."""
         self.data_parallel = data_parallel
-        self.pieces = data_parallel.pieces
-        self.model_pieces = data_parallel.owned_params()
-        if data_parallel.param_dtype == torch.float32:
+        self.model_state = data_parallel.state
+        self.pieces = data_parallel.layout.pieces
+        self.model_pieces = self.model_state.owned_params()
+        if self.model_state.param_dtype == torch.float32:
             self.masters = self.model_pieces  # the optimizer updates the model's own storage
         else:
             master_flat = torch.cat(self.model_pieces).float() if self.model_pieces else torch.zeros(0)
@@ -56,11 +58,11 @@ class ZeroOptimizer:
         self._grads: list[torch.Tensor] | None = None
         factory = cfg.optimizer_factory
         exclude = cfg.weight_decay_exclude_named_params
-        names = data_parallel.names
+        names = data_parallel.layout.names
         decayed = [decays(names[piece.param], params[piece.param], exclude) for piece in self.pieces]
         self.muon = None
         if factory.name == "muon":
-            self.muon = Muon(params, data_parallel, tp or TensorParallel.single(), factory)
+            self.muon = Muon(params, self.model_state, tp or TensorParallel.single(), factory)
             muon_weight_decay = factory.muon_weight_decay
             if muon_weight_decay is None:
                 muon_weight_decay = cfg.weight_decay
@@ -98,7 +100,7 @@ class ZeroOptimizer:
         """The fp32 gradients of the owned pieces, summed over dp (call after `finish_reduction`)."""
         if self._grads is None:
             # .float() of an fp32 gradient is the gradient itself, not a copy
-            self._grads = [g.float() for g in self.data_parallel.owned_grads()]
+            self._grads = [g.float() for g in self.model_state.owned_grads()]
         return self._grads
 
     def step(self, lr: float) -> None:
@@ -115,7 +117,7 @@ class ZeroOptimizer:
                 self.muon.step(self.masters, grads, lr * self.muon_lr_ratio, self.muon_decay_per_piece)
             if self.masters is not self.model_pieces and self.masters:
                 torch._foreach_copy_(self.model_pieces, self.masters)
-        self.data_parallel.gather_params()
+        self.model_state.gather_params()
 
     def zero_grad(self) -> None:
         self.data_parallel.zero_grad()

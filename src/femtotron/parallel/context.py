@@ -86,6 +86,15 @@ class ParallelContext:
         init_timeout_seconds: float = 300.0,
         collective_timeout_seconds: float = 600.0,
     ) -> None:
+        """Args:
+        dp: data-parallel size.
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        cp: context-parallel size.
+        ep: expert-parallel size (a divisor of dp * cp; not a dimension of the world).
+        init_timeout_seconds: how long the rendezvous waits for every rank before it fails with a message.
+        collective_timeout_seconds: how long one collective may wait before the process group gives up.
+        """
         self.mesh = Mesh(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep)
         self.dp = dp
         self.tp = tp

@@ -1,7 +1,7 @@
 """ZeRO-3 (`optimizer.zero_stage: 3`): parameters sharded over the dp replicas too, gathered only while used.
 
-Each rank keeps 1/dp of every bucket's parameters (parallel/data_parallel.py holds them, with the owned
-shards of the gradients and the optimizer state). A model chunk is cut into units, each gathered whole just
+Each rank keeps 1/dp of every bucket's parameters (parallel/model_state.py holds them, with the owned
+shards of the gradients). A model chunk is cut into units, each gathered whole just
 before its forward and freed after it: the embedding, each decoder layer, and the head (final norm and LM
 head). The buckets never span two units, so a unit is a set of buckets, and an all-gather of each makes the
 unit's parameters whole again, in place: the parameters are views into the buckets' whole tensors, whose
@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from femtotron.errors import FemtotronError
+from femtotron.parallel.data_parallel import DataParallel
 from femtotron.parallel.split_backward import DeferredWeightGradients
 
 
@@ -75,17 +76,30 @@ def chunk_units(chunk: nn.Module) -> list[ChunkUnit]:
 
 
 def parameter_indices(chunks: list[nn.Module]) -> dict[int, int]:
-    """id(parameter) -> its index among this rank's parameters (its chunks' in order, as DataParallel's)."""
+    """id(parameter) -> its index among this rank's parameters (its chunks' in order: the flat layout's)."""
     return {id(p): i for i, p in enumerate(p for chunk in chunks for p in chunk.parameters())}
 
 
 class ParameterGathering:
     """Which buckets' parameters are whole on this rank, who uses them, and the hooks that gather them."""
 
-    def __init__(self, data_parallel, *, reshard_after_forward: bool) -> None:
+    def __init__(
+        self,
+        data_parallel: DataParallel,
+        chunks: list[nn.Module],
+        *,
+        deferred: DeferredWeightGradients | None,
+        reshard_after_forward: bool,
+    ) -> None:
+        """Hooks every unit of every chunk of `chunks`: the layers and the embedding by module hooks, the head
+        around `head_logits`. `data_parallel`'s state holds the buckets' parameters, and it reduces a unit's
+        gradients as the unit's backward ends; under zb-h1 (parallel/split_backward.py) `deferred` holds the
+        weight gradients that reduction then waits for (W)."""
         self.data_parallel = data_parallel
+        self.state = data_parallel.state
         self.reshard_after_forward = reshard_after_forward
-        buckets = len(data_parallel.buckets)
+        self.deferred = deferred
+        buckets = len(self.state.layout.buckets)
         self.users = [0] * buckets  # units (and tools) using each bucket's whole parameters now
         self.whole = [False] * buckets  # gathered (or being gathered) and not freed since
         self.in_flight: dict[int, object] = {}  # bucket -> its all-gather not yet waited for
@@ -93,18 +107,13 @@ class ParameterGathering:
         self.whole_elements = 0  # of the buckets whole now, padding included
         self.peak_whole_elements = 0  # the most at once: the working set (doctor counts it, tests bound it)
         self.units: list[list[Unit]] = []  # per model chunk, in forward order
-        # zb-h1 (parallel/split_backward.py): where a unit's reduction waits for its weight gradients (W)
-        self.deferred: DeferredWeightGradients | None = None
-
-    def install(self, chunks: list[nn.Module]) -> None:
-        """Hook every unit of every chunk: the layers and the embedding by module hooks, the head around
-        `head_logits`."""
         index_of = parameter_indices(chunks)
+        bucket_of = self.state.layout.bucket_of
         for chunk in chunks:
             parts = chunk_units(chunk)
             units = []
             for part in parts:
-                buckets = sorted({self.data_parallel.bucket_of[index_of[id(p)]] for p in part.params})
+                buckets = sorted({bucket_of[index_of[id(p)]] for p in part.params})
                 units.append(
                     Unit(name=part.name, buckets=tuple(buckets), needed_in_backward=part.needed_in_backward)
                 )
@@ -179,7 +188,7 @@ class ParameterGathering:
 
     def elements(self, buckets) -> int:
         """How many elements the buckets `buckets` hold whole, padding included (a bucket counted once)."""
-        spans = self.data_parallel.buckets
+        spans = self.state.layout.buckets
         return sum(spans[b].end - spans[b].start for b in set(buckets))
 
     def prefetch(self, unit: Unit) -> None:
@@ -190,7 +199,7 @@ class ParameterGathering:
         """Start gathering the unit's buckets that are not whole."""
         for bucket in unit.buckets:
             if not self.whole[bucket]:
-                self.in_flight[bucket] = self.data_parallel.start_gather(bucket)
+                self.in_flight[bucket] = self.state.start_gather(bucket)
                 self._mark(bucket, whole=True)
         self.peak_whole_elements = max(self.peak_whole_elements, self.whole_elements)
 
@@ -200,7 +209,7 @@ class ParameterGathering:
         self.whole_elements += size if whole else -size
 
     def _free(self, bucket: int) -> None:
-        self.data_parallel.free_params(bucket)
+        self.state.free_params(bucket)
         self._mark(bucket, whole=False)
 
     def acquire(self, unit: Unit) -> None:
@@ -208,7 +217,7 @@ class ParameterGathering:
         self._start(unit)
         for bucket in unit.buckets:
             if bucket in self.in_flight:
-                self.data_parallel.wait_gather(bucket, self.in_flight.pop(bucket))
+                self.state.wait_gather(bucket, self.in_flight.pop(bucket))
             self.users[bucket] += 1
 
     def release(self, unit: Unit) -> None:
@@ -220,7 +229,7 @@ class ParameterGathering:
     def settle(self) -> None:
         """After a step's backward: every unit was released; free what a prefetch left whole."""
         for bucket, work in list(self.in_flight.items()):
-            self.data_parallel.wait_gather(bucket, work)
+            self.state.wait_gather(bucket, work)
         self.in_flight.clear()
         for bucket, users in enumerate(self.users):
             if users:
@@ -235,7 +244,7 @@ class ParameterGathering:
     @contextlib.contextmanager
     def whole_parameters(self, params: list[int]) -> Iterator[None]:
         """The parameters `params` whole for a tool outside training steps (saving final weights, tests)."""
-        unit = Unit("tool", tuple(sorted({self.data_parallel.bucket_of[p] for p in params})), False)
+        unit = Unit("tool", tuple(sorted({self.state.layout.bucket_of[p] for p in params})), False)
         self.acquire(unit)
         try:
             yield

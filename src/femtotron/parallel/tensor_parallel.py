@@ -229,7 +229,18 @@ class ColumnParallelLinear(nn.Module):
         bias: bool = False,
         fused_rows: tuple[int, ...] | None = None,
     ) -> None:
-        """`fused_rows`: the weight's rows interleave several matrices (ShardInfo.fused_rows)."""
+        """Args:
+        make: draws the parameters with their shard metadata (sharding.ParamFactory).
+        name: the module's name in the whole model.
+        d_in: input features (whole on every tp rank).
+        d_out: output features, split over tp.
+        std: the weight's init std (None: the factory's).
+        tp: the tensor-parallel group.
+        pad: d_out need not divide by tp (padded up, as the LM head's vocabulary); else it must.
+        parts: several matrices of the same shape in one weight (the experts), split alike.
+        bias: with a bias, split with the weight's rows.
+        fused_rows: the weight's rows interleave several matrices (ShardInfo.fused_rows).
+        """
         super().__init__()
         if not pad:
             _split(f"{name}.weight", "output features", d_out, tp)
@@ -294,6 +305,15 @@ class VocabParallelEmbedding(nn.Module):
         tp: TensorParallel,
         tie_group: str | None,
     ) -> None:
+        """Args:
+        make: draws the weight with its shard metadata (sharding.ParamFactory).
+        name: the module's name in the whole model.
+        vocab: the vocabulary size (rows), padded up to a multiple of tp.
+        dim: the hidden size (columns).
+        std: the weight's init std.
+        tp: the tensor-parallel group its rows are split over.
+        tie_group: the name shared with a tied LM head's copy (None: not tied).
+        """
         super().__init__()
         self.tp = tp
         self.vocab_start = tp.rank * shard_size(vocab, tp.size)

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from femtotron.diagnostics.advice import pipeline_bubble
+from femtotron.config.pipeline_engines import ENGINES as RECORDS
 from femtotron.parallel.pipeline.schedules import Action, forward_only, schedule
 
-ENGINES = ["afab", "1f1b", "interleaved-1f1b", "zb-h1"]
+ENGINES = list(RECORDS)  # every engine the config accepts
 F_COST = 1
 B_COST = 2  # a backward costs about twice a forward
 W_COST = 1  # split (zb-h1): B is the input's gradient, B_COST - W_COST, and W the weights', W_COST
@@ -182,7 +182,7 @@ def lists_for(engine: str, pp: int, m: int, v: int) -> list[list[Action]]:
 
 def cases(engine: str, pp: int, m_max: int = 16):
     """(m, v) pairs: interleaved needs m divisible by pp and has v in 2..4; the others have v = 1."""
-    if engine == "interleaved-1f1b":
+    if RECORDS[engine].interleaves:
         return [(m, v) for v in (2, 3, 4) for m in range(pp, m_max + 1, pp)]
     return [(m, 1) for m in range(1, m_max + 1)]
 
@@ -330,21 +330,21 @@ def test_small_interleaved_pipelines_complete(pp, v, groups):
     assert result.status == "ok", result.detail
 
 
-# Bubble: idle share of the simulated step against pipeline_bubble. With uniform costs and free
-# communication every schedule's makespan is exactly (m * v + pp - 1) * (F + B) in chunk units: fill and
-# drain cost pp - 1 chunk-steps, i.e. (pp - 1) / v stage-steps. So the simulation matches
-# pipeline_bubble exactly for AFAB, 1F1B and interleaved-1F1B (e.g. pp=4, v=2, m=4: 9/33 = 0.2727).
+# Bubble: idle share of the simulated step against each engine's `bubble` (config/pipeline_engines.py).
+# With uniform costs and free communication every schedule's makespan is exactly (m * v + pp - 1) * (F + B)
+# in chunk units: fill and drain cost pp - 1 chunk-steps, i.e. (pp - 1) / v stage-steps. So the simulation
+# matches `bubble` exactly for AFAB, 1F1B and interleaved-1F1B (e.g. pp=4, v=2, m=4: 9/33 = 0.2727).
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
-def test_bubble_matches_pipeline_bubble(engine, pp):
+def test_bubble_matches_the_engine_s_bubble(engine, pp):
     for m, v in cases(engine, pp):
         result = simulate(lists_for(engine, pp, m, v), pp, v)
         if engine != "zb-h1":
             assert result.makespan == (m * v + pp - 1) * (F_COST + B_COST), (engine, pp, m, v)
         bubble = 1 - m * v * (F_COST + B_COST) / result.makespan
-        assert bubble == pytest.approx(pipeline_bubble(pp, m, v, engine)), (engine, pp, m, v)
+        assert bubble == pytest.approx(RECORDS[engine].bubble(pp, m, v)), (engine, pp, m, v)
 
 
 @pytest.mark.parametrize("pp", range(2, 9))

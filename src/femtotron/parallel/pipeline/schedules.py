@@ -26,11 +26,13 @@ from torch import nn
 from femtotron.batch import MicroBatch
 from femtotron.errors import FemtotronError
 from femtotron.parallel.pipeline.p2p import PendingRecv, PipelineP2P, Send, Transfer
-from femtotron.parallel.split_backward import DeferredWork, compute_weight_gradients, defer_weight_gradients
+from femtotron.parallel.split_backward import (
+    DeferredWeightGradients,
+    DeferredWork,
+    compute_weight_gradients,
+)
 
 PASSES = {"F": "forward", "B": "backward", "W": "weight gradients"}
-# Engines that split each backward into B and W.
-SPLIT_BACKWARD = ("zb-h1",)
 
 
 @dataclass(frozen=True)
@@ -46,11 +48,11 @@ class Action:
         return f"{self.kind}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
 
 
-def afab(pp: int, rank: int, micro_batches: int) -> list[Action]:
+def afab(pp: int, rank: int, micro_batches: int, chunks: int = 1) -> list[Action]:
     return [Action(kind, mb, 0) for kind in "FB" for mb in range(micro_batches)]
 
 
-def one_f_one_b(pp: int, rank: int, micro_batches: int) -> list[Action]:
+def one_f_one_b(pp: int, rank: int, micro_batches: int, chunks: int = 1) -> list[Action]:
     warmup = min(pp - rank - 1, micro_batches)
     actions = [Action("F", mb, 0) for mb in range(warmup)]
     for mb in range(micro_batches - warmup):
@@ -58,7 +60,7 @@ def one_f_one_b(pp: int, rank: int, micro_batches: int) -> list[Action]:
     return actions + [Action("B", mb, 0) for mb in range(micro_batches - warmup, micro_batches)]
 
 
-def zero_bubble_h1(pp: int, rank: int, micro_batches: int) -> list[Action]:
+def zero_bubble_h1(pp: int, rank: int, micro_batches: int, chunks: int = 1) -> list[Action]:
     """1F1B's forwards and backwards (B where 1F1B has its backward), and rank r's W of micro-batch k just
     after its B of micro-batch k + r; its last r W's at the end. The last stage so sends every gradient back
     as soon as it can, and stage r fills with W's the time it would wait for them: fill and drain take
@@ -101,11 +103,19 @@ def interleaved_one_f_one_b(pp: int, rank: int, micro_batches: int, chunks: int)
     return actions + [backward(k) for k in range(total - warmup, total)]
 
 
+# Each engine's schedule, by its name in config/pipeline_engines.py's ENGINES. Every one takes the model
+# chunks per rank, so `schedule` calls them alike; those that do not interleave run one.
+SCHEDULES: dict[str, Callable[[int, int, int, int], list[Action]]] = {
+    "afab": afab,
+    "1f1b": one_f_one_b,
+    "interleaved-1f1b": interleaved_one_f_one_b,
+    "zb-h1": zero_bubble_h1,
+}
+
+
 def schedule(engine: str, pp: int, rank: int, micro_batches: int, chunks: int = 1) -> list[Action]:
-    if engine == "interleaved-1f1b":
-        return interleaved_one_f_one_b(pp, rank, micro_batches, chunks)
-    plain = {"afab": afab, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1}
-    return plain[engine](pp, rank, micro_batches)  # KeyError: an unknown pp_engine
+    """The actions of pp rank `rank` under the engine named `engine`, with `chunks` model chunks per rank."""
+    return SCHEDULES[engine](pp, rank, micro_batches, chunks)  # KeyError: an unknown pp_engine
 
 
 def forward_only(micro_batches: int, chunks: int) -> list[Action]:
@@ -117,7 +127,18 @@ class Pipeline:
     """Runs one rank's part of a schedule: its model chunks, the transfers, the loss on the last stage.
     At pp = 1 too (forward and backward per micro-batch, no transfers): the trainer has one code path."""
 
-    def __init__(self, chunks: list[nn.Module], engine: str, pp: int, pp_rank: int, p2p: PipelineP2P) -> None:
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        engine: str,
+        pp: int,
+        pp_rank: int,
+        p2p: PipelineP2P,
+        *,
+        deferred: DeferredWeightGradients | None,
+    ) -> None:
+        """`deferred`: under a zero-bubble engine, the store where each backward leaves the weight gradients
+        for its W action (split_backward.defer_weight_gradients on `chunks`); else None."""
         self.chunks = chunks
         self.engine = engine
         self.pp = pp
@@ -125,8 +146,7 @@ class Pipeline:
         self.p2p = p2p
         self.stages = pp * len(chunks)
         self.current = Action("F", 0, 0)
-        # Zero-bubble engines: the weight gradients each backward leaves for its W action.
-        self.deferred = defer_weight_gradients(chunks) if engine in SPLIT_BACKWARD else None
+        self.deferred = deferred
         # Stage s talks to stages s - 1 and s + 1: with interleaving that wraps around the pp ranks.
         neighbours = [pp_rank - 1, pp_rank + 1]
         if len(chunks) > 1:
