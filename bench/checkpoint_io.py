@@ -6,13 +6,13 @@ exist), then, --repeats times each, alternating:
 
     baseline save   safetensors.torch.save_file of the same tensors (weights, masters if not fp32, both
                     moments) as one file, plus an fsync: the raw cost of the bytes
-    femtotron save  checkpoint.save: slices, checksums computed while writing, manifest, fsyncs, atomic
+    femtotron save  saving.save: slices, checksums computed while writing, manifest, fsyncs, atomic
                     rename, `latest`
     async stall     checkpoints.async_save: the time training stops (barrier, copy into the staging
                     buffers); the write that follows in the background is waited for before the next round
     baseline load   safetensors.torch.load_file of that file, every tensor copied out (load_file maps the
                     file lazily; the copy makes it read the bytes)
-    femtotron load  checkpoint.load into the live trainer: slice reads, each tensor's checksum checked as it
+    femtotron load  restore.load into the live trainer: slice reads, each tensor's checksum checked as it
                     is read, placement
 
 and prints median seconds, MB/s and the ratio to the baseline (the stall's to femtotron's synchronous save).
@@ -35,9 +35,8 @@ from pathlib import Path
 from common import headline, shape_trainer, write_random_tokens
 from safetensors.torch import load_file, save_file
 
-from femtotron.serialize import checkpoint
+from femtotron.serialize import restore, saving
 from femtotron.serialize.background import BackgroundSaves
-from femtotron.serialize.checkpoint import rank_slices
 
 SHAPES = {
     "debug": {
@@ -95,7 +94,7 @@ def measure_shape(name: str, args: argparse.Namespace, root: Path) -> None:
     trainer.train_step()
     tensors = {
         f"{i}:{name}": values.contiguous()
-        for i, (name, _, _, values) in enumerate(rank_slices(trainer.model, trainer.optimizer))
+        for i, (name, _, _, values) in enumerate(saving.rank_slices(trainer.model, trainer.optimizer))
     }
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     raw = root / "raw.safetensors"
@@ -116,13 +115,13 @@ def measure_shape(name: str, args: argparse.Namespace, root: Path) -> None:
         times["baseline save"].append(timed(raw_save))
         trainer.state.step = 2 * repeat + 1  # a new checkpoint directory each time
         start = time.perf_counter()
-        saved = checkpoint.save(trainer.parts)
+        saved = saving.save(trainer.parts)
         times["femtotron save"].append(time.perf_counter() - start)
         trainer.state.step += 1
         times["async stall"].append(background.start(trainer.parts))
         background.wait()
         times["baseline load"].append(timed(lambda: [t.clone() for t in load_file(str(raw)).values()]))
-        times["femtotron load"].append(timed(lambda path=saved.parent: checkpoint.load(trainer.parts, path)))
+        times["femtotron load"].append(timed(lambda path=saved.parent: restore.load(trainer.parts, path)))
     print(
         f"shape {name}, {args.dtype}: {size / 2**20:.1f} MiB of weights, master weights and moments; "
         f"medians of {args.repeats}"

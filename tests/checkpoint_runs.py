@@ -1,12 +1,18 @@
-"""Training runs for the checkpoint tests (serialize/test_checkpoint.py, test_background.py): the tiny model
-trained, saved and resumed on any layout, and the comparison of a resumed run with an uninterrupted one."""
+"""Training runs for the checkpoint tests (serialize/test_saving.py, test_restore.py, test_resume_source.py,
+test_manager.py, test_background.py...): the tiny model trained, saved and resumed on any layout, and the
+comparison of a resumed run with an uninterrupted one."""
 
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import full_masters
+from helpers import full_masters, write_yaml
 
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.tensor_parallel import full_tensor
@@ -57,7 +63,7 @@ def train(config, ctx):
     losses = [r.loss for r in trainer.train()]
     ep = trainer.model.ep.group
     named = trainer.model.named_parameters()
-    with trainer.data_parallel.whole_parameters(list(range(len(named)))):  # ZeRO-3: gathered to read them
+    with trainer.model.whole_parameters(list(range(len(named)))):  # ZeRO-3: gathered to read them
         weights = {n: full_tensor(p, p.shard, trainer.tp, ep).float().clone() for n, p in named}
     masters = {
         n: full_tensor(m, p.shard, trainer.tp, ep).clone()
@@ -124,3 +130,23 @@ def assert_one_process_continues(tiny_config, run: str, saved, per_rank, *more: 
     assert single_losses == pytest.approx(losses[3:], rel=1e-5)
     for name, weight in weights.items():
         assert (single_weights[name] - weight).abs().max() <= 1e-4 * weight.abs().max(), name
+
+
+def checkpointed_run(tiny_config, run, *more):
+    """`make`'s 4 steps with a checkpoint every 2, trained; returns its checkpoints directory."""
+    config = make(tiny_config, run, "checkpoints.checkpoint_interval=2", *more, steps=4)
+    Trainer(config, ParallelContext(), log_to_console=False).train()
+    return config.run_dir / "checkpoints"
+
+
+def crashing_train(config, tmp_path, point):
+    """`femtotron train` in a process of its own, SIGKILLed at crash point `point`."""
+    env = {**os.environ, "FEMTOTRON_CRASH_AT": point, "OMP_NUM_THREADS": "1"}
+    died = subprocess.run(
+        [sys.executable, "-m", "femtotron", "train", write_yaml(config, tmp_path / f"{point}.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert died.returncode == -signal.SIGKILL, died.stdout + died.stderr

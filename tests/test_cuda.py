@@ -553,8 +553,8 @@ def test_an_async_save_stages_in_pinned_memory_and_writes_the_synchronous_files(
             seeded(0)  # the RNG states saved: femtotron draws nothing from them, the process did
         trainer = Trainer(config, ParallelContext(), log_to_console=False)
         trainer.train()
-        if trainer.background is not None:
-            assert all(b.is_pinned() for b in trainer.background.staging.buffers.values())
+        if trainer.checkpointer.background is not None:
+            assert all(b.is_pinned() for b in trainer.checkpointer.background.staging.buffers.values())
         step = config.run_dir / "checkpoints" / f"step-{config.tokens.train_steps:07d}"
         written[mode] = {f.name: f.read_bytes() for f in step.iterdir() if f.suffix == ".safetensors"}
     assert written["true"] == written["false"] and written["true"]

@@ -102,7 +102,8 @@ def test_D5_the_package_maps_onto_the_guides_rooms():
         "models/llama.py",
         "optim/zero.py",
         "config/config.py",
-        "serialize/checkpoint.py",
+        "serialize/saving.py",
+        "serialize/restore.py",
     ):
         assert (PACKAGE / room).is_file(), room
 
@@ -158,7 +159,7 @@ def test_the_training_path_is_what_femtotron_train_imports():
     path = size.training_path(SRC)
     for module in ("femtotron.trainer", "femtotron.parallel.context", "femtotron.data.run_data"):
         assert module in path
-    assert {"femtotron.diagnostics.doctor", "femtotron.serialize.checkpoint"} <= path  # run by every train
+    assert {"femtotron.diagnostics.doctor", "femtotron.serialize.manager"} <= path  # run by every train
     assert "femtotron.__main__" not in path  # `python -m femtotron` only
 
 

@@ -60,7 +60,7 @@ def loss_and_grads(config, ctx=None):
     """One step's loss and fp32 gradients, by parameter name (after the dp reduction)."""
     trainer = Trainer(config, ctx or ParallelContext(), log_to_console=False)
     loss, _, pieces = trainer.compute_gradients()
-    grads = trainer.data_parallel.full(pieces)  # per parameter, whole (assembled over dp under ZeRO-1)
+    grads = trainer.data_parallel.state.full(pieces)  # per parameter, whole (assembled over dp under ZeRO-1)
     names = [n for n, _ in trainer.model.named_parameters()]
     return loss, dict(zip(names, [g.clone() for g in grads], strict=True)), trainer
 
@@ -231,7 +231,7 @@ def test_N1_fp16_overflow_skips_the_step_and_lowers_the_loss_scale(tiny_config, 
     assert skipped.skipped and math.isfinite(skipped.loss) and skipped.loss_scale == 2.0**15
     assert trainer.scaler.scale == 2.0**15 and trainer.scaler.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, weights(trainer), strict=True))  # weights unchanged
-    assert not trainer.data_parallel.flat_grads.any()  # the bad gradients are dropped
+    assert not trainer.data_parallel.state.flat_grads.any()  # the bad gradients are dropped
     assert (
         "step 1: fp16 gradients overflowed at loss scale 65536; step skipped, scale lowered to 32768"
         in capsys.readouterr().out
@@ -348,7 +348,7 @@ def test_router_losses_are_a_mean_over_micro_batches(tiny_config):
     results = []
     for trainer in (once, repeated):
         loss, _, pieces = trainer.compute_gradients()
-        grads = trainer.data_parallel.full(pieces)
+        grads = trainer.data_parallel.state.full(pieces)
         names = [name for name, _ in trainer.model.named_parameters()]
         results.append((loss, dict(zip(names, grads, strict=True))))
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -26,7 +25,7 @@ from femtotron.diagnostics.loss_spikes import LossSpikes
 from femtotron.diagnostics.nan_origin import locate
 from femtotron.diagnostics.profiling import StepProfiler
 from femtotron.diagnostics.watchdog import Watchdog
-from femtotron.errors import DataError, TrainingInterrupted, is_out_of_memory
+from femtotron.errors import DataError, is_out_of_memory
 from femtotron.layout import DTYPES, build_pipeline, build_rank_model
 from femtotron.models.compile import compile_layers
 from femtotron.optim.clip import clip_grads_
@@ -36,11 +35,10 @@ from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.context_parallel import place_tokens
 from femtotron.precision import CPU_MULTIPLIES_BF16, emulated_low_precision, tf32_for_fp32
 from femtotron.run_log import RunLog, StepLogger, StepResult
-from femtotron.serialize import checkpoint
-from femtotron.serialize.background import BackgroundSaves, Written, check_host_memory
 from femtotron.serialize.init import init_weights
-from femtotron.serialize.weights import save_weights, write_config, write_tokenizer
-from femtotron.stop_signals import StopSignals, signal_name
+from femtotron.serialize.manager import CheckpointManager
+from femtotron.serialize.weights import write_config
+from femtotron.stop_signals import StopSignals
 from femtotron.train_state import TrainingParts, TrainState
 
 
@@ -89,10 +87,11 @@ class Trainer:
         self.optimizer = ZeroOptimizer(params, self.data_parallel, config.optimizer, self.tp)
         # Under expert parallelism the ep ranks hold different experts: each piece counts in the grad norm
         # on one of its replicas only.
-        once = self.data_parallel.counted_once() if ctx.ep > 1 else [True] * len(self.data_parallel.pieces)
-        counted = [self.model.counted[piece.param] for piece in self.data_parallel.pieces]
+        layout = self.data_parallel.layout
+        once = layout.counted_once() if ctx.ep > 1 else [True] * len(layout.pieces)
+        counted = [self.model.counted[piece.param] for piece in layout.pieces]
         self.counted_pieces = [c and o for c, o in zip(counted, once, strict=True)]
-        self.norm_groups = ctx.norm_groups(replicas_differ=self.data_parallel.sharded or ctx.ep > 1)
+        self.norm_groups = ctx.norm_groups(replicas_differ=layout.sharded or ctx.ep > 1)
         # Under sequence parallelism each rank saw only its part of the sequence: the gradients of the
         # weights every tp rank holds whole (the norms) are summed over tp.
         sequence_parallel = self.tp.sequence_parallel and ctx.tp > 1
@@ -107,8 +106,7 @@ class Trainer:
             log=self.log,
             tokenizer=self.tokenizer,
         )
-        self.last_checkpoint: Path | None = None
-        self.background = BackgroundSaves(ctx) if config.checkpoints.async_save else None
+        self.checkpointer = CheckpointManager(self.parts)
         self.spikes = LossSpikes()
         mcfg = config.model.model_config_
         self.router_collapse = RouterCollapse(mcfg) if mcfg.moe else None
@@ -128,8 +126,7 @@ class Trainer:
             self.ctx.comm.barrier(self.ctx.world_group)
         except BaseException:
             watchdog.stop(failed=True)
-            if self.background is not None:
-                self.background.abandon()
+            self.checkpointer.abandon()
             raise
         finally:
             self.log.close()
@@ -143,22 +140,8 @@ class Trainer:
         return f"step {step}, pipeline {action.describe()} on stage {self.pipeline.stage_of(action.chunk)}"
 
     def train_until_done(self) -> list[StepResult]:
-        ckpt = self.config.checkpoints
         train_steps = self.config.tokens.train_steps
-        if ckpt.checkpoint_interval or ckpt.save_initial_state:  # a read-only or full disk fails now
-            checkpoint.check_writable(self.parts)
-            if self.background is not None:
-                check_host_memory(self.parts)
-        path, what, warnings = checkpoint.agreed_resume_source(self.config, self.ctx)
-        for warning in warnings:
-            self.log.warn(warning)
-        resumed = None
-        if path is not None:
-            resumed, self.last_checkpoint = checkpoint.load(self.parts, path, what)
-            self.state.stages = self.train_data.resumed(self.state.stages, self.state.step)
-        last_saved = self.state.step if path is not None else None  # that state is on disk already
-        if self.background is not None and ckpt.checkpoint_interval:
-            self.background.reserve(self.parts)
+        resumed = self.checkpointer.resume()
         self.log.start_at(self.state.step)  # the run starts: metrics.jsonl keeps the steps before it
         self.log.info(start_report.summary(self.parts, self.step_logger.yardstick))
         if resumed is not None:  # after the report, which begins with the run's name
@@ -167,8 +150,7 @@ class Trainer:
             self.log.warn(warning)
         if self.ctx.rank == 0:
             write_config(self.run_dir, self.config.to_dict())
-        if ckpt.save_initial_state and self.state.step == 0:
-            last_saved = self.save_checkpoint()
+        self.checkpointer.save_initial_state()
         results = []
         # disable None: tqdm shows the bar only on a terminal
         style = dict(unit="step", dynamic_ncols=True, leave=False, disable=True if self.ctx.rank else None)
@@ -186,21 +168,11 @@ class Trainer:
                 interval = self.config.tokens.val_check_interval
                 if self.val_data is not None and interval and self.state.step % interval == 0:
                     self.validate()
-                if self.background is not None:
-                    self.saved(self.background.finished())
-                if ckpt.checkpoint_interval and self.state.step % ckpt.checkpoint_interval == 0:
-                    last_saved = self.save_checkpoint()
+                self.checkpointer.after_step()
                 if self.state.step < train_steps and (signum := signals.agreed(self.ctx)):
-                    self.stop(signum, last_saved)
+                    self.checkpointer.on_stop(signum)
         bar.close()
-        if ckpt.checkpoint_interval and last_saved != self.state.step:
-            self.save_checkpoint()
-        if ckpt.save_final_state:
-            save_weights(self.ctx, self.model, self.run_dir, self.log)
-            if self.ctx.rank == 0:
-                write_tokenizer(self.run_dir, self.tokenizer)
-        if self.background is not None:  # the last save was written while the weights were
-            self.saved(self.background.wait())
+        self.checkpointer.at_end()
         return results
 
     def log_step(self, result: StepResult) -> None:
@@ -221,64 +193,6 @@ class Trainer:
         for warning in filter(None, [first, spike]):
             self.log.warn(warning)
 
-    def save_checkpoint(self) -> int:
-        """Save this step's checkpoint: whole, or (checkpoints.async_save) once the previous background save
-        is done, its values copied for the background writer."""
-        start = time.perf_counter()
-        if self.background is None:
-            path = checkpoint.save(self.parts)
-            seconds = time.perf_counter() - start
-            self.saved(Written(path=path, step=self.state.step, stall_seconds=seconds, write_seconds=seconds))
-        else:
-            self.saved(self.background.wait())
-            stall = self.background.start(self.parts)
-            mib = self.background.staging.bytes() / 2**20
-            self.log.info(
-                f"checkpoint of step {self.state.step}: training stopped {stall:.2f} s to copy "
-                f"{mib:,.1f} MiB for the background writer"
-            )
-        self.ctx.comm.take_seconds()  # the save's store and barrier time is not part of any training step
-        return self.state.step
-
-    def saved(self, written: Written | None) -> None:
-        """Log a committed checkpoint, and record how long training stopped for it and how long the write
-        took in metrics.jsonl (at the current step: the dashboards take steps in order)."""
-        if written is None:
-            return
-        self.last_checkpoint = written.path
-        for warning in written.warnings:
-            self.log.warn(warning)
-        mib = sum(f.stat().st_size for f in written.path.iterdir()) / 2**20 if self.ctx.rank == 0 else 0
-        how = f"in {written.write_seconds:.1f} s"
-        if self.background is not None:
-            how = (
-                f"written in the background in {written.write_seconds:.1f} s, training stopped "
-                f"{written.stall_seconds:.2f} s"
-            )
-        self.log.info(f"saved checkpoint {written.path} ({mib:,.1f} MiB {how})")
-        self.log.record(
-            {
-                "step": self.state.step,
-                "checkpoint_step": written.step,
-                "checkpoint_stall_seconds": written.stall_seconds,
-                "checkpoint_write_seconds": written.write_seconds,
-            }
-        )
-
-    def stop(self, signum: int, last_saved: int | None) -> None:
-        """Some rank got SIGTERM, SIGUSR1 or Ctrl-C: save a checkpoint (unless this step's is saved), then
-        stop."""
-        if last_saved != self.state.step:
-            self.save_checkpoint()
-        if self.background is not None:
-            self.saved(self.background.wait())
-        path = self.last_checkpoint
-        raise TrainingInterrupted(
-            f"{signal_name(signum)} received: stopped after step {self.state.step} and saved checkpoint "
-            f"{path}. Run the same command again to resume from it (checkpoints.auto_resume); another run "
-            f"resumes it with checkpoints.resume_checkpoint_path={path.parent}."
-        )
-
     def train_step(self) -> StepResult:
         """One optimizer step; an out-of-memory anywhere in it is reported with where and what to change."""
         try:
@@ -287,7 +201,7 @@ class Trainer:
             if not is_out_of_memory(e):
                 raise
             action = self.pipeline.current
-            plan = self.data_parallel.model_state_bytes()
+            plan = self.data_parallel.state.model_state_bytes()
             where = f"the {action.describe()}, pipeline stage {self.pipeline.stage_of(action.chunk)}"
             raise failures.out_of_memory(e, self.config, self.ctx, self.state.step + 1, where, plan) from None
 
@@ -352,7 +266,7 @@ class Trainer:
         optimizer.on_non_finite=skip, drop the step and go on). The weights are left as they were."""
         self.optimizer.zero_grad()
         origin = locate(self.pipeline, self.last_inputs, self.ctx)
-        self.data_parallel.finish_reduction()  # the re-run's buckets, dropped with zero_grad after the step
+        self.model.finish_reduction()  # the re-run's buckets, dropped with zero_grad after the step
         where = origin.describe() if origin else "no module produced it when the step was run again"
         step = self.state.step + 1
         state = self.state
@@ -433,10 +347,12 @@ class Trainer:
         """The fp32 gradients of the elements this rank steps, summed over everything that computed a part:
         over dp and cp (the buckets), then over tp for `summed_over_tp` and over the embedding group for a
         tied embedding (the loss is divided by the global token count already, so sums are right)."""
-        self.data_parallel.finish_reduction()
+        self.model.finish_reduction()
         grads = self.optimizer.grads()
         comm = self.ctx.comm
-        by_param = [(piece.param, g) for piece, g in zip(self.data_parallel.pieces, grads, strict=True)]
+        by_param = [
+            (piece.param, g) for piece, g in zip(self.data_parallel.layout.pieces, grads, strict=True)
+        ]
         comm.all_reduce_many([g for param, g in by_param if param in self.summed_over_tp], self.ctx.tp_group)
         tied = self.model.tied_embedding
         comm.all_reduce_many([g for param, g in by_param if param == tied], self.ctx.embedding_group)

@@ -30,7 +30,7 @@ from helpers import LIBC, femtotron, small_disk, write_yaml
 from femtotron.cli import main
 from femtotron.errors import ConfigError
 from femtotron.parallel.context import ParallelContext
-from femtotron.serialize import checkpoint
+from femtotron.serialize import saving
 from femtotron.serialize.background import Staging, staging_shortfall
 from femtotron.serialize.files import MANIFEST, CheckpointError, CheckpointReader, Slice, rank_file
 from femtotron.trainer import Trainer
@@ -213,9 +213,9 @@ def test_an_async_save_waits_for_the_write_still_running_and_raises_its_failure(
     The trainer waits before each start too, which hid a start that did not."""
     config = make(tiny_config, "slow-disk", "checkpoints.checkpoint_interval=1", ASYNC, steps=3)
     trainer = Trainer(config, ParallelContext(), log_to_console=False)
-    saves = trainer.background
+    saves = trainer.checkpointer.background
     next_save_started = threading.Event()
-    write = checkpoint.write_rank_file
+    write = saving.write_rank_file
 
     def slow_disk(directory, *args, **kwargs):  # in the writer thread
         next_save_started.wait(timeout=2)  # the write takes 2 s, or until the next save has its values
@@ -223,7 +223,7 @@ def test_an_async_save_waits_for_the_write_still_running_and_raises_its_failure(
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return write(directory, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "write_rank_file", slow_disk)
+    monkeypatch.setattr(saving, "write_rank_file", slow_disk)
     trainer.train_step()
     saves.start(trainer.parts)
     step_1 = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}

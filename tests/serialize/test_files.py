@@ -14,7 +14,6 @@ from safetensors.torch import load_file, save_file
 
 from femtotron.cli import main
 from femtotron.parallel.context import ParallelContext
-from femtotron.serialize import checkpoint
 from femtotron.serialize.files import (
     MANIFEST,
     MANIFEST_CHECKSUM,
@@ -29,6 +28,8 @@ from femtotron.serialize.files import (
     sealed,
     write_rank_file,
 )
+from femtotron.serialize.restore import load
+from femtotron.serialize.saving import save
 from femtotron.trainer import Trainer
 
 VALUES = torch.arange(8, dtype=torch.float32).view(2, 4)
@@ -281,7 +282,7 @@ def test_F1_a_flipped_bit_in_the_saved_python_rng_state_fails_the_header_checksu
     header's checksum covers: unchecked, a digit changed on disk was resumed without a word, as another
     random stream."""
     config = make(tiny_config, "rng-bit", steps=1)
-    saved = checkpoint.save(Trainer(config, ParallelContext(), log_to_console=False).parts)
+    saved = save(Trainer(config, ParallelContext(), log_to_console=False).parts)
     path = saved / rank_file(0)
     data = bytearray(path.read_bytes())
     marker = b'{\\"python\\": [3, ['  # the JSON of random.getstate(), escaped in the header's JSON
@@ -295,7 +296,7 @@ def test_F1_a_flipped_bit_in_the_saved_python_rng_state_fails_the_header_checksu
     with pytest.raises(
         CheckpointError, match=f"checkpoint file {re.escape(str(path))} fails its checksum for its header"
     ):
-        checkpoint.load(resumed.parts, saved)
+        load(resumed.parts, saved)
 
 
 def test_F2_every_tensor_of_a_rank_file_starts_at_a_multiple_of_its_element_size(tmp_path):

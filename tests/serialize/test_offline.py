@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from checkpoint_runs import checkpointed_run
 from distributed import run_ranks
 from helpers import OLMO2_FEATURES
 from safetensors.torch import load_file
@@ -22,8 +23,10 @@ from femtotron.errors import FemtotronError
 from femtotron.generate import generate_text, load_run
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.mesh import Mesh
-from femtotron.serialize import checkpoint, files
-from femtotron.serialize.files import rank_file
+from femtotron.serialize import files
+from femtotron.serialize.files import CheckpointError, rank_file
+from femtotron.serialize.offline import reshard
+from femtotron.serialize.restore import load
 from femtotron.trainer import Trainer
 
 TO_2X2X2 = ["--dp", "2", "--tp", "2", "--pp", "2", "optimizer.zero_stage=1"]
@@ -318,7 +321,7 @@ def test_a_resharded_checkpoint_records_its_new_world_size_and_resumes_as_writte
     manifest = files.read_manifest(resharded)
     assert manifest["world_size"] == 1 and "tokenizer.json" in manifest["files"]
     trainer = Trainer(load_config_dict(manifest["config"]), ParallelContext(), log_to_console=False)
-    summary, _ = checkpoint.load(trainer.parts, resharded)
+    summary, _ = load(trainer.parts, resharded)
     assert summary.endswith("; no RNG states in the checkpoint (written offline)"), summary
 
 
@@ -374,6 +377,12 @@ def test_a_reshard_that_would_change_the_optimizer_is_refused(saved, tmp_path, c
     assert main(["reshard", str(checkpoints), "--out", str(tmp_path / "muon"), muon]) != 0
     assert "holds the state of optimizer_factory.name=adamW" in capsys.readouterr().err
     assert not (tmp_path / "muon").exists()
+
+
+def test_reshard_refuses_to_write_over_its_source(tiny_config):
+    saved = checkpointed_run(tiny_config, "self")
+    with pytest.raises(CheckpointError, match="is the directory the checkpoint step-0000004 is in"):
+        reshard(saved, saved, ["parallelism.tp=2"])
 
 
 def test_a_layout_the_model_cannot_take_is_refused_naming_the_option_and_the_checkpoint(

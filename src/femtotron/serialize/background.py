@@ -3,7 +3,7 @@
 At a save step every rank copies its slices into host staging buffers (`Staging`: pinned on CUDA, so the
 copy runs at the link's speed; kept from one save to the next), which is all the time training stops for.
 A background thread then writes the rank's file and commits the checkpoint exactly as a synchronous save
-does (`checkpoint.finish_save`: same files, manifest and commit by rename), so nothing half-written is ever
+does (`saving.finish_save`: same files, manifest and commit by rename), so nothing half-written is ever
 taken as a checkpoint: a rank killed during the write leaves a `.tmp-step-*` that every reader ignores.
 
 A thread, not a process: what it does is write(2), fsync(2) and XXH3 hashing (serialize/files.py), all of
@@ -31,7 +31,7 @@ import torch
 from femtotron.errors import ConfigError
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.store import Store
-from femtotron.serialize import checkpoint
+from femtotron.serialize import saving
 from femtotron.serialize.files import Slice
 from femtotron.train_state import TrainingParts
 
@@ -95,14 +95,14 @@ class BackgroundSaves:
     def reserve(self, parts: TrainingParts) -> None:
         """Take the staging buffers before step 1, so that the first save stops training no longer than the
         others, and a host short of memory fails now rather than at the first save."""
-        self.staging.stage(checkpoint.rank_slices(parts.model, parts.optimizer))
+        self.staging.stage(saving.rank_slices(parts.model, parts.optimizer))
 
     def start(self, parts: TrainingParts) -> float:
         """Wait for the previous save (raising its failure), take this step's values, start writing them;
         return the seconds training stopped for."""
         self.wait()
         start = time.perf_counter()
-        pending = checkpoint.begin_save(parts, stage=self.staging.stage)
+        pending = saving.begin_save(parts, stage=self.staging.stage)
         stall = time.perf_counter() - start
         if self.store is None:
             self.store = self.ctx.store.for_another_thread()
@@ -114,13 +114,13 @@ class BackgroundSaves:
         self.thread.start()
         return stall
 
-    def _write(self, pending: checkpoint.PendingSave, step: int, stall: float) -> None:
+    def _write(self, pending: saving.PendingSave, step: int, stall: float) -> None:
         # The lowest CPU priority, for this thread alone (Linux): where training keeps every core busy (a CPU
         # run) the write takes the cores' idle moments instead of slowing the steps.
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         start = time.perf_counter()
         try:
-            path, warnings = checkpoint.finish_save(pending, self.store)
+            path, warnings = saving.finish_save(pending, self.store)
         except BaseException as e:  # noqa: BLE001 - the training thread raises it at the next wait
             self.outcome = e
             return
@@ -187,7 +187,9 @@ def check_host_memory(parts: TrainingParts) -> None:
     """Refuse, on every rank together and before step 1, a host without room for its ranks' staging."""
     ctx = parts.ctx
     here = ctx.hosts.count(ctx.hosts[ctx.rank])
-    problem = staging_shortfall(parts.model.data_parallel.checkpoint_bytes(), here, available_host_bytes())
+    problem = staging_shortfall(
+        parts.model.data_parallel.state.checkpoint_bytes(), here, available_host_bytes()
+    )
     short = torch.tensor(float(problem is not None), device=ctx.device)
     ctx.comm.all_reduce(short, ctx.world_group, op="max")
     if problem is not None:

@@ -2,7 +2,7 @@
 
 PATH is a Hugging Face Llama directory (config.json), a finished run directory (config.yaml and its
 safetensors), or a checkpoint (a step directory, or a checkpoints directory: its newest). Each rank reads
-only the weights' boxes it holds (serialize/checkpoint.py `fill`, as resuming does); the run still starts
+only the weights' boxes it holds (serialize/restore.py `fill`, as resuming does); the run still starts
 at step 0, with a fresh optimizer and schedule.
 """
 
@@ -18,10 +18,11 @@ from femtotron.config import Config, LlamaConfig, load_config
 from femtotron.errors import ConfigError
 from femtotron.models.hf_conversion import disk_rows
 from femtotron.models.llama import Llama
-from femtotron.serialize.checkpoint import MODEL_FIELDS, fill_parameters, model_differences, resolve
 from femtotron.serialize.files import CheckpointReader
 from femtotron.serialize.geometry import Box
 from femtotron.serialize.hf import HF_CONFIG, open_hf
+from femtotron.serialize.restore import MODEL_FIELDS, fill_parameters, model_differences
+from femtotron.serialize.resume_source import resolve
 from femtotron.serialize.weights import CONFIG_FILE, weight_parts
 
 if TYPE_CHECKING:

@@ -19,7 +19,6 @@ from safetensors.torch import save_file
 from femtotron.atomic import atomic_path, copy_file, remove
 from femtotron.config import Config, LlamaConfig, load_config_dict
 from femtotron.layout import meta_rank_model
-from femtotron.serialize.checkpoint import check_optimizer_matches, commit, mesh_of, resolve, saved_slices
 from femtotron.serialize.files import (
     MANIFEST,
     CheckpointError,
@@ -28,6 +27,9 @@ from femtotron.serialize.files import (
     file_record,
     write_rank_file,
 )
+from femtotron.serialize.restore import check_optimizer_matches
+from femtotron.serialize.resume_source import resolve
+from femtotron.serialize.saving import commit, mesh_of, saved_slices
 from femtotron.serialize.weights import (
     CONFIG_FILE,
     TOKENIZER_FILE,

@@ -76,7 +76,7 @@ def save_weights(ctx: ParallelContext, model: RankModel, run_dir: Path, log: Run
     weights = {}
     # Every rank takes part in the gathers; only the writer keeps what they return.
     for index, (name, param) in enumerate(model.named_parameters()):
-        with model.data_parallel.whole_parameters([index]):  # ZeRO-3: gathered one bucket at a time
+        with model.whole_parameters([index]):  # ZeRO-3: gathered one bucket at a time
             full = full_tensor(param, param.shard, model.tp, model.ep.group)
             if writer:  # a copy: ZeRO-3 frees the gathered parameter as the block ends
                 weights[name] = full.to("cpu", copy=True).contiguous()
