@@ -5,11 +5,13 @@ markers Python attaches to each name (they count names twice). Joining two lines
 five, or writing a longer docstring leaves it unchanged; adding a branch, an argument or a helper shows. The
 line cap that came before it was met by pressing code into fewer, wider lines, which made it harder to read.
 
-The training path is every femtotron module that `femtotron train` imports: the command line and what its
-train verb imports, and everything those import in turn (lazy imports inside functions included, imports
-for type checking only not, since the run never executes them). Its size is reported per room (a package
-directory, or the top-level modules together), with code lines beside the nodes and the count of packed
-tuple assignments per 1,000 code lines (see `packed_assignments`).
+The training path is every femtotron module the `femtotron` command can import: cli.py, everything it
+imports (the train verb's and the other verbs', since one module holds them all; lazy imports inside
+functions included, imports for type checking only not, since no run executes them) and everything those
+import in turn. That is the whole package but `python -m femtotron`'s entry and what only tests and bench
+scripts import. Its size is reported per room (a package directory, or the top-level modules together),
+with code lines beside the nodes and the count of packed tuple assignments per 1,000 code lines (see
+`packed_assignments`).
 
     python bench/size.py [--src src] [--longest 10] [--all]
 
@@ -27,8 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The functions of the command line that `femtotron train` runs; their imports start the training path.
-TRAIN_VERB = ("cmd_train", "launch_train", "main", "parse_args", "build_parser")
 # The size the training path may have, in nodes. A feature issue declares in its note what it adds
 # (measured before and after with this script) and raises this by that much; a review reads the change.
 TRAINING_PATH_BUDGET = 88_700
@@ -97,16 +97,10 @@ def with_parent_packages(name: str) -> list[str]:
 
 
 def training_path(src: Path) -> set[str]:
-    """The modules `femtotron train` can import: the command line, its train verb's imports, their closure."""
+    """The modules the `femtotron` command can import: cli.py's imports and their closure."""
     graph = import_graph(src, type_only_too=False)
-    cli = ast.parse((src / "femtotron" / "cli.py").read_text())
-    roots = {"femtotron.cli"}
-    for node in cli.body:
-        at_module_level = not isinstance(node, ast.FunctionDef | ast.ClassDef)
-        if at_module_level or node.name in TRAIN_VERB:
-            roots.update(imported_modules(node, src, type_only_too=False))
     reached: set[str] = set()
-    waiting = [name for name in roots if name in graph]
+    waiting = ["femtotron.cli"]
     while waiting:
         name = waiting.pop()
         for module in with_parent_packages(name):
@@ -309,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{where}:{node.lineno}: packed: {ast.unparse(node)[:90]}")
         return
     measured = sizes(args.src, everything=args.all)
-    what = "every femtotron module" if args.all else "the training path (what `femtotron train` imports)"
+    what = "every femtotron module" if args.all else "the training path (what the femtotron command imports)"
     print(f"{what}: syntax-tree nodes without docstrings, per room\n")
     print(report(measured))
     if args.longest:

@@ -25,7 +25,7 @@ PACKAGE = SRC / "femtotron"
 DISTRIBUTED_DOORS = {
     "femtotron.parallel.comm",
     "femtotron.parallel.context",
-    "femtotron.parallel.store",
+    "femtotron.store",
     "femtotron.launch",
 }
 
@@ -76,6 +76,41 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def folder_of(module: str) -> str:
+    """The package directory holding a module (`femtotron.parallel.pipeline.p2p` -> `femtotron.parallel`),
+    or the module itself at the top level: the units a reader sees in the tree."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else module
+
+
+def test_folders_import_one_way():
+    """A folder holds rooms of neighbouring tiers, so folders import one way too: no folder imports one that
+    imports it back, directly or round a longer circle (parallel/ once held the tier-0 mesh that config/
+    imports, while its tier-3 rooms import config/)."""
+    folders: dict[str, set[str]] = {}
+    for module, imports in import_graph().items():
+        here = folder_of(module)
+        folders.setdefault(here, set()).update(folder_of(i) for i in imports if folder_of(i) != here)
+    assert cycles(folders) == []
+
+
+def test_constructors_of_many_parameters_document_each_one():
+    """A constructor of more than 6 parameters says what each is in an `Args:` block: at a call site of
+    that many, the names alone do not tell a reader which is which."""
+    undocumented = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef) or node.name not in ("__init__", "build"):
+                continue
+            names = [a.arg for a in (*node.args.args, *node.args.kwonlyargs) if a.arg not in ("self", "cls")]
+            docstring = ast.get_docstring(node) or ""
+            args = docstring.split("Args:")[1] if "Args:" in docstring else ""
+            missing = [name for name in names if f"{name}:" not in args]
+            if len(names) > 6 and missing:
+                undocumented.append(f"{path.relative_to(SRC)}:{node.lineno} {missing}")
+    assert undocumented == []
+
+
 def test_only_the_command_line_imports_the_trainer():
     graph = import_graph(type_only_too=False)
     importers = {module for module, imports in graph.items() if "femtotron.trainer" in imports}
@@ -110,43 +145,8 @@ def test_D5_the_package_maps_onto_the_guides_rooms():
 
 def test_D4_the_training_path_stays_within_its_node_budget():
     """Syntax-tree nodes without docstrings over every module `femtotron train` imports. The budget grows only
-    by what a feature issue declares in its note, measured with `make size` before and after (issue 25
-    measured 57,790 nodes before its clean-up and 58,598 after it, and set the budget at 59,000; issue 26's
-    checks of files from elsewhere, the run lock, the data identity and atomic writes took it to 62,495,
-    issue 34's (weights a run did not produce, the run's identity for auto-resume, nanotron's run-name
-    templates) to 62,909, and the budget to 63,000; issue 27's first part (the nanotron config table and its
-    translation, 2,900, read only for a nanotron config; datatrove folders, 1,100) to 66,916, and the budget
-    to 67,000; its second part (data stages, 1,300; text tokenized at start, 1,100; nanotron's parameter
-    names for weight-decay exclusions, 930; random tokens, weights-only resume, the logits' z-loss) to
-    about 71,700, and the budget to 72,000; issue 28's model families (models/families.py, 1,500, read by
-    init_from; the model features: biases, q/k norms, head_dim, layers without RoPE, Granite's multipliers,
-    about 600; the tokenizer's conventions in generate) to about 74,100, and the budget to 74,500; its
-    second part (the sliding window in the kernels, the cp ring and the config, about 950; OLMo2's norms,
-    350; dense layers among the experts, 300) to about 75,750, and the budget to 76,000; issue 29's ZeRO-2
-    (the gradients' owned shards, each bucket's whole gradients freed after its reduce-scatter) to about
-    76,200, and the budget to 76,500; its ZeRO-3 (parallel/fully_sharded.py: units, their gathers, prefetch
-    and hooks, 1,450; the parameters' owned shards and per-unit reductions in data_parallel.py, 400;
-    checkpoints, doctor and rules at stage 3, 300) to about 78,300, and the budget to 78,500; issue 30's
-    asynchronous saves (serialize/background.py: staging, the writer thread, the host-memory check, 800;
-    the save split in two, 250) and checksums computed while writing and checked while reading (the
-    safetensors files written and parsed here, 1,200), with doctor's, the start report's and the
-    watchdog's part (250), to 81,241, and the budget to 81,500; issue 31's inputs (zstd frames read whole,
-    parquet in row batches, blank-line blocks, globs, bad records counted; chunks bounded by characters and a
-    window of them in flight: 1,030), `inspect-data` of a data source (670) and output shards (300) to 83,238,
-    and the budget to 83,500; issue 32's Muon (optim/muon.py: Newton-Schulz, the fused matrices taken apart,
-    the bucket-at-a-time gather, 1,250; AdamW and Muon side by side in optim/zero.py, the checkpoint's
-    per-optimizer state, its refusal, doctor's and the config rule's part, 600) to about 85,100, and the
-    budget to 85,500; its zero-bubble pipeline (parallel/split_backward.py: the split linears and their
-    store, 420; the W actions and the ZB-H1 schedule, 170; the weight-gradient matmuls in precision.py, 170;
-    the memory estimate's W inputs, the bubble formula, the advice naming only engines that idle less,
-    ZeRO-3's reductions after W, a step's leftovers dropped, 550) to 86,399, and the budget to 86,500;
-    issue 47's defects, each a user's lost hour (Ctrl-C saved and forwarded by the launcher, a stop that is
-    no error, Slurm's job step, 180; the step line's time, ETA and tokens and the MFU yardstick's record,
-    210; the manifest's own checksum and every stage's data identity, 145; preprocess's and text's hostile
-    inputs bounded and named, 320; config files, numbers, tensors, inf/nan and general.run bounded, 620;
-    nanotron's example configs, 180; doctor's verdict without a device and its missing paths, 250; HF
-    imports and checkpoint shapes checked against their configs, 270; micro-batches per step bounded, 50) to
-    88,653, and the budget to 88,700)."""
+    by what an issue declares in its note, measured with `make size` before and after; docs/architecture.md
+    ("Size and style") lists each raise and what it paid for."""
     nodes = sum(module.nodes for module in size.sizes(SRC))
     assert nodes <= size.TRAINING_PATH_BUDGET, (
         f"the training path has {nodes} syntax-tree nodes, over its budget of {size.TRAINING_PATH_BUDGET}: "
@@ -155,11 +155,12 @@ def test_D4_the_training_path_stays_within_its_node_budget():
     )
 
 
-def test_the_training_path_is_what_femtotron_train_imports():
+def test_the_training_path_is_what_the_command_imports():
     path = size.training_path(SRC)
     for module in ("femtotron.trainer", "femtotron.parallel.context", "femtotron.data.run_data"):
         assert module in path
-    assert {"femtotron.diagnostics.doctor", "femtotron.serialize.manager"} <= path  # run by every train
+    # the other verbs' modules too: one cli.py imports them all
+    assert {"femtotron.diagnostics.doctor", "femtotron.serialize.manager"} <= path
     assert "femtotron.__main__" not in path  # `python -m femtotron` only
 
 

@@ -82,7 +82,7 @@ def launch_train(args: argparse.Namespace, config: Config) -> int:
     rank after processes have started.
     """
     from femtotron.launch import check_local_devices, launch_local
-    from femtotron.parallel.mesh import Mesh
+    from femtotron.mesh import Mesh
     from femtotron.run_lock import run_lock
 
     par = config.parallelism
@@ -114,7 +114,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def mesh_options() -> list[str]:
     """reshard's options for the mesh, in the order --help lists them: the dimensions whose sizes multiply
     to the processes, then those carved out of them (ep)."""
-    from femtotron.parallel.mesh import NAMED, WORLD_DIMENSIONS
+    from femtotron.mesh import NAMED, WORLD_DIMENSIONS
 
     return [*WORLD_DIMENSIONS, *(name for name in NAMED if name not in WORLD_DIMENSIONS)]
 

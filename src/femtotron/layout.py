@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from femtotron.config import Config
+from femtotron.mesh import Mesh
 from femtotron.models.llama import Llama
 from femtotron.models.moe import RouterStats
 from femtotron.optim.muon import orthogonalised
@@ -22,7 +23,6 @@ from femtotron.parallel.expert_parallel import ExpertParallel
 from femtotron.parallel.flat_layout import Replicas
 from femtotron.parallel.fully_sharded import ParameterGathering, chunk_units, parameter_indices
 from femtotron.parallel.members import Parallel
-from femtotron.parallel.mesh import Mesh
 from femtotron.parallel.pipeline.p2p import PipelineP2P
 from femtotron.parallel.pipeline.partition import Stage, partition
 from femtotron.parallel.pipeline.schedules import Pipeline

@@ -21,7 +21,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from femtotron.errors import ConfigError
-from femtotron.parallel.store import Store
+from femtotron.store import Store
 
 LOCK_FILE = ".femtotron.lock"
 LOCKED_ENV = "FEMTOTRON_RUN_LOCKED"  # set while held: the processes this one starts are part of its run

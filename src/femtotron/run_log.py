@@ -18,9 +18,9 @@ from tqdm import tqdm
 from femtotron.atomic import atomic_path
 from femtotron.config import Config
 from femtotron.dashboards import Dashboards
+from femtotron.mesh import NAMED
 from femtotron.metrics import describe_memory, memory_gib, peak_flops
 from femtotron.parallel.context import ParallelContext
-from femtotron.parallel.mesh import NAMED
 
 
 class RunLog:

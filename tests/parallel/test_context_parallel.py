@@ -29,6 +29,7 @@ from femtotron.batch import MicroBatch
 from femtotron.diagnostics.doctor import ring_bytes
 from femtotron.diagnostics.start_report import cp_host_warnings
 from femtotron.errors import ConfigError
+from femtotron.mesh import Mesh
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.context_parallel import (
     ContextParallel,
@@ -38,7 +39,6 @@ from femtotron.parallel.context_parallel import (
     place_tokens,
     zigzag_indices,
 )
-from femtotron.parallel.mesh import Mesh
 from femtotron.trainer import Trainer
 
 EOS = 0

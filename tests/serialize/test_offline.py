@@ -21,8 +21,8 @@ from femtotron.config import load_config_dict
 from femtotron.data.tokenizer import train_tokenizer
 from femtotron.errors import FemtotronError
 from femtotron.generate import generate_text, load_run
+from femtotron.mesh import Mesh
 from femtotron.parallel.context import ParallelContext
-from femtotron.parallel.mesh import Mesh
 from femtotron.serialize import files
 from femtotron.serialize.files import CheckpointError, rank_file
 from femtotron.serialize.offline import reshard

@@ -18,7 +18,7 @@ from typing import Any, NoReturn, TypeVar
 from femtotron.config.sections import ConfigFields, LlamaConfig
 from femtotron.config.zero_stages import ZERO_STAGES
 from femtotron.errors import ConfigError
-from femtotron.parallel.mesh import WORLD_DIMENSIONS, Mesh
+from femtotron.mesh import WORLD_DIMENSIONS, Mesh
 
 M = "model.model_config."
 # The most decoder layers a model may have. The largest trained have about 130; a config from elsewhere with

@@ -26,7 +26,7 @@ from femtotron.data.documents import SUFFIXES, DocumentReader, files_in, is_hf_d
 from femtotron.data.indexed import digest_ends
 from femtotron.data.tokenizer import load_tokenizer
 from femtotron.errors import DataError, FemtotronError
-from femtotron.parallel.store import Store
+from femtotron.store import Store
 
 # Text per tokenizing process: a small corpus is tokenized in this process (a pool takes a second to start).
 BYTES_PER_WORKER = 64 * 2**20

@@ -29,7 +29,7 @@ from femtotron.diagnostics.memory import (
     human,
 )
 from femtotron.layout import DTYPES
-from femtotron.parallel.mesh import ADDED_LATER, NAMED, WORLD_DIMENSIONS, Mesh
+from femtotron.mesh import ADDED_LATER, NAMED, WORLD_DIMENSIONS, Mesh
 from femtotron.parallel.pipeline.partition import partition, stage_map
 
 

@@ -34,11 +34,11 @@ from femtotron.batch import MicroBatch
 from femtotron.config import Config
 from femtotron.config.pipeline_engines import Engine
 from femtotron.layout import DTYPES, RankModel, meta_rank_model
+from femtotron.mesh import Mesh, MeshCoordinates
 from femtotron.models.llama import DecoderLayers, Llama
 from femtotron.optim.muon import Muon
 from femtotron.parallel.context_parallel import place_tokens
 from femtotron.parallel.data_parallel import IN_FLIGHT
-from femtotron.parallel.mesh import Mesh, MeshCoordinates
 from femtotron.parallel.pipeline.schedules import schedule
 from femtotron.parallel.split_backward import (
     DeferredWeightGradients,

@@ -1,7 +1,7 @@
 """Every torch.distributed collective and point-to-point op of femtotron, behind one class: `Comm`.
 
 Process groups are made in parallel/context.py and messages through the rendezvous store go through
-parallel/store.py; nothing else calls torch.distributed. Everything the library knows about its own
+store.py; nothing else calls torch.distributed. Everything the library knows about its own
 communication is learnt at this one door. `Comm` counts the calls and the bytes this rank sends per (group
 kind, op kind), so tests and benchmarks know the exact communication volume. It times each group kind, so
 the trainer can log the share of a step spent in, say, tensor-parallel communication. It keeps every op
@@ -69,7 +69,7 @@ from femtotron.atomic import atomic_path
 from femtotron.errors import DistributedError, is_out_of_memory
 
 if TYPE_CHECKING:
-    from femtotron.parallel.store import Store
+    from femtotron.store import Store
 
 Work = Any  # what an op started without waiting returns: a torch.distributed Work, or one of the below
 EMULATE_NCCL = "FEMTOTRON_EMULATE_NCCL"

@@ -1,6 +1,6 @@
 """ParallelContext: joining the job, this rank's place in the mesh, and its process groups and links.
 
-The mesh's arithmetic (which ranks form which group, in which order) is parallel/mesh.py's; this module
+The mesh's arithmetic (which ranks form which group, in which order) is mesh.py's; this module
 turns it into process groups, which every rank must create in one order (torch.distributed's rule), and
 connects the one-way links of the pipeline and of the cp ring at start-up, before any schedule uses them.
 Joining the job goes through our own check-in on the store first, so a rank that never arrives is named
@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from femtotron.errors import DistributedError
+from femtotron.mesh import ADDED_LATER, NAMED, Mesh
 from femtotron.parallel.comm import Comm, Group
-from femtotron.parallel.mesh import ADDED_LATER, NAMED, Mesh
-from femtotron.parallel.store import Store
+from femtotron.store import Store
 
 if TYPE_CHECKING:
     from femtotron.config import Config

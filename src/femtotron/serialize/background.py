@@ -30,9 +30,9 @@ import torch
 
 from femtotron.errors import ConfigError
 from femtotron.parallel.context import ParallelContext
-from femtotron.parallel.store import Store
 from femtotron.serialize import saving
 from femtotron.serialize.files import Slice
+from femtotron.store import Store
 from femtotron.train_state import TrainingParts
 
 

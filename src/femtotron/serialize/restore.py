@@ -27,8 +27,8 @@ from femtotron.config.sections import MoEConfig
 from femtotron.data.run_data import data_changes, data_identity
 from femtotron.errors import ConfigError, FemtotronError
 from femtotron.layout import RankModel
+from femtotron.mesh import ADDED_LATER
 from femtotron.optim.zero import ZeroOptimizer
-from femtotron.parallel.mesh import ADDED_LATER
 from femtotron.serialize.files import MANIFEST, CheckpointError, CheckpointReader
 from femtotron.serialize.geometry import placements
 from femtotron.serialize.resume_source import EXPLICIT, decided_by_rank_0, resolve

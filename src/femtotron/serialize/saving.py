@@ -33,9 +33,8 @@ from femtotron.config import Config
 from femtotron.crash_points import crash_point
 from femtotron.data.run_data import stage_identity
 from femtotron.layout import RankModel
+from femtotron.mesh import NAMED
 from femtotron.optim.zero import ZeroOptimizer
-from femtotron.parallel.mesh import NAMED
-from femtotron.parallel.store import Store
 from femtotron.serialize.files import (
     MANIFEST,
     CheckpointError,
@@ -55,6 +54,7 @@ from femtotron.serialize.resume_source import (
     step_name,
 )
 from femtotron.serialize.weights import TOKENIZER_FILE
+from femtotron.store import Store
 from femtotron.train_state import TrainingParts
 
 # Besides the mesh's sizes, what decides which slices and states each rank of a checkpoint holds.
@@ -62,7 +62,7 @@ LAYOUT_SETTINGS = ("pp_engine", "pp_virtual_stages", "tp_mode")
 
 
 def mesh_of(config: Config) -> dict[str, Any]:
-    """The manifest's `mesh`: each dimension's size (parallel/mesh.py), layout settings, ZeRO stage."""
+    """The manifest's `mesh`: each dimension's size (mesh.py), layout settings, ZeRO stage."""
     mesh = {key: getattr(config.parallelism, key) for key in (*NAMED, *LAYOUT_SETTINGS)}
     return mesh | {"zero_stage": config.optimizer.zero_stage}
 

@@ -1,8 +1,8 @@
-"""parallel/mesh.py: the rank layout and the groups and links derived from it, without any process."""
+"""mesh.py: the rank layout and the groups and links derived from it, without any process."""
 
 import pytest
 
-from femtotron.parallel.mesh import LAYOUT, Mesh, MeshCoordinates
+from femtotron.mesh import LAYOUT, Mesh, MeshCoordinates
 
 
 def at(pp_rank: int = 0, dp_rank: int = 0, cp_rank: int = 0, tp_rank: int = 0) -> MeshCoordinates:
