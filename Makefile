@@ -33,7 +33,7 @@ lint: $(BIN)/femtotron
 	$(BIN)/ruff check src tests bench
 
 # The code's size in syntax-tree nodes (docstrings and line breaks do not count), per room, over the modules
-# `femtotron train` imports, with packed tuple assignments per 1,000 lines and the largest functions.
+# the `femtotron` command imports, with packed tuple assignments per 1,000 lines and the largest functions.
 size: $(BIN)/femtotron
 	$(BIN)/python bench/size.py
 
