@@ -37,7 +37,7 @@ from femtotron.serialize.files import (
     CheckpointReader,
     rank_file,
 )
-from femtotron.serialize.restore import MODEL_FIELDS, NOT_CHECKED, load
+from femtotron.serialize.restore import MODEL_FIELDS, NOT_CHECKED, load, model_differences
 from femtotron.serialize.resume_source import agreed_resume_source
 from femtotron.serialize.saving import save
 from femtotron.trainer import Trainer
@@ -267,6 +267,20 @@ def test_every_model_config_field_is_checked_on_resume_or_declared_not_to_change
     assert set(MODEL_FIELDS) | NOT_CHECKED == fields
     assert not set(MODEL_FIELDS) & NOT_CHECKED
     assert set(FEATURES) - {"moe"} <= set(MODEL_FIELDS)
+
+
+def test_the_dense_mlp_size_is_checked_where_a_layer_of_a_mixture_of_experts_is_dense(tiny_config):
+    """A mixture of experts sizes its experts by moe.intermediate_size; intermediate_size sizes only the
+    dense layers (moe.dense_layers), so it matters where there are some, and is named there."""
+    moe = ("model.model_config.moe.num_experts=4", "model.model_config.moe.num_experts_per_tok=2")
+    dense = "model.model_config.moe.dense_layers=[0]"
+    saved = tiny_config(*moe, dense).model.model_config_.model_dump(mode="json")
+    other = "model.model_config.intermediate_size=96"
+    assert [
+        line.split(":")[0] for line in model_differences(saved, tiny_config(*moe, dense, other), "x")
+    ] == ["model.model_config.intermediate_size"]
+    all_experts = tiny_config(*moe).model.model_config_.model_dump(mode="json")
+    assert model_differences(all_experts, tiny_config(*moe, other), "x") == []
 
 
 def test_a_checkpoint_of_other_norms_is_refused_naming_the_field_and_one_from_before_the_field_resumes(

@@ -75,9 +75,11 @@ def model_differences(saved: dict[str, Any], config: Config, where: str, fields=
     with them) that differ, as lines. `saved` is read as a LlamaConfig: a manifest written before a field
     existed has its default."""
 
-    def flat(values: dict[str, Any]) -> dict[str, Any]:  # moe's keys as moe.KEY; its dense MLP size is unused
+    def flat(values: dict[str, Any]) -> dict[str, Any]:
+        """moe's keys as moe.KEY; the dense MLP's size only where a layer is dense."""
         moe = {f"moe.{key}": value for key, value in (values.get("moe") or {}).items()}
-        return values | moe | ({"intermediate_size": None} if moe else {})
+        unused = {"intermediate_size": None} if moe and not moe["moe.dense_layers"] else {}
+        return values | moe | unused
 
     theirs = flat(LlamaConfig.model_validate(saved).model_dump(mode="json"))
     ours = flat(config.model.model_config_.model_dump(mode="json"))
