@@ -45,7 +45,8 @@ bench: $(BIN)/femtotron
 	$(BIN)/python bench/run_all.py $(BENCH_ARGS)
 
 # On one CUDA GPU: the CUDA-marked tests, a ~1B Llama against HF transformers, doctor's memory estimate against
-# the measured peak, a mixture of experts, the compiled runs; within --budget seconds (default 420), each part in
+# the measured peak, a mixture of experts, the new code against what it replaces (ZeRO-3, zb-h1, Muon, the
+# sliding window, async saves), the compiled runs; within --budget seconds (default 600), each part in
 # its own process, docs/benchmarks-gpu.md rewritten after every part (bench/gpu_check.py). No venv or install
 # step, so it runs on a GPU machine without network: .venv's python where there is one, else $(PYTHON),
 # importing femtotron from src.

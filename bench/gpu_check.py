@@ -11,7 +11,14 @@ The parts, the most valuable first (a budget that runs out cuts the least):
 4. `femtotron doctor`'s per-rank memory estimate against `torch.cuda.max_memory_allocated()` of the run;
 5. a mixture of experts (bench/moe.py, bf16): femtotron's grouped-GEMM experts against a loop over them and
    against transformers' MixtralForCausalLM, forward + backward;
-6. both compiled, unless --skip-compile (femtotron with `model.compile: true`, HF with
+6. the new code, each comparison in a process of its own, its two runs in turn with a ~48M-parameter model
+   on one sequence of 8192 tokens per step: ZeRO-3 against ZeRO-1, zb-h1 against 1f1b at pp = 1, Muon
+   against AdamW, a sliding window of 1024 against none (losses, step time, peak memory, and the host syncs
+   of one more step under `torch.cuda.set_sync_debug_mode("warn")`), and a run of two steps saving a
+   checkpoint before the first and after each in the background (checkpoints.async_save) against the same
+   run saving synchronously (how long training stopped, the step-0 checkpoints' files compared byte for
+   byte, the whole runs' host syncs);
+7. both compiled, unless --skip-compile (femtotron with `model.compile: true`, HF with
    `torch.compile(model)`): the ratios eager and compiled, each against HF eager and compiled.
 
 A GPU is lent rarely and briefly, so no part can lose the others' figures: each runs in a process of its own
@@ -27,7 +34,7 @@ a line in the report saying so; the report is still written and the exit code is
 a CUDA-marked test failed or a part broke, timed out or was stopped (the report says which), 2 for a bad
 argument.
 
-    python bench/gpu_check.py [--steps 30] [--quick] [--budget 420] [--skip-tests] [--skip-hf]
+    python bench/gpu_check.py [--steps 30] [--quick] [--budget 600] [--skip-tests] [--skip-hf]
                               [--skip-compile] [--out PATH] [--logs DIR]
                               [--set KEY=VALUE ...]   (config overrides, e.g. tokens.micro_batch_size=2)
 """
@@ -35,10 +42,12 @@ argument.
 from __future__ import annotations
 
 import argparse
+import filecmp
 import importlib.metadata
 import importlib.util
 import inspect
 import json
+import math
 import os
 import platform
 import re
@@ -50,6 +59,7 @@ import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ElementTree
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -71,7 +81,7 @@ CONFIG = "examples/llama_1b_gpu.yaml"
 ONE_GPU = ("parallelism.dp=1", "tokens.batch_accumulation_per_replica=1")
 PYTEST = ("-m", "pytest", "-v", "-m", "cuda")  # -v: the log names each test as it starts (a hung one too)
 CUDA_MARK = "mark.cuda"  # how a test file marks CUDA tests (`@pytest.mark.cuda`, `pytestmark = ...`)
-DEFAULT_BUDGET = 420  # seconds: a lent GPU's 15 minutes less its start-up and the transfers
+DEFAULT_BUDGET = 600  # seconds: a lent GPU's 15 minutes less its start-up and the transfers
 STOP_GRACE_SECONDS = 5.0  # between a part's SIGINT (it says where it was) and its group's SIGKILL
 TAIL_LINES = 25  # of a failed part's output, quoted in the report
 PART_FLAG = "--part"  # `gpu_check.py --part FILE:FUNCTION SETTINGS RESULT`: how a part's process starts
@@ -463,6 +473,7 @@ class Run:
     micro_batch: int
     accumulation: int
     losses: tuple[float, float]  # of the first and the last timed step
+    host_syncs: list[str] | None = None  # where one more step waited for the GPU (`host_syncs`)
 
 
 def positive(text: str) -> int:
@@ -556,7 +567,7 @@ def timed(step: Callable[[], Any], steps: int, warmup: int, device: torch.device
     return time.perf_counter() - start, results, torch.cuda.max_memory_allocated(device) if cuda else 0
 
 
-def run_femtotron(config: Config, steps: int, warmup: int) -> Run:
+def run_femtotron(config: Config, steps: int, warmup: int, count_host_syncs: bool = False) -> Run:
     import torch
 
     from femtotron.parallel.context import ParallelContext
@@ -571,9 +582,10 @@ def run_femtotron(config: Config, steps: int, warmup: int) -> Run:
         logged = tokens / sum(result.seconds for result in results)
         micro_batch = config.tokens.micro_batch_size
         losses = (results[0].loss, results[-1].loss)
+        syncs = host_syncs(trainer.train_step) if count_host_syncs else None
     del trainer, results
     free_memory()
-    return Run(tokens / seconds, logged, peak - before if cuda else None, micro_batch, 1, losses)
+    return Run(tokens / seconds, logged, peak - before if cuda else None, micro_batch, 1, losses, syncs)
 
 
 class HFTraining:
@@ -813,6 +825,253 @@ def moe_part(settings: Settings) -> dict[str, Any]:
     return measure_moe(settings.moe_rounds, "cuda")
 
 
+# The new code's parts: a model small enough that their five processes, two runs each, take about two
+# minutes on one GPU; one sequence of 8192 tokens per step, where a window of 1024 keeps an eighth.
+NEW_CODE_MODEL = (
+    "model.model_config.hidden_size=512",
+    "model.model_config.intermediate_size=2048",
+    "model.model_config.num_hidden_layers=8",
+    "model.model_config.num_attention_heads=8",
+    "model.model_config.num_key_value_heads=4",
+    "model.model_config.vocab_size=32000",
+    "model.model_config.max_position_embeddings=8192",
+    "tokens.sequence_length=8192",
+    "tokens.micro_batch_size=1",
+    # the example's 2000 steps of warm-up would keep the steps measured near a learning rate of 0
+    "optimizer.learning_rate_scheduler.lr_warmup_steps=0",
+)
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's, at each under set_sync_debug_mode("warn")
+SAVED_STEPS = 2  # the async-save runs' steps: a checkpoint before the first and after each
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str  # how the report names it
+    override: str  # what it sets over NEW_CODE_MODEL
+
+
+# The new code against what it is compared with (key: (new, baseline)), both trained in one process.
+COMPARISONS = {
+    "zero3": (Variant("ZeRO-3", "optimizer.zero_stage=3"), Variant("ZeRO-1", "optimizer.zero_stage=1")),
+    "zb_h1": (
+        Variant("zb-h1 at pp = 1", "parallelism.pp_engine=zb-h1"),
+        Variant("1f1b", "parallelism.pp_engine=1f1b"),
+    ),
+    "muon": (
+        Variant("Muon", "optimizer.optimizer_factory.name=muon"),
+        Variant("AdamW", "optimizer.optimizer_factory.name=adamW"),
+    ),
+    "window": (
+        Variant("a sliding window of 1024", "model.model_config.sliding_window=1024"),
+        Variant("none", "model.model_config.sliding_window=null"),
+    ),
+}
+NEW_CODE_KEYS = (*COMPARISONS, "async_save")
+
+
+def host_syncs(step: Callable[[], Any]) -> list[str] | None:
+    """`step()` under `torch.cuda.set_sync_debug_mode("warn")`: where it made the host wait for the GPU,
+    "folder/file.py:line" once per wait (torch warns at each implicit one: `.item()`, a copy to the host,
+    `nonzero`, a stream's synchronize; not at `torch.cuda.synchronize()`). None without CUDA, the step run
+    all the same."""
+    import warnings
+
+    import torch
+
+    if not torch.cuda.is_available():
+        step()
+        return None
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every wait, not only the first at each line
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return [
+        f"{Path(warning.filename).parent.name}/{Path(warning.filename).name}:{warning.lineno}"
+        for warning in caught
+        if SYNC_WARNING in str(warning.message)
+    ]
+
+
+def variant_config(settings: Settings, folder: str, overrides: Sequence[str]) -> Config:
+    """NEW_CODE_MODEL with `overrides`, on random tokens and in a run directory of its own under `folder`."""
+    workdir = Path(settings.workdir) / folder
+    workdir.mkdir(parents=True, exist_ok=True)
+    return with_random_tokens(gpu_config([*settings.overrides, *NEW_CODE_MODEL, *overrides], workdir))
+
+
+def compare(settings: Settings, key: str) -> dict[str, Any]:
+    """Both runs of COMPARISONS[key] in turn, each with the host syncs of one more step; a failure where a
+    loss was not finite."""
+    result: dict[str, Any] = {FAILURES: []}
+    for side, variant in zip(("new", "baseline"), COMPARISONS[key], strict=True):
+        config = variant_config(settings, f"{key}/{side}", [variant.override])
+        run = run_femtotron(config, settings.steps, settings.warmup, count_host_syncs=True)
+        result[side] = asdict(run)
+        if not all(math.isfinite(loss) for loss in run.losses):
+            result[FAILURES].append(f"{variant.label}: a loss was not finite (first and last: {run.losses})")
+    tokens = config.tokens
+    return result | {
+        "step_tokens": tokens.micro_batch_size * tokens.sequence_length,
+        "shape": describe_shape(config),
+    }
+
+
+def zero3_part(settings: Settings) -> dict[str, Any]:
+    """Part: ZeRO-3 against ZeRO-1 (losses, peaks)."""
+    return compare(settings, "zero3")
+
+
+def zb_h1_part(settings: Settings) -> dict[str, Any]:
+    """Part: zb-h1 against 1f1b at pp = 1 (losses, step time: W's one autograd call per deferred weight)."""
+    return compare(settings, "zb_h1")
+
+
+def muon_part(settings: Settings) -> dict[str, Any]:
+    """Part: Muon against AdamW (a finite loss, step time)."""
+    return compare(settings, "muon")
+
+
+def window_part(settings: Settings) -> dict[str, Any]:
+    """Part: a sliding window of 1024 against none at sequence 8192 (peak, step time)."""
+    return compare(settings, "window")
+
+
+def async_save_part(settings: Settings) -> dict[str, Any]:
+    """Part: the same run saving in the background (checkpoints.async_save) and synchronously, a checkpoint
+    before the first step and after each: how long training stopped for each save, whether the step-0
+    checkpoints' files are equal (the steps after it overlap its background write), and the host syncs of
+    each whole run; a failure where the files differ."""
+    import torch
+
+    from femtotron.parallel.context import ParallelContext
+    from femtotron.serialize.files import MANIFEST
+    from femtotron.serialize.resume_source import checkpoint_root, committed_checkpoints
+    from femtotron.trainer import Trainer
+
+    result: dict[str, Any] = {}
+    first: dict[str, Path] = {}  # each run's step-0 checkpoint
+    for side, background in (("new", "true"), ("baseline", "false")):
+        config = variant_config(
+            settings,
+            f"async_save/{side}",
+            [
+                f"checkpoints.async_save={background}",
+                "checkpoints.save_initial_state=true",
+                "checkpoints.checkpoint_interval=1",
+                f"tokens.train_steps={SAVED_STEPS}",
+            ],
+        )
+        # The checkpoints hold the RNG states: the same in both runs, as in two new processes.
+        torch.manual_seed(0)
+        with ParallelContext() as ctx:
+            trainer = Trainer(config, ctx, log_to_console=False)
+            syncs = host_syncs(trainer.train)
+        del trainer
+        free_memory()
+        records = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+        stalls = {
+            r["checkpoint_step"]: r["checkpoint_stall_seconds"] for r in records if "checkpoint_step" in r
+        }
+        result[side] = {"stall_seconds": [stalls[step] for step in sorted(stalls)], "host_syncs": syncs}
+        first[side] = committed_checkpoints(checkpoint_root(config))[0]
+    # The manifest records the time and the config (async_save): every other file must be equal.
+    files = {
+        side: sorted(p.name for p in path.iterdir() if p.name != MANIFEST) for side, path in first.items()
+    }
+    differ = sorted(set(files["new"]) ^ set(files["baseline"])) or [
+        name
+        for name in files["new"]
+        if not filecmp.cmp(first["new"] / name, first["baseline"] / name, shallow=False)
+    ]
+    failures = [f"async save: the step-0 checkpoint differs from a synchronous save's in {', '.join(differ)}"]
+    return result | {
+        "files": files["new"],
+        "differ": differ,
+        "checkpoint_bytes": sum(p.stat().st_size for p in first["new"].iterdir()),
+        "shape": describe_shape(config),
+        FAILURES: failures if differ else [],
+    }
+
+
+def gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
+
+
+def host_syncs_text(new: list[str] | None, baseline: list[str] | None) -> str:
+    """The new code's host syncs against the baseline's, with where most of the new code's were."""
+    if new is None or baseline is None:
+        return "not counted (no CUDA)"
+    places = ", ".join(f"`{site}` x{count}" for site, count in Counter(new).most_common(3))
+    return f"{len(new)} against {len(baseline)}" + (f" (most at {places})" if places else "")
+
+
+def comparison_line(key: str, result: dict[str, Any]) -> str:
+    new_variant, baseline_variant = COMPARISONS[key]
+    new = Run(**result["new"])
+    baseline = Run(**result["baseline"])
+    new_ms, baseline_ms = (result["step_tokens"] / run.tokens_per_second * 1e3 for run in (new, baseline))
+    figures = [
+        f"loss at the first and last timed step {new.losses[0]:.4f}, {new.losses[1]:.4f} against "
+        f"{baseline.losses[0]:.4f}, {baseline.losses[1]:.4f}",
+        f"step {new_ms:.1f} ms against {baseline_ms:.1f} ms (**{new_ms / baseline_ms:.2f}x**)",
+    ]
+    if new.peak_bytes and baseline.peak_bytes:
+        figures.append(
+            f"peak allocated {gib(new.peak_bytes)} against {gib(baseline.peak_bytes)} "
+            f"(**{new.peak_bytes / baseline.peak_bytes:.2f}x**)"
+        )
+    figures.append(f"host syncs in one more step {host_syncs_text(new.host_syncs, baseline.host_syncs)}")
+    return (
+        f"- **{new_variant.label}** (`{new_variant.override}`) against {baseline_variant.label} "
+        f"(`{baseline_variant.override}`): " + "; ".join(figures) + "."
+    )
+
+
+def async_save_line(result: dict[str, Any]) -> str:
+    new_stalls, baseline_stalls = (
+        ", ".join(f"{seconds:.3f}" for seconds in result[side]["stall_seconds"])
+        for side in ("new", "baseline")
+    )
+    if result["differ"]:
+        files = f"**the step-0 checkpoints differ** in {', '.join(result['differ'])}"
+    else:
+        files = (
+            f"the step-0 checkpoints' {len(result['files'])} file(s) are equal byte for byte (the manifest "
+            "apart: it records the time and the config)"
+        )
+    syncs = host_syncs_text(result["new"]["host_syncs"], result["baseline"]["host_syncs"])
+    return (
+        "- **async save** (`checkpoints.async_save=true`) against a synchronous save, a checkpoint of "
+        f"{result['checkpoint_bytes'] / 2**20:,.1f} MiB before the first step and after each of "
+        f"{SAVED_STEPS}: training stopped {new_stalls} s against {baseline_stalls} s; {files}; host syncs "
+        f"over each whole run {syncs}."
+    )
+
+
+def new_code_lines(
+    command: str, steps: int, warmup: int, results: dict[str, dict[str, Any]]
+) -> list[str] | None:
+    """The new code's parts in one section, rewritten as each of them finishes."""
+    done = [key for key in NEW_CODE_KEYS if key in results]
+    if not done:
+        return None
+    lines = [
+        f"`{command}`: each comparison in a process of its own, its two runs in turn, at dp = tp = pp = 1: "
+        f"{results[done[0]]['shape']}; random tokens, {steps} timed steps after {warmup} warm-up step(s). "
+        'Host syncs: the warnings of `torch.cuda.set_sync_debug_mode("warn")`, one per implicit wait for the '
+        "GPU (`.item()`, a copy to the host, `nonzero`; `torch.cuda.synchronize()` is not counted).",
+        "",
+        *(comparison_line(key, results[key]) for key in done if key in COMPARISONS),
+    ]
+    if "async_save" in results:
+        lines.append(async_save_line(results["async_save"]))
+    return lines
+
+
 @dataclass
 class Outcomes:
     passed: int = 0
@@ -965,7 +1224,7 @@ TRAINING_RUNS = (
 def throughput_lines(
     config: Config, command: str, steps: int, warmup: int, results: dict[str, dict[str, Any]]
 ) -> list[str] | None:
-    """Parts 2, 3 and 6 in one table, rewritten as each of them finishes."""
+    """Parts 2, 3 and 7 in one table, rewritten as each of them finishes."""
     runs = {key: Run(**results[key]["run"]) for key, _ in TRAINING_RUNS if key in results}
     if not runs:
         return None
@@ -1053,6 +1312,13 @@ FEMTOTRON_PART = FunctionPart("femtotron", "the femtotron run", 45, 150, femtotr
 HF_PART = FunctionPart("hf", "the HF transformers baseline", 45, 150, hf_part)
 MEMORY_PART = FunctionPart("memory", "doctor's memory estimate", 15, 90, memory_part)
 MOE_PART = FunctionPart("moe", "the mixture of experts", 30, 120, moe_part)
+NEW_CODE_PARTS = (
+    FunctionPart("zero3", "ZeRO-3 against ZeRO-1", 25, 120, zero3_part),
+    FunctionPart("zb_h1", "zb-h1 against 1f1b at pp = 1", 25, 120, zb_h1_part),
+    FunctionPart("muon", "Muon against AdamW", 25, 120, muon_part),
+    FunctionPart("window", "a sliding window of 1024 against none at sequence 8192", 25, 120, window_part),
+    FunctionPart("async_save", "async saves against synchronous ones", 30, 120, async_save_part),
+)
 FEMTOTRON_COMPILED_PART = FunctionPart(
     "femtotron_compiled", "the femtotron run with model.compile", 90, 240, femtotron_compiled_part
 )
@@ -1097,6 +1363,12 @@ def plan(args: argparse.Namespace, cuda: bool, hf: bool, skip: Callable[[str], N
         skip("no HF transformers: skipped the mixture of experts (it compares with `MixtralForCausalLM`)")
     else:
         parts.append(MOE_PART)
+    if cuda:
+        parts += NEW_CODE_PARTS
+    else:
+        skip(
+            f"{no_cuda} the new code (ZeRO-3, zb-h1, Muon, the sliding window, async saves, their host syncs)"
+        )
     if args.skip_compile:
         skip("--skip-compile: skipped the compiled runs")
     elif not cuda:
@@ -1115,6 +1387,10 @@ def check_sections(config: Config, args: argparse.Namespace, command: str) -> li
         ),
         Section("Memory: doctor's estimate against the measured peak", partial(part_lines, "memory")),
         Section("Mixture of experts: step time against a loop and HF Mixtral", partial(part_lines, "moe")),
+        Section(
+            "The new code: ZeRO-3, zb-h1, Muon, the sliding window, async saves",
+            partial(new_code_lines, command, args.steps, args.warmup),
+        ),
     ]
 
 

@@ -8,7 +8,9 @@ it, so that such a process starts in well under a second."""
 
 from __future__ import annotations
 
+import inspect
 import json
+import math
 import os
 import re
 import shutil
@@ -40,6 +42,8 @@ TINY = [
 ]
 TINY_ARGS = [arg for override in TINY for arg in ("--set", override)]
 # A process that only a SIGKILL ends: what must not outlive a part that is stopped.
+# The new code's parts, in the order they run: four comparisons, then async saves.
+NEW_CODE_KEYS = ["zero3", "zb_h1", "muon", "window", "async_save"]
 IGNORES_SIGINT = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)"
 
 
@@ -133,7 +137,7 @@ def fake_check(tmp_path: Path, keys: list[str], budget: float = 120) -> gpu_chec
 def test_arguments_and_their_defaults():
     args = gpu_check.parse_args([])
     assert (args.steps, args.warmup, args.skip_tests, args.skip_hf, args.set) == (30, 3, False, False, [])
-    assert (args.budget, args.logs) == (420, None)
+    assert (args.budget, args.logs) == (600, None)
     assert args.out == Path(gpu_check.ROOT) / "docs" / "benchmarks-gpu.md"
     quick = gpu_check.parse_args(["--quick", "--out", "r.md", "--set", "a=1", "--set", "b=2"])
     assert (quick.steps, quick.warmup, quick.out, quick.set) == (5, 1, Path("r.md"), ["a=1", "b=2"])
@@ -166,6 +170,10 @@ def test_without_cuda_the_report_says_what_was_skipped_and_the_exit_code_is_0(no
     assert "- no CUDA device: skipped the femtotron run (tokens/s, MFU" in skipped
     assert "the HF transformers baseline and the measured peak memory" in skipped
     assert "- no CUDA device: skipped the mixture of experts" in skipped
+    assert (
+        "- no CUDA device: skipped the new code (ZeRO-3, zb-h1, Muon, the sliding window, async saves"
+        in skipped
+    )
     assert "- no CUDA device: skipped the compiled runs" in skipped
     # doctor's estimate needs no GPU: it is there, with the command that prints it
     memory = report.split("## Memory: doctor's estimate against the measured peak\n")[1]
@@ -190,6 +198,7 @@ def test_the_parts_run_the_most_valuable_first_and_what_is_left_out_says_why():
         "hf",
         "memory",
         "moe",
+        *NEW_CODE_KEYS,
         "femtotron_compiled",
         "hf_compiled",
     ]
@@ -197,7 +206,7 @@ def test_the_parts_run_the_most_valuable_first_and_what_is_left_out_says_why():
     skipped = []
     flags = gpu_check.parse_args(["--skip-tests", "--skip-hf", "--skip-compile"])
     parts = gpu_check.plan(flags, cuda=True, hf=False, skip=skipped.append)
-    assert [part.key for part in parts] == ["femtotron", "memory"]
+    assert [part.key for part in parts] == ["femtotron", "memory", *NEW_CODE_KEYS]
     assert skipped == [
         "--skip-tests: skipped the CUDA-marked tests",
         "--skip-hf: skipped the HF transformers baseline",
@@ -210,6 +219,10 @@ def test_the_parts_run_the_most_valuable_first_and_what_is_left_out_says_why():
     ]
     assert (
         "(tokens/s, MFU against the data-sheet peak and a measured GEMM) and the measured peak" in skipped[2]
+    )
+    assert skipped[4] == (
+        "no CUDA device: skipped the new code (ZeRO-3, zb-h1, Muon, the sliding window, async saves, their "
+        "host syncs)"
     )
 
 
@@ -518,3 +531,139 @@ def test_the_mixture_of_experts_part_reports_both_ratios(monkeypatch):
         and len(lines) == 3
     )
     assert "a loop over the experts" in lines[1] and "HF `MixtralForCausalLM`" in lines[2]
+
+
+def test_every_part_fits_the_default_budget():
+    """A lent GPU's 15 minutes, less its start-up, hold every part at its expected time: none is skipped."""
+    every = [gpu_check.ENVIRONMENT_PART, *gpu_check.plan(gpu_check.parse_args([]), True, True, pytest.fail)]
+    assert sum(part.estimate_seconds for part in every) <= gpu_check.DEFAULT_BUDGET
+
+
+def test_the_new_code_parts_that_no_longer_fit_the_budget_are_skipped_saying_so(tmp_path):
+    check = fake_check(tmp_path, [], budget=20)
+    check.run_all(gpu_check.NEW_CODE_PARTS)  # each takes about 25 s or more: none starts
+    assert check.report.results == {} and len(check.report.skipped) == len(NEW_CODE_KEYS)
+    assert re.fullmatch(
+        r"ZeRO-3 against ZeRO-1: skipped, (1\d|20) s of the 20 s budget \(`--budget`\) left and it takes "
+        r"about 25 s",
+        check.report.skipped[0],
+    )
+    assert check.report.skipped[-1].startswith("async saves against synchronous ones: skipped, ")
+
+
+def sync_and_other_warnings():
+    """A fake step: two host syncs on one line, one on another, and a warning that is no sync."""
+    import warnings
+
+    for _ in range(2):
+        warnings.warn(gpu_check.SYNC_WARNING, stacklevel=1)
+    warnings.warn(gpu_check.SYNC_WARNING, stacklevel=1)
+    warnings.warn("something else", stacklevel=1)
+
+
+def test_host_syncs_are_the_sync_warnings_of_the_step_and_the_mode_is_restored(monkeypatch):
+    import torch
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)  # torch's "default"
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    sites = gpu_check.host_syncs(sync_and_other_warnings)
+    source, first = inspect.getsourcelines(sync_and_other_warnings)
+    lines = [first + i for i, text in enumerate(source) if "warn(gpu_check.SYNC_WARNING" in text]
+    assert sites == [f"tests/test_gpu_check.py:{line}" for line in (lines[0], lines[0], lines[1])]
+    assert modes == ["warn", 0]
+    with pytest.raises(ZeroDivisionError):  # a step that fails leaves the mode as it found it
+        gpu_check.host_syncs(lambda: 1 / 0)
+    assert modes[-2:] == ["warn", 0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ran = []
+    assert gpu_check.host_syncs(lambda: ran.append(1)) is None and ran == [1]  # run, not counted
+
+
+def measured(losses, peak, milliseconds, syncs):
+    """A run's result as a comparison part returns it, for 8192 tokens per step."""
+    return vars(gpu_check.Run(8192 / milliseconds * 1e3, None, peak, 1, 1, losses, syncs))
+
+
+def test_the_new_code_section_states_each_figure_against_what_it_is_compared_with():
+    """Results as a GPU would return them (peaks, host syncs) written into the new code's section."""
+    shape = "47,849,984 parameters: ..."
+    gib = 2**30
+    results = {
+        "zero3": {
+            "new": measured(
+                (10.4, 9.5), 1 * gib, 50.0, ["femtotron/trainer.py:230"] * 3 + ["optim/clip.py:40"]
+            ),
+            "baseline": measured((10.4, 9.5001), 2 * gib, 40.0, ["femtotron/trainer.py:230"] * 2),
+            "step_tokens": 8192,
+            "shape": shape,
+        },
+        "async_save": {
+            "new": {"stall_seconds": [0.1, 0.05], "host_syncs": ["serialize/background.py:70"]},
+            "baseline": {"stall_seconds": [1.5, 1.25], "host_syncs": []},
+            "files": ["rank-00000.safetensors"],
+            "differ": [],
+            "checkpoint_bytes": 672 * 2**20,
+            "shape": shape,
+        },
+    }
+    lines = gpu_check.new_code_lines("python bench/gpu_check.py", 30, 3, results)
+    assert lines[0].startswith(
+        "`python bench/gpu_check.py`: each comparison in a process of its own, its two runs in turn, at "
+        "dp = tp = pp = 1: 47,849,984 parameters: ...; random tokens, 30 timed steps after 3 warm-up "
+        "step(s). "
+    )
+    assert lines[2] == (
+        "- **ZeRO-3** (`optimizer.zero_stage=3`) against ZeRO-1 (`optimizer.zero_stage=1`): loss at the "
+        "first and last timed step 10.4000, 9.5000 against 10.4000, 9.5001; step 50.0 ms against 40.0 ms "
+        "(**1.25x**); peak allocated 1.00 GiB against 2.00 GiB (**0.50x**); host syncs in one more step 4 "
+        "against 2 (most at `femtotron/trainer.py:230` x3, `optim/clip.py:40` x1)."
+    )
+    assert lines[3] == (
+        "- **async save** (`checkpoints.async_save=true`) against a synchronous save, a checkpoint of "
+        "672.0 MiB before the first step and after each of 2: training stopped 0.100, 0.050 s against "
+        "1.500, 1.250 s; the step-0 checkpoints' 1 file(s) are equal byte for byte (the manifest apart: it "
+        "records the time and the config); host syncs over each whole run 1 against 0 (most at "
+        "`serialize/background.py:70` x1)."
+    )
+    results["async_save"]["differ"] = ["rank-00000.safetensors"]
+    assert "; **the step-0 checkpoints differ** in rank-00000.safetensors; " in gpu_check.async_save_line(
+        results["async_save"]
+    )
+    assert gpu_check.new_code_lines("python bench/gpu_check.py", 30, 3, {"moe": {}}) is None
+
+
+def test_a_loss_that_is_not_finite_fails_the_check(monkeypatch, tmp_path):
+    def fake_run(config, steps, warmup, count_host_syncs):
+        muon = config.optimizer.optimizer_factory.name == "muon"
+        return gpu_check.Run(1.0, None, None, 1, 1, (10.4, math.nan if muon else 9.5), None)
+
+    monkeypatch.setattr(gpu_check, "run_femtotron", fake_run)
+    settings = gpu_check.Settings([], str(tmp_path), 1, 0, 0.01, 1, str(tmp_path / "r.md"), "command")
+    assert gpu_check.muon_part(settings)["failures"] == [
+        "Muon: a loss was not finite (first and last: (10.4, nan))"
+    ]
+    assert gpu_check.zero3_part(settings)["failures"] == []
+
+
+def test_the_new_code_is_measured_on_the_cpu(monkeypatch, tmp_path):
+    """The new code's parts themselves with the tiny model (on a GPU: ~48M parameters at sequence 8192):
+    every run trains, the async save's step-0 checkpoint equals the synchronous one's, and the section is
+    written; host syncs and peaks need CUDA."""
+    monkeypatch.setattr(
+        gpu_check, "NEW_CODE_MODEL", (*TINY, "optimizer.learning_rate_scheduler.lr_warmup_steps=0")
+    )
+    settings = gpu_check.Settings([], str(tmp_path), 1, 0, 0.01, 1, str(tmp_path / "r.md"), "command")
+    results = {
+        key: json.loads(json.dumps(getattr(gpu_check, f"{key}_part")(settings))) for key in NEW_CODE_KEYS
+    }
+    assert all(result["failures"] == [] for result in results.values())
+    async_save = results["async_save"]
+    assert async_save["files"] == ["rank-00000.safetensors"] and async_save["differ"] == []
+    assert [len(async_save[side]["stall_seconds"]) for side in ("new", "baseline")] == [3, 3]
+    lines = gpu_check.new_code_lines("command", 1, 0, results)
+    assert len(lines) == 2 + len(NEW_CODE_KEYS) and "micro-batch 2 x 32 tokens" in lines[0]
+    assert all(
+        " against " in line and "host syncs" in line and "not counted (no CUDA)" in line for line in lines[2:]
+    )
