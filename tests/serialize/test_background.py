@@ -251,6 +251,48 @@ def test_staging_buffers_are_reused_by_the_next_save():
     assert staging.bytes() == 48
 
 
+def test_staging_on_cuda_pins_exactly_its_slices_bytes_where_torchs_pinned_allocator_rounds_up(monkeypatch):
+    """A fake CUDA: `pin_memory=True` pins what torch 2.13's caching host allocator does (each request rounded
+    up to a power of two), cudaHostRegister what it is given. The staging must pin the bytes the host-memory
+    check counts (88 float32 + 10 bfloat16 here), not 128 + 16; an outgrown buffer is unlocked."""
+    locked = []
+    unlocked = []
+    zeros = torch.zeros
+
+    def caching_host_allocator(*size, pin_memory=False, **kwargs):
+        values = zeros(*size, **kwargs)
+        if pin_memory:
+            locked.append(1 << (values.nbytes - 1).bit_length())
+        return values
+
+    class FakeCudart:
+        def cudaHostRegister(self, pointer, nbytes, flags):
+            locked.append(nbytes)
+            return 0
+
+        def cudaHostUnregister(self, pointer):
+            unlocked.append(pointer)
+            return 0
+
+    monkeypatch.setattr(torch, "zeros", caching_host_allocator)
+    monkeypatch.setattr(torch.cuda, "cudart", FakeCudart)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    staging = Staging(pinned=True)
+    weights = torch.randn(3, 5)
+    slices = [
+        Slice("model/w", (3, 5), ((0, 0), (3, 5)), weights),
+        Slice("optimizer/m", (7,), ((0,), (7,)), torch.randn(7)),
+        Slice("model/b", (5,), ((0,), (5,)), torch.randn(5, dtype=torch.bfloat16)),
+    ]
+    staged = staging.stage(slices)
+    assert locked == [88, 10] and staging.bytes() == sum(piece.values.nbytes for piece in slices)
+    assert torch.equal(staged[0].values, weights)
+    outgrown = staging.buffers[torch.float32].data_ptr()
+    del staged  # views keep their buffer, locked, alive
+    staging.stage([*slices, Slice("model/v", (2,), ((0,), (2,)), torch.randn(2))])
+    assert locked[-1] == 96 and unlocked == [outgrown]
+
+
 def training_losses(run_dir):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in records if "loss" in r]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,25 @@ from femtotron.serialize import saving
 from femtotron.serialize.files import Slice
 from femtotron.store import Store
 from femtotron.train_state import TrainingParts
+
+
+def page_lock(buffer: torch.Tensor) -> None:
+    """Pin `buffer` at exactly its size, as torch.distributed.checkpoint's staging does (cudaHostRegister).
+    Not `pin_memory=True`: torch's pinned allocator rounds every request up to a power of two (torch 2.13:
+    include/ATen/core/CachingHostAllocator.h lines 300-312; no size exempt by default, as
+    c10/core/AllocatorConfig.h lines 361-363 set), which pins up to twice the bytes the host-memory
+    check counts."""
+    cudart = torch.cuda.cudart()
+    # 1: cudaHostRegisterPortable, pinned for every CUDA context, whichever device is current here
+    error = int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 1))
+    if error:
+        raise ConfigError(
+            f"checkpoints.async_save=true: the host could not page-lock {buffer.nbytes / 2**30:.2f} GiB of "
+            f"{buffer.dtype} staging buffer (cudaHostRegister: CUDA error {error}). Fix: set "
+            "checkpoints.async_save=false, or run fewer ranks per host"
+        )
+    # Unlocked before its memory is freed: a buffer outgrown by a larger save, or at exit.
+    weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
 
 
 class Staging:
@@ -52,7 +72,9 @@ class Staging:
         for dtype, count in needed.items():
             if dtype not in self.buffers or self.buffers[dtype].numel() < count:
                 # zeros: the pages are taken now (at `reserve`), not by the first save's copy
-                self.buffers[dtype] = torch.zeros(count, dtype=dtype, pin_memory=self.pinned)
+                self.buffers[dtype] = torch.zeros(count, dtype=dtype)
+                if self.pinned and count:
+                    page_lock(self.buffers[dtype])
         used = dict.fromkeys(needed, 0)
         staged = []
         for piece in slices:
