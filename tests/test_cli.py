@@ -1,13 +1,21 @@
 """The command line end to end, as a user runs it: separate processes, exit codes, printed text."""
 
+import argparse
 import gzip
 import json
+import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from distributed import free_port
+import torch
+from distributed import free_port, run_ranks
 from helpers import femtotron, torchrun
 from helpers import write_cli_config as write_config
+
+from femtotron import cli, trainer
+from femtotron.config.sections import RUN_DATE
+from femtotron.parallel import context
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -189,3 +197,30 @@ def test_a_run_or_model_directory_that_does_not_exist_exits_1(verb, tmp_path, ca
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert str(nope) in err and "Traceback" not in err
+
+
+def _flight_recorder_of(rank, config, dates):
+    """`femtotron train` under a launcher, up to the Trainer, on a machine with CUDA (its flight recorder
+    is NCCL's) whose ranks run on gloo; %date is this rank's own clock: `dates[rank]`."""
+    os.environ[RUN_DATE] = dates[rank]
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"):
+        os.environ.pop(name, None)
+    torch.cuda.is_available = lambda: True
+    context.ParallelContext._pick_device = lambda self: (torch.device("cpu"), ("", ""))
+    trainer.Trainer = lambda config, ctx: SimpleNamespace(train=lambda: None)  # cmd_train imports it there
+    overrides = ["parallelism.dp=2", "general.run=cli_%date"]
+    cli.cmd_train(argparse.Namespace(config=config, overrides=overrides, debug=False))
+    return os.environ["TORCH_FR_DUMP_TEMP_FILE"]
+
+
+@pytest.mark.distributed
+def test_every_rank_dumps_its_flight_recorder_into_the_agreed_run(tiny_dataset, tmp_path):
+    """Under torchrun or srun each rank reads its own clock for general.run's %date; rank 0's name is the
+    run's, and the flight recorder's folder is set only once it is agreed (torch reads it at its first dump):
+    no rank dumps into, or creates, a run directory of its own date."""
+    config = write_config(tmp_path / "cfg.yaml", tiny_dataset, None, tmp_path / "runs")
+    dates = ["20270101_000000", "20270101_000001"]
+    prefixes = run_ranks(_flight_recorder_of, 2, str(config), dates)
+    agreed = tmp_path / "runs" / f"cli_{dates[0]}"
+    assert prefixes == [str(agreed / "nccl_flight_recorder" / "rank_")] * 2
+    assert [path.name for path in (tmp_path / "runs").iterdir()] == [agreed.name]

@@ -148,6 +148,30 @@ def test_validation_loss_is_logged(tiny_config, tiny_dataset):
     assert [r["step"] for r in val] == [2, 4] and all(math.isfinite(r["val_loss"]) for r in val)
 
 
+def test_validation_counts_targets_on_the_host_as_training_does(tiny_config, tiny_dataset, monkeypatch):
+    """Counting a micro-batch already on a GPU reads the device (a host sync per micro-batch): batches
+    moved by `MicroBatch.to` are marked, and no count may read one."""
+    config = tiny_config("tokens.limit_val_batches=2", f"data.validation_folder={tiny_dataset}")
+    trainer = Trainer(config, ParallelContext(), log_to_console=False)
+    counted_on_device = []
+    move = MicroBatch.to
+    count = MicroBatch.counted_targets.fget
+
+    def marked_move(batch, device):
+        on_device = move(batch, device)
+        on_device.moved = True
+        return on_device
+
+    def probed_count(batch):
+        counted_on_device.append(getattr(batch, "moved", False))
+        return count(batch)
+
+    monkeypatch.setattr(MicroBatch, "to", marked_move)
+    monkeypatch.setattr(MicroBatch, "counted_targets", property(probed_count))
+    trainer.validate()
+    assert counted_on_device == [False, False]
+
+
 @pytest.mark.parametrize("stage", [4, 5])
 def test_zero_stages_past_3_are_refused_not_treated_as_3(tiny_config, stage):
     with pytest.raises(

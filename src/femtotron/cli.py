@@ -58,17 +58,18 @@ def cmd_train(args: argparse.Namespace) -> int | None:
         )
     import torch
 
-    from femtotron.diagnostics.watchdog import nccl_flight_recorder
+    from femtotron.diagnostics.watchdog import flight_recorder_folder, nccl_flight_recorder
     from femtotron.parallel.context import ParallelContext
 
-    if torch.cuda.is_available():
-        nccl_flight_recorder(config.run_dir)  # read when NCCL's process groups are created
+    recording = torch.cuda.is_available() and nccl_flight_recorder()  # before NCCL's process groups
     from femtotron.run_lock import held_by_rank_0
     from femtotron.trainer import Trainer
 
     with ParallelContext.from_config(config) as ctx:
         # Under torchrun or srun each rank read its own clock for %date: rank 0's name is the run's.
         config.general.run = decided_by_rank_0(ctx, "the run's name", lambda: config.general.run)
+        if recording:
+            flight_recorder_folder(config.run_dir)
         tokenized_by_rank_0(config, ctx.store, ctx.rank)  # ready already when a local launcher started us
         with held_by_rank_0(config.run_dir, ctx.store, ctx.rank, ctx.collective_timeout_seconds):
             Trainer(config, ctx).train()

@@ -369,11 +369,11 @@ class Trainer:
             dp_rank=ctx.dp_rank,
             dp_size=ctx.dp,
         ).step_at(0)
-        micro_batches: list[MicroBatch] = [
-            place_tokens(batch, ctx.cp, ctx.cp_rank, self.eos_id).to(ctx.device) for batch in batches
-        ]
+        on_host = [place_tokens(batch, ctx.cp, ctx.cp_rank, self.eos_id) for batch in batches]
+        # Counted on the host, as in training: on the device each count would be a host sync.
+        count = torch.tensor(float(sum(mb.counted_targets for mb in on_host)), device=ctx.device)
+        micro_batches: list[MicroBatch] = [mb.to(ctx.device) for mb in on_host]
         loss_sum = ctx.comm.all_reduce(self.pipeline.evaluate(micro_batches), ctx.pp_group)
-        count = torch.tensor(float(sum(mb.counted_targets for mb in micro_batches)), device=ctx.device)
         totals = ctx.comm.all_reduce(torch.stack([loss_sum, count]), ctx.dp_cp_group)
         ctx.comm.take_seconds()  # validation's collectives are not part of any training step
         val_loss = ctx.comm.read(totals[0] / totals[1], "validation loss")

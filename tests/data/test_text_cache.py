@@ -3,6 +3,7 @@ directory written by `datasets` itself, or text files; tokenized once into data.
 
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -10,13 +11,15 @@ from datasets import Dataset, DatasetDict
 from helpers import femtotron, write_yaml
 
 from femtotron.config import load_config_dict
+from femtotron.data import text_cache
 from femtotron.data.documents import iter_documents
 from femtotron.data.indexed import IndexedDataset
 from femtotron.data.preprocess import preprocess
 from femtotron.data.run_data import open_run_data
-from femtotron.data.text_cache import cached_prefix, tokenize_text_data, tokenizer_digest
+from femtotron.data.text_cache import cached_prefix, tokenize_text_data, tokenized_by_rank_0, tokenizer_digest
 from femtotron.errors import ConfigError, DataError
 from femtotron.parallel.context import ParallelContext
+from femtotron.store import Store
 from femtotron.trainer import Trainer
 
 
@@ -182,3 +185,46 @@ def test_train_tokenizes_before_its_ranks_start_and_they_read_the_copy(tmp_path,
     again = femtotron("train", path, "parallelism.dp=2", "general.run=again")
     assert again.returncode == 0, again.stderr
     assert "tokenized already" in again.stderr
+
+
+class RankZeroDone(Store):
+    """The store as a rank other than 0 finds it once rank 0 has tokenized: its word is "done"."""
+
+    def collect(self, keys, timeout, remove=False):
+        return dict.fromkeys(keys, "done")
+
+
+def _tokenized_but_hidden(tmp_path, tokenizer_path, texts):
+    """A config whose text rank 0 has tokenized, and its cached index as another node sees it: not yet."""
+    source = tmp_path / "book.txt"
+    source.write_text(" ".join(texts))
+    config = text_config(tmp_path, tokenizer_path, str(source))
+    tokenize_text_data(config)
+    prefix = cached_prefix(
+        str(source), "text", tokenizer_digest(str(tokenizer_path)), str(tmp_path / "cache")
+    )
+    os.rename(f"{prefix}.idx", tmp_path / "hidden.idx")
+    return config, f"{prefix}.idx"
+
+
+def test_another_node_reads_the_text_cache_once_its_shared_file_system_shows_it(
+    tmp_path, tokenizer_path, texts
+):
+    config, index = _tokenized_but_hidden(tmp_path, tokenizer_path, texts)
+    shown = threading.Timer(0.3, os.rename, (tmp_path / "hidden.idx", index))
+    shown.start()
+    tokenized_by_rank_0(config, RankZeroDone(), rank=1)
+    assert os.path.isfile(index)  # it returned once the index showed up, not before
+    shown.join()
+    assert open_run_data(config)[0].nanosets[0].prefixes == [index.removesuffix(".idx")]
+
+
+def test_a_text_cache_another_node_never_sees_is_named_with_the_fix(
+    tmp_path, tokenizer_path, texts, monkeypatch
+):
+    config, index = _tokenized_but_hidden(tmp_path, tokenizer_path, texts)
+    monkeypatch.setattr(text_cache, "VISIBLE_SECONDS", 0.2)
+    with pytest.raises(DataError, match=f"rank 1: {index} is not visible here 0.2 s after rank 0") as caught:
+        tokenized_by_rank_0(config, RankZeroDone(), rank=1)
+    assert "data.cache_dir to a directory every node shares" in str(caught.value)
+    assert "femtotron inspect-data CONFIG" in str(caught.value)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from distributed import free_port
 
-from femtotron.diagnostics.watchdog import Watchdog, nccl_flight_recorder
+from femtotron.diagnostics.watchdog import Watchdog, flight_recorder_folder, nccl_flight_recorder
 from femtotron.parallel.context import ParallelContext
 
 # One rank of a job, started the way torchrun or srun would. `how` breaks it: "skip-send" drops rank 0's
@@ -253,11 +253,13 @@ def test_the_nccl_flight_recorder_dumps_into_the_run_directory_unless_the_user_s
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE", raising=False)
-    nccl_flight_recorder(tmp_path / "run")
+    assert nccl_flight_recorder()
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    flight_recorder_folder(tmp_path / "run")
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "run" / "nccl_flight_recorder" / "rank_")
     assert (tmp_path / "run" / "nccl_flight_recorder").is_dir()
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")  # the user's own set-up stays
     monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "/elsewhere/trace_")
-    nccl_flight_recorder(tmp_path / "other")
-    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == "/elsewhere/trace_" and not (tmp_path / "other").exists()
+    assert not nccl_flight_recorder() and os.environ["TORCH_FR_BUFFER_SIZE"] == "64"
+    flight_recorder_folder(tmp_path / "other")
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == "/elsewhere/trace_"

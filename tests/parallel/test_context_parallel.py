@@ -30,6 +30,7 @@ from femtotron.diagnostics.doctor import ring_bytes
 from femtotron.diagnostics.start_report import cp_host_warnings
 from femtotron.errors import ConfigError
 from femtotron.mesh import Mesh
+from femtotron.parallel.comm import Comm, Group
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.context_parallel import (
     ContextParallel,
@@ -37,6 +38,7 @@ from femtotron.parallel.context_parallel import (
     _sources,
     documents_of,
     place_tokens,
+    ring_attention,
     zigzag_indices,
 )
 from femtotron.trainer import Trainer
@@ -533,3 +535,18 @@ def test_a_windowed_block_is_planned_on_the_host_so_doctor_s_meta_device_can_pla
     assert block.window.query_index.device == meta
     host = _block_of(0, 0, 16 // cp, None, window=3, cp_size=cp)
     assert torch.equal(host.window.query_index, zigzag_indices(16, cp, 0))
+
+
+@pytest.mark.parametrize("eos_id", [None, EOS])
+def test_ring_attention_with_a_window_reads_no_value_of_the_device(eos_id):
+    """Every read of a device value is a host sync on a GPU (4 per ring step per layer before the window's
+    bounds were host arithmetic). On the meta device any read raises: forward and backward of both ranks of a
+    cp = 2 ring (one process: a rank's own keys stand in for its neighbour's) run there whole."""
+    tokens = torch.randint(1, 9, (1, 17), generator=torch.Generator().manual_seed(0))
+    tokens[0, ::3] = EOS
+    for rank in range(2):
+        ring = ContextParallel(Comm(), Group("cp", (0, 1)), rank)
+        placement = place_tokens(MicroBatch.from_tokens(tokens), 2, rank, eos_id).placement.to("meta")
+        q, k, v = (torch.empty(1, heads, 8, 8, device="meta", requires_grad=True) for heads in (4, 2, 2))
+        ring_attention(q, k, v, placement, ring, window=3).sum().backward()
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape

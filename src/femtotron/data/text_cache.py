@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 from collections.abc import Iterator
 
 from femtotron.config import Config
@@ -33,6 +34,9 @@ BYTES_PER_WORKER = 64 * 2**20
 # No time limit for rank 0's word: tokenizing a corpus takes as long as it takes, and if rank 0 dies its
 # store (or torchrun, which stops every rank when one fails) ends the wait.
 WAIT_FOREVER = 10 * 365 * 24 * 3600.0
+# How long another node may take to see rank 0's new files on a shared file system: NFS caches what a
+# directory holds for up to acdirmax, 60 s by default.
+VISIBLE_SECONDS = 60.0
 
 
 def cache_dir(config: Config) -> str:
@@ -163,3 +167,23 @@ def tokenized_by_rank_0(config: Config, store: Store, rank: int) -> None:
     word = store.collect([key], WAIT_FOREVER).get(key, "error:rank 0 gave no word on the text data")
     if word != "done":
         raise DataError(f"rank 0 could not tokenize the text data: {word.removeprefix('error:')}")
+    directory = cache_dir(config)
+    digest = tokenizer_digest(config.tokenizer.tokenizer_name_or_path)
+    for _, source in _sources(config):
+        for path in _text_paths(source):
+            prefix = cached_prefix(path, source.text_column, digest, directory)
+            _wait_until_visible([f"{prefix}.bin", f"{prefix}.idx"], rank, VISIBLE_SECONDS)
+
+
+def _wait_until_visible(files: list[str], rank: int, seconds: float) -> None:
+    """Return once every one of rank 0's new `files` is seen here: on a shared file system another node
+    may see them a while later. Not within `seconds`: an error naming the first missing and the fix."""
+    deadline = time.monotonic() + seconds
+    while missing := [file for file in files if not os.path.isfile(file)]:
+        if time.monotonic() > deadline:
+            raise DataError(
+                f"rank {rank}: {missing[0]} is not visible here {seconds:g} s after rank 0 tokenized into "
+                "it. Set data.cache_dir to a directory every node shares, or tokenize before the job starts "
+                "(`femtotron inspect-data CONFIG` on one node)."
+            )
+        time.sleep(0.5)

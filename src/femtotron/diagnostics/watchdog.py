@@ -46,16 +46,24 @@ EXIT_CODE = 4  # a distributed error, as DistributedError
 DUMP_SECONDS = 10.0
 
 
-def nccl_flight_recorder(run_dir: Path) -> None:
-    """Turn on PyTorch's NCCL flight recorder (a ring buffer of each rank's last collectives, dumped to
-    `<run dir>/nccl_flight_recorder/rank_<n>` when NCCL times one out) unless the user set it up; must run
-    before the process group exists. `python -m torch.distributed.flight_recorder.fr_trace DIR` reads them."""
+def nccl_flight_recorder() -> bool:
+    """Turn on PyTorch's NCCL flight recorder (a ring buffer of each rank's last collectives) unless the user
+    set it up (False then); must run before the process group exists: creating it reads these."""
+    if "TORCH_FR_BUFFER_SIZE" in os.environ or "TORCH_NCCL_TRACE_BUFFER_SIZE" in os.environ:
+        return False
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    return True
+
+
+def flight_recorder_folder(run_dir: Path) -> None:
+    """Where the flight recorder is dumped when NCCL times a collective out, `<run dir>/nccl_flight_recorder/
+    rank_<n>`, unless the user chose. Set once the ranks agree on the run's name (%date is each rank's own
+    clock): torch reads it at its first dump, the watchdog when it starts. `python -m
+    torch.distributed.flight_recorder.fr_trace DIR` reads the dumps."""
     folder = run_dir / "nccl_flight_recorder"
-    if "TORCH_FR_BUFFER_SIZE" not in os.environ and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
-        folder.mkdir(parents=True, exist_ok=True)
-        os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
-        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(folder / "rank_"))
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(folder / "rank_"))
 
 
 class Watchdog:
