@@ -42,6 +42,8 @@ from femtotron.parallel.comm import Comm
 from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.context_parallel import place_tokens
 from femtotron.precision import emulated_low_precision, grouped_linear, grouped_mm_on_gpu
+from femtotron.serialize.background import Staging
+from femtotron.serialize.files import Slice
 from femtotron.trainer import Trainer
 
 pytestmark = pytest.mark.cuda
@@ -138,6 +140,33 @@ def test_document_masking_on_cuda_equals_the_cpu_kernel(fp32_without_tf32):
     (cpu_loss, cpu_grads), (gpu_loss, gpu_grads) = results
     assert abs(gpu_loss - cpu_loss) <= 1e-5 * abs(cpu_loss)
     assert (gpu_grads - cpu_grads).norm() <= 1e-4 * cpu_grads.norm()
+
+
+@pytest.mark.parametrize("queries", [16, 1], ids=["whole sequence", "one position against a cache"])
+def test_a_sliding_window_on_cuda_is_flash_attentions_own_and_equals_the_cpu_kernel(queries):
+    """At cp = 1 in bf16 the window is FlashAttention-2's (window_size_left), forward and backward, on 2 K/V
+    heads for 8 query heads as they are: no mask, no memory-efficient kernel. Against the CPU's masked kernel
+    in fp32 on the same bf16 values: the kernel rounds its probabilities and output to bf16 (2 roundings of
+    the output), its backward each product's operands (within 8 roundings of each gradient, by norm)."""
+    from femtotron.attention import causal_attention
+
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 8, queries, 64, generator=generator).bfloat16()
+    k, v = (torch.randn(2, 2, 16, 64, generator=generator).bfloat16() for _ in range(2))
+    grad = torch.randn(2, 8, queries, 64, generator=generator).bfloat16()
+    results = []
+    for device, dtype in ((torch.device("cpu"), torch.float32), (CUDA, torch.bfloat16)):
+        inputs = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+        with Ops() as ops:
+            out = causal_attention(*inputs, causal=queries > 1, window=5)
+            out.backward(grad.to(device, dtype))
+        results.append([t.float().cpu() for t in (out, *(t.grad for t in inputs))])
+    assert {"_flash_attention_forward", "_flash_attention_backward"} <= ops.inputs.keys(), ops.inputs.keys()
+    assert not any("efficient" in name or "repeat" in name for name in ops.inputs), ops.inputs.keys()
+    (exact_out, *exact_grads), (out, *grads) = results
+    assert (out - exact_out).norm() <= 2 * BF16_ROUNDOFF * exact_out.norm()
+    for got, exact in zip(grads, exact_grads, strict=True):
+        assert (got - exact).norm() <= 8 * BF16_ROUNDOFF * exact.norm()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -558,3 +587,21 @@ def test_an_async_save_stages_in_pinned_memory_and_writes_the_synchronous_files(
         step = config.run_dir / "checkpoints" / f"step-{config.tokens.train_steps:07d}"
         written[mode] = {f.name: f.read_bytes() for f in step.iterdir() if f.suffix == ".safetensors"}
     assert written["true"] == written["false"] and written["true"]
+
+
+def test_async_save_staging_page_locks_exactly_its_slices_bytes_outside_torchs_pinned_allocator():
+    """The staging registers pageable memory of exactly its slices' bytes (cudaHostRegister): torch's pinned
+    allocator, which rounds every request up to a power of two, takes none of it; the copies land."""
+    slices = [
+        Slice("model/w", (3, 5), ((0, 0), (3, 5)), torch.randn(3, 5, device=CUDA)),
+        Slice("model/b", (5,), ((0,), (5,)), torch.randn(5, device=CUDA, dtype=torch.bfloat16)),
+    ]
+    pinned_before = torch.cuda.host_memory_stats()["allocated_bytes.allocated"]
+    staging = Staging(pinned=True)
+    staged = staging.stage(slices)
+    assert torch.cuda.host_memory_stats()["allocated_bytes.allocated"] == pinned_before
+    assert staging.bytes() == 3 * 5 * 4 + 5 * 2
+    assert all(buffer.is_pinned() for buffer in staging.buffers.values())
+    assert all(
+        torch.equal(copy.values, piece.values.cpu()) for copy, piece in zip(staged, slices, strict=True)
+    )

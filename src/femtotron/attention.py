@@ -2,14 +2,15 @@
 with its log-sum-exp, which the context-parallel ring and document masking merge block by block.
 
 Each device gets the kernel that is fastest and exact there: the CPU's flash kernel, CUDA's flash kernel
-for blocks without a mask, CUDA's memory-efficient kernel (the mask as an additive bias) for masked ones,
-and written-out scores (taken a chunk of rows at a time, to bound memory) where no fused kernel applies.
+for blocks without a mask (whole sequences with a sliding window too: it applies the window itself),
+CUDA's memory-efficient kernel (the mask as an additive bias) for masked ones, and written-out scores
+(taken a chunk of rows at a time, to bound memory) where no fused kernel applies.
 What precision attention computes in is precision.py's policy (`attention_dtype`), not decided here.
 """
 
 from __future__ import annotations
 
-import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,8 @@ from femtotron.precision import attention_dtype, on_this_cpu
 # The CPU's flash-attention kernels, which also return (and take) the log-sum-exp.
 _CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+# CUDA's FlashAttention-2 with its sliding window (torch 2.13), on (batch, sequence, heads, head_dim) tensors.
+_FLASH_WINDOW = torch.ops.aten._flash_attention_forward
 
 
 def causal_attention(
@@ -35,13 +38,32 @@ def causal_attention(
 def _causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int | None
 ) -> torch.Tensor:
-    # Memory estimates: keep what a fused kernel keeps (output, log-sum-exp), as on GPUs and CPUs.
-    if q.is_meta:
-        return _CPU_FLASH(q, k, v, 0.0, True)[0]
     keys = k.shape[-2]
-    mask = None
-    if window is not None and keys > window:  # the window hides some key from some query
-        mask = _window_mask(q.shape[-2], keys, window, q.device)
+    windowed = window is not None and keys > window  # the window hides some key from some query
+    if windowed and _kernel_of(q, masked=False) == "flash":
+        # FlashAttention-2's own window, aligned to the last key as the queries are: no mask, the blocks
+        # outside every window skipped, the K/V heads as they are; autograd gives its backward the window.
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # its layout: (batch, sequence, heads, head_dim)
+        out = _FLASH_WINDOW(
+            query=q,
+            key=k,
+            value=v,
+            cum_seq_q=None,  # dense inputs: no cumulative lengths
+            cum_seq_k=None,
+            max_q=q.shape[1],
+            max_k=keys,
+            dropout_p=0.0,
+            is_causal=True,
+            return_debug_mask=False,
+            window_size_left=window - 1,
+            window_size_right=0,
+        )[0]
+        return out.transpose(1, 2)
+    mask = _window_mask(q.shape[-2], keys, window, q) if windowed else None
+    causal = causal and mask is None  # the window's mask holds the causal one
+    # Memory estimates: keep what a fused kernel keeps (output, log-sum-exp, the window's mask), as on CPUs.
+    if q.is_meta:
+        return _CPU_FLASH(q, k, v, 0.0, causal, attn_mask=mask)[0]
     groups = q.shape[1] // k.shape[1]
     capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
     takes_groups = fused_kernel_takes_kv_groups(q.device.type, q.dtype, capability) and (
@@ -50,19 +72,32 @@ def _causal_attention(
     if groups > 1 and not takes_groups:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    causal = causal and mask is None  # the window's mask holds the causal one
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
     )
 
 
-@functools.lru_cache(maxsize=4)
-def _window_mask(queries: int, keys: int, window: int, device: torch.device) -> torch.Tensor:
-    """Which of `keys` keys each of the last `queries` positions sees under the window (queries x keys
-    bools): one tensor for all the layers of a forward, which autograd then keeps once, not once per layer."""
-    query_index = torch.arange(keys - queries, keys, device=device)[:, None]
-    distance = query_index - torch.arange(keys, device=device)
-    return (distance >= 0) & (distance < window)
+# The window's additive masks, each while some autograd graph holds it: every layer of a forward attends
+# with the one tensor, in the dtype SDPA takes as it is, so that its backward keeps it once, not per layer
+# (a boolean mask is converted to a new tensor at every call).
+_WINDOW_MASKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _window_mask(queries: int, keys: int, window: int, q: torch.Tensor) -> torch.Tensor:
+    """0 where each of the last `queries` of `keys` positions sees a key under the window, -inf elsewhere
+    (queries x keys, in q's dtype and on its device)."""
+    cached = (queries, keys, window, q.device, q.dtype)
+    # Weak references are not traced: compiled, the graph computes the mask once for all the layers.
+    compiling = torch.compiler.is_compiling()
+    mask = None if compiling else _WINDOW_MASKS.get(cached)
+    if mask is None:
+        positions = torch.arange(keys - queries, keys, device=q.device)  # the queries': the keys' last
+        distance = positions[:, None] - torch.arange(keys, device=q.device)
+        visible = (distance >= 0) & (distance < window)
+        mask = _additive(visible, q.dtype)
+        if not compiling:
+            _WINDOW_MASKS[cached] = mask
+    return mask
 
 
 # CUDA's fused kernels (torch 2.13), which also return the log-sum-exp, and whose backward takes it: flash
