@@ -156,6 +156,7 @@ def _build(
         experts=experts if ep.size > 1 else None,
         device=device,
         orthogonalised=[muon and orthogonalised(n, p) for n, p in named],
+        reduce_every_micro_batch=config.optimizer.reduce_every_micro_batch,
     )
     deferred = defer_weight_gradients(chunks) if par.engine.splits_backward else None
     gathering = None

@@ -99,11 +99,12 @@ def test_a_zero_stage_past_3_is_refused_with_its_line_not_treated_as_3(tmp_path)
     assert "Fix: zero_stage=3" in error
 
 
-def test_keeping_parameters_for_backward_without_zero3_is_refused_as_changing_nothing(tmp_path):
-    yaml_text = GOOD + "optimizer:\n  zero_stage: 2\n  reshard_after_forward: false\n"
-    error = find(errors(tmp_path, yaml_text), "optimizer.reshard_after_forward")
+@pytest.mark.parametrize("setting", ["reshard_after_forward", "reduce_every_micro_batch"])
+def test_a_zero3_setting_without_zero3_is_refused_as_changing_nothing(tmp_path, setting):
+    yaml_text = GOOD + f"optimizer:\n  zero_stage: 2\n  {setting}: false\n"
+    error = find(errors(tmp_path, yaml_text), f"optimizer.{setting}")
     assert "zero_stage=2 does not shard the parameters, so it would change nothing" in error
-    assert "Fix: remove optimizer.reshard_after_forward, or set optimizer.zero_stage=3" in error
+    assert f"Fix: remove optimizer.{setting}, or set optimizer.zero_stage=3" in error
 
 
 def test_unknown_key_did_you_mean_without_noise(tmp_path):

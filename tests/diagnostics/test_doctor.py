@@ -116,6 +116,24 @@ def test_doctor_fits_the_8b_zero3_example_on_one_node_where_zero1_barely_fits(ca
     assert "fits: the largest rank needs 40.53 GiB of 79.1 GiB (51%)" in out
 
 
+def test_doctor_prints_the_bytes_and_memory_of_reducing_zero3_s_gradients_once_per_step(capsys):
+    """The 8B ZeRO-3 example has 16 micro-batches per step: reduced after each (the default) the gradients
+    cross dp 16 times, reduced once per step once (418.81 / 16 = 26.18 GiB), with every unit's whole fp32
+    gradients held through the step (62.62 GiB per rank instead of 40.53). Either way doctor names the
+    other."""
+    assert main(["doctor", "examples/llama_8b_zero3_gpu.yaml", "--device", "H100"]) == 0
+    out = capsys.readouterr().out
+    assert "dp: all-gather 418.81 GiB + reduce-scatter 418.81 GiB per step" in out
+    assert "with optimizer.reduce_every_micro_batch=false: reduce-scatter 26.18 GiB per step" in out
+    assert "with optimizer.reduce_every_micro_batch=false: 62.62 GiB per rank (fits)" in out
+    once = ["doctor", "examples/llama_8b_zero3_gpu.yaml", "--device", "H100"]
+    assert main([*once, "optimizer.reduce_every_micro_batch=false"]) == 0
+    out = capsys.readouterr().out
+    assert "dp: all-gather 418.81 GiB + reduce-scatter 26.18 GiB per step" in out
+    assert "fits: the largest rank needs 62.62 GiB" in out
+    assert "with optimizer.reduce_every_micro_batch=true: 40.53 GiB per rank (fits)" in out
+
+
 def test_doctor_counts_the_host_memory_of_async_checkpoints(capsys):
     """The staging buffers hold the rank's part of a checkpoint: its 1/8 of the 8B model's bf16 weights, fp32
     master weights and Adam moments, 1.87 + 3.74 + 7.48 GiB."""

@@ -98,6 +98,21 @@ def test_M1_the_estimate_is_within_10_percent_of_the_measured_peak(tiny_config, 
         assert estimated == pytest.approx(measured, rel=0.10), (layout, measured, estimated)
 
 
+def test_M1_with_a_sliding_window_the_estimate_counts_the_one_mask_all_layers_share(tiny_config):
+    """Sequence 2048, window 256, 4 layers: on the CPU each layer attends with the one (2048 x 2048) fp32
+    mask, 16 MiB that the model's forward keeps until its backward, as large as all its other activations;
+    were it counted per layer, or not at all, the estimate would be off by half the peak."""
+    config = tiny_config(
+        *BASE,
+        "tokens.sequence_length=2048",
+        "model.model_config.max_position_embeddings=2048",
+        "model.model_config.sliding_window=256",
+        "tokens.micro_batch_size=1",
+    )
+    measured, estimated = measured_and_estimated(0, config)
+    assert estimated == pytest.approx(measured, rel=0.10), (measured, estimated)
+
+
 def test_M1_on_gpus_the_estimate_adds_each_nccl_communicator_the_rank_belongs_to(tiny_config):
     """tp=2 pp=4: every rank has a tp group, a pp group and the default group; the first and last stage share
     the tied embedding in one more; and 4 one-way links, to and from each neighbouring stage (the last and
@@ -159,6 +174,7 @@ ZERO_LAYOUTS = {
     "ZeRO-3": ("optimizer.zero_stage=3",),
     "ZeRO-3 kept for backward": ("optimizer.zero_stage=3", "optimizer.reshard_after_forward=false"),
     "ZeRO-3 zb-h1": ("optimizer.zero_stage=3", "parallelism.pp_engine=zb-h1"),
+    "ZeRO-3 reduced once per step": ("optimizer.zero_stage=3", "optimizer.reduce_every_micro_batch=false"),
 }
 
 
@@ -167,7 +183,8 @@ def test_M1_under_zero_2_and_3_the_estimate_counts_the_whole_gradients_and_gathe
     """dp=2, two micro-batches: the estimate within 10% of the measured peak, and its working memory (whole
     gradients and gathered parameters, `RankEstimate.working`) at least what the step held of them at once.
     Under zb-h1 every layer's whole gradients are held from its B (its norms' gradients open its bucket) to
-    its W, so all of them at once: an estimate counting only the largest layer's falls below. The tiny
+    its W, so all of them at once: an estimate counting only the largest layer's falls below; reduced once
+    per step, every unit's whole gradients are held through the step, as ZeRO-2's. The tiny
     vocabulary keeps the layers most of the model, and of that memory."""
     configs = [
         tiny_config(

@@ -30,6 +30,7 @@ from femtotron.parallel.fully_sharded import ParameterGathering
 from femtotron.trainer import Trainer
 
 SMALL_BUCKETS = "parallelism.dp_bucket_size_mb=0.02"  # ~5k fp32 elements: the tiny model gets many buckets
+ONCE_PER_STEP = "optimizer.reduce_every_micro_batch=false"  # ZeRO-3 reduces after the last micro-batch only
 
 
 def test_buckets_keep_to_their_group_align_every_parameter_and_split_evenly_over_dp():
@@ -150,14 +151,14 @@ def train_and_record(config, ctx):
 def _dp_cases(rank, configs):
     ctx = ParallelContext(dp=2, collective_timeout_seconds=60)
     out = []
-    for config, (_, _, native) in zip(configs, CASES, strict=True):
+    for config, (_, _, native, *_) in zip(configs, CASES, strict=True):
         with precision_path(native):
             out.append(train_and_record(config, ctx))
     ctx.close()
     return out
 
 
-# (dtype, zero_stage, bf16 path: native, upcast, or None for fp32)
+# (dtype, zero_stage, bf16 path: native, upcast, or None for fp32[, more overrides])
 CASES = [
     ("float32", 0, None),
     ("float32", 1, None),
@@ -171,8 +172,12 @@ CASES = [
     ("float32", 3, None),
     ("bfloat16", 3, True),
     ("bfloat16", 3, False),
+    ("float32", 3, None, ONCE_PER_STEP),
 ]
-IDS = [f"{d}-zero{z}" + {None: "", True: "-native", False: "-upcast"}[n] for d, z, n in CASES]
+IDS = [
+    f"{d}-zero{z}" + {None: "", True: "-native", False: "-upcast"}[n] + ("-once" if more else "")
+    for d, z, n, *more in CASES
+]
 
 
 @pytest.fixture(scope="module")
@@ -182,16 +187,16 @@ def dp_results(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp")
     tiny_config = tiny_config_maker(root / "runs", write_patterned_tokens(root / "patterned"))
     references = []
-    for dtype, zero, native in CASES:
+    for dtype, zero, native, *more in CASES:
         with precision_path(native):
-            reference = train_and_record(case(tiny_config, dtype, zero, native, dp=1), ParallelContext())
+            reference = train_and_record(case(tiny_config, dtype, zero, native, 1, *more), ParallelContext())
         exact = (
             None
             if native is None
-            else train_and_record(case(tiny_config, "float32", zero, native, dp=1), ParallelContext())
+            else train_and_record(case(tiny_config, "float32", zero, native, 1, *more), ParallelContext())
         )
         references.append((reference, exact))
-    configs = [case(tiny_config, dtype, zero, native) for dtype, zero, native in CASES]
+    configs = [case(tiny_config, dtype, zero, native, 2, *more) for dtype, zero, native, *more in CASES]
     return configs, references, run_ranks(_dp_cases, 2, configs, timeout=300)
 
 
@@ -222,11 +227,12 @@ def test_dp2_equals_one_process_over_three_steps_with_clipping(dp_results, index
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_buckets_are_reduced_during_the_last_micro_batch_backward_only(dp_results, index):
     """ZeRO-0 to 2: once per step, in the last micro-batch's backward. ZeRO-3: as each unit's backward ends,
-    in every micro-batch (the embedding's bucket once, after the step's backward)."""
+    in every micro-batch (the embedding's bucket once, after the step's backward); with
+    reduce_every_micro_batch false, in the last micro-batch's only, as ZeRO-0 to 2."""
     got = dp_results[2][0][index]
     per_micro_batch = got["parameters"]  # every parameter gets one gradient per micro-batch
     micro_batches = 2
-    if CASES[index][1] == 3:
+    if CASES[index][1] == 3 and len(CASES[index]) == 3:
         embedding = len(got["units"][0][0].buckets)
         assert len(got["launches"]) == micro_batches * (len(got["buckets"]) - embedding) + embedding
         assert min(got["launches"]) < per_micro_batch  # the first ones during the first micro-batch
@@ -244,11 +250,11 @@ def test_dp_bytes_per_step_equal_the_analytic_count(dp_results, index):
     """zero_stage 0: one all-reduce of the fp32 gradients per bucket. zero_stage 1 and 2: a reduce-scatter of
     them and an all-gather of the model-dtype parameters per bucket. zero_stage 3: each unit's buckets
     reduce-scattered as its backward ends and all-gathered before its forward and again before its backward,
-    in each micro-batch (the embedding's: gathered for forward only, reduced once per step). Besides: the
-    step's token count, largest token id and loss (one fp32 number each), and when sharded the grad norm's
-    sum of squares."""
+    in each micro-batch (the embedding's: gathered for forward only, reduced once per step; every bucket
+    reduced once per step with reduce_every_micro_batch false). Besides: the step's token count, largest
+    token id and loss (one fp32 number each), and when sharded the grad norm's sum of squares."""
     configs, _, per_rank = dp_results
-    dtype, zero, _ = CASES[index]
+    dtype, zero, _, *more = CASES[index]
     got = per_rank[0][index]
     n = 2
     micro_batches = 2
@@ -271,7 +277,7 @@ def test_dp_bytes_per_step_equal_the_analytic_count(dp_results, index):
         gathers = micro_batches * sum(times for _, times in uses)
     scattered = elements
     scatters = len(buckets)
-    if zero == 3:  # a unit's buckets in each micro-batch, the embedding's once
+    if zero == 3 and not more:  # a unit's buckets in each micro-batch, the embedding's once
         embedding = got["units"][0][0].buckets
         once = sum(buckets[b].end - buckets[b].start for b in embedding)
         scattered = micro_batches * (elements - once) + once

@@ -457,19 +457,28 @@ def zero_stage_implemented(cfg: ConfigFields) -> Problem | None:
     )
 
 
-def reshard_after_forward_needs_zero3(cfg: ConfigFields) -> Problem | None:
+# ZeRO-3's own settings, each with what its value false does: below stage 3 it would change nothing.
+ZERO3_SETTINGS = {
+    "reshard_after_forward": "keeps ZeRO-3's gathered parameters from forward to backward",
+    "reduce_every_micro_batch": "reduces ZeRO-3's gradients once per step, not after each micro-batch",
+}
+
+
+def zero3_settings_need_zero3(cfg: ConfigFields) -> Problem | None:
     optimizer = cfg.optimizer
-    if optimizer.reshard_after_forward:
+    changed = [key for key in ZERO3_SETTINGS if not getattr(optimizer, key)]
+    if not changed:
         return None
     # Every rule runs, this one too on a stage ZeRO does not have: that has no record (zero_stage_implemented
     # says so) and shards nothing.
     if zero_stage_implemented(cfg) is None and optimizer.zero.shards_parameters:
         return None
+    key = changed[0]
     return Problem(
-        ("optimizer.reshard_after_forward", "optimizer.zero_stage"),
-        f"reshard_after_forward=false keeps ZeRO-3's gathered parameters from forward to backward, but "
-        f"zero_stage={optimizer.zero_stage} does not shard the parameters, so it would change nothing. "
-        "Fix: remove optimizer.reshard_after_forward, or set optimizer.zero_stage=3.",
+        (f"optimizer.{key}", "optimizer.zero_stage"),
+        f"{key}=false {ZERO3_SETTINGS[key]}, but zero_stage={optimizer.zero_stage} does not shard the "
+        f"parameters, so it would change nothing. Fix: remove optimizer.{key}, or set "
+        "optimizer.zero_stage=3.",
     )
 
 
@@ -610,7 +619,7 @@ RULES: list[Callable[[ConfigFields], Problem | None]] = [
     sequence_fits_the_positions,
     sequence_splits_over_cp_and_tp,
     zero_stage_implemented,
-    reshard_after_forward_needs_zero3,
+    zero3_settings_need_zero3,
     muon_settings_need_muon,
     loss_scale_range,
     decay_ends_below_the_peak,

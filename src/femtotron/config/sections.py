@@ -391,6 +391,10 @@ class OptimizerArgs(_Section):
     # ZeRO-3: free a unit's gathered parameters after its forward and gather them again for its backward
     # (false: keep them until its backward; less communication, more memory; FSDP's knob of the same name)
     reshard_after_forward: bool = True
+    # ZeRO-3: reduce-scatter a unit's gradients as its backward ends in every micro-batch (whole gradients
+    # never outlive a unit's backward); false: only after the step's last micro-batch, one reduction per step
+    # as ZeRO-2's (less traffic under accumulation or pp > 1; every unit's whole gradients kept meanwhile)
+    reduce_every_micro_batch: bool = True
     weight_decay: NonNegativeFloat = 0.01
     # None: the matrices are decayed, norm scales not. A list (nanotron's rule): every parameter is decayed
     # except those whose name a pattern matches from its start (re.match), e.g. ["embed_tokens", ".*norm"];

@@ -86,6 +86,11 @@ def variants(config: Config, budget: float, on_cpu: bool) -> list[str]:
                 continue
             changed = with_changes(config, {"optimizer.zero_stage": other.number})
             toggles.append((f"optimizer.zero_stage={other.number}", changed))
+    optimizer = config.optimizer
+    if optimizer.zero.shards_parameters and config.tokens.batch_accumulation_per_replica > 1:
+        once = not optimizer.reduce_every_micro_batch
+        changed = with_changes(config, {"optimizer.reduce_every_micro_batch": once})
+        toggles.append((f"optimizer.reduce_every_micro_batch={str(once).lower()}", changed))
     recompute = not par.recompute_layer
     recomputed = with_changes(config, {"parallelism.recompute_layer": recompute})
     toggles.append((f"parallelism.recompute_layer={str(recompute).lower()}", recomputed))
@@ -122,10 +127,17 @@ def communication(config: Config, elements: int, device: str | None, gpus_per_no
         params = fraction * elements * size
         share = (ranks - 1) / ranks  # what a ring sends of the whole
         if zero.shards_parameters:  # per micro-batch: each unit gathered twice (the embedding once)
+            reductions = micro if config.optimizer.reduce_every_micro_batch else 1
             lines.append(
                 f"  {name}: all-gather {human(2 * micro * share * params)} + reduce-scatter "
-                f"{human(micro * share * grads)} per step (at most; each unit in each micro-batch)"
+                f"{human(reductions * share * grads)} per step (at most; each unit in each micro-batch)"
             )
+            if reductions > 1:
+                once = human(share * grads)
+                lines.append(
+                    f"    with optimizer.reduce_every_micro_batch=false: reduce-scatter {once} per step, "
+                    "every unit's whole gradients kept through the step (memory below)"
+                )
         elif zero.shards_optimizer:
             gathered = human(share * params)
             lines.append(f"  {name}: reduce-scatter {human(share * grads)} + all-gather {gathered} per step")

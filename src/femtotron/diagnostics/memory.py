@@ -282,8 +282,11 @@ def working_set_bytes(model: RankModel, split_backward: bool = False) -> int:
     being filled and reduced (under accumulation all of them, kept from the first micro-batch's backward
     to the last's). ZeRO-3: the gathered parameters (parallel/fully_sharded.py's working set) and the
     whole gradients of the largest unit (with the backward split, zb-h1: of every unit, each reduced only
-    once its W has run), of the embedding (reduced once per step) and of the reductions in flight."""
-    state = model.data_parallel.state
+    once its W has run), of the embedding (reduced once per step) and of the reductions in flight; reducing
+    once per step under accumulation (optimizer.reduce_every_micro_batch false), every unit's whole gradients
+    as ZeRO-2's, with the gathered parameters."""
+    data_parallel = model.data_parallel
+    state = data_parallel.state
     if not state.zero.shards_gradients:
         return 0
     grad_bytes = state.grad_dtype.itemsize
@@ -292,15 +295,17 @@ def working_set_bytes(model: RankModel, split_backward: bool = False) -> int:
     gathering = model.gathering
     if gathering is None:
         filling = max(bucket.end - bucket.start for bucket in buckets)
-        whole = state.layout.size if model.data_parallel.micro_batches > 1 else filling + in_flight
+        whole = state.layout.size if data_parallel.micro_batches > 1 else filling + in_flight
         return grad_bytes * whole
+    params = gathering.working_set() * state.param_dtype.itemsize
+    if not data_parallel.reduce_every_micro_batch and data_parallel.micro_batches > 1:
+        return grad_bytes * state.layout.size + params
     units = [unit for chunk in gathering.units for unit in chunk]
     sizes = [gathering.elements(unit.buckets) for unit in units if unit.needed_in_backward]
     largest = sum(sizes) if split_backward else max(sizes)
     once_per_step = gathering.elements(
         b for unit in units if not unit.needed_in_backward for b in unit.buckets
     )
-    params = gathering.working_set() * state.param_dtype.itemsize
     return grad_bytes * (largest + once_per_step + in_flight) + params
 
 

@@ -14,8 +14,9 @@ bucket's whole gradients stay through the step's micro-batches (one reduce-scatt
 rather than one per micro-batch), and are freed as the last micro-batch's backward reduces them.
 
 ZeRO-3's buckets are planned so that none spans two of its units, and a unit's buckets are reduce-scattered
-as its backward ends, in every micro-batch (`reduce_micro_batch`, called by parallel/fully_sharded.py), not
-once per step.
+as its backward ends (`reduce_micro_batch`, called by parallel/fully_sharded.py): in every micro-batch, so
+whole gradients never outlive a unit's backward, or (optimizer.reduce_every_micro_batch false) only in the
+step's last, one reduction per step as ZeRO-2's, every unit's whole gradients kept until then.
 """
 
 from __future__ import annotations
@@ -45,14 +46,20 @@ class DataParallel:
         comm: Comm,
         *,
         micro_batches: int,
+        reduce_every_micro_batch: bool = True,
     ) -> None:
         """Hooks every parameter of `params` (laid out by `layout`, held by `state`): a step has
-        `micro_batches` backward passes, and a bucket is reduced after its last."""
+        `micro_batches` backward passes, and a bucket is reduced after its last (ZeRO-3: after each, unless
+        `reduce_every_micro_batch` is off)."""
         self.layout = layout
         self.state = state
         self.comm = comm
         self.zero = state.zero
         self.micro_batches = micro_batches
+        self.reduce_every_micro_batch = reduce_every_micro_batch
+        # ZeRO-3: the backward passes each bucket's unit has finished this step. Every replica runs every
+        # unit's backward in every micro-batch, so all count alike, whichever parameters got a gradient.
+        self.unit_backwards = [0] * len(layout.buckets)
         self.arrivals = [0] * len(params)  # gradients received this step, per parameter
         self.complete = [0] * len(layout.buckets)  # parameters of the bucket with all their gradients in
         self.pending: dict[int, object] = {}  # bucket -> its reduction in flight
@@ -77,6 +84,7 @@ class DataParallel:
         experts: Replicas | None = None,
         device: torch.device | None = None,
         orthogonalised: list[bool] | None = None,
+        reduce_every_micro_batch: bool = True,
     ) -> DataParallel:
         """The three rooms of one rank's model state, built in order: the layout, the state, its reduction.
 
@@ -93,6 +101,8 @@ class DataParallel:
             experts: the replicas of the expert parameters (None: the dense ones).
             device: where the state lives (default: the parameters' device).
             orthogonalised: per parameter, whether Muon steps it (for the memory counts).
+            reduce_every_micro_batch: ZeRO-3 reduces a unit's gradients after each micro-batch's backward,
+                or (False) after the last one's only (optimizer.reduce_every_micro_batch).
         """
         layout = FlatLayout(
             named_params,
@@ -105,7 +115,14 @@ class DataParallel:
         )
         params = [param for _, param in named_params]
         state = ModelState(layout, params, comm, zero=zero, grad_dtype=grad_dtype, device=device)
-        return cls(layout, state, params, comm, micro_batches=micro_batches)
+        return cls(
+            layout,
+            state,
+            params,
+            comm,
+            micro_batches=micro_batches,
+            reduce_every_micro_batch=reduce_every_micro_batch,
+        )
 
     def _accumulate(self, index: int):
         def hook(param: torch.Tensor) -> None:
@@ -130,9 +147,13 @@ class DataParallel:
         """ZeRO-3, as a unit's backward ends (parallel/fully_sharded.py): reduce-scatter its buckets'
         gradients of this micro-batch and add them to the owned shards, so whole gradients never outlive a
         unit's backward. Every replica runs every unit's backward in every micro-batch, so all issue the same
-        reductions, whichever of their parameters (experts) got a gradient."""
+        reductions, whichever of their parameters (experts) got a gradient. Without
+        `reduce_every_micro_batch` only the step's last micro-batch reduces: the others' gradients add up in
+        the whole ones."""
         for index in buckets:
-            self._launch(index)
+            self.unit_backwards[index] += 1
+            if self.reduce_every_micro_batch or self.unit_backwards[index] == self.micro_batches:
+                self._launch(index)
 
     def _launch(self, index: int) -> None:
         state = self.state
@@ -189,5 +210,6 @@ class DataParallel:
         self.arrivals = [0] * len(self.arrivals)
         self.complete = [0] * len(self.complete)
         self.launched = [False] * len(self.launched)
+        self.unit_backwards = [0] * len(self.unit_backwards)
         self.pending.clear()
         self.in_transit.clear()
