@@ -47,6 +47,7 @@ SCRIPTS = {
     "checkpoint_io": (["--shape=debug", "--repeats=2"], []),
     "preprocess": (["--megabytes=2", "--formats=jsonl,parquet"], []),
     "muon": (["--steps=20", "--lrs=1e-3"], ["--lrs=1e-3,8e-3"]),  # the full sweep: docs/benchmarks.md
+    "muon_owners": (["--dp=2", "--steps=2"], ["--dp=2,4"]),
     "recompute_memory": (["--cases=debug", "--rounds=3"], []),
     "memory": (["--layouts=one,zero1-dp2,zero3-dp2"], []),
     "zero_stages": (["--dp=2", "--steps=2"], []),
@@ -59,7 +60,8 @@ SCRIPTS = {
         ["--family=all", "--pairs=3"],
     ),
 }
-SCRIPT_OF = {"families": "throughput"}  # an entry that runs another entry's script with its own arguments
+# an entry that runs another entry's script with its own arguments
+SCRIPT_OF = {"families": "throughput", "muon_owners": "muon"}
 
 
 def run_script(name: str, arguments: list[str]) -> tuple[list[dict], str, float]:

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # The size the training path may have, in nodes. A feature issue declares in its note what it adds
 # (measured before and after with this script) and raises this by that much; a review reads the change.
-TRAINING_PATH_BUDGET = 90_000
+TRAINING_PATH_BUDGET = 90_300
 
 
 @dataclass(frozen=True)

@@ -11,22 +11,28 @@ from checkpoint_runs import (
     ranks_train,
     whole_then_halves,
 )
+from distributed import run_ranks
 from helpers import (
     BF16_PATHS,
     SMOOTH_ADAM,
+    assert_steps_match,
     build_llama,
     check_layouts,
+    layout_case,
     llama_config,
     precision_path,
     random_batch,
+    record_steps,
 )
 
+import femtotron.optim.muon as muon_module
 from femtotron.config import load_config_dict
 from femtotron.config.zero_stages import ZERO_STAGES
 from femtotron.errors import ConfigError
 from femtotron.optim.muon import fused, matrices, newton_schulz, orthogonalised
 from femtotron.optim.zero import ZeroOptimizer
 from femtotron.parallel.comm import Comm, Group
+from femtotron.parallel.context import ParallelContext
 from femtotron.parallel.data_parallel import DataParallel
 from femtotron.parallel.flat_layout import Replicas
 from femtotron.serialize.files import CheckpointError, CheckpointReader
@@ -290,6 +296,69 @@ def test_muon_equals_one_process_over_pp_3d_and_experts(tiny_config):
             ("parallelism.dp=2", "parallelism.ep=2", "parallelism.tp=2"): [("float32", None, EXPERTS)],
         },
     )
+
+
+def count_newton_schulz(rank: int, config) -> dict:
+    """`record_steps` on one rank, with how often it ran Newton-Schulz (a call of orthogonal_update: one
+    weight's matrices), how many Muon weights it holds, its tp rank, and the bytes Muon's last step sent and
+    those `bytes_per_step` counts."""
+    calls = []
+    computed = muon_module.orthogonal_update
+
+    def counted(*args):
+        calls.append(args)
+        return computed(*args)
+
+    muon_module.orthogonal_update = counted
+    seen = {}
+    par = config.parallelism
+    with ParallelContext(par.dp, par.tp, par.pp, collective_timeout_seconds=120) as ctx:
+
+        def prepare(trainer) -> None:
+            muon = trainer.optimizer.muon
+            seen["weights"] = sum(muon.orthogonalised)
+            seen["counted"] = sum(muon.bytes_per_step().values())
+            step = muon.step
+
+            def step_counting_bytes(*args) -> None:
+                before = sum(ctx.comm.bytes_sent.values())
+                step(*args)
+                seen["sent"] = sum(ctx.comm.bytes_sent.values()) - before
+
+            muon.step = step_counting_bytes
+
+        seen["steps"] = record_steps(config, ctx, prepare=prepare)
+        seen["tp_rank"] = ctx.tp_rank
+    return {**seen, "calls": len(calls)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("parallelism.dp=2", "optimizer.zero_stage=1"),
+        ("parallelism.dp=4", "optimizer.zero_stage=2"),
+        ("parallelism.dp=2", "parallelism.tp=2", "optimizer.zero_stage=1"),
+        ("parallelism.dp=2",),
+    ],
+)
+def test_newton_schulz_runs_once_per_matrix_on_one_replica(tiny_config, layout):
+    """Buckets smaller than a matrix (each weight is gathered whole on every replica): one replica per
+    weight computes it (with its tp peers), not every replica holding a piece of it; the steps still equal
+    one process's, and Muon sends the bytes `bytes_per_step` (doctor) counts."""
+    dp = int(layout[0].split("=")[1])
+    config = layout_case(tiny_config, "float32", None, *MUON, *layout, dp=dp)
+    per_rank = run_ranks(count_newton_schulz, config.parallelism.world_size, config, timeout=300)
+    steps = 3  # record_steps' optimizer steps
+    for tp_rank in range(config.parallelism.tp):
+        replicas = [rank for rank in per_rank if rank["tp_rank"] == tp_rank]
+        weights = replicas[0]["weights"]
+        assert len(replicas) == dp and weights > dp and {weights} == {r["weights"] for r in replicas}
+        calls = [r["calls"] for r in replicas]
+        assert sum(calls) == steps * weights and min(calls) > 0, (layout, calls, weights)
+    assert all(rank["sent"] == rank["counted"] > 0 for rank in per_rank), per_rank
+    reference = record_steps(layout_case(tiny_config, "float32", None, *MUON), ParallelContext())
+    assert_steps_match(per_rank[0]["steps"], reference, label=str(layout))
 
 
 @pytest.mark.distributed

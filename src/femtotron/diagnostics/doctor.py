@@ -294,8 +294,8 @@ def diagnose(
         replicas = max(e.muon_gather["replicas"] for e in estimates)
         tp = max(e.muon_gather["tp"] for e in estimates)
         lines.append(
-            f"  muon: all-gather {human(replicas)} over the replicas + {human(tp)} over tp per step (each "
-            "matrix whole for Newton-Schulz; the busiest pp rank)"
+            f"  muon: {human(replicas)} over the replicas + {human(tp)} over tp per step (each matrix whole "
+            "for Newton-Schulz on its owner, the updates summed back; the busiest pp rank)"
         )
     if par.world_size > 1:
         lines += process_groups(config)

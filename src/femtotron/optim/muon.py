@@ -22,24 +22,29 @@ weight holds several matrices and each is orthogonalised alone (the orthogonal f
 those of A and B): leading dimensions index separate matrices (an MLP's gate|up, a layer's experts), and
 attention's q|k|v rows interleave per key/value head (ShardInfo.fused_rows).
 
-Distributed (Liu et al.'s "Distributed Muon", Algorithm 1): Newton-Schulz needs a whole matrix, which
-ZeRO shards over dp and tp splits. Each rank keeps the momentum of the elements it owns (as Adam's moments
-under ZeRO), forms N there, all-gathers N over its replicas a bucket at a time (as ZeRO gathers the
-parameters, in Newton-Schulz's dtype, the next bucket's gather running while this one's matrices are
-computed), all-gathers tp's pieces of each matrix, runs Newton-Schulz on the whole matrix and keeps the
-update of its own elements. A rank skips the matrices it owns no element of; the others are computed by
-every rank owning a part of them (its tp peers own the same parts): no owner to assign or balance, no
-scatter back, and replicas that agree bit for bit. The cost is repeated work: a matrix within one rank's
-shard is computed by that rank and its tp peers (tp times), one larger than a bucket by every replica too
-(dp x tp times). Liu et al. measure their repeated Newton-Schulz at 1-3% of a step; an owner per matrix
-would cut it at the cost of a scatter back. Bytes received per step: (replicas - 1) / replicas x the
-elements of the buckets holding Muon's matrices x the Newton-Schulz dtype's size, plus (tp - 1) x the local
-elements of the tp-split matrices this rank computes.
+Distributed (Liu et al.'s "Distributed Muon", with an owner per matrix): Newton-Schulz needs a whole
+matrix, which ZeRO shards over dp and tp splits. Each rank keeps the momentum of the elements it owns (as
+Adam's moments under ZeRO), forms N there and all-gathers N over its replicas a bucket at a time (in
+Newton-Schulz's dtype, as ZeRO gathers the parameters). One replica per matrix computes it (with its tp
+peers, which all-gather their pieces of it): the replica holding all of the matrix, else the least loaded
+so far, the same choice on every replica. It writes the update over N, the others zero there, and a
+reduce-scatter of the bucket (an all-reduce without ZeRO) gives every replica the update of its own
+elements: a matrix larger than a bucket costs Newton-Schulz once, not once per replica, for the
+reduce-scatter's bytes. A bucket whose every matrix lies in one replica's shard is computed there and not
+exchanged. Buckets are gathered `ahead` (replicas - 1, at most AHEAD_AT_MOST) ahead and their updates
+applied as many behind, so the owners of that many consecutive buckets compute at once (collectives run in
+order: a replica cannot gather past an exchange still waiting for its owner): up to 2 x ahead + 1 buckets in
+Newton-Schulz's dtype at once, during the optimizer step, when the activations are gone. Bytes received
+per step: (replicas - 1) / replicas x the elements of the buckets holding Muon's matrices x the
+Newton-Schulz dtype's size, twice for the exchanged buckets (the reduce-scatter; without ZeRO only the
+all-reduce, 2 (replicas - 1) / replicas), plus (tp - 1) x the local elements of the tp-split matrices this
+rank computes.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter, deque
 
 import torch
 
@@ -56,6 +61,9 @@ COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 # rows score experts rather than transform the hidden state.
 ROUTERS = (".router.weight", ".shared_expert_gate.weight")
 MOMENTUM = "momentum"  # its state's name in checkpoints
+# The most buckets gathered ahead of the one being computed: as many owners plus one compute at once, and
+# each bucket in flight holds its N whole: at large dp this bounds that memory (2 x AHEAD_AT_MOST + 1).
+AHEAD_AT_MOST = 3
 
 
 def orthogonalised(name: str, param: torch.Tensor) -> bool:
@@ -155,6 +163,36 @@ class Muon:
             for b, bucket in enumerate(self.layout.buckets)
             if any(self.orthogonalised[p] for p in bucket.params)
         }
+        self.computes: set[int] = set()  # the Muon matrices this rank computes (its replica owns them)
+        self.exchanged: set[int] = set()  # the buckets whose updates are summed over their replicas
+        self.ahead = 1  # buckets gathered ahead, and applied behind: the replicas' count - 1, capped
+        self._choose_owners()
+
+    def _choose_owners(self) -> None:
+        """A matrix within one replica's shard is computed there; else by the replica least loaded so far
+        (rows x cols x min(rows, cols): Newton-Schulz's work), the same on every replica: their layouts are
+        alike."""
+        layout = self.layout
+        load: Counter[int] = Counter()
+        for b in self.pieces_of_bucket:
+            bucket = layout.buckets[b]
+            replicas = layout.replicas[b]
+            share = (bucket.end - bucket.start) // replicas.size
+            self.ahead = max(self.ahead, min(replicas.size - 1, AHEAD_AT_MOST))
+            for param in bucket.params:
+                if not self.orthogonalised[param]:
+                    continue
+                shape = layout.shapes[param]
+                owner = (layout.offsets[param] - bucket.start) // share  # the shard of its first element
+                if (
+                    not layout.sharded
+                    or owner != (layout.offsets[param] + shape.numel() - 1 - bucket.start) // share
+                ):
+                    owner = min(range(replicas.size), key=load.__getitem__)
+                    self.exchanged.add(b)
+                load[owner] += shape.numel() * min(shape[-2:])
+                if owner == replicas.rank:
+                    self.computes.add(param)
 
     def step(
         self, masters: list[torch.Tensor], grads: list[torch.Tensor], lr: float, decay: list[float]
@@ -162,13 +200,20 @@ class Muon:
         """Update the owned pieces' `masters` from their `grads` (per owned piece, as optim/zero.py keeps
         them); `decay`: per owned piece, its weight decay."""
         buckets = list(self.pieces_of_bucket)
-        started = self._start_gather(buckets[0], grads) if buckets else None
+        gathers = deque(self._start_gather(b, grads) for b in buckets[: self.ahead])
+        exchanges = deque()
         for position, bucket in enumerate(buckets):
-            whole, work = started
-            if position + 1 < len(buckets):
-                started = self._start_gather(buckets[position + 1], grads)
+            if position + self.ahead < len(buckets):
+                gathers.append(self._start_gather(buckets[position + self.ahead], grads))
+            whole, work = gathers.popleft()
             self.state.wait_bucket_gather(bucket, work, whole)
-            self._apply(bucket, whole, masters, lr, decay)
+            self._orthogonalise(bucket, whole)
+            work = self.state.start_bucket_sum(bucket, whole) if bucket in self.exchanged else None
+            exchanges.append((bucket, whole, work))
+            if len(exchanges) > self.ahead:
+                self._apply(*exchanges.popleft(), masters, lr, decay)
+        for exchange in exchanges:
+            self._apply(*exchange, masters, lr, decay)
 
     def _start_gather(self, bucket: int, grads: list[torch.Tensor]):
         """Bucket `bucket`'s N: this rank's pieces' momentum stepped and N written in place (a piece at a
@@ -184,26 +229,38 @@ class Muon:
             whole[piece.start - start : piece.end - start] = to_orthogonalise
         return whole, self.state.start_bucket_gather(bucket, whole)
 
-    def _apply(
-        self, bucket: int, whole: torch.Tensor, masters: list[torch.Tensor], lr: float, decay: list[float]
-    ) -> None:
-        """Step this rank's pieces of the bucket's matrices from `whole`, the bucket's N gathered."""
+    def _orthogonalise(self, bucket: int, whole: torch.Tensor) -> None:
+        """Overwrite each matrix's N in `whole` (the bucket's, gathered) by its update where this replica
+        computes it, by zeros elsewhere (an exchange then sums the owner's alone)."""
         layout = self.layout
         start = layout.buckets[bucket].start
-        pieces = layout.pieces
-        owned = self.pieces_of_bucket[bucket]
         for param in layout.buckets[bucket].params:
-            mine = [i for i in owned if pieces[i].param == param]
-            if not self.orthogonalised[param] or not mine:  # its tp peers own none of it either
+            if not self.orthogonalised[param]:
                 continue
-            offset = layout.offsets[param]
-            shape = layout.shapes[param]
-            local = whole[offset - start : offset - start + shape.numel()].view(shape)
-            update = self._local_update(param, local)
-            for i in mine:
-                piece = pieces[i]
-                masters[i].mul_(1 - lr * decay[i])
-                masters[i].sub_(update[piece.start - offset : piece.end - offset], alpha=lr)
+            offset = layout.offsets[param] - start
+            local = whole[offset : offset + layout.shapes[param].numel()]
+            if param in self.computes:
+                local.copy_(self._local_update(param, local.view(layout.shapes[param])))
+            else:
+                local.zero_()
+
+    def _apply(
+        self,
+        bucket: int,
+        whole: torch.Tensor,
+        work,
+        masters: list[torch.Tensor],
+        lr: float,
+        decay: list[float],
+    ) -> None:
+        """Step this rank's pieces of the bucket's matrices from their updates in `whole` (once `work` is
+        done)."""
+        self.state.wait_bucket_gather(bucket, work, whole)
+        start = self.layout.buckets[bucket].start
+        for i in self.pieces_of_bucket[bucket]:
+            piece = self.layout.pieces[i]
+            masters[i].mul_(1 - lr * decay[i])
+            masters[i].sub_(whole[piece.start - start : piece.end - start], alpha=lr)
 
     def _local_update(self, param: int, local: torch.Tensor) -> torch.Tensor:
         """This rank's part of the parameter's update (flat, in Newton-Schulz's dtype), from its part of N."""
@@ -218,19 +275,19 @@ class Muon:
 
     def bytes_per_step(self) -> dict[str, int]:
         """Bytes this rank receives per step for Newton-Schulz's whole matrices: over its replicas (the
-        buckets holding Muon's matrices) and over tp."""
+        buckets holding Muon's matrices gathered, the exchanged ones summed back) and over tp."""
         layout = self.layout
         itemsize = self.dtype.itemsize
         replicas = 0
         for bucket in self.pieces_of_bucket:
-            group = layout.replicas[bucket]
-            size = layout.buckets[bucket].end - layout.buckets[bucket].start
-            if self.state.zero.shards_optimizer:
-                replicas += size * (group.size - 1) // group.size * itemsize
-        computed = {layout.pieces[i].param for i in self.piece_indices}
+            size = layout.replicas[bucket].size
+            others = (layout.buckets[bucket].end - layout.buckets[bucket].start) * (size - 1) // size
+            # a gather, and the reduce-scatter of an exchanged bucket; without ZeRO the all-reduce only, of
+            # every bucket (exchanged), counting twice
+            replicas += others * (1 + (bucket in self.exchanged)) * itemsize
         tp = sum(
             layout.shapes[p].numel() * (self.tp.size - 1) * itemsize
-            for p in computed
+            for p in self.computes
             if split_dim(self.shards[p]) is not None
         )
         return {"replicas": replicas, "tp": tp}

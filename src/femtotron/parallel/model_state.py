@@ -216,6 +216,16 @@ class ModelState:
         mine = whole[low - bucket.start : high - bucket.start]
         return self.comm.start_all_gather(whole, mine, self.layout.replicas[index].group)
 
+    def start_bucket_sum(self, index: int, whole: torch.Tensor):
+        """Start summing `whole`, a tensor as long as bucket `index`, over its replicas into this rank's owned
+        shard of it (all of it without ZeRO); `wait_bucket_gather` waits for it."""
+        group = self.layout.replicas[index].group
+        if not self.zero.shards_optimizer:
+            return self.comm.start_all_reduce(whole, group)
+        bucket = self.layout.buckets[index]
+        low, high = self.layout.owned(index)
+        return self.comm.start_reduce_scatter(whole[low - bucket.start : high - bucket.start], whole, group)
+
     def wait_bucket_gather(self, index: int, work, whole: torch.Tensor) -> None:
         self.comm.wait(work, self.layout.replicas[index].group, whole)
 
