@@ -179,13 +179,15 @@ def test_zb_h1_with_tp_and_cp_equals_one_process(tiny_config):
 @pytest.mark.distributed
 def test_zb_h1_with_experts_and_data_parallel_equals_one_process(tiny_config):
     """dp2 x ep2 x pp2: the experts' grouped weights' gradients in W, their buckets reduced over their
-    replicas as W completes them (ZeRO-2: sharded; ZeRO-3: each layer reduced once its W has run)."""
+    replicas as W completes them (ZeRO-2: sharded; ZeRO-3: each layer reduced once its W has run, or once
+    per step, every replica deciding alike whichever experts got gradients)."""
     check_layouts(
         lambda *overrides: tiny_config(*MOE, *overrides),
         {
             ("parallelism.dp=2", "parallelism.ep=2", "parallelism.pp=2", ZB): [
                 ("float32", None, ("optimizer.zero_stage=2",)),
                 ("float32", None, ("optimizer.zero_stage=3",)),
+                ("float32", None, ("optimizer.zero_stage=3", "optimizer.reduce_every_micro_batch=false")),
             ],
         },
     )
@@ -194,7 +196,8 @@ def test_zb_h1_with_experts_and_data_parallel_equals_one_process(tiny_config):
 @pytest.mark.distributed
 def test_zb_h1_with_zero_3_equals_one_process(tiny_config):
     """dp2 x pp2 under ZeRO-3 (parameters gathered per layer, freed after its B; its reduce-scatter queued
-    behind its weight gradients), resharding after forward or not; dp2 at pp = 1 in bf16."""
+    behind its weight gradients), resharding after forward or not, reducing once per step; dp2 at pp = 1 in
+    bf16."""
     check_layouts(
         tiny_config,
         {
@@ -205,6 +208,13 @@ def test_zb_h1_with_zero_3_equals_one_process(tiny_config):
                 ZB,
                 "optimizer.zero_stage=3",
                 "optimizer.reshard_after_forward=false",
+            ): [("float32", None, ())],
+            (
+                "parallelism.dp=2",
+                "parallelism.pp=2",
+                ZB,
+                "optimizer.zero_stage=3",
+                "optimizer.reduce_every_micro_batch=false",
             ): [("float32", None, ())],
             ("parallelism.dp=2", ZB, "optimizer.zero_stage=3"): [("bfloat16", False, ())],
         },
